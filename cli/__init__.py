@@ -1,0 +1,61 @@
+"""`ds4f` command line: one subcommand per module in this package.
+
+Each command module defines `configure(parser)` (add its arguments) and `run(args) -> int`.
+Modules are imported only when their command runs, so `ds4f --help` stays fast.
+A Ds4fError (bad input, missing file, bad config) is printed as one line, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench-kernels": ("ds4f.cli.kernels", "benchmark the native kernels on the real expert shapes"),
+    "synth": ("ds4f.cli.checkpoints", "write a synthetic checkpoint in the official format"),
+    "convert": ("ds4f.cli.checkpoints", "convert official shards to the ds4f layout"),
+    "verify": ("ds4f.cli.checkpoints", "check a checkpoint's structure, sizes and checksums"),
+    "run": ("ds4f.cli.runs", "decode tokens with the streaming engine"),
+    "diff": ("ds4f.cli.runs", "compare two state dumps"),
+    "probe-disk": ("ds4f.cli.runs", "measure the NVMe floor with direct reads"),
+    "bench": ("ds4f.cli.runs", "benchmarks: `bench engine`, `bench cache`"),
+    "serve": ("ds4f.cli.serve", "serve the engine over HTTP"),
+    "replay": ("ds4f.cli.cache", "replay a routing trace through a cache policy"),
+    "trace": ("ds4f.cli.cache", "export a run's routing trace"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4f", description="ds4f: disk-streaming DeepSeek-V4-Flash")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ds4f.engine.errors import Ds4fError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        build_parser().parse_args(argv or ["--help"])
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"ds4f {name}", description=COMMANDS[name][1])
+    module.configure(name, parser)
+    args = parser.parse_args(argv[1:])
+    args.command = name
+    try:
+        return int(module.run(args) or 0)
+    except Ds4fError as exc:
+        print(f"ds4f {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ds4f {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

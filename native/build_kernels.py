@@ -1,0 +1,39 @@
+"""cffi (API mode) build of the native kernels: compiled by `pip install` into ds4f.native._kernels.
+
+Flags: never -ffast-math/-Ofast (they turn on flush-to-zero process-wide); no FP contraction
+anywhere in the portable code, and no auto-vectorisation, so the scalar reference stays scalar.
+SIMD code selects its instruction set per function with target attributes.
+"""
+import os
+import sys
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ["kernels_scalar.c"]
+
+ffibuilder = FFI()
+with open(os.path.join(HERE, "ds4f_kernels.h")) as f:
+    cdef = "".join(
+        line for line in f if not line.startswith("#") and "DS4F_MAX_EXPERTS" not in line
+    )
+ffibuilder.cdef(cdef + "\n#define DS4F_MAX_EXPERTS 8\n")
+
+if sys.platform == "win32":
+    extra = ["/O2", "/fp:precise"]
+else:
+    extra = ["-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize"]
+    if "clang" in os.environ.get("CC", ""):
+        extra = ["-O2", "-std=c11", "-ffp-contract=off", "-fno-vectorize", "-fno-slp-vectorize"]
+
+ffibuilder.set_source(
+    "ds4f.native._kernels",
+    '#include "ds4f_kernels.h"',
+    sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
+    include_dirs=[os.path.relpath(HERE)],
+    extra_compile_args=extra,
+    libraries=["m", "pthread"] if sys.platform != "win32" else [],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,45 @@
+/* ds4f_kernels.h — the one public header of the native kernels.
+ *
+ * MXFP4 matrices use the official DeepSeek-V4-Flash packing: a rows x k matrix is
+ *   codes:  rows * k/2 bytes, element 2i in the low nibble of byte i, 2i+1 in the high nibble
+ *   scales: rows * k/32 E8M0 bytes, one per 32 consecutive elements of a row
+ * value = e2m1(code) * 2^(scale - 127); scale 255 is NaN.  k must be a multiple of 32.
+ * bf16 matrices are rows x k uint16 (the upper half of an fp32).
+ * All matvecs accumulate in fp32; each output row is computed by one thread in a fixed
+ * order, so a backend's results do not depend on the thread count.
+ */
+#ifndef DS4F_KERNELS_H
+#define DS4F_KERNELS_H
+#include <stddef.h>
+#include <stdint.h>
+
+enum { DS4F_SCALAR = 0, DS4F_AVX2 = 1, DS4F_AVX512 = 2, DS4F_NEON = 3, DS4F_N_BACKENDS = 4 };
+
+int ds4f_backend_supported(int backend); /* compiled in and usable on this CPU and OS */
+int ds4f_set_backend(int backend);       /* 0 on success, -1 if unsupported; next call honours it */
+int ds4f_get_backend(void);
+int ds4f_best_backend(void);
+int ds4f_set_threads(int n);             /* persistent pool size incl. the caller; 0 ok, -1 bad */
+int ds4f_get_threads(void);
+
+void ds4f_mxfp4_decode(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k, float *out);
+void ds4f_mxfp4_matvec(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k,
+                       const float *x, float *y);
+void ds4f_bf16_matvec(const uint16_t *w, size_t rows, size_t k, const float *x, float *y);
+
+/* One routed expert as it sits in a cache slot: w1/w3 are inter x hidden, w2 is hidden x inter. */
+typedef struct {
+    const uint8_t *w1, *s1, *w3, *s3, *w2, *s2;
+    float weight; /* routing weight (already renormalised and scaled) */
+} ds4f_expert;
+
+#define DS4F_MAX_EXPERTS 8
+/* y[hidden] = sum over e (in order 0..n-1) of
+ *   w2_e . ( silu(min(w1_e.x, limit)) * clamp(w3_e.x, -limit, limit) * weight_e )
+ * scratch must hold ds4f_experts_scratch_floats(n, hidden, inter) floats.
+ * Returns 0, or -1 for bad arguments (n outside 1..8, sizes not multiples of 32). */
+size_t ds4f_experts_scratch_floats(int n, size_t hidden, size_t inter);
+int ds4f_experts_forward(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
+                         float limit, float *y, float *scratch);
+
+#endif

@@ -1,0 +1,22 @@
+"""The package installs as one import package with the compiled kernels inside."""
+import importlib
+import subprocess
+import sys
+
+
+def test_subpackages_import():
+    for name in ("ds4f.engine", "ds4f.console", "ds4f.themes", "ds4f.native", "ds4f.cli", "ds4f.server"):
+        assert importlib.import_module(name).__name__ == name
+
+
+def test_compiled_kernels_present():
+    from ds4f.native import _kernels
+
+    assert _kernels.lib.ds4f_backend_supported(0) == 1
+
+
+def test_cli_help_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for cmd in ("bench-kernels", "synth", "convert", "verify", "run", "diff"):
+        assert cmd in out.stdout
