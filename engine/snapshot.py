@@ -1,0 +1,62 @@
+"""The live figures of a run: an immutable Snapshot any thread can take cheaply at any time.
+
+The console polls it on a timer, the server serves it, the CLI prints it; nobody reaches
+into the engine for anything else. Units are in the field names or comments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """One decoded token, as the report's token-by-token record keeps it."""
+
+    index: int              # 0-based position among the generated tokens
+    token_id: int           # the token fed in at this step
+    next_token_id: int      # greedy choice produced by this step
+    seconds: float          # wall time of this step
+    bytes_read: int         # disk bytes this token: expert misses + unpinned trunk layers
+    hits: int               # expert-cache hits this token
+    misses: int             # expert-cache misses this token
+    stall_s: float          # time the compute waited for misses
+    backend: str            # kernel backend used for this token
+    kernel_threads: int
+    io_threads: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    run_id: str
+    state: str                      # starting | running | done | cancelled | failed
+    error: str | None
+    model: str                      # checkpoint path
+    preset: str
+    gen: int                        # tokens requested
+    tokens_done: int
+    backend: str                    # active kernel backend: avx512 | avx2 | neon | scalar
+    kernel_threads: int
+    io_threads: int
+    io_mode: str                    # "O_DIRECT" or "buffered+fadvise"
+    policy: str                     # cache eviction policy name
+    s_per_token: float | None       # median over warm tokens (all but the first)
+    s_first_token: float | None     # the cold first token, reported apart
+    gb_per_token: float | None      # mean disk GB (1e9 B) read per token
+    eff_read_gbps: float | None     # gb_per_token / s_per_token
+    floor_gbps: float | None        # NVMe floor from the engine's probe (None: not measured)
+    io_efficiency: float | None     # eff_read_gbps / floor_gbps
+    hit_rate: float | None          # cumulative hits / routed requests
+    layer_hits: tuple[int, ...]     # per layer, cumulative
+    layer_misses: tuple[int, ...]
+    layer_evictions: tuple[int, ...]
+    cache_bytes: int                # bytes of expert slots in use
+    budget_bytes: int               # the preset's expert-cache budget
+    rss_bytes: int                  # resident set of the process
+    rss_budget_bytes: int           # memory the preset expects: pinned trunk + cache budget
+    read_latency_ms: float | None   # mean latency of one expert read
+    stall_s_per_token: float | None # mean time compute waited for misses
+    elapsed_s: float
+    eta_s: float | None
+    tokens: tuple[TokenRecord, ...] = ()
+    events: tuple[str, ...] = ()    # human-readable log lines (switches, errors, milestones)
+    prefetch: dict = field(default_factory=dict)  # issued/useful/wasted/late (issue 7)
