@@ -1,0 +1,271 @@
+"""ds4f.toml: presets, thread counts, model path, console settings.
+
+Lookup order: an explicit path, ./ds4f.toml, the user's config directory, the built-in
+defaults (the ds4f.toml shipped in the package). A user file is merged over the defaults,
+so it only needs the keys it changes. Every problem names the file and the key.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+import platformdirs
+
+from .errors import Ds4fError
+
+BACKEND_NAMES = ("auto", "scalar", "avx2", "avx512", "neon")
+POLICY_NAMES = ("lru",)  # extended by engine.cache when it registers policies
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.I)
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A byte size, or a fraction of some whole (the expert pool, the layer count)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, whole: int) -> int:
+        if self.fraction is not None:
+            return int(self.fraction * whole)
+        return int(self.nbytes or 0)
+
+    def __str__(self) -> str:
+        if self.fraction is not None:
+            return f"{self.fraction * 100:g}%"
+        return format_bytes(self.nbytes or 0)
+
+
+def parse_budget(value, where: str) -> Budget:
+    """'25%' / 0.25 (fraction of the pool) or '4 GiB' / '512MiB' / a byte count."""
+    if isinstance(value, bool):
+        raise Ds4fError(f"{where}: expected a size like '4 GiB' or a fraction like '25%', got {value!r}")
+    if isinstance(value, (int, float)):
+        if 0 <= value <= 1 and isinstance(value, float):
+            return Budget(fraction=float(value))
+        if value < 0:
+            raise Ds4fError(f"{where}: a size cannot be negative ({value})")
+        return Budget(nbytes=int(value))
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("%"):
+            try:
+                pct = float(text[:-1])
+            except ValueError:
+                raise Ds4fError(f"{where}: {value!r} is not a percentage") from None
+            if not 0 <= pct <= 100:
+                raise Ds4fError(f"{where}: {value!r} must be between 0% and 100%")
+            return Budget(fraction=pct / 100)
+        m = _SIZE_RE.match(text)
+        if m:
+            return Budget(nbytes=int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]))
+    raise Ds4fError(f"{where}: expected a size like '4 GiB' or a fraction like '25%', got {value!r}")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    pinned_layers: str          # "all" | "none" | "N" | "P%"
+    cache: Budget               # expert-cache budget
+    policy: str = "lru"
+    io_threads: int | None = None       # None: the [engine] default
+    kernel_threads: int | None = None
+    prefetch: bool = False              # router lookahead prefetch (issue 7)
+
+    def pinned_count(self, n_layers: int) -> int:
+        """How many trunk layers (from layer 0) stay resident."""
+        p = self.pinned_layers
+        if p == "all":
+            return n_layers
+        if p == "none":
+            return 0
+        if p.endswith("%"):
+            return min(n_layers, round(float(p[:-1]) / 100 * n_layers))
+        return min(n_layers, int(p))
+
+    def describe(self) -> str:
+        return f"{self.name}: pinned {self.pinned_layers}, cache {self.cache}, {self.policy}"
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str                          # the file the user's values came from ("built-in" if none)
+    model_path: str                      # "" = demo model
+    preset: str
+    io_threads: int
+    kernel_threads: int                  # 0 = all cores
+    backend: str
+    probe_floor: bool
+    theme: str
+    refresh_s: float
+    history_path: str                    # resolved, never empty
+    presets: dict[str, Preset] = field(default_factory=dict)
+
+    def get_preset(self, name: str | None = None) -> Preset:
+        name = name or self.preset
+        if name not in self.presets:
+            raise Ds4fError(f"{self.source}: no preset named {name!r} (have: {', '.join(self.presets)})")
+        return self.presets[name]
+
+    def effective_kernel_threads(self, preset: Preset | None = None) -> int:
+        n = (preset.kernel_threads if preset and preset.kernel_threads else None) or self.kernel_threads
+        return n if n and n > 0 else (os.cpu_count() or 1)
+
+    def effective_io_threads(self, preset: Preset | None = None) -> int:
+        return (preset.io_threads if preset and preset.io_threads else None) or self.io_threads
+
+
+def user_config_path() -> Path:
+    return Path(platformdirs.user_config_dir("ds4f")) / "ds4f.toml"
+
+
+def user_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("ds4f"))
+
+
+def user_cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir("ds4f"))
+
+
+def builtin_config_text() -> str:
+    return resources.files("ds4f").joinpath("ds4f.toml").read_text()
+
+
+def find_config(explicit: str | os.PathLike | None = None) -> Path | None:
+    """The config file in force: explicit, ./ds4f.toml, the user's, else None (built-in)."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise Ds4fError(f"{path}: config file not found")
+        return path
+    for candidate in (Path.cwd() / "ds4f.toml", user_config_path()):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _parse_toml(text: str, source: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise Ds4fError(f"{source}: not valid TOML: {exc}") from None
+
+
+_SCHEMA = {
+    "model": {"path": str},
+    "engine": {"preset": str, "io_threads": int, "kernel_threads": int, "backend": str, "probe_floor": bool},
+    "console": {"theme": str, "refresh_s": (int, float)},
+    "history": {"path": str},
+}
+_PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
+                "io_threads": int, "kernel_threads": int, "prefetch": bool}
+
+
+def _check_type(value, types, where: str):
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types:
+        raise Ds4fError(f"{where}: expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
+    if not isinstance(value, types):
+        raise Ds4fError(f"{where}: expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
+
+
+def _merge(base: dict, over: dict, source: str) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in over.items():
+        if section == "presets":
+            if not isinstance(values, dict):
+                raise Ds4fError(f"{source}: [presets] must be a table")
+            presets = dict(out.get("presets", {}))
+            for name, body in values.items():
+                if not isinstance(body, dict):
+                    raise Ds4fError(f"{source}: presets.{name} must be a table")
+                presets[name] = {**presets.get(name, {}), **body}
+            out["presets"] = presets
+            continue
+        if section not in _SCHEMA:
+            raise Ds4fError(f"{source}: unknown section [{section}] (known: {', '.join([*_SCHEMA, 'presets'])})")
+        if not isinstance(values, dict):
+            raise Ds4fError(f"{source}: [{section}] must be a table")
+        for key, value in values.items():
+            if key not in _SCHEMA[section]:
+                raise Ds4fError(f"{source}: unknown key {section}.{key} (known: {', '.join(_SCHEMA[section])})")
+            _check_type(value, _SCHEMA[section][key], f"{source}: {section}.{key}")
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def _preset(name: str, body: dict, source: str) -> Preset:
+    where = f"{source}: presets.{name}"
+    for key, value in body.items():
+        if key not in _PRESET_KEYS:
+            raise Ds4fError(f"{where}.{key}: unknown key (known: {', '.join(_PRESET_KEYS)})")
+        _check_type(value, _PRESET_KEYS[key], f"{where}.{key}")
+    pinned = str(body.get("pinned_layers", "all")).strip().lower()
+    if not (pinned in ("all", "none") or re.fullmatch(r"\d+", pinned)
+            or re.fullmatch(r"\d+(\.\d+)?%", pinned) and float(pinned[:-1]) <= 100):
+        raise Ds4fError(f"{where}.pinned_layers: expected 'all', 'none', a count or a percentage, got {body['pinned_layers']!r}")
+    policy = body.get("policy", "lru")
+    from . import cache_policies  # registry of online policies
+
+    if policy not in cache_policies.ONLINE_POLICIES:
+        raise Ds4fError(f"{where}.policy: unknown policy {policy!r} (known: {', '.join(cache_policies.ONLINE_POLICIES)})")
+    for key in ("io_threads", "kernel_threads"):
+        if key in body and body[key] < 0:
+            raise Ds4fError(f"{where}.{key}: must be >= 0, got {body[key]}")
+    return Preset(name=name, pinned_layers=pinned, cache=parse_budget(body.get("cache", "25%"), f"{where}.cache"),
+                  policy=policy, io_threads=body.get("io_threads") or None,
+                  kernel_threads=body.get("kernel_threads") or None, prefetch=bool(body.get("prefetch", False)))
+
+
+def load_config(explicit: str | os.PathLike | None = None) -> Config:
+    """Read the config in force (see the module docstring); raise Ds4fError naming file and key."""
+    raw = _merge({}, _parse_toml(builtin_config_text(), "built-in ds4f.toml"), "built-in ds4f.toml")
+    path = find_config(explicit)
+    source = "built-in ds4f.toml"
+    if path is not None:
+        source = str(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
+        raw = _merge(raw, _parse_toml(text, source), source)
+    eng, con = raw["engine"], raw["console"]
+    presets = {name: _preset(name, body, source) for name, body in raw.get("presets", {}).items()}
+    if not presets:
+        raise Ds4fError(f"{source}: no presets defined")
+    if eng["backend"] not in BACKEND_NAMES:
+        raise Ds4fError(f"{source}: engine.backend: unknown backend {eng['backend']!r} (known: {', '.join(BACKEND_NAMES)})")
+    if eng["preset"] not in presets:
+        raise Ds4fError(f"{source}: engine.preset: no preset named {eng['preset']!r} (have: {', '.join(presets)})")
+    if eng["io_threads"] < 1:
+        raise Ds4fError(f"{source}: engine.io_threads: must be >= 1, got {eng['io_threads']}")
+    if eng["kernel_threads"] < 0:
+        raise Ds4fError(f"{source}: engine.kernel_threads: must be >= 0, got {eng['kernel_threads']}")
+    if not 0.05 <= float(con["refresh_s"]) <= 60:
+        raise Ds4fError(f"{source}: console.refresh_s: must be between 0.05 and 60 seconds, got {con['refresh_s']}")
+    model_path = raw["model"]["path"]
+    if model_path and path is not None and not os.path.isabs(os.path.expanduser(model_path)):
+        model_path = str((path.parent / model_path))  # relative to the config file
+    history = raw["history"]["path"] or str(user_data_dir() / "history.sqlite3")
+    return Config(source=source, model_path=os.path.expanduser(model_path), preset=eng["preset"],
+                  io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
+                  probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
+                  history_path=os.path.expanduser(history), presets=presets)
