@@ -1,0 +1,98 @@
+"""engine/history.py: the SQLite run history the console and the server share."""
+import sqlite3
+import threading
+
+import pytest
+
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.history import SCHEMA_VERSION, History, hash_groups
+
+
+def _report(backend="avx2", n=3, sha="a" * 64):
+    return {"state_sha256": sha, "summary": {"s_per_token": 0.25, "hit_rate": 0.7},
+            "backend_by_token": [backend] * n, "tokens": [{"index": i} for i in range(n)]}
+
+
+def test_creates_db_and_parent(tmp_path):
+    path = tmp_path / "deep" / "dir" / "history.sqlite3"
+    h = History(path)
+    assert path.is_file()
+    assert h.list_runs() == []
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_record_roundtrip_and_order(tmp_path):
+    h = History(tmp_path / "h.db")
+    h.record("r1", {"model": "/m", "preset": "laptop", "gen": 3}, "done", _report(), "/d/1.bin", "a" * 64,
+             None, 100.0, 101.5)
+    h.record("r2", {"model": "/m", "preset": "server", "gen": 3}, "failed", None, None, None, "boom", 200.0, 200.5)
+    runs = h.list_runs()
+    assert [r.run_id for r in runs] == ["r2", "r1"]
+    r1 = h.get("r1")
+    assert r1.config["preset"] == "laptop" and r1.state == "done"
+    assert r1.summary["s_per_token"] == 0.25 and r1.s_per_token == 0.25
+    assert r1.state_sha256 == "a" * 64 and r1.short_sha == "a" * 12
+    assert r1.duration_s == pytest.approx(1.5)
+    assert r1.backend == "avx2" and r1.kind == "simd" and r1.tokens_done == 3
+    r2 = h.get("r2")
+    assert r2.error == "boom" and r2.report is None and r2.summary == {}
+    assert h.get("nope") is None
+    assert h.count() == 2
+
+
+def test_persists_across_instances(tmp_path):
+    path = tmp_path / "h.db"
+    History(path).record("r1", {"gen": 1}, "done", _report(), None, "b" * 64, None, 1.0, 2.0)
+    History(path).set_setting("theme", "ds4f-light")
+    again = History(path)
+    assert [r.run_id for r in again.list_runs()] == ["r1"]
+    assert again.get_setting("theme") == "ds4f-light"
+    assert again.get_setting("missing", 42) == 42
+
+
+def test_backend_kinds(tmp_path):
+    h = History(tmp_path / "h.db")
+    h.record("s", {}, "done", _report("scalar"), None, None, None, 1, 2)
+    h.record("m", {}, "done", {"backend_by_token": ["avx2", "scalar"]}, None, None, None, 3, 4)
+    assert h.get("s").kind == "scalar" and h.get("s").backend == "scalar"
+    assert h.get("m").kind == "mixed" and h.get("m").backend == "mixed"
+
+
+def test_hash_groups(tmp_path):
+    h = History(tmp_path / "h.db")
+    for i, sha in enumerate(["x", "x", "y", None]):
+        h.record(f"r{i}", {}, "done", None, None, sha, None, i, i + 1)
+    assert hash_groups(h.list_runs()) == {"x": 2}
+    assert [r.run_id for r in h.with_sha("x")] == ["r1", "r0"]
+
+
+def test_threads(tmp_path):
+    h = History(tmp_path / "h.db")
+
+    def work(k):
+        for i in range(20):
+            h.record(f"t{k}-{i}", {"k": k}, "done", None, None, None, None, k * 100 + i, k * 100 + i)
+            h.list_runs(5)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert h.count() == 80
+
+
+def test_not_a_database(tmp_path):
+    path = tmp_path / "h.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(Ds4fError, match=str(path)):
+        History(path)
+
+
+def test_newer_schema_refused(tmp_path):
+    path = tmp_path / "h.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(Ds4fError, match="newer"):
+        History(path)
