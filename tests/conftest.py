@@ -9,3 +9,21 @@ import tempfile
 _XDG_ROOT = tempfile.mkdtemp(prefix="ds4f-test-xdg-")
 for _var in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME"):
     os.environ[_var] = os.path.join(_XDG_ROOT, _var.lower())
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_official(tmp_path_factory):
+    """A tiny synthetic checkpoint in the official format (safetensors shards), made once."""
+    from ds4f.engine.synth import synth_checkpoint
+
+    return synth_checkpoint(tmp_path_factory.mktemp("tiny") / "official", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_official, tmp_path_factory):
+    """The same tiny checkpoint converted to the ds4f layout, made once."""
+    from ds4f.engine.convert import convert_checkpoint
+
+    return convert_checkpoint(tiny_official, tmp_path_factory.mktemp("tiny-ds4f") / "ds4f")
