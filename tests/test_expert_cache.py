@@ -1,0 +1,40 @@
+"""The expert cache on its own: slots from one pool, LRU order, protection, the budget."""
+import pytest
+
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.expert_cache import ExpertCache
+
+SLOT = 8192
+
+
+def test_pool_fits_the_budget_and_is_aligned():
+    cache = ExpertCache(budget_bytes=5 * SLOT + 100, slot_nbytes=SLOT, n_layers=2)
+    assert cache.n_slots == 5 and cache.capacity_bytes <= cache.budget_bytes
+    assert all(cache.pool[i].ctypes.data % 4096 == 0 for i in range(cache.n_slots))
+
+
+def test_lru_evicts_least_recently_used_and_counts():
+    cache = ExpertCache(budget_bytes=3 * SLOT, slot_nbytes=SLOT, n_layers=2)
+    for e in (1, 2, 3):
+        cache.allocate((0, e), protected=set())
+    assert cache.lookup((0, 1)) is not None        # 1 becomes most recent; 2 is now the LRU
+    cache.allocate((1, 9), protected=set())
+    assert (0, 2) not in cache and (0, 1) in cache and (0, 3) in cache
+    assert cache.layers[0].evictions == 1 and cache.layers[0].hits == 1 and cache.layers[0].misses == 3
+    assert cache.layers[1].misses == 1
+    assert cache.used_bytes == 3 * SLOT <= cache.budget_bytes
+
+
+def test_protected_keys_are_not_evicted():
+    cache = ExpertCache(budget_bytes=2 * SLOT, slot_nbytes=SLOT, n_layers=1)
+    cache.allocate((0, 1), protected=set())
+    cache.allocate((0, 2), protected=set())
+    cache.allocate((0, 3), protected={(0, 1)})
+    assert (0, 1) in cache and (0, 2) not in cache
+    with pytest.raises(Ds4fError, match="in use"):
+        cache.allocate((0, 4), protected={(0, 1), (0, 3)})
+
+
+def test_too_small_a_budget_is_refused():
+    with pytest.raises(Ds4fError, match="at least 12"):
+        ExpertCache(budget_bytes=4 * SLOT, slot_nbytes=SLOT, n_layers=1, min_slots=12)
