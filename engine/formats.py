@@ -100,36 +100,39 @@ def count_nan_scales(scales) -> int:
 
 # ---- FP8 E4M3 with 128x128 E8M0 tiles ----------------------------------------------
 def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, *, name: str = "tensor", tile: int = 128,
-                   row0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-    """E4M3 rows [r, c] (starting at global row `row0`) x E8M0 tiles [R/128, C/128] -> bf16 [r, c].
+                   out: np.ndarray | None = None, chunk_rows: int = 512) -> np.ndarray:
+    """E4M3 [r, c] x E8M0 tiles [ceil(r/128), ceil(c/128)] -> bf16 [r, c], exactly or a Ds4fError.
 
-    Exact or a Ds4fError: every value must be finite and representable in bf16.
+    E4M3 x 2^k is exact in bf16 unless it under- or overflows; every value is checked
+    (the float32 product is undone and compared, then its bf16 rounding compared), and a
+    NaN value or scale is refused. Works through `chunk_rows` rows at a time.
     """
     w = np.asarray(weight).view(E4M3)
     if w.ndim != 2:
         raise Ds4fError(f"{name}: FP8 dequantization needs a 2-D weight, got shape {list(w.shape)}")
     r, c = w.shape
     sb = np.asarray(scale).view(np.uint8)
-    if sb.ndim != 2 or sb.shape[1] != -(-c // tile) or sb.shape[0] * tile < row0 + r:
-        raise Ds4fError(f"{name}: scale shape {list(sb.shape)} does not tile a weight of {c} columns"
-                        f" and rows up to {row0 + r} in {tile}x{tile} blocks")
+    if sb.shape != (-(-r // tile), -(-c // tile)):
+        raise Ds4fError(f"{name}: scale shape {list(sb.shape)} does not tile a {r}x{c} weight in "
+                        f"{tile}x{tile} blocks (expected {[-(-r // tile), -(-c // tile)]})")
     if np.any(sb == E8M0_NAN):
-        raise Ds4fError(f"{name}: NaN scale byte (0xFF) in an FP8 scale tile")
-    rows_t = (np.arange(row0, row0 + r) // tile)
-    exps = sb[rows_t].astype(np.int32) - 127  # [r, C/128]
-    exps = np.repeat(exps, tile, axis=1)[:, :c]
-    v = w.astype(np.float64)
-    full = np.ldexp(v, exps)
-    res = full.astype(BF16) if out is None else out
-    if out is not None:
-        out[...] = full.astype(BF16)
-    back = res.astype(np.float64)
-    bad = ~(back == full) | ~np.isfinite(full)
-    if bad.any():
-        i, j = np.argwhere(bad)[0]
-        raise Ds4fError(
-            f"{name}: FP8 value at [{row0 + i}, {j}] = {float(v[i, j])!r} x 2^{int(exps[i, j])}"
-            f" is not exactly representable in bf16 ({int(bad.sum())} such values)")
+        raise Ds4fError(f"{name}: NaN scale byte (0xFF) in its FP8 scale tiles")
+    res = np.empty((r, c), dtype=BF16) if out is None else out
+    chunk_rows = max(tile, chunk_rows - chunk_rows % tile)
+    for r0 in range(0, r, chunk_rows):
+        r1 = min(r, r0 + chunk_rows)
+        exps = sb[np.arange(r0, r1) // tile].astype(np.int32) - 127
+        exps = np.repeat(exps, tile, axis=1)[:, :c]
+        v = w[r0:r1].astype(np.float32)
+        p = np.ldexp(v, exps)
+        q = p.astype(BF16)
+        res[r0:r1] = q
+        bad = ~np.isfinite(p) | (np.ldexp(p, -exps) != v) | (q.astype(np.float32) != p)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise Ds4fError(
+                f"{name}: FP8 value at [{r0 + i}, {j}] = {float(v[i, j])!r} x 2^{int(exps[i, j])}"
+                f" is not exactly representable in bf16 ({int(bad.sum())} such values in rows {r0}..{r1 - 1})")
     return res
 
 

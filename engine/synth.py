@@ -39,7 +39,6 @@ import math
 import os
 import shutil
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -47,7 +46,7 @@ import numpy as np
 
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.formats import BF16, E8M0, ST_DTYPES, quantize_fp8, st_itemsize
-from ds4f.engine.geometry import MX_BLOCK, Geometry, fp8_scale_shape, get_geometry
+from ds4f.engine.geometry import MX_BLOCK, Geometry, TensorPlan, get_geometry, official_tensors
 from ds4f.engine.progress import Progress, ProgressArg
 
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
@@ -63,44 +62,6 @@ ROUTER_NOISE = 1.3  # std of the token-specific part of the router logits
 HOT_BIAS = 0.3  # score bias of the globally hot experts
 BIAS_SPREAD = 0.15  # score bias ~ this x log(popularity / mean)
 HASH_IN_TOPIC = 0.75  # share of a hash-layer token's experts taken from its topic's window
-
-
-# ---- tensor plan ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorPlan:
-    name: str
-    dtype: str  # safetensors code
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * st_itemsize(self.dtype)
-
-
-def official_tensors(g: Geometry) -> list[TensorPlan]:
-    """The tensors of the official release's MoE trunk and experts, in generation order."""
-    out: list[TensorPlan] = []
-    si = g.shared_inter
-    for layer in range(g.n_layers):
-        p = f"layers.{layer}."
-        out += [TensorPlan(p + "attn_norm.weight", "BF16", (g.hidden,)),
-                TensorPlan(p + "ffn_norm.weight", "BF16", (g.hidden,)),
-                TensorPlan(p + "ffn.gate.weight", "BF16", (g.n_experts, g.hidden))]
-        if g.is_hash_layer(layer):
-            out.append(TensorPlan(p + "ffn.gate.tid2eid", "I64", (g.vocab, g.top_k)))
-        else:
-            out.append(TensorPlan(p + "ffn.gate.bias", "F32", (g.n_experts,)))
-        for w, shape in (("w1", (si, g.hidden)), ("w3", (si, g.hidden)), ("w2", (g.hidden, si))):
-            out.append(TensorPlan(p + f"ffn.shared_experts.{w}.weight", "F8_E4M3", shape))
-            out.append(TensorPlan(p + f"ffn.shared_experts.{w}.scale", "F8_E8M0", fp8_scale_shape(shape)))
-        for e in range(g.n_experts):
-            for part, shape in g.expert_parts().items():
-                w, kind = part.split(".")
-                out.append(TensorPlan(p + f"ffn.experts.{e}.{part}", "I8" if kind == "weight" else "F8_E8M0", shape))
-    out += [TensorPlan("embed.weight", "BF16", (g.vocab, g.hidden)),
-            TensorPlan("head.weight", "BF16", (g.vocab, g.hidden)),
-            TensorPlan("norm.weight", "BF16", (g.hidden,))]
-    return out
 
 
 # ---- MXFP4 statistics of Gaussian weights ----------------------------------------------

@@ -1,0 +1,216 @@
+"""Official shards -> the ds4f layout (see ds4f.engine.checkpoint for the file formats).
+
+Streaming with bounded memory: one expert record, one layer's MoE trunk, or one chunk
+of a big tensor at a time (at most ~64 MiB plus a layer region), whatever the model's size.
+Expert bytes are copied unchanged; FP8 trunk tensors become bf16, checked exact.
+Everything is written into a hidden sibling directory and renamed into place at the end,
+so an interrupted conversion never leaves something that looks like a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ds4f.engine.checkpoint import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POOL_BIN, POOL_FORMAT, POOL_JSON,
+                                    PROMPTS_NAME, TENSOR_ALIGN, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON, TRUNK_OFFSETS,
+                                    OfficialCheckpoint, align_up, aligned_buffer, detect_kind, expert_layout,
+                                    moe_region_layout, official_name, write_trunk_offsets)
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.formats import dequantize_fp8, st_itemsize, st_numpy_dtype
+from ds4f.engine.progress import Progress, ProgressArg
+from ds4f.engine.safetensors_index import TensorInfo, pread_exact
+from ds4f.engine.synth import _commit_dir, _fresh_dir
+
+CHUNK_BYTES = 64 * 1024 * 1024
+COPY_ALONG = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", PROMPTS_NAME)
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+
+
+def convert_checkpoint(src: Path | str, dst: Path | str, progress: ProgressArg = None, *, force: bool = False) -> Path:
+    root, kind = detect_kind(src)
+    if kind != "official":
+        raise Ds4fError(f"{root}: already in the ds4f layout; convert reads the official safetensors release")
+    dst = Path(dst)
+    if dst.resolve() == root.resolve():
+        raise Ds4fError(f"{dst}: the destination must differ from the source")
+    with OfficialCheckpoint(root) as ck:
+        tmp = _fresh_dir(dst, force)
+        try:
+            _convert(ck, tmp, progress)
+            _commit_dir(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dst
+
+
+def _plan_trunk(ck: OfficialCheckpoint):
+    """Split the non-expert tensors into layer MoE regions, per-layer extras and the global region."""
+    g = ck.geometry
+    moe = {official_name(L, s) for L in range(g.n_layers) for s, *_ in moe_region_layout(g, L)[0]}
+    consumed = set()  # FP8 scales folded into their weights
+    for name, t in ck.tensors.items():
+        if t.dtype == "F8_E4M3" and name.endswith(".weight"):
+            sc = name[: -len(".weight")] + ".scale"
+            if sc in ck.tensors:
+                consumed.add(sc)
+    extras: dict[int, list[str]] = {L: [] for L in range(g.n_layers)}
+    glob: list[str] = []
+    for name in sorted(ck.tensors):
+        if ".experts." in name and name.startswith("layers.") and ".shared_experts." not in name:
+            continue
+        if name in moe or name in consumed:
+            continue
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) < g.n_layers:
+            extras[int(m.group(1))].append(name)
+        else:
+            glob.append(name)
+    first = [n for n in ("embed.weight", "head.weight", "norm.weight") if n in glob]
+    glob = first + [n for n in glob if n not in first]
+    return extras, glob
+
+
+def _out_dtype(t: TensorInfo, ck: OfficialCheckpoint) -> str:
+    if t.dtype == "F8_E4M3":
+        sc = t.name[: -len(".weight")] + ".scale" if t.name.endswith(".weight") else None
+        if sc not in ck.tensors:
+            raise Ds4fError(f"{t.file}: {t.name} is FP8 but has no {sc or '.scale'} tensor to dequantize it with")
+        return "BF16"
+    return t.dtype
+
+
+def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
+    g = ck.geometry
+    extras, glob = _plan_trunk(ck)
+    n_rec = g.n_layers * g.n_experts
+    rec_n = ck.slot_nbytes
+    trunk_in = sum(t.nbytes for n, t in ck.tensors.items() if not (".experts." in n and ".shared_" not in n))
+    total = n_rec * g.expert_nbytes + trunk_in
+
+    # -- trunk.bin
+    entries, regions = [], []
+    with Progress(progress, total, "convert") as bar:
+        with open(tmp / TRUNK_BIN, "wb", buffering=0) as out:
+            pos = 0
+            buf = aligned_buffer(ck.trunk_layer_buf_nbytes)
+            for L in range(g.n_layers):
+                layout, n = moe_region_layout(g, L)
+                buf[:] = 0
+                ck.read_trunk_layer(L, buf)
+                out.seek(pos)
+                _write_all(out, memoryview(buf)[:n])
+                regions.append((f"layer.{L}", pos, n))
+                for short, dtype, shape, off in layout:
+                    entries.append({"name": official_name(L, short), "short": short, "layer": L,
+                                    "region": f"layer.{L}", "dtype": dtype, "shape": list(shape),
+                                    "offset": pos + off, "nbytes": math.prod(shape) * st_itemsize(dtype)})
+                pos += n
+                bar.advance(ck.trunk_layer_nbytes(L), f"trunk layer {L}")
+                if extras[L]:
+                    pos = _write_region(ck, out, pos, f"extra.{L}", extras[L], L, entries, regions, bar)
+            del buf
+            pos = _write_region(ck, out, pos, "global", glob, None, entries, regions, bar)
+            out.truncate(pos)
+            os.fsync(out.fileno())
+        # -- pool-mxfp4.bin
+        records = []
+        slot = aligned_buffer(rec_n)  # the padding stays zero: reads fill expert_nbytes only
+        with open(tmp / POOL_BIN, "wb", buffering=0) as out:
+            for L in range(g.n_layers):
+                for e in range(g.n_experts):
+                    ck.read_expert(L, e, slot)
+                    crc = zlib.crc32(memoryview(slot)[: g.expert_nbytes])
+                    records.append([(L * g.n_experts + e) * rec_n, crc])
+                    _write_all(out, memoryview(slot))
+                    bar.advance(g.expert_nbytes, f"layer {L} expert {e}")
+            os.fsync(out.fileno())
+    # -- JSON
+    cfg = g.to_config()
+    pool = {"format": POOL_FORMAT, "version": LAYOUT_VERSION, "geometry": cfg, "file": POOL_BIN,
+            "alignment": ALIGN, "expert_nbytes": g.expert_nbytes, "record_nbytes": rec_n,
+            "record_order": "layer * n_experts + expert",
+            "crc32": "zlib crc32 of the first expert_nbytes bytes of each record",
+            "parts": {k: {"offset": off, "shape": list(shape)} for k, (off, shape) in expert_layout(g).items()},
+            "records": records}
+    trunk = {"format": TRUNK_FORMAT, "version": LAYOUT_VERSION, "geometry": cfg, "file": TRUNK_BIN,
+             "alignment": ALIGN, "regions": [{"name": n, "offset": o, "nbytes": b} for n, o, b in regions],
+             "tensors": entries}
+    (tmp / POOL_JSON).write_text(json.dumps(pool, separators=(",", ":")) + "\n")
+    (tmp / TRUNK_JSON).write_text(json.dumps(trunk, indent=1) + "\n")
+    write_trunk_offsets(tmp / TRUNK_OFFSETS, regions)
+    shutil.copyfile(ck.path / CONFIG_NAME, tmp / CONFIG_NAME)
+    for name in COPY_ALONG:
+        if (ck.path / name).is_file():
+            shutil.copyfile(ck.path / name, tmp / name)
+
+
+def _write_region(ck: OfficialCheckpoint, out, pos: int, region: str, names: list[str], layer, entries, regions,
+                  bar) -> int:
+    start = pos
+    for name in names:
+        t = ck.tensors[name]
+        dtype = _out_dtype(t, ck)
+        n_out = math.prod(t.shape) * st_itemsize(dtype)
+        pos = align_up(pos, TENSOR_ALIGN)
+        entries.append({"name": name, "layer": layer, "region": region, "dtype": dtype, "shape": list(t.shape),
+                        "offset": pos, "nbytes": n_out})
+        out.seek(pos)
+        if dtype == t.dtype:
+            _copy_range(ck, t, out)
+        else:
+            _dequantize_stream(ck, t, out)
+        pos += n_out
+        bar.advance(t.nbytes, name)
+    end = align_up(pos)
+    if end > pos:
+        out.seek(end - 1)
+        _write_all(out, b"\0")
+    regions.append((region, start, end - start))
+    return end
+
+
+def _copy_range(ck: OfficialCheckpoint, t: TensorInfo, out) -> None:
+    fd = ck._fd_of[t.file]
+    buf = bytearray(min(CHUNK_BYTES, max(t.nbytes, 1)))
+    done = 0
+    while done < t.nbytes:
+        n = min(len(buf), t.nbytes - done)
+        mv = memoryview(buf)[:n]
+        pread_exact(fd, mv, t.offset + done, t.file, t.name)
+        _write_all(out, mv)
+        done += n
+
+
+def _dequantize_stream(ck: OfficialCheckpoint, t: TensorInfo, out) -> None:
+    if len(t.shape) != 2:
+        raise Ds4fError(f"{t.file}: {t.name}: FP8 tensor of shape {list(t.shape)}; only 2-D weights can be dequantized")
+    r, c = t.shape
+    sc_name = t.name[: -len(".weight")] + ".scale"
+    sc_info = ck.tensors[sc_name]
+    scale = ck._read_tensor(sc_name).view(np.uint8)
+    if scale.shape != (-(-r // 128), -(-c // 128)):
+        raise Ds4fError(f"{sc_info.file}: {sc_name}: shape {list(scale.shape)} does not tile {t.name} {[r, c]}"
+                        f" in 128x128 blocks")
+    rows = max(128, (CHUNK_BYTES // max(c, 1)) // 128 * 128)
+    fd = ck._fd_of[t.file]
+    for r0 in range(0, r, rows):
+        r1 = min(r, r0 + rows)
+        w = np.empty((r1 - r0, c), dtype=st_numpy_dtype("F8_E4M3"))
+        pread_exact(fd, memoryview(w.reshape(-1).view(np.uint8)), t.offset + r0 * c, t.file, t.name)
+        part = dequantize_fp8(w, scale[r0 // 128: -(-r1 // 128)], name=f"{t.file}: {t.name}")
+        _write_all(out, memoryview(part.reshape(-1).view(np.uint8)))
+
+
+def _write_all(out, data) -> None:
+    mv = memoryview(data).cast("B")
+    while len(mv):
+        n = out.write(mv)
+        mv = mv[n:]
