@@ -1,0 +1,401 @@
+"""ds4f-console: the Textual operator console over the run API.
+
+    ds4f-console [--config PATH] [--model PATH] [--preset NAME]
+
+The app polls the live run's Snapshot on a timer (not a message per token), so a busy run
+costs the SSH link one screen diff per refresh period and keys stay responsive. Long
+blocking calls (making the demo model, opening a checkpoint, diffing dumps) run in thread
+workers. The console never opens checkpoint files or calls kernels: it calls the engine's
+load_config, ensure_demo_model, start_run / Run, History and diff_states.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from textual import work
+from textual.app import App
+
+from ds4f.engine.config import Config, load_config, user_cache_dir
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.history import History, RunRecord
+from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
+
+from .bindings import APP_BINDINGS
+from .commands import ActionCommands
+from .controller import Controller, default_start_run, next_refresh
+from .screens import (DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen)
+
+
+def _default_diff(a, b):
+    from ds4f.engine.statedump import diff_states
+
+    return diff_states(a, b)
+
+
+def _default_demo(progress=None):
+    from ds4f.engine.demo import ensure_demo_model
+
+    return ensure_demo_model(progress=progress)
+
+
+def _default_validate(path: str) -> None:
+    """Open and close the checkpoint with the engine's own validation (names the bad file)."""
+    from ds4f.engine.checkpoint import open_checkpoint
+
+    open_checkpoint(path).close()
+
+
+def builtin_config_path() -> Path:
+    return Path(str(resources.files("ds4f").joinpath("ds4f.toml")))
+
+
+class Ds4fConsole(App):
+    TITLE = "ds4f-console"
+    CSS_PATH = str(stylesheet_path("console.tcss"))
+    BINDINGS = APP_BINDINGS
+    COMMANDS = App.COMMANDS | {ActionCommands}
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
+
+    def __init__(self, config_path: str | None = None, model: str | None = None, preset: str | None = None,
+                 *, gen: int | None = None, config: Config | None = None, history: History | None = None,
+                 start_run: Callable | None = None, demo_factory: Callable | None = None,
+                 diff_fn: Callable | None = None, validate_model: Callable | None | bool = None,
+                 snapshot_source: Callable | None = None, refresh_s: float | None = None,
+                 theme: str | None = None) -> None:
+        super().__init__()
+        self._config_path = config_path
+        self._model_arg = model
+        self._preset_arg = preset
+        self._gen_arg = gen
+        self._config_given = config
+        self._history_given = history
+        self._start_run_fn = start_run or default_start_run
+        self._demo_factory = demo_factory or _default_demo
+        self._diff_fn = diff_fn or _default_diff
+        self._validate = _default_validate if validate_model in (None, True) else (validate_model or None)
+        self._snapshot_source = snapshot_source
+        self._refresh_arg = refresh_s
+        self._theme_arg = theme
+        self.controller: Controller | None = None
+        self.config: Config | None = None
+        self.history: History | None = None
+        self.refresh_s = refresh_s or 1.0
+        self.frozen = False
+        self._timer = None
+        self._booted = False
+        self._starting = False
+        self._seen_state: dict[str, str] = {}
+        for t in THEMES:
+            self.register_theme(t)
+        self.theme = theme or DEFAULT_THEME
+
+    # -- Textual hooks ----------------------------------------------------------------------
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        return dict(LEVEL_VARIABLE_DEFAULTS)
+
+    def get_default_screen(self) -> DashboardScreen:
+        return DashboardScreen()
+
+    @property
+    def dashboard(self) -> DashboardScreen:
+        return self.screen_stack[0]  # type: ignore[return-value]
+
+    def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+
+    def on_ready(self) -> None:
+        self.boot()
+
+    # -- start-up: config, history, model ---------------------------------------------------
+    def boot(self, use_demo: bool = False) -> None:
+        """Load the config and history and make sure there is a model; any problem gets an error
+        screen that says what and where, and offers the demo model."""
+        self.controller = None
+        try:
+            if self._config_given is not None:
+                config = self._config_given
+            else:
+                try:
+                    config = load_config(self._config_path)
+                except Ds4fError:
+                    if not use_demo:
+                        raise
+                    config = load_config(builtin_config_path())
+        except Ds4fError as exc:
+            where = self._config_path or "./ds4f.toml, then the user config directory, then the built-in defaults"
+            self.show_error("The configuration could not be used", f"{exc}\n\nConfig lookup: {where}")
+            return
+        self.config = config
+        try:
+            self.history = self._history_given or History(config.history_path)
+        except Ds4fError as exc:
+            self.show_error("The run history could not be opened", str(exc), offer_demo=False)
+            return
+        remembered = self.history.get_setting("theme") if self._theme_arg is None else None
+        wanted = self._theme_arg or remembered or config.theme
+        if wanted in self.available_themes:
+            self.theme = wanted
+        elif self._theme_arg is None and not remembered:
+            self.notify(f"{config.source}: console.theme: unknown theme {config.theme!r} "
+                        f"(have: {', '.join(THEME_NAMES)})", severity="warning", timeout=8)
+        if self._refresh_arg is None:
+            self.refresh_s = config.refresh_s
+        model = "" if use_demo else (self._model_arg or config.model_path)
+        try:
+            self.controller = Controller(config, self.history, model=model,
+                                         preset=self._preset_arg if self._preset_arg and not use_demo else "",
+                                         gen=self._gen_arg or 16, start_run=self._start_run_fn,
+                                         config_path=self._config_path if not use_demo else None)
+        except Ds4fError as exc:
+            self.show_error("The preset could not be used", str(exc))
+            return
+        self._start_timer()
+        self._booted = True
+        if model:
+            if self._validate is not None:
+                self._validate_model(model, "--model" if self._model_arg else f"model.path in {config.source}")
+            else:
+                self.tick(force=True)
+        else:
+            self._make_demo()
+
+    def show_error(self, title: str, message: str, offer_demo: bool = True, can_go_back: bool = False) -> None:
+        def chosen(choice: str | None) -> None:
+            if choice == "demo":
+                self.boot(use_demo=True)
+            elif choice == "retry":
+                self.boot()
+
+        self.push_screen(ErrorScreen(title, message, offer_demo=offer_demo, can_go_back=can_go_back), chosen)
+
+    @work(thread=True, exclusive=True, group="model", exit_on_error=False)
+    def _validate_model(self, model: str, source: str) -> None:
+        try:
+            if not Path(model).exists():
+                raise Ds4fError(f"{model}: checkpoint not found (set by {source})")
+            self._validate(model)
+        except Ds4fError as exc:
+            self.call_from_thread(self.show_error, "The checkpoint could not be opened", str(exc))
+        except Exception as exc:
+            self.call_from_thread(self.show_error, "The checkpoint could not be opened",
+                                  f"{model}: {type(exc).__name__}: {exc}")
+        else:
+            self.call_from_thread(self.tick, True)
+
+    def _make_demo(self) -> None:
+        where = str(user_cache_dir() / "demo-ds4f")
+        screen = SetupScreen(where)
+        self.push_screen(screen)
+        self._demo_worker(screen)
+
+    @work(thread=True, exclusive=True, group="model", exit_on_error=False)
+    def _demo_worker(self, screen: SetupScreen) -> None:
+        def progress(done, total, label) -> None:
+            self.call_from_thread(screen.progress, done, total, label)
+
+        try:
+            path = self._demo_factory(progress=progress)
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, Ds4fError) else f"{type(exc).__name__}: {exc}"
+            self.call_from_thread(self._demo_failed, screen, message)
+        else:
+            self.call_from_thread(self._demo_ready, screen, str(path))
+
+    def _demo_ready(self, screen: SetupScreen, path: str) -> None:
+        if self.controller is not None:
+            self.controller.model = path
+        if screen.is_current:
+            self.pop_screen()
+        self.dashboard.log_line(f"demo model ready: {path}", "dim")
+        self.tick(force=True)
+
+    def _demo_failed(self, screen: SetupScreen, message: str) -> None:
+        if screen.is_current:
+            self.pop_screen()
+        self.show_error("The demo model could not be made", message, offer_demo=False)
+
+    # -- the refresh timer ----------------------------------------------------------------
+    def _start_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+        self._timer = self.set_interval(self.refresh_s, self.tick, name="refresh")
+
+    def current_snapshot(self):
+        if self._snapshot_source is not None:
+            return self._snapshot_source()
+        return self.controller.snapshot() if self.controller is not None else None
+
+    def tick(self, force: bool = False) -> None:
+        try:
+            snap = self.current_snapshot()
+        except Exception as exc:  # the engine must never take the console down
+            self.notify(f"snapshot failed: {exc}", severity="error")
+            return
+        if snap is not None:
+            self._transitions(snap)
+        if self.frozen and not force:
+            return
+        dash = self.dashboard
+        if dash.is_current or force:
+            dash.show(snap)
+
+    def _transitions(self, snap) -> None:
+        before = self._seen_state.get(snap.run_id)
+        if before == snap.state:
+            return
+        self._seen_state[snap.run_id] = snap.state
+        if snap.state == "done" and before is not None:
+            spt = f"{snap.s_per_token:.3f} s/token" if snap.s_per_token is not None else ""
+            self.notify(f"run {snap.run_id} done: {snap.tokens_done} tokens {spt}", title="run finished")
+        elif snap.state == "cancelled" and before is not None:
+            self.notify(f"run {snap.run_id} cancelled after {snap.tokens_done} tokens", severity="warning")
+        elif snap.state == "failed":
+            self.notify(snap.error or "the run failed", title=f"run {snap.run_id} failed", severity="error",
+                        timeout=10)
+
+    def change_refresh(self, step: int) -> None:
+        self.refresh_s = next_refresh(self.refresh_s, step)
+        self._start_timer()
+        self.dashboard.log_line(f"· refresh period {self.refresh_s:g} s", "italic")
+        self.tick(force=True)
+
+    def toggle_freeze(self) -> None:
+        self.frozen = not self.frozen
+        self.dashboard.log_line("· display frozen (space resumes; the run goes on)" if self.frozen
+                                else "· display live again", "italic")
+        self.tick(force=True)
+
+    # -- run control ----------------------------------------------------------------------
+    def start_run(self) -> None:
+        ctl = self.controller
+        if ctl is None:
+            return
+        if self._starting or ctl.live:
+            self.notify("A run is already live: s stops it.", severity="warning")
+            return
+        self._starting = True
+        self.dashboard.log_line(f"· starting: {ctl.model}, preset {ctl.preset}, {ctl.gen} tokens, "
+                                f"{ctl.next_backend()}, k{ctl.effective_kernel_threads()} "
+                                f"io{ctl.effective_io_threads()}", "italic")
+        self._start_worker(ctl)
+
+    @work(thread=True, group="start", exit_on_error=False)
+    def _start_worker(self, ctl: Controller) -> None:
+        try:
+            run = ctl.start()
+        except Ds4fError as exc:
+            self.call_from_thread(self._start_failed, str(exc), ctl.model)
+        except Exception as exc:
+            self.call_from_thread(self._start_failed, f"internal error: {type(exc).__name__}: {exc}", "")
+        else:
+            self.call_from_thread(self._started, run)
+
+    def _started(self, run) -> None:
+        self._starting = False
+        self.tick(force=True)
+
+    def _start_failed(self, message: str, model: str) -> None:
+        self._starting = False
+        self.dashboard.log_line(f"cannot start the run: {message}", "bold red")
+        self.notify(message, title="cannot start the run", severity="error", timeout=10)
+        if model and model in message:
+            self.show_error("The checkpoint could not be opened", message, can_go_back=True)
+
+    def stop_run(self) -> None:
+        ctl = self.controller
+        if ctl is not None and ctl.stop():
+            self.dashboard.log_line("· stop requested: the run ends at the next token", "italic")
+        else:
+            self.notify("No live run to stop.")
+
+    def settings_action(self, fn) -> None:
+        ctl = self.controller
+        if ctl is None:
+            return
+        try:
+            fn(ctl)
+        except Ds4fError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        dash = self.dashboard
+        dash.sync_notes(ctl.notes)
+        dash._status(self.current_snapshot())
+
+    # -- history and diffs ------------------------------------------------------------------
+    def open_history(self) -> None:
+        if self.controller is None or self.controller.history is None:
+            self.notify("No run history is open.", severity="warning")
+            return
+        self.push_screen(HistoryScreen())
+
+    def open_diff(self, a: RunRecord, b: RunRecord, diff=None) -> None:
+        self.push_screen(DiffScreen(a, b, diff=diff, diff_fn=self._diff_fn))
+
+    def diff_last(self) -> None:
+        pair = self.controller.last_two() if self.controller else None
+        if pair is None:
+            self.notify("Two finished runs are needed: r runs one.", severity="warning")
+            return
+        self.open_diff(*pair)
+
+    def notify_no_pair(self) -> None:
+        self.notify("Needs a finished SIMD run and a scalar run of the same model and length: "
+                    "k switches the kernels, r runs.", severity="warning", timeout=8)
+
+    def compare_simd_scalar(self) -> None:
+        pair = self.controller.simd_scalar_pair() if self.controller else None
+        if pair is None:
+            self.notify_no_pair()
+            return
+        self.open_diff(*pair)
+
+    # -- app-wide actions ----------------------------------------------------------------
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_cycle_theme(self) -> None:
+        self.theme = next_theme(self.theme)
+
+    def _theme_changed(self, theme) -> None:
+        if self._booted and self.history is not None:
+            try:
+                self.history.set_setting("theme", theme.name)
+            except Ds4fError as exc:
+                self.notify(str(exc), severity="warning")
+        if self._booted:
+            self.dashboard.log_line(f"· theme {theme.name}", "italic")
+
+    async def action_quit(self) -> None:
+        ctl = self.controller
+        if ctl is not None and ctl.live:
+            ctl.stop()
+            ctl.run.wait(5.0)
+        self.exit()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ds4f-console",
+        description="The ds4f operator console: run, watch and compare DeepSeek-V4-Flash disk-streaming runs.")
+    parser.add_argument("--config", metavar="PATH",
+                        help="ds4f.toml to use (default: ./ds4f.toml, then the user config dir, then built-in)")
+    parser.add_argument("--model", metavar="PATH", help="checkpoint to run (default: the config's, else the demo)")
+    parser.add_argument("--preset", metavar="NAME", help="preset for the first run (p cycles presets)")
+    args = parser.parse_args(argv)
+    app = Ds4fConsole(config_path=args.config, model=args.model, preset=args.preset)
+    app.run()
+    ctl = app.controller
+    if ctl is not None and ctl.live:  # e.g. ctrl+q: never leave a run thread writing behind us
+        ctl.stop()
+        ctl.run.wait(5.0)
+    return int(app.return_code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Every key of the console, in one place: the screens' BINDINGS, the key bar, the help
+screen and the command palette are all made from these lists.
+
+Conventions borrowed where they exist: q quits and ? helps (htop, btop, k9s); + and - change
+the update period (btop); space freezes the display; ctrl+p or : opens the command palette
+(k9s uses : for its command line); escape goes back (k9s); [ ] and { } step a number down/up.
+"""
+from __future__ import annotations
+
+from textual.binding import Binding
+
+IO = Binding.Group("io", compact=True)
+KERNEL = Binding.Group("krn", compact=True)
+PERIOD = Binding.Group("period", compact=True)
+
+APP_BINDINGS = [
+    Binding("question_mark,f1", "help", "help", tooltip="Show every key of every screen"),
+    Binding("t", "cycle_theme", "theme", tooltip="Cycle the colour theme: dark, light, high contrast (remembered)"),
+    Binding("q", "quit", "quit", tooltip="Quit ds4f-console (a live run is stopped first)"),
+    Binding("colon", "command_palette", "commands", show=False, tooltip="Open the command palette (k9s style)"),
+]
+
+DASHBOARD_BINDINGS = [
+    Binding("r", "run", "run", tooltip="Start a run with the settings in the status line"),
+    Binding("s", "stop", "stop", tooltip="Stop the live run (cancelled runs write no files)"),
+    Binding("p", "cycle_preset", "preset", tooltip="Cycle the preset for the next run"),
+    Binding("left_square_bracket", "io_threads(-1)", "I/O threads down", key_display="[", group=IO,
+            tooltip="One I/O thread fewer: live at the next token, and for the next run"),
+    Binding("right_square_bracket", "io_threads(1)", "I/O threads up", key_display="]", group=IO,
+            tooltip="One I/O thread more: live at the next token, and for the next run"),
+    Binding("left_curly_bracket", "kernel_threads(-1)", "kernel threads down", key_display="{", group=KERNEL,
+            tooltip="One kernel thread fewer: live at the next token, and for the next run"),
+    Binding("right_curly_bracket", "kernel_threads(1)", "kernel threads up", key_display="}", group=KERNEL,
+            tooltip="One kernel thread more: live at the next token, and for the next run"),
+    Binding("k", "toggle_simd", "simd",
+            tooltip="Switch the kernels between SIMD and scalar: live at the next token, and for the next run"),
+    Binding("n", "set_tokens", "tokens", tooltip="Set how many tokens the next run decodes"),
+    Binding("h", "history", "history", tooltip="Open the run history"),
+    Binding("d", "diff_last", "diff", tooltip="Diff the state dumps of the last two finished runs"),
+    Binding("c", "compare_simd_scalar", "cmp",
+            tooltip="Diff the newest SIMD run against the newest comparable scalar run"),
+    Binding("plus", "refresh_period(1)", "longer refresh period", key_display="+", group=PERIOD,
+            tooltip="Refresh the dashboard less often (less SSH traffic)"),
+    Binding("minus", "refresh_period(-1)", "shorter refresh period", key_display="-", group=PERIOD,
+            tooltip="Refresh the dashboard more often"),
+    Binding("space", "freeze", "freeze", key_display="␣", tooltip="Freeze or unfreeze the display (the run goes on)"),
+]
+
+HISTORY_BINDINGS = [
+    Binding("escape,h", "back", "back", key_display="esc", tooltip="Back to the dashboard"),
+    Binding("space", "mark", "mark", key_display="␣", tooltip="Mark or unmark the highlighted run (two marks: d diffs them)"),
+    Binding("d", "diff_marked", "diff marked", tooltip="Diff the two marked runs (or the highlighted one and the one before)"),
+    Binding("c", "compare_simd_scalar", "cmp simd/scalar",
+            tooltip="Diff the newest SIMD run against the newest comparable scalar run"),
+    Binding("m", "same_hash", "same hash", tooltip="Jump to the next run with the same state hash"),
+]
+
+DIFF_BINDINGS = [
+    Binding("escape,h", "back", "back", key_display="esc", tooltip="Back to the history"),
+    Binding("x", "swap", "swap A/B", tooltip="Swap the two runs"),
+]
+
+# Command-palette titles (the key bar's labels are kept short to fit 80 columns).
+TITLES = {
+    "help": "Help: every key", "cycle_theme": "Cycle theme", "quit": "Quit",
+    "run": "Run: start a run", "stop": "Stop the run", "cycle_preset": "Cycle preset",
+    "io_threads(-1)": "I/O threads down", "io_threads(1)": "I/O threads up",
+    "kernel_threads(-1)": "Kernel threads down", "kernel_threads(1)": "Kernel threads up",
+    "toggle_simd": "Toggle SIMD / scalar kernels", "set_tokens": "Set the token count",
+    "history": "Open the run history", "diff_last": "Diff the last two runs",
+    "compare_simd_scalar": "Compare SIMD vs scalar state hashes",
+    "refresh_period(1)": "Refresh period longer", "refresh_period(-1)": "Refresh period shorter",
+    "freeze": "Freeze / unfreeze the display", "back": "Back", "mark": "Mark run for diff",
+    "diff_marked": "Diff the marked runs", "same_hash": "Next run with the same state hash",
+    "swap": "Swap runs A and B",
+}
+
+SCREENS_FOR_HELP = (
+    ("Everywhere", APP_BINDINGS),
+    ("Dashboard", DASHBOARD_BINDINGS),
+    ("History", HISTORY_BINDINGS),
+    ("Diff", DIFF_BINDINGS),
+)
+
+KEY_NAMES = {
+    "question_mark": "?", "colon": ":", "left_square_bracket": "[", "right_square_bracket": "]",
+    "left_curly_bracket": "{", "right_curly_bracket": "}", "plus": "+", "minus": "-", "space": "space",
+    "escape": "esc", "f1": "F1", "ctrl+p": "ctrl+p",
+}
+
+
+def keys_of(binding: Binding) -> str:
+    return " ".join(KEY_NAMES.get(k.strip(), k.strip()) for k in binding.key.split(","))

@@ -1,0 +1,45 @@
+"""The command palette provider: every key action of the screen the palette was opened on.
+
+It is built from the screen's active bindings (see bindings.py), so a key and its palette
+entry can never drift apart. The palette shows each action's key next to its name.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from .bindings import TITLES, keys_of
+
+SKIP_ACTIONS = {"command_palette"}
+
+
+class ActionCommands(Provider):
+    def _entries(self) -> list[tuple[str, str, object]]:
+        screen = self.screen
+        entries: list[tuple[str, str, object]] = []
+        seen: set[str] = set()
+        try:
+            active = screen.active_bindings
+        except Exception:
+            return entries
+        for _key, (node, binding, _enabled, _tooltip) in active.items():
+            if binding.action in seen or binding.action in SKIP_ACTIONS:
+                continue
+            seen.add(binding.action)
+            name = TITLES.get(binding.action) or binding.description or binding.action
+            title = f"{name[:1].upper()}{name[1:]}  ({keys_of(binding)})"
+            help_text = binding.tooltip or name
+            entries.append((title, help_text, partial(self.app.run_action, binding.action, node)))
+        return entries
+
+    async def discover(self) -> Hits:
+        for title, help_text, callback in self._entries():
+            yield DiscoveryHit(title, callback, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, help_text, callback in self._entries():
+            score = max(matcher.match(title), matcher.match(help_text) * 0.5)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), callback, text=title, help=help_text)

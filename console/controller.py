@@ -1,0 +1,195 @@
+"""The console's state between runs, and its calls into the run API. No Textual here.
+
+The dashboard's keys change *pending* settings (preset, threads, backend, token count) that
+the next run starts with; thread and backend changes also go to the live run, where they land
+at the next token boundary. Everything the console knows about a run comes from
+Run.snapshot(); it never opens a checkpoint or calls a kernel.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ds4f.engine.config import Config
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.history import History, RunRecord
+from ds4f.engine.snapshot import Snapshot
+
+LIVE_STATES = ("starting", "running")
+REFRESH_STEPS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
+MAX_IO_THREADS = 64
+MAX_GEN = 100_000
+
+
+def available_backends() -> list[str]:
+    try:
+        from ds4f.engine import kernels
+    except ImportError:
+        return ["scalar"]
+    return list(kernels.available_backends())
+
+
+def best_backend() -> str:
+    try:
+        from ds4f.engine import kernels
+    except ImportError:
+        return "scalar"
+    return kernels.best_backend()
+
+
+def default_start_run(config, history):
+    from ds4f.engine.runs import start_run
+
+    return start_run(config, history=history)
+
+
+def make_run_config(**kwargs):
+    from ds4f.engine.runs import RunConfig
+
+    return RunConfig(**kwargs)
+
+
+@dataclass
+class Controller:
+    config: Config
+    history: History | None
+    model: str = ""
+    preset: str = ""
+    gen: int = 16
+    io_threads: int | None = None          # None: the preset's / ds4f.toml's
+    kernel_threads: int | None = None
+    backend: str = "auto"
+    config_path: str | None = None         # passed on to the run so it reads the same ds4f.toml
+    start_run: Callable = default_start_run
+    run: object | None = None              # the current or last Run of this session
+    notes: list[str] = field(default_factory=list)   # console-side events (settings changes)
+
+    def __post_init__(self) -> None:
+        self.preset = self.preset or self.config.preset
+        self.config.get_preset(self.preset)  # a bad --preset is a Ds4fError now, not at the first run
+        if self.backend == "auto" and self.config.backend != "auto":
+            self.backend = self.config.backend
+
+    # -- what the next run will use -------------------------------------------------------
+    @property
+    def preset_names(self) -> list[str]:
+        return list(self.config.presets)
+
+    def effective_io_threads(self) -> int:
+        return self.io_threads or self.config.effective_io_threads(self.config.get_preset(self.preset))
+
+    def effective_kernel_threads(self) -> int:
+        return self.kernel_threads or self.config.effective_kernel_threads(self.config.get_preset(self.preset))
+
+    def next_backend(self) -> str:
+        return best_backend() if self.backend == "auto" else self.backend
+
+    def run_config(self):
+        if not self.model:
+            raise Ds4fError("no model: give --model PATH, set [model] path in ds4f.toml, or use the demo model")
+        return make_run_config(model=self.model, preset=self.preset, gen=self.gen,
+                               io_threads=self.io_threads, kernel_threads=self.kernel_threads,
+                               backend=self.backend, config_path=self.config_path)
+
+    # -- the run --------------------------------------------------------------------------
+    @property
+    def live(self) -> bool:
+        return self.run is not None and self.run.state in LIVE_STATES
+
+    def start(self):
+        """Start a run with the pending settings (blocking: it opens the checkpoint)."""
+        if self.live:
+            raise Ds4fError(f"run {self.run.id} is still {self.run.state}; stop it first (s)")
+        run = self.start_run(self.run_config(), self.history)
+        self.run = run
+        return run
+
+    def stop(self) -> bool:
+        if not self.live:
+            return False
+        self.run.cancel()
+        return True
+
+    def snapshot(self) -> Snapshot | None:
+        return self.run.snapshot() if self.run is not None else None
+
+    # -- settings keys --------------------------------------------------------------------
+    def _note(self, text: str) -> str:
+        self.notes.append(text)
+        return text
+
+    def cycle_preset(self, step: int = 1) -> str:
+        names = self.preset_names
+        i = names.index(self.preset) if self.preset in names else -1
+        self.preset = names[(i + step) % len(names)]
+        when = " (next run)" if self.live else ""
+        return self._note(f"preset {self.config.get_preset(self.preset).describe()}{when}")
+
+    def adjust_io_threads(self, delta: int) -> str:
+        n = max(1, min(MAX_IO_THREADS, self.effective_io_threads() + delta))
+        self.io_threads = n
+        return self._note(self._apply_live(f"I/O threads {n}", io_threads=n))
+
+    def adjust_kernel_threads(self, delta: int) -> str:
+        cap = max(1, os.cpu_count() or 1)
+        n = max(1, min(cap, self.effective_kernel_threads() + delta))
+        self.kernel_threads = n
+        return self._note(self._apply_live(f"kernel threads {n}", kernel_threads=n))
+
+    def toggle_backend(self) -> str:
+        """SIMD <-> scalar: live at the next token, and for the next run."""
+        current = self.run.snapshot().backend if self.live else self.next_backend()
+        if current == "scalar":
+            target = best_backend()
+            if target == "scalar":
+                raise Ds4fError(f"no SIMD backend on this CPU (available: {', '.join(available_backends())})")
+        else:
+            target = "scalar"
+        self.backend = target
+        return self._note(self._apply_live(f"kernels {current} → {target}", backend=target))
+
+    def set_gen(self, n: int) -> str:
+        if not isinstance(n, int) or not 1 <= n <= MAX_GEN:
+            raise Ds4fError(f"token count: must be between 1 and {MAX_GEN}, got {n!r}")
+        self.gen = n
+        return self._note(f"token count {n}" + (" (next run)" if self.live else ""))
+
+    def _apply_live(self, text: str, **change) -> str:
+        if self.live:
+            self.run.switch(**change)
+            return f"{text}: at the next token, and for the next run"
+        return f"{text} for the next run"
+
+    # -- history --------------------------------------------------------------------------
+    def runs(self, limit: int = 200) -> list[RunRecord]:
+        return self.history.list_runs(limit) if self.history else []
+
+    def last_two(self) -> tuple[RunRecord, RunRecord] | None:
+        done = [r for r in self.runs(50) if r.state == "done" and r.state_path]
+        return (done[1], done[0]) if len(done) >= 2 else None
+
+    def simd_scalar_pair(self) -> tuple[RunRecord, RunRecord] | None:
+        """The newest scalar run and the newest SIMD run comparable with it (same model, prompt, length)."""
+        return simd_scalar_pair(self.runs(200))
+
+
+def simd_scalar_pair(records: list[RunRecord]) -> tuple[RunRecord, RunRecord] | None:
+    done = [r for r in records if r.state == "done" and r.state_path]
+    scalars = [r for r in done if r.kind == "scalar"]
+    simds = [r for r in done if r.kind == "simd"]
+    for s in scalars:                     # newest scalar first
+        for v in simds:                   # newest SIMD run comparable with it
+            if v.comparable_with(s):
+                return (v, s)
+    return None
+
+
+def next_refresh(current: float, step: int) -> float:
+    """+ lengthens the refresh period, - shortens it (btop's convention), along REFRESH_STEPS."""
+    steps = REFRESH_STEPS
+    if step > 0:
+        bigger = [s for s in steps if s > current + 1e-9]
+        return bigger[0] if bigger else steps[-1]
+    smaller = [s for s in steps if s < current - 1e-9]
+    return smaller[-1] if smaller else steps[0]
