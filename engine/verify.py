@@ -1,0 +1,181 @@
+"""`ds4f verify`: check a checkpoint (either form) and list every problem found.
+
+ds4f layout: JSON structure and versions, geometry against config.json, sizes, every
+offset inside its file and 4 KiB-aligned, record overlap, tensor dtypes and shapes, the
+trunk.offsets table, then every record read back (one at a time, page cache dropped):
+crc32, zero padding, NaN scale bytes (0xFF); tid2eid ids in range.
+Official release: index and shard headers, every tensor the geometry needs with its
+official dtype and shape, NaN scale bytes in every expert, tid2eid ids in range.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ds4f.engine.checkpoint import (Checkpoint, OfficialCheckpoint, aligned_buffer, check_official_tensors,
+                                    detect_kind, load_ds4f_layout, moe_region_layout, _views)
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.formats import E8M0_NAN
+from ds4f.engine.geometry import Geometry
+from ds4f.engine.progress import Progress, ProgressArg
+from ds4f.engine.safetensors_index import read_json, load_official_index
+
+MAX_LISTED = 50  # per kind of problem; the rest are counted
+
+
+def verify_checkpoint(path: Path | str, progress: ProgressArg = None, info: dict | None = None) -> list[str]:
+    """Problems found (empty = OK). `info`, if given, receives counts (records, bytes, NaN scales)."""
+    info = {} if info is None else info
+    try:
+        root, kind = detect_kind(path)
+    except Ds4fError as exc:
+        return [str(exc)]
+    info["kind"] = kind
+    info["path"] = str(root)
+    if kind == "ds4f":
+        return _verify_ds4f(root, progress, info)
+    return _verify_official(root, progress, info)
+
+
+def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
+    state, problems = load_ds4f_layout(root)
+    g: Geometry | None = state.get("geometry")
+    if g is None or "record_offsets" not in state or "pool_path" not in state:
+        return problems
+    info["geometry"] = g
+    pool_path: Path = state["pool_path"]
+    offs, crcs, rec_n = state["record_offsets"], state["record_crc32"], state["record_nbytes"]
+    order = np.argsort(offs, kind="stable")
+    gaps = np.diff(offs[order])
+    for i in np.flatnonzero(gaps < rec_n)[:MAX_LISTED]:
+        a, b = int(order[i]), int(order[i + 1])
+        problems.append(f"{root / 'pool-mxfp4.json'}: records {a} and {b} overlap (offsets {offs[a]}, {offs[b]})")
+    size = pool_path.stat().st_size if pool_path.exists() else 0
+    n_rec = len(offs)
+    bad_crc, nan_total, nan_records, bad_pad, skipped = [], 0, [], [], 0
+    scale_lo = g.expert_nbytes - sum(int(np.prod(s)) for k, s in g.expert_parts().items() if k.endswith(".scale"))
+    buf = aligned_buffer(rec_n)
+    checked = 0
+    if pool_path.exists():
+        fd = os.open(pool_path, os.O_RDONLY)
+        try:
+            with Progress(progress, n_rec * rec_n, "verify") as bar:
+                for i in range(n_rec):
+                    off = int(offs[i])
+                    L, e = divmod(i, g.n_experts)
+                    if off + rec_n > size:
+                        skipped += 1
+                        bar.advance(rec_n)
+                        continue
+                    got = os.preadv(fd, [memoryview(buf)], off)
+                    try:
+                        os.posix_fadvise(fd, off, rec_n, os.POSIX_FADV_DONTNEED)
+                    except (AttributeError, OSError):
+                        pass
+                    if got < rec_n:
+                        skipped += 1
+                        continue
+                    checked += 1
+                    crc = zlib.crc32(memoryview(buf)[: g.expert_nbytes])
+                    if crc != int(crcs[i]):
+                        bad_crc.append(f"{pool_path}: record (layer {L}, expert {e}) at offset {off}: crc32"
+                                       f" {crc:08x}, pool-mxfp4.json says {int(crcs[i]):08x}")
+                    nan = int(np.count_nonzero(buf[scale_lo: g.expert_nbytes] == E8M0_NAN))
+                    if nan:
+                        nan_total += nan
+                        nan_records.append((L, e, nan))
+                    if buf[g.expert_nbytes:].any():
+                        bad_pad.append(f"{pool_path}: record (layer {L}, expert {e}): nonzero padding")
+                    bar.advance(rec_n, f"layer {L}")
+        finally:
+            os.close(fd)
+    info.update(records=n_rec, records_checked=checked, bytes_checked=checked * rec_n, nan_scale_bytes=nan_total)
+    problems += _capped(bad_crc, "crc32 mismatches") + _capped(bad_pad, "records with nonzero padding")
+    if skipped and not any("truncated" in p for p in problems):
+        problems.append(f"{pool_path}: {skipped} records could not be read in full")
+    if nan_total:
+        where = ", ".join(f"(layer {L}, expert {e}): {n}" for L, e, n in nan_records[:10])
+        problems.append(f"{pool_path}: {nan_total} NaN scale bytes (0xFF) in {len(nan_records)} records: {where}"
+                        + (" ..." if len(nan_records) > 10 else ""))
+    # tid2eid ids in range (hash layers)
+    trunk_path: Path = state["trunk_path"]
+    if trunk_path.exists():
+        tsize = trunk_path.stat().st_size
+        for L in range(g.n_hash_layers):
+            reg = state["regions"].get(f"layer.{L}")
+            lay = state["layer_layout"].get(L)
+            if not reg or not lay or reg[0] + reg[1] > tsize:
+                continue
+            rbuf = aligned_buffer(reg[1])
+            with open(trunk_path, "rb") as f:
+                f.seek(reg[0])
+                f.readinto(memoryview(rbuf))
+            views = _views(rbuf, lay)
+            problems += _tid2eid_problems(views.get("gate.tid2eid"), g, f"{trunk_path}: layers.{L}.ffn.gate.tid2eid")
+    return problems
+
+
+def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]:
+    cfg_path = root / "config.json"
+    try:
+        g = Geometry.from_config(read_json(cfg_path, "config JSON"), str(cfg_path))
+        tensors, files = load_official_index(root)
+    except Ds4fError as exc:
+        return [str(exc)]
+    info["geometry"] = g
+    problems = check_official_tensors(g, tensors, root)
+    if problems:
+        return problems
+    names = [f"layers.{L}.ffn.experts.{e}.{p}" for L in range(g.n_layers) for e in range(g.n_experts)
+             for p in ("w1.scale", "w3.scale", "w2.scale")]
+    total = sum(tensors[n].nbytes for n in names)
+    nan_total, nan_where = 0, []
+    fds: dict[Path, int] = {}
+    try:
+        with Progress(progress, total, "verify") as bar:
+            for n in names:
+                t = tensors[n]
+                fd = fds.get(t.file)
+                if fd is None:
+                    fd = fds[t.file] = os.open(t.file, os.O_RDONLY)
+                data = os.pread(fd, t.nbytes, t.offset)
+                if len(data) < t.nbytes:
+                    problems.append(f"{t.file}: truncated: short read of {n}")
+                    continue
+                c = data.count(bytes([E8M0_NAN]))
+                if c:
+                    nan_total += c
+                    nan_where.append(f"{n}: {c}")
+                bar.advance(t.nbytes)
+        for L in range(g.n_hash_layers):
+            t = tensors[f"layers.{L}.ffn.gate.tid2eid"]
+            arr = np.frombuffer(os.pread(fds.get(t.file) or fds.setdefault(t.file, os.open(t.file, os.O_RDONLY)),
+                                         t.nbytes, t.offset), dtype="<i8").reshape(t.shape)
+            problems += _tid2eid_problems(arr, g, f"{t.file}: {t.name}")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    info.update(records=g.n_layers * g.n_experts, records_checked=g.n_layers * g.n_experts,
+                bytes_checked=total, nan_scale_bytes=nan_total)
+    if nan_total:
+        problems.append(f"{root}: {nan_total} NaN scale bytes (0xFF) in expert scales: "
+                        + "; ".join(nan_where[:10]) + (" ..." if len(nan_where) > 10 else ""))
+    return problems
+
+
+def _tid2eid_problems(arr, g: Geometry, what: str) -> list[str]:
+    if arr is None:
+        return []
+    bad = (arr < 0) | (arr >= g.n_experts)
+    if bad.any():
+        return [f"{what}: {int(bad.sum())} expert ids outside 0..{g.n_experts - 1}"]
+    return []
+
+
+def _capped(items: list[str], what: str) -> list[str]:
+    if len(items) <= MAX_LISTED:
+        return items
+    return items[:MAX_LISTED] + [f"... and {len(items) - MAX_LISTED} more {what}"]
