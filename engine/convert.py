@@ -63,8 +63,12 @@ def _plan_trunk(ck: OfficialCheckpoint):
                 consumed.add(sc)
     extras: dict[int, list[str]] = {L: [] for L in range(g.n_layers)}
     glob: list[str] = []
+    skipped: list[str] = []
     for name in sorted(ck.tensors):
-        if ".experts." in name and name.startswith("layers.") and ".shared_experts." not in name:
+        if ".experts." in name and ".shared_experts." not in name:
+            m = _LAYER_RE.match(name)
+            if not (m and int(m.group(1)) < g.n_layers):
+                skipped.append(name)  # routed experts beyond the decoding layers (the MTP layer)
             continue
         if name in moe or name in consumed:
             continue
@@ -75,7 +79,7 @@ def _plan_trunk(ck: OfficialCheckpoint):
             glob.append(name)
     first = [n for n in ("embed.weight", "head.weight", "norm.weight") if n in glob]
     glob = first + [n for n in glob if n not in first]
-    return extras, glob
+    return extras, glob, skipped
 
 
 def _out_dtype(t: TensorInfo, ck: OfficialCheckpoint) -> str:
@@ -89,10 +93,10 @@ def _out_dtype(t: TensorInfo, ck: OfficialCheckpoint) -> str:
 
 def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
     g = ck.geometry
-    extras, glob = _plan_trunk(ck)
+    extras, glob, skipped = _plan_trunk(ck)
     n_rec = g.n_layers * g.n_experts
     rec_n = ck.slot_nbytes
-    trunk_in = sum(t.nbytes for n, t in ck.tensors.items() if not (".experts." in n and ".shared_" not in n))
+    trunk_in = sum(t.nbytes for n, t in ck.tensors.items() if not (".experts." in n and ".shared_experts." not in n))
     total = n_rec * g.expert_nbytes + trunk_in
 
     # -- trunk.bin
@@ -142,7 +146,9 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
             "records": records}
     trunk = {"format": TRUNK_FORMAT, "version": LAYOUT_VERSION, "geometry": cfg, "file": TRUNK_BIN,
              "alignment": ALIGN, "regions": [{"name": n, "offset": o, "nbytes": b} for n, o, b in regions],
-             "tensors": entries}
+             "tensors": entries,
+             "skipped": {"count": len(skipped), "why": "routed experts of layers beyond num_hidden_layers (MTP)",
+                         "names": skipped[:20]}}
     (tmp / POOL_JSON).write_text(json.dumps(pool, separators=(",", ":")) + "\n")
     (tmp / TRUNK_JSON).write_text(json.dumps(trunk, indent=1) + "\n")
     write_trunk_offsets(tmp / TRUNK_OFFSETS, regions)

@@ -331,7 +331,8 @@ def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
     specs = {"layers.1.attn.wq_a.weight": TensorSpec(dtype="float8_e4m3fn", shape=[200, 256], data_ptr=keep[0].ctypes.data, data_len=keep[0].nbytes),
              "layers.1.attn.wq_a.scale": TensorSpec(dtype="float8_e8m0fnu", shape=[2, 2], data_ptr=keep[1].ctypes.data, data_len=keep[1].nbytes),
              "layers.1.hc_ffn_base": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
-             "mtp.0.norm.weight": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes)}
+             "mtp.0.norm.weight": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
+             "layers.4.ffn.experts.0.w1.weight": TensorSpec(dtype="int8", shape=[32], data_ptr=keep[0].ctypes.data, data_len=32)}
     serialize_file(specs, str(root / "model-extra.safetensors"))
     index = json.loads((root / "model.safetensors.index.json").read_text())
     for k in specs:
@@ -343,6 +344,7 @@ def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
     assert by["layers.1.attn.wq_a.weight"]["region"] == "extra.1" and by["layers.1.attn.wq_a.weight"]["dtype"] == "BF16"
     assert by["mtp.0.norm.weight"]["region"] == "global"
     assert "layers.1.attn.wq_a.scale" not in by
+    assert "layers.4.ffn.experts.0.w1.weight" not in by and trunk["skipped"]["count"] == 1  # MTP experts
     with open_checkpoint(dst) as ck:
         got = ck.global_tensor("layers.1.attn.wq_a.weight")
         assert np.array_equal(got.astype(np.float32), dequantize_fp8(w, s).astype(np.float32))
