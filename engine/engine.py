@@ -1,0 +1,222 @@
+"""The streaming engine: one decode step = the MoE forward of one token, experts from the cache.
+
+Per token:
+  1. the hash layers' experts are known from the token id: request them all at once;
+  2. for each layer: get its trunk (pinned, or read ahead by the reader one layer early),
+     route, request the misses, compute the experts already resident while the misses
+     load, then the rest as they land; add the shared expert and the residual;
+  3. final norm, head, greedy argmax.
+Every buffer is allocated here, once; a step allocates only small Python objects.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+from .config import Preset
+from .errors import Ds4fError
+from .expert_cache import ExpertCache
+from .model import LayerTrunk, SharedExpert, expert_weights, rms_norm, route, sqrt_softplus
+from .reader import Reader
+
+
+@dataclass
+class StepResult:
+    next_token: int
+    ids: np.ndarray          # int32 [n_layers, top_k]  selected experts, rank order
+    weights: np.ndarray      # fp32 [n_layers, top_k]
+    hidden: np.ndarray       # fp32 [n_layers, hidden]  residual stream after each layer
+    hits: int
+    misses: int
+    bytes_read: int
+    stall_s: float
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned, pre-faulted uint8 buffer (anonymous mmap) for direct reads."""
+    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(m, dtype=np.uint8)
+    arr[::mmap.PAGESIZE] = 0
+    return arr
+
+
+class Engine:
+    def __init__(self, checkpoint, preset: Preset, io_threads: int, kernel_threads: int, backend: str) -> None:
+        self.ckpt = checkpoint
+        g = self.geometry = checkpoint.geometry
+        self.preset = preset
+        self.set_kernels(backend, kernel_threads)
+
+        # trunk: globals and pinned layers stay resident; the others are read per token
+        self.embed = checkpoint.global_tensor("embed.weight")
+        self.head = checkpoint.global_tensor("head.weight")
+        self.final_norm = np.asarray(checkpoint.global_tensor("norm.weight"), dtype=np.float32)
+        self.n_pinned = preset.pinned_count(g.n_layers)
+        self.pinned: dict[int, LayerTrunk] = {
+            layer: LayerTrunk.from_tensors({k: np.array(v) for k, v in checkpoint.layer_tensors(layer).items()})
+            for layer in range(self.n_pinned)}
+        self.unpinned = list(range(self.n_pinned, g.n_layers))
+        # hash routing tables stay resident whatever is pinned: they drive the token-start prefetch
+        self.tid2eid = {layer: np.array(checkpoint.layer_tensors(layer)["gate.tid2eid"])
+                        for layer in range(g.n_hash_layers)}
+        self._trunk_bufs = [_aligned_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
+
+        self.pool_bytes = g.n_layers * g.n_experts * checkpoint.slot_nbytes
+        self.cache = ExpertCache(preset.cache.resolve(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
+                                 preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k)
+        self.reader = Reader(checkpoint, io_threads)
+        self._landed = threading.Event()  # set by an I/O thread whenever a read completes
+
+        # per-step buffers
+        self.h = np.empty(g.hidden, np.float32)
+        self.x = np.empty(g.hidden, np.float32)
+        self.logits = np.empty(g.n_experts, np.float32)
+        self.vocab_logits = np.empty(g.vocab, np.float32)
+        self.ys = np.empty((g.top_k, g.hidden), np.float32)
+        self.y = np.empty(g.hidden, np.float32)
+        self.scratch = kernels.experts_scratch(1, g.hidden, g.inter)
+        self.shared = SharedExpert(g.hidden, g.inter * g.n_shared_experts)
+        self.out_ids = np.empty((g.n_layers, g.top_k), np.int32)
+        self.out_weights = np.empty((g.n_layers, g.top_k), np.float32)
+        self.out_hidden = np.empty((g.n_layers, g.hidden), np.float32)
+
+    # -- settings that change at token boundaries ------------------------------------------
+    def set_kernels(self, backend: str, threads: int) -> None:
+        try:
+            self.backend = kernels.set_backend(backend)
+        except ValueError as exc:
+            raise Ds4fError(str(exc)) from None
+        kernels.set_threads(threads)
+        self.kernel_threads = threads
+
+    def set_io_threads(self, threads: int) -> None:
+        self.reader.resize(threads)
+
+    @property
+    def io_threads(self) -> int:
+        return self.reader.threads
+
+    # -- one token --------------------------------------------------------------------------
+    def step(self, token_id: int) -> StepResult:
+        g = self.geometry
+        if not 0 <= token_id < g.vocab:
+            raise Ds4fError(f"token id {token_id} is outside the vocabulary (0..{g.vocab - 1})")
+        kernels.set_backend(self.backend)  # the process-wide setting is this run's, every token
+        kernels.set_threads(self.kernel_threads)
+        hits0 = sum(c.hits for c in self.cache.layers)
+        misses0 = sum(c.misses for c in self.cache.layers)
+        bytes0 = self.reader.expert_stats.totals()[1] + self.reader.trunk_stats.totals()[1]
+        stall = 0.0
+
+        protected: set = set()
+        hash_slots = {layer: self._request(layer, self.tid2eid[layer][token_id], protected)
+                      for layer in range(g.n_hash_layers)}
+        trunk_next = self._read_ahead(self.unpinned[0], 0) if self.unpinned else None
+
+        h = self.h
+        h[:] = self.embed[token_id].astype(np.float32)
+        for layer in range(g.n_layers):
+            if layer in self.pinned:
+                trunk = self.pinned[layer]
+            else:
+                t0 = time.perf_counter()
+                trunk = LayerTrunk.from_tensors(trunk_next.result())
+                stall += time.perf_counter() - t0
+                i = self.unpinned.index(layer)
+                if i + 1 < len(self.unpinned):
+                    trunk_next = self._read_ahead(self.unpinned[i + 1], (i + 1) % 2)
+            ids, weights, y, layer_stall = self.moe_block(layer, trunk, h, token_id, protected, hash_slots.get(layer))
+            stall += layer_stall
+            h += y
+            self.out_ids[layer] = ids
+            self.out_weights[layer] = weights
+            self.out_hidden[layer] = h
+            protected.difference_update((layer, int(e)) for e in ids)
+
+        final = rms_norm(h, self.final_norm, g.rms_norm_eps, self.x)
+        kernels.bf16_matvec(self.head, final, out=self.vocab_logits)
+        next_token = int(np.argmax(self.vocab_logits))
+        bytes1 = self.reader.expert_stats.totals()[1] + self.reader.trunk_stats.totals()[1]
+        return StepResult(next_token, self.out_ids, self.out_weights, self.out_hidden,
+                          hits=sum(c.hits for c in self.cache.layers) - hits0,
+                          misses=sum(c.misses for c in self.cache.layers) - misses0,
+                          bytes_read=bytes1 - bytes0, stall_s=stall)
+
+    def moe_block(self, layer: int, trunk: LayerTrunk, h: np.ndarray, token_id: int, protected: set,
+                  slots: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """One layer's MoE block on the residual h: (ids, weights, block output y, stall seconds).
+
+        y = routed experts + shared expert of rmsnorm(h); the caller adds it to h. This is
+        DeepseekV4SparseMoeBlock (after its post-attention RMSNorm) in transformers' terms.
+        """
+        g = self.geometry
+        x = rms_norm(h, trunk.ffn_norm, g.rms_norm_eps, self.x)
+        kernels.bf16_matvec(trunk.gate, x, out=self.logits)
+        ids, weights = route(sqrt_softplus(self.logits), trunk, token_id, g)
+        if slots is None:
+            slots = self._request(layer, ids, protected)
+        stall = self._compute_experts(layer, ids, weights, slots, x)
+        # sum in routing-rank order, whatever order the experts landed in
+        self.y[:] = self.ys[0]
+        for r in range(1, g.top_k):
+            self.y += self.ys[r]
+        self.y += self.shared(trunk, x)
+        return ids, weights, self.y, stall
+
+    def layer_trunk(self, layer: int) -> LayerTrunk:
+        """A layer's MoE trunk: the pinned copy, or a fresh read (outside the per-token read-ahead)."""
+        if layer in self.pinned:
+            return self.pinned[layer]
+        return LayerTrunk.from_tensors({k: np.array(v) for k, v in self.ckpt.layer_tensors(layer).items()})
+
+    def _read_ahead(self, layer: int, buf_index: int):
+        return self.reader.read_trunk_layer(layer, self._trunk_bufs[buf_index])
+
+    def _request(self, layer: int, ids, protected: set) -> list:
+        """The slots of this layer's experts: hits now, misses handed to the reader."""
+        keys = [(layer, int(e)) for e in ids]
+        protected.update(keys)
+        slots = []
+        for key in keys:
+            slot = self.cache.lookup(key)
+            if slot is None:
+                slot = self.cache.allocate(key, protected)
+                self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed)
+            slots.append(slot)
+        return slots
+
+    def _compute_experts(self, layer: int, ids, weights, slots, x) -> float:
+        """Run each routed expert into ys[rank] as soon as its slot is ready; return stall time."""
+        g = self.geometry
+        layout = self.ckpt.expert_layout
+        pending = list(range(len(slots)))
+        stall = 0.0
+        while pending:
+            self._landed.clear()
+            ready = [r for r in pending if slots[r].ready.is_set()]
+            if not ready:
+                t0 = time.perf_counter()
+                self._landed.wait(0.05)
+                stall += time.perf_counter() - t0
+                continue
+            for r in ready:
+                slot = slots[r]
+                if slot.error is not None:
+                    err = slot.error
+                    self.cache.discard(slot.key)
+                    if isinstance(err, Ds4fError):
+                        raise err
+                    raise Ds4fError(f"reading expert {int(ids[r])} of layer {layer}: {err}") from err
+                ew = expert_weights(self.cache.pool[slot.index], layout)
+                kernels.experts_forward([ew], weights[r:r + 1], x, g.swiglu_limit, self.ys[r], self.scratch)
+                pending.remove(r)
+        return stall
+
+    def close(self) -> None:
+        self.reader.close()
+        self.cache.close()

@@ -1,0 +1,368 @@
+"""The run API: the one boundary the console, the CLI and the server use.
+
+    run = start_run(RunConfig(model=..., preset="laptop", gen=8), history=History(path))
+    run.snapshot()        # live figures, cheap, any thread, any time
+    run.switch(backend="scalar", kernel_threads=1, io_threads=8)   # lands at the next token
+    run.cancel(); run.wait(); run.state; run.error; run.report
+
+A run executes in a background thread. It writes state.bin and report.json under temporary
+names and renames them when complete; a cancelled or failed run leaves no partial files.
+Only one run is active per process at a time: the kernel backend and thread count are
+process-wide settings of the native library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import statistics
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from . import kernels
+from .checkpoint import open_checkpoint
+from .config import BACKEND_NAMES, load_config, user_data_dir
+from .engine import Engine
+from .errors import Ds4fError
+from .snapshot import Snapshot, TokenRecord
+from .statedump import StateWriter
+
+REPORT_SCHEMA = "ds4f.report/1"
+_active_lock = threading.Lock()
+_active: "Run | None" = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str                               # checkpoint path (official shards or ds4f layout)
+    preset: str = "laptop"                   # a preset of ds4f.toml
+    gen: int = 8                             # tokens to generate
+    prompt: tuple[int, ...] | None = None    # prompt token ids; None: (bos,)
+    io_threads: int | None = None            # None: the preset's, else ds4f.toml's
+    kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
+    backend: str = "auto"                    # auto | scalar | avx2 | avx512 | neon
+    dump_path: str | None = None             # state.bin; None: <data dir>/runs/<id>/state.bin
+    report_path: str | None = None           # report.json; None: next to the state dump
+    config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
+    probe_floor: bool | None = None          # measure the NVMe floor; None: ds4f.toml's engine.probe_floor
+
+
+def _new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def active_run() -> "Run | None":
+    return _active if _active is not None and not _active.finished else None
+
+
+def start_run(config: RunConfig, history=None) -> "Run":
+    """Validate, open the checkpoint and start the run's thread; returns at once."""
+    global _active
+    cfg = load_config(config.config_path)
+    preset = cfg.get_preset(config.preset)
+    if not isinstance(config.gen, int) or config.gen < 1:
+        raise Ds4fError(f"gen: must be a positive number of tokens, got {config.gen!r}")
+    if config.backend not in BACKEND_NAMES:
+        raise Ds4fError(f"backend: unknown backend {config.backend!r} (known: {', '.join(BACKEND_NAMES)})")
+    if config.backend != "auto" and config.backend not in kernels.available_backends():
+        raise Ds4fError(f"backend: {config.backend} is not available on this machine "
+                        f"(available: {', '.join(kernels.available_backends())})")
+    for name in ("io_threads", "kernel_threads"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or value < 1 or value > 256):
+            raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}")
+    if not config.model:
+        raise Ds4fError("model: no checkpoint path given")
+    checkpoint = open_checkpoint(config.model)
+    g = checkpoint.geometry
+    prompt = tuple(config.prompt) if config.prompt else (g.bos_token_id,)
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < g.vocab]
+    if bad:
+        checkpoint.close()
+        raise Ds4fError(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{g.vocab - 1})")
+    with _active_lock:
+        if active_run() is not None:
+            checkpoint.close()
+            raise Ds4fError(f"run {_active.id} is still active; stop it first")
+        run = Run(config, cfg, preset, checkpoint, prompt, history)
+        _active = run
+    run._thread.start()
+    return run
+
+
+class Run:
+    def __init__(self, config: RunConfig, cfg, preset, checkpoint, prompt, history) -> None:
+        self.id = _new_run_id()
+        self.config = config
+        self.preset = preset
+        self.checkpoint = checkpoint
+        self.prompt = prompt
+        self.history = history
+        self.n_steps = len(prompt) - 1 + config.gen
+        self.io_threads = config.io_threads or cfg.effective_io_threads(preset)
+        self.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
+        self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
+        run_dir = user_data_dir() / "runs" / self.id
+        self.dump_path = Path(config.dump_path) if config.dump_path else run_dir / "state.bin"
+        self.report_path = Path(config.report_path) if config.report_path else self.dump_path.with_name("report.json")
+
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._pending: dict = {}
+        self._state = "starting"
+        self._error: str | None = None
+        self._report: dict | None = None
+        self._events: list[str] = []
+        self._tokens: list[TokenRecord] = []
+        self._generated: list[int] = []
+        self._engine: Engine | None = None
+        self._floor = None
+        self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
+        self.started_at = time.time()
+        self.finished_at: float | None = None
+        self._t0 = time.perf_counter()
+        self._process = psutil.Process()
+        self._thread = threading.Thread(target=self._main, name=f"ds4f-run-{self.id}", daemon=True)
+
+    # -- the public surface -------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def report(self) -> dict | None:
+        return self._report
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def switch(self, backend: str | None = None, kernel_threads: int | None = None,
+               io_threads: int | None = None) -> None:
+        """Change settings; they take effect at the next token boundary."""
+        if backend is not None:
+            if backend != "auto" and backend not in kernels.available_backends():
+                raise Ds4fError(f"backend: {backend} is not available here (available: {', '.join(kernels.available_backends())})")
+        for name, value in (("kernel_threads", kernel_threads), ("io_threads", io_threads)):
+            if value is not None and (not isinstance(value, int) or not 1 <= value <= 256):
+                raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}")
+        with self._lock:
+            for name, value in (("backend", backend), ("kernel_threads", kernel_threads), ("io_threads", io_threads)):
+                if value is not None:
+                    self._pending[name] = value
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            tokens = tuple(self._tokens)
+            events = tuple(self._events[-200:])
+            state, error = self._state, self._error
+            backend = self._backend
+            kt, it = self.kernel_threads, self.io_threads
+        eng = self._engine
+        warm = tokens[1:] or tokens
+        s_tok = statistics.median(t.seconds for t in warm) if warm else None
+        gb_tok = sum(t.bytes_read for t in warm) / len(warm) / 1e9 if warm else None
+        eff = gb_tok / s_tok if gb_tok is not None and s_tok else None
+        floor = self._floor.gbps if self._floor else None
+        hits = sum(t.hits for t in tokens)
+        misses = sum(t.misses for t in tokens)
+        layers = eng.cache.layers if eng else []
+        reads, _nbytes, latency = eng.reader.expert_stats.totals() if eng else (0, 0, 0.0)
+        elapsed = (self.finished_at or time.time()) - self.started_at
+        remaining = self.n_steps - len(tokens)
+        try:
+            rss = self._process.memory_info().rss
+        except psutil.Error:
+            rss = 0
+        return Snapshot(
+            run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
+            gen=self.n_steps, tokens_done=len(tokens), backend=backend, kernel_threads=kt, io_threads=it,
+            io_mode=self.checkpoint.io_mode, policy=self.preset.policy,
+            s_per_token=s_tok, s_first_token=tokens[0].seconds if tokens else None,
+            gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
+            io_efficiency=eff / floor if eff is not None and floor else None,
+            hit_rate=hits / (hits + misses) if hits + misses else None,
+            layer_hits=tuple(c.hits for c in layers), layer_misses=tuple(c.misses for c in layers),
+            layer_evictions=tuple(c.evictions for c in layers),
+            cache_bytes=eng.cache.used_bytes if eng else 0,
+            budget_bytes=eng.cache.capacity_bytes if eng else 0,
+            rss_bytes=rss, rss_budget_bytes=self._rss_budget(eng),
+            read_latency_ms=latency / reads * 1e3 if reads else None,
+            stall_s_per_token=sum(t.stall_s for t in tokens) / len(tokens) if tokens else None,
+            elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
+            tokens=tokens, events=events)
+
+    # -- the run's thread ---------------------------------------------------------------------
+    def _log(self, message: str) -> None:
+        with self._lock:
+            self._events.append(f"{time.strftime('%H:%M:%S')} {message}")
+
+    def _rss_budget(self, eng: Engine | None) -> int:
+        if eng is None:
+            return 0
+        ck = self.checkpoint
+        pinned = sum(ck.trunk_layer_nbytes(layer) for layer in eng.pinned)
+        globals_ = sum(a.nbytes for a in (eng.embed, eng.head, eng.final_norm))
+        return pinned + globals_ + eng.cache.capacity_bytes + 2 * ck.trunk_layer_buf_nbytes
+
+    def _apply_switches(self, eng: Engine, step: int) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        backend = pending.get("backend", self._backend)
+        threads = pending.get("kernel_threads", eng.kernel_threads)
+        old = (self._backend, eng.kernel_threads, eng.io_threads)
+        eng.set_kernels(backend, threads)
+        if "io_threads" in pending:
+            eng.set_io_threads(pending["io_threads"])
+        with self._lock:
+            self._backend, self.kernel_threads, self.io_threads = eng.backend, eng.kernel_threads, eng.io_threads
+        new = (self._backend, eng.kernel_threads, eng.io_threads)
+        for label, a, b in zip(("backend", "kernel threads", "I/O threads"), old, new):
+            if a != b:
+                self._log(f"token {step}: {label} {a} -> {b}")
+
+    def _main(self) -> None:
+        global _active
+        writer = None
+        try:
+            self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
+            eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
+            with self._lock:
+                self._engine = eng
+                self._backend = eng.backend
+            if self.probe and not self._cancel.is_set():
+                from .probe import cached_floor
+
+                self._floor = cached_floor(self.checkpoint, self.io_threads)
+                self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
+            with self._lock:
+                self._state = "running"
+            writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps)
+            token = self.prompt[0]
+            for step in range(self.n_steps):
+                if self._cancel.is_set():
+                    break
+                self._apply_switches(eng, step)
+                t0 = time.perf_counter()
+                res = eng.step(token)
+                seconds = time.perf_counter() - t0
+                writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden)
+                record = TokenRecord(index=step, token_id=token, next_token_id=res.next_token, seconds=seconds,
+                                     bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
+                                     stall_s=res.stall_s, backend=eng.backend,
+                                     kernel_threads=eng.kernel_threads, io_threads=eng.io_threads)
+                with self._lock:
+                    self._tokens.append(record)
+                if step + 1 < len(self.prompt):
+                    token = self.prompt[step + 1]
+                else:
+                    token = res.next_token
+                    self._generated.append(token)
+            if self._cancel.is_set():
+                writer.abort()
+                writer = None
+                self._finish("cancelled")
+                self._log(f"cancelled after {len(self._tokens)} tokens; no files written")
+                return
+            sha = writer.finish()
+            writer = None
+            self._finish("done", sha=sha)
+        except Ds4fError as exc:
+            self._fail(str(exc), writer)
+        except Exception as exc:  # never a silently dead thread: the error is the run's
+            self._log(traceback.format_exc(limit=8).rstrip())
+            self._fail(f"internal error: {type(exc).__name__}: {exc}", writer)
+        finally:
+            if self._engine is not None:
+                self._engine.close()
+            self.checkpoint.close()
+            self._done.set()
+            with _active_lock:
+                if _active is self:
+                    _active = None
+
+    def _fail(self, message: str, writer) -> None:
+        if writer is not None:
+            writer.abort()
+        with self._lock:
+            self._error = message
+        self._log(f"error: {message}")
+        self._finish("failed")
+
+    def _finish(self, state: str, sha: str | None = None) -> None:
+        self.finished_at = time.time()
+        report = None
+        if state == "done":
+            report = self._build_report(sha)
+            self.report_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.report_path.with_name(self.report_path.name + ".partial")
+            tmp.write_text(json.dumps(report, indent=1))
+            os.replace(tmp, self.report_path)
+            s = report["summary"]
+            self._log(f"done: {s['s_per_token']:.3f} s/token warm, hit rate {s['hit_rate']:.1%}, sha256 {sha[:12]}")
+        with self._lock:
+            self._report = report
+            self._state = state
+        if self.history is not None:
+            try:
+                self.history.record(run_id=self.id, config=self.config_dict(), state=state, report=report,
+                                    state_path=str(self.dump_path) if report else None,
+                                    state_sha256=sha, error=self._error,
+                                    started_at=self.started_at, finished_at=self.finished_at)
+            except Exception as exc:  # the run itself succeeded; say what went wrong with the record
+                self._log(f"could not record the run in the history: {exc}")
+
+    def config_dict(self) -> dict:
+        d = asdict(self.config)
+        d.update(prompt=list(self.prompt), preset_detail=self.preset.describe(),
+                 io_threads=self.io_threads, kernel_threads=self.kernel_threads, backend_requested=self.config.backend)
+        return d
+
+    def _build_report(self, sha: str | None) -> dict:
+        snap = self.snapshot()
+        eng = self._engine
+        tokens = [asdict(t) for t in snap.tokens]
+        cold = snap.tokens[0] if snap.tokens else None
+        summary = {
+            "tokens": snap.tokens_done, "s_per_token": snap.s_per_token, "s_first_token": snap.s_first_token,
+            "gb_per_token": snap.gb_per_token, "gb_first_token": cold.bytes_read / 1e9 if cold else None,
+            "eff_read_gbps": snap.eff_read_gbps, "floor_gbps": snap.floor_gbps, "io_efficiency": snap.io_efficiency,
+            "hit_rate": snap.hit_rate, "hits": sum(snap.layer_hits), "misses": sum(snap.layer_misses),
+            "evictions": sum(snap.layer_evictions), "read_latency_ms": snap.read_latency_ms,
+            "stall_s_per_token": snap.stall_s_per_token, "rss_bytes": snap.rss_bytes,
+            "rss_budget_bytes": snap.rss_budget_bytes, "wall_s": snap.elapsed_s,
+        }
+        return {
+            "schema": REPORT_SCHEMA, "run_id": self.id, "state": "done",
+            "started_at": self.started_at, "finished_at": self.finished_at,
+            "model": str(self.config.model), "checkpoint_kind": self.checkpoint.kind,
+            "geometry": self.checkpoint.geometry.to_config(), "config": self.config_dict(),
+            "io_mode": self.checkpoint.io_mode, "policy": self.preset.policy,
+            "cache": {"budget_bytes": eng.cache.budget_bytes, "capacity_bytes": eng.cache.capacity_bytes,
+                      "slots": eng.cache.n_slots, "slot_nbytes": eng.cache.slot_nbytes},
+            "pinned_layers": sorted(eng.pinned), "floor": asdict(self._floor) if self._floor else None,
+            "summary": summary,
+            "layers": [{"layer": i, "hits": h, "misses": m, "evictions": e}
+                       for i, (h, m, e) in enumerate(zip(snap.layer_hits, snap.layer_misses, snap.layer_evictions))],
+            "backend_by_token": [t.backend for t in snap.tokens],
+            "tokens": tokens, "prompt": list(self.prompt), "generated": list(self._generated),
+            "events": list(snap.events), "state_path": str(self.dump_path), "state_sha256": sha,
+        }

@@ -1,0 +1,245 @@
+"""The streaming engine end to end on the tiny checkpoint: math, determinism, accounting, artifacts.
+
+The reference forward pass here is float64 numpy with ml_dtypes decoding, written from the
+model's definition (DESIGN.md, transformers' deepseek_v4), sharing no code with the engine.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ds4f.engine import kernels
+from ds4f.engine.checkpoint import open_checkpoint
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.runs import RunConfig, start_run
+from ds4f.engine.statedump import diff_states, read_state
+
+SIMD = [b for b in kernels.available_backends() if b != "scalar"]
+
+
+# ---------------------------------------------------------------- an independent reference
+def _decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    rows = codes.shape[0]
+    nib = np.empty((rows, codes.shape[1] * 2), np.uint8)
+    nib[:, 0::2] = codes & 0x0F
+    nib[:, 1::2] = codes >> 4
+    vals = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    sc = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+    return vals * np.repeat(sc, 32, axis=1)
+
+
+def _expert(ck, layer, e):
+    buf = np.zeros(ck.slot_nbytes + 4096, np.uint8)
+    off = (-buf.ctypes.data) % 4096
+    slot = buf[off:off + ck.slot_nbytes]
+    ck.read_expert(layer, e, slot)
+    part = {}
+    for name, (o, shape) in ck.expert_layout.items():
+        part[name] = slot[o:o + int(np.prod(shape))].reshape(shape)
+    return (_decode_mxfp4(part["w1.weight"], part["w1.scale"]), _decode_mxfp4(part["w3.weight"], part["w3.scale"]),
+            _decode_mxfp4(part["w2.weight"], part["w2.scale"]))
+
+
+def _f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def reference_step(ck, token: int):
+    """(next token, ids [L, k], hidden [L, H]) in float64."""
+    g = ck.geometry
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    h = _f64(ck.global_tensor("embed.weight")[token])
+    ids_all, hid_all = [], []
+    for layer in range(g.n_layers):
+        t = ck.layer_tensors(layer)
+        x = h / np.sqrt(np.mean(h * h) + g.rms_norm_eps) * _f64(t["ffn_norm.weight"])
+        scores = np.sqrt(np.logaddexp(0, _f64(t["gate.weight"]) @ x))
+        if "gate.tid2eid" in t:
+            ids = np.asarray(t["gate.tid2eid"][token])
+        else:
+            ids = np.argsort(-(scores + _f64(t["gate.bias"])), kind="stable")[: g.top_k]
+        w = scores[ids] / scores[ids].sum() * g.routed_scaling_factor
+        y = np.zeros(g.hidden)
+        for e, we in zip(ids, w):
+            w1, w3, w2 = _expert(ck, layer, int(e))
+            act = silu(np.minimum(w1 @ x, g.swiglu_limit)) * np.clip(w3 @ x, -g.swiglu_limit, g.swiglu_limit)
+            y += w2 @ (act * we)
+        s1, s3, s2 = (_f64(t[f"shared_experts.{n}.weight"]) for n in ("w1", "w3", "w2"))
+        y += s2 @ (silu(s1 @ x) * (s3 @ x))
+        h = h + y
+        ids_all.append(sorted(int(i) for i in ids))
+        hid_all.append(h.copy())
+    final = h / np.sqrt(np.mean(h * h) + g.rms_norm_eps) * _f64(ck.global_tensor("norm.weight"))
+    logits = _f64(ck.global_tensor("head.weight")) @ final
+    return int(np.argmax(logits)), ids_all, np.array(hid_all)
+
+
+# ---------------------------------------------------------------- helpers
+def _run(model, tmp_path, name, **kw):
+    kw.setdefault("gen", 4)
+    kw.setdefault("probe_floor", False)
+    run = start_run(RunConfig(model=str(model), dump_path=str(tmp_path / f"{name}.bin"),
+                              report_path=str(tmp_path / f"{name}.json"), **kw))
+    assert run.wait(120), "run did not finish"
+    assert run.state == "done", run.error
+    return run
+
+
+# ---------------------------------------------------------------- the math
+@pytest.mark.parametrize("backend", kernels.available_backends())
+def test_forward_matches_float64_reference(tiny_model, tmp_path, backend):
+    run = _run(tiny_model, tmp_path, backend, gen=3, backend=backend)
+    state = read_state(run.dump_path)
+    with open_checkpoint(tiny_model) as ck:
+        for rec in state.records:
+            nxt, ids, hidden = reference_step(ck, int(rec["token"]))
+            assert [sorted(r) for r in rec["ids"].tolist()] == ids
+            scale = np.abs(hidden).max(axis=1)
+            err = np.abs(rec["hidden"].astype(np.float64) - hidden).max(axis=1)
+            assert (err <= 1e-5 * scale * np.arange(1, len(scale) + 1)).all(), (err / scale)
+            assert int(rec["next"]) == nxt
+
+
+# ---------------------------------------------------------------- determinism
+def test_state_is_byte_identical_across_thread_counts(tiny_model, tmp_path):
+    a = _run(tiny_model, tmp_path, "t1", kernel_threads=1, io_threads=1)
+    b = _run(tiny_model, tmp_path, "t2", kernel_threads=2, io_threads=3)
+    assert a.report["state_sha256"] == b.report["state_sha256"]
+    assert Path(a.dump_path).read_bytes() == Path(b.dump_path).read_bytes()
+    assert diff_states(a.dump_path, b.dump_path).cls == "identical"
+
+
+def test_state_does_not_depend_on_the_preset(tiny_model, tmp_path):
+    """Pinning and cache size change what is read, never the numbers."""
+    a = _run(tiny_model, tmp_path, "server", preset="server")
+    b = _run(tiny_model, tmp_path, "minimal", preset="minimal")
+    assert a.report["summary"]["hit_rate"] != b.report["summary"]["hit_rate"]
+    assert a.report["state_sha256"] == b.report["state_sha256"]
+
+
+@pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
+def test_simd_vs_scalar_is_low_bit(tiny_model, tmp_path):
+    a = _run(tiny_model, tmp_path, "scalar", backend="scalar")
+    b = _run(tiny_model, tmp_path, "simd", backend=SIMD[-1])
+    d = diff_states(a.dump_path, b.dump_path)
+    assert d.cls in ("low-bit", "identical")
+    assert d.token is None
+    sa, sb = read_state(a.dump_path), read_state(b.dump_path)
+    assert (sa.records["ids"] == sb.records["ids"]).all()
+    assert set(sa.backends) == {"scalar"} and set(sb.backends) == {SIMD[-1]}
+
+
+# ---------------------------------------------------------------- accounting and the cache
+def test_hits_plus_misses_equal_requests(tiny_model, tmp_path):
+    run = _run(tiny_model, tmp_path, "acct", gen=6, preset="laptop")
+    s = run.report["summary"]
+    with open_checkpoint(tiny_model) as ck:
+        g = ck.geometry
+    steps = run.n_steps
+    assert s["hits"] + s["misses"] == g.top_k * g.n_layers * steps
+    assert sum(t["hits"] + t["misses"] for t in run.report["tokens"]) == g.top_k * g.n_layers * steps
+    layers = run.report["layers"]
+    assert all(layer["hits"] + layer["misses"] == g.top_k * steps for layer in layers)
+    # the first token is cold: every one of its experts is a miss unless it repeats within the token
+    assert run.report["tokens"][0]["misses"] > 0
+    # bytes: each miss reads one record; unpinned trunk layers are read every token
+    with open_checkpoint(tiny_model) as ck:
+        pinned = set(run.report["pinned_layers"])
+        trunk = sum(ck.trunk_layer_nbytes(i) for i in range(g.n_layers) if i not in pinned)
+        for t in run.report["tokens"]:
+            assert t["bytes_read"] == t["misses"] * ck.slot_nbytes + trunk
+
+
+def test_cache_never_exceeds_budget(tiny_model, tmp_path):
+    run = start_run(RunConfig(model=str(tiny_model), preset="laptop", gen=12, probe_floor=False,
+                              dump_path=str(tmp_path / "b.bin")))
+    seen = []
+    while not run.wait(0.001):
+        s = run.snapshot()
+        seen.append((s.cache_bytes, s.budget_bytes))
+    assert run.state == "done", run.error
+    cache = run.report["cache"]
+    assert cache["capacity_bytes"] <= cache["budget_bytes"]
+    assert all(used <= budget for used, budget in seen if budget)
+    assert run.report["summary"]["evictions"] > 0, "laptop preset on tiny should have to evict"
+
+
+def test_budget_too_small_is_a_clear_error(tiny_model, tmp_path):
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text('[presets.starved]\npinned_layers = "all"\ncache = "64 KiB"\n')
+    run = start_run(RunConfig(model=str(tiny_model), preset="starved", config_path=str(cfg), probe_floor=False,
+                              dump_path=str(tmp_path / "s.bin")))
+    run.wait(30)
+    assert run.state == "failed"
+    assert "budget" in run.error and "experts" in run.error
+    assert not list(tmp_path.glob("s.bin*"))
+
+
+# ---------------------------------------------------------------- switches, cancel, errors
+@pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
+def test_switch_lands_at_a_token_boundary(tiny_model, tmp_path):
+    run = start_run(RunConfig(model=str(tiny_model), gen=40, backend=SIMD[-1], probe_floor=False,
+                              dump_path=str(tmp_path / "sw.bin")))
+    while run.snapshot().tokens_done < 2 and not run.finished:
+        time.sleep(0.001)
+    run.switch(backend="scalar", kernel_threads=1, io_threads=2)
+    assert run.wait(120) and run.state == "done", run.error
+    backends = run.report["backend_by_token"]
+    k = backends.index("scalar")
+    assert set(backends[:k]) == {SIMD[-1]} and set(backends[k:]) == {"scalar"}
+    assert run.report["tokens"][k]["kernel_threads"] == 1 and run.report["tokens"][k]["io_threads"] == 2
+    assert any(f"token {k}: backend {SIMD[-1]} -> scalar" in e for e in run.report["events"])
+    assert read_state(run.dump_path).backends == backends
+
+
+def test_cancel_leaves_no_partial_files(tiny_model, tmp_path):
+    run = start_run(RunConfig(model=str(tiny_model), gen=400, probe_floor=False,
+                              dump_path=str(tmp_path / "c" / "state.bin")))
+    while run.snapshot().tokens_done < 2 and not run.finished:
+        time.sleep(0.001)
+    run.cancel()
+    assert run.wait(60)
+    assert run.state == "cancelled"
+    assert run.report is None
+    assert list((tmp_path / "c").glob("*")) == []
+
+
+def test_truncated_pool_mid_run_fails_clearly(tiny_model, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    run = start_run(RunConfig(model=str(broken), gen=200, preset="minimal", probe_floor=False,
+                              dump_path=str(tmp_path / "x" / "state.bin")))
+    while run.snapshot().tokens_done < 1 and not run.finished:
+        time.sleep(0.001)
+    pool = broken / "pool-mxfp4.bin"
+    os.truncate(pool, pool.stat().st_size // 3)
+    assert run.wait(60)
+    assert run.state == "failed"
+    assert "pool-mxfp4.bin" in run.error
+    assert list((tmp_path / "x").glob("*")) == []
+
+
+def test_bad_run_parameters_are_clear(tiny_model, tmp_path):
+    with pytest.raises(Ds4fError, match="preset"):
+        start_run(RunConfig(model=str(tiny_model), preset="nope"))
+    with pytest.raises(Ds4fError, match="backend"):
+        start_run(RunConfig(model=str(tiny_model), backend="sse9"))
+    with pytest.raises(Ds4fError, match="gen"):
+        start_run(RunConfig(model=str(tiny_model), gen=0))
+    with pytest.raises(Ds4fError, match="prompt"):
+        start_run(RunConfig(model=str(tiny_model), prompt=(10**9,)))
+    with pytest.raises(Ds4fError, match=str(tmp_path / "missing")):
+        start_run(RunConfig(model=str(tmp_path / "missing")))
+
+
+def test_official_shards_run_like_the_converted_layout(tiny_official, tiny_model, tmp_path):
+    a = _run(tiny_official, tmp_path, "official")
+    b = _run(tiny_model, tmp_path, "converted")
+    assert a.report["state_sha256"] == b.report["state_sha256"]
