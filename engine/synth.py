@@ -131,9 +131,11 @@ class Design:
         self.seed = seed
         rng = np.random.default_rng(np.random.SeedSequence([seed, 2]))
         V, H = g.vocab, g.hidden
-        self.n_topics = T = int(np.clip(round(math.sqrt(V) / 2), 2, 64))
         special = {g.bos_token_id, g.eos_token_id}
         ordinary = np.array([t for t in range(V) if t not in special], dtype=np.int64)
+        if len(ordinary) == 0:
+            raise Ds4fError(f"geometry: vocab_size = {V}: synth needs at least one token besides bos and eos")
+        self.n_topics = T = int(min(np.clip(round(math.sqrt(V) / 2), 2, 64), len(ordinary)))
         topic = np.full(V, -1, dtype=np.int64)
         topic[rng.permutation(ordinary)] = np.arange(len(ordinary)) % T
         self.topic = topic  # -1 for bos/eos
@@ -314,7 +316,10 @@ def _commit_dir(tmp: Path, out: Path) -> None:
         os.rename(out, old)
     os.rename(tmp, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, progress: ProgressArg = None,
