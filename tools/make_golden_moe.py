@@ -4,7 +4,7 @@
 Run by hand, in a venv with torch and transformers (not a ds4f or CI dependency):
 
     python3 -m venv /tmp/venv-ref && /tmp/venv-ref/bin/pip install setuptools wheel cffi
-    /tmp/venv-ref/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /tmp/venv-ref/bin/pip install torch==2.13.0   # a CPU build of torch
     /tmp/venv-ref/bin/pip install transformers==5.24.0
     /tmp/venv-ref/bin/pip install -e . --no-build-isolation
     /tmp/venv-ref/bin/python tools/make_golden_moe.py   # rewrites tests/fixtures/golden_moe.{npz,json}
