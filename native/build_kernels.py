@@ -6,11 +6,24 @@ SIMD code selects its instruction set per function with target attributes.
 """
 import os
 import sys
+import sysconfig
 
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["kernels_scalar.c"]
+# kernels_scalar.c is the reference; the SIMD files compile to nothing on other architectures
+# and select their instruction set per function (target attributes), so no global -m flags.
+SOURCES = [
+    "kernels_scalar.c",
+    "kernels_avx2.c",
+    "kernels_avx512.c",
+    "kernels_neon.c",
+    "dispatch.c",
+    "threadpool.c",
+]
+HEADERS = ["ds4f_kernels.h", "kernels_internal.h"]
+
+NATIVE_CFLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize")
 
 ffibuilder = FFI()
 with open(os.path.join(HERE, "ds4f_kernels.h")) as f:
@@ -22,8 +35,9 @@ ffibuilder.cdef(cdef + "\n#define DS4F_MAX_EXPERTS 8\n")
 if sys.platform == "win32":
     extra = ["/O2", "/fp:precise"]
 else:
-    extra = ["-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize"]
-    if "clang" in os.environ.get("CC", ""):
+    # The same flags as tests/test_neon.py's cross build (NATIVE_CFLAGS).
+    extra = list(NATIVE_CFLAGS)
+    if "clang" in (os.environ.get("CC", "") + (sysconfig.get_config_var("CC") or "")) or sys.platform == "darwin":
         extra = ["-O2", "-std=c11", "-ffp-contract=off", "-fno-vectorize", "-fno-slp-vectorize"]
 
 ffibuilder.set_source(
@@ -32,6 +46,7 @@ ffibuilder.set_source(
     sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=extra,
+    depends=[os.path.relpath(os.path.join(HERE, h)) for h in HEADERS],
     libraries=["m", "pthread"] if sys.platform != "win32" else [],
 )
 

@@ -1,21 +1,85 @@
-/* placeholder: replaced by the kernel work of issue 2 */
-#include "ds4f_kernels.h"
+/* kernels_scalar.c — the reference semantics of every kernel, in plain C.
+ *
+ * Compiled like every other source with -ffp-contract=off -fno-tree-vectorize (see
+ * build_kernels.py): what is written here is what runs — one multiply, one add, in this order,
+ * never fused into an FMA nor reassociated into vector lanes.  The SIMD backends must decode to
+ * the same bits and stay within 1e-5 (relative to sum |w*x|) of the float64 matvec.
+ */
 #include <math.h>
-static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                               -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-void ds4f_mxfp4_decode(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k, float *out) {
-    for (size_t i = 0; i < rows * k; i++) {
-        uint8_t b = codes[i / 2], c = (i & 1) ? (b >> 4) : (b & 15);
-        out[i] = E2M1[c] * ldexpf(1.f, (int)scales[i / 32] - 127);
+
+#include "kernels_internal.h"
+
+const float ds4f_e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* b=0 is the subnormal 2^-127 (0x00400000), 1..254 is b<<23, 255 the quiet NaN 0x7fc00000. */
+#define E8(b) ((b) == 0 ? 0x00400000u : (b) == 255 ? 0x7fc00000u : ((uint32_t)(b) << 23))
+#define E8x4(b) E8(b), E8((b) + 1), E8((b) + 2), E8((b) + 3)
+#define E8x16(b) E8x4(b), E8x4((b) + 4), E8x4((b) + 8), E8x4((b) + 12)
+const ds4f_e8m0_table ds4f_e8m0 = {{E8x16(0), E8x16(16), E8x16(32), E8x16(48), E8x16(64),
+                                    E8x16(80), E8x16(96), E8x16(112), E8x16(128), E8x16(144),
+                                    E8x16(160), E8x16(176), E8x16(192), E8x16(208), E8x16(224),
+                                    E8x16(240)}};
+
+/* silu is O(inter) per expert, not hot: one scalar definition serves every backend, so the
+ * backends differ only in matvec lane order. */
+float ds4f_silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* value = e2m1(code) * 2^(b-127): one fp32 multiply, exact (or +-inf / NaN) — so any correct
+ * decode is bit-identical to this one. */
+static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
+                        size_t k, float *out) {
+    const size_t kb = k / 2, ks = k / 32;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *c = codes + r * kb, *s = scales + r * ks;
+        float *o = out + r * k;
+        for (size_t b = 0; b < ks; b++) {
+            const float sc = DS4F_SCALE(s[b]);
+            for (size_t i = 0; i < 16; i++) {
+                const uint8_t byte = c[16 * b + i];
+                o[32 * b + 2 * i] = ds4f_e2m1[byte & 15] * sc;
+                o[32 * b + 2 * i + 1] = ds4f_e2m1[byte >> 4] * sc;
+            }
+        }
     }
 }
-int ds4f_backend_supported(int b) { return b == 0; }
-int ds4f_set_backend(int b) { return b == 0 ? 0 : -1; }
-int ds4f_get_backend(void) { return 0; }
-int ds4f_best_backend(void) { return 0; }
-int ds4f_set_threads(int n) { return n >= 1 ? 0 : -1; }
-int ds4f_get_threads(void) { return 1; }
-void ds4f_mxfp4_matvec(const uint8_t *c, const uint8_t *s, size_t r, size_t k, const float *x, float *y) {}
-void ds4f_bf16_matvec(const uint16_t *w, size_t r, size_t k, const float *x, float *y) {}
-size_t ds4f_experts_scratch_floats(int n, size_t h, size_t i) { return 0; }
-int ds4f_experts_forward(const ds4f_expert *ex, int n, const float *x, size_t h, size_t i, float l, float *y, float *s) { return -1; }
+
+/* y[r] = sum_j w[r][j] * x[j], w decoded as above, one fp32 accumulator in element order. */
+static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
+                        size_t k, const float *x, float *y) {
+    const size_t kb = k / 2, ks = k / 32;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *c = codes + r * kb, *s = scales + r * ks;
+        float acc = 0.0f;
+        for (size_t b = 0; b < ks; b++) {
+            const float sc = DS4F_SCALE(s[b]);
+            const float *xb = x + 32 * b;
+            for (size_t i = 0; i < 16; i++) {
+                const uint8_t byte = c[16 * b + i];
+                acc += (ds4f_e2m1[byte & 15] * sc) * xb[2 * i];
+                acc += (ds4f_e2m1[byte >> 4] * sc) * xb[2 * i + 1];
+            }
+        }
+        y[r] = acc;
+    }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, const float *x,
+                      float *y) {
+    for (size_t r = r0; r < r1; r++) {
+        const uint16_t *wr = w + r * k;
+        float acc = 0.0f;
+        for (size_t j = 0; j < k; j++) acc += bf16_to_f32(wr[j]) * x[j];
+        y[r] = acc;
+    }
+}
+
+const ds4f_ktable ds4f_kt_scalar = {"scalar", decode_rows, matvec_rows, bf16_rows};

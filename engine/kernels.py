@@ -1,0 +1,263 @@
+"""The native kernels from Python: numpy arrays in and out, checked before any C runs.
+
+Every function validates dtype, shape, C-contiguity, k % 32 and output sizes and raises
+ValueError naming the offending argument; nothing reaches C that could make it read or write
+out of bounds.  Arrays may be views into larger buffers (expert-cache slots): any C-contiguous
+array of the right dtype and shape is used in place, never copied.
+
+The GIL is released while a kernel runs: these are cffi API-mode (out-of-line, compiled) calls,
+and cffi wraps every such call in Py_BEGIN_ALLOW_THREADS / Py_END_ALLOW_THREADS
+(tests/test_kernels.py::test_gil_released checks it).  Native jobs are serialised by the
+kernels' own pool, so calling from several Python threads is safe.
+
+Backend and thread count are process-wide settings of the native library; a change made
+between calls applies from the next call on.  DS4F_KERNELS=scalar|avx2|avx512|neon|auto picks
+the initial backend (unknown or unsupported values fall back to auto, with a warning here).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from ds4f.native._kernels import ffi, lib
+
+BACKENDS = ("scalar", "avx2", "avx512", "neon")
+MAX_EXPERTS = int(lib.DS4F_MAX_EXPERTS)
+
+try:  # bf16 weights may come as ml_dtypes.bfloat16 or as their uint16 bit patterns
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    _BF16 = None
+
+_U8 = np.dtype(np.uint8)
+_U16 = np.dtype(np.uint16)
+_F32 = np.dtype(np.float32)
+
+
+def available_backends() -> list[str]:
+    """Backends compiled in and usable on this CPU and OS (scalar always)."""
+    return [name for i, name in enumerate(BACKENDS) if lib.ds4f_backend_supported(i)]
+
+
+def best_backend() -> str:
+    return BACKENDS[lib.ds4f_best_backend()]
+
+
+def get_backend() -> str:
+    return BACKENDS[lib.ds4f_get_backend()]
+
+
+def set_backend(name: str) -> str:
+    """Select the backend for the next calls ("auto" = best); returns the active name."""
+    if name == "auto":
+        name = best_backend()
+    if name not in BACKENDS:
+        raise ValueError(f"backend: unknown kernel backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
+    if lib.ds4f_set_backend(BACKENDS.index(name)) != 0:
+        raise ValueError(
+            f"backend: {name!r} is not supported on this machine (available: {', '.join(available_backends())})"
+        )
+    return get_backend()
+
+
+def get_threads() -> int:
+    return int(lib.ds4f_get_threads())
+
+
+def set_threads(n: int) -> None:
+    """Size of the native pool, the calling thread included (n >= 1)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"threads: expected an integer >= 1, got {n!r}")
+    if lib.ds4f_set_threads(int(n)) != 0:
+        raise ValueError(f"threads: {n} is more than the pool allows")
+
+
+# ---- argument checks ---------------------------------------------------------------------
+
+
+def _arr(name: str, a, dtype: np.dtype, shape: tuple, writable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array of {dtype}, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (got a strided view; use np.ascontiguousarray)")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name}: output array is read-only")
+    return a
+
+
+def _mxfp4_shape(codes, scales, what: str = "codes") -> tuple[int, int]:
+    if not isinstance(codes, np.ndarray) or codes.ndim != 2:
+        got = codes.shape if isinstance(codes, np.ndarray) else type(codes).__name__
+        raise ValueError(f"{what}: expected a 2-D uint8 array [rows, k//2], got {got}")
+    rows, half = codes.shape
+    k = 2 * half
+    if k % 32:
+        raise ValueError(f"{what}: k = {k} (2 x {half} bytes per row) is not a multiple of 32")
+    _arr(what, codes, _U8, (rows, half))
+    sname = "scales" if what == "codes" else what.replace(".w", ".s")
+    _arr(sname, scales, _U8, (rows, k // 32))
+    return rows, k
+
+
+def _out(name: str, out, shape: tuple) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, _F32)
+    return _arr(name, out, _F32, shape, writable=True)
+
+
+def _ptr(ctype: str, a: np.ndarray):
+    # from_buffer keeps `a` exported (alive, unresizable) while the returned cdata lives
+    return ffi.from_buffer(ctype, a)
+
+
+# ---- kernels -------------------------------------------------------------------------------
+
+
+def mxfp4_decode(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """MXFP4 (official packing) -> float32 [rows, k]; bit-identical on every backend."""
+    rows, k = _mxfp4_shape(codes, scales)
+    out = _out("out", out, (rows, k))
+    lib.ds4f_mxfp4_decode(_ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales), rows, k, _ptr("float[]", out))
+    return out
+
+
+def mxfp4_matvec(
+    codes: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """y = W . x for MXFP4 W [rows, k] and float32 x [k], fp32 accumulation."""
+    rows, k = _mxfp4_shape(codes, scales)
+    _arr("x", x, _F32, (k,))
+    out = _out("out", out, (rows,))
+    lib.ds4f_mxfp4_matvec(
+        _ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales), rows, k, _ptr("float[]", x), _ptr("float[]", out)
+    )
+    return out
+
+
+def bf16_matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = W . x for W [rows, k] of bfloat16 (ml_dtypes.bfloat16 or uint16 bits), float32 x."""
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        got = w.shape if isinstance(w, np.ndarray) else type(w).__name__
+        raise ValueError(f"w: expected a 2-D bfloat16 or uint16 array [rows, k], got {got}")
+    if w.dtype != _U16 and w.dtype != _BF16:
+        raise ValueError(f"w: expected dtype bfloat16 or uint16, got {w.dtype}")
+    rows, k = w.shape
+    if k % 32:
+        raise ValueError(f"w: k = {k} is not a multiple of 32")
+    _arr("w", w, w.dtype, (rows, k))
+    _arr("x", x, _F32, (k,))
+    out = _out("out", out, (rows,))
+    lib.ds4f_bf16_matvec(_ptr("uint16_t[]", w.view(_U16)), rows, k, _ptr("float[]", x), _ptr("float[]", out))
+    return out
+
+
+class ExpertWeights(NamedTuple):
+    """One routed expert as uint8 arrays (views into a cache slot are fine):
+    w1, w3 [inter, hidden//2] with s1, s3 [inter, hidden//32]; w2 [hidden, inter//2], s2 [hidden, inter//32]."""
+
+    w1: np.ndarray
+    s1: np.ndarray
+    w3: np.ndarray
+    s3: np.ndarray
+    w2: np.ndarray
+    s2: np.ndarray
+
+
+def _check_dims(n: int, hidden: int, inter: int) -> None:
+    if not 1 <= n <= MAX_EXPERTS:
+        raise ValueError(f"experts: expected 1..{MAX_EXPERTS} experts, got {n}")
+    if hidden <= 0 or hidden % 32:
+        raise ValueError(f"hidden: {hidden} is not a positive multiple of 32")
+    if inter <= 0 or inter % 32:
+        raise ValueError(f"inter: {inter} is not a positive multiple of 32")
+
+
+def experts_scratch(n: int, hidden: int, inter: int) -> np.ndarray:
+    """The float32 work buffer experts_forward needs for n experts: allocate once, reuse."""
+    _check_dims(n, hidden, inter)
+    return np.zeros(int(lib.ds4f_experts_scratch_floats(n, hidden, inter)), _F32)
+
+
+def experts_forward(
+    experts: Sequence[ExpertWeights],
+    weights,
+    x: np.ndarray,
+    limit: float,
+    out: np.ndarray,
+    scratch: np.ndarray,
+) -> np.ndarray:
+    """out[hidden] = sum over experts e (in order) of
+    w2_e . (silu(min(w1_e.x, limit)) * clip(w3_e.x, -limit, limit) * weights[e]).
+
+    Expert-parallel on the native pool; nothing is allocated in C.  Returns out."""
+    n = len(experts)
+    if not isinstance(x, np.ndarray) or x.ndim != 1:
+        raise ValueError("x: expected a 1-D float32 array [hidden]")
+    hidden = x.shape[0]
+    if n == 0:
+        raise ValueError(f"experts: expected 1..{MAX_EXPERTS} experts, got 0")
+    w1 = experts[0][0]
+    if not isinstance(w1, np.ndarray) or w1.ndim != 2:
+        raise ValueError("experts[0].w1: expected a 2-D uint8 array [inter, hidden//2]")
+    inter = w1.shape[0]
+    _check_dims(n, hidden, inter)
+    if len(weights) != n:
+        raise ValueError(f"weights: expected {n} routing weights (one per expert), got {len(weights)}")
+    _arr("x", x, _F32, (hidden,))
+    _arr("out", out, _F32, (hidden,), writable=True)
+    need = int(lib.ds4f_experts_scratch_floats(n, hidden, inter))
+    if not isinstance(scratch, np.ndarray) or scratch.dtype != _F32 or not scratch.flags.c_contiguous:
+        raise ValueError("scratch: expected a C-contiguous float32 array (see experts_scratch)")
+    if not scratch.flags.writeable:
+        raise ValueError("scratch: array is read-only")
+    if scratch.size < need:
+        raise ValueError(f"scratch: holds {scratch.size} floats, {n} experts of {hidden}x{inter} need {need}")
+    if np.may_share_memory(scratch, out) or np.may_share_memory(scratch, x):
+        raise ValueError("scratch: must not overlap x or out")
+
+    specs = (
+        ("w1", (inter, hidden // 2)), ("s1", (inter, hidden // 32)),
+        ("w3", (inter, hidden // 2)), ("s3", (inter, hidden // 32)),
+        ("w2", (hidden, inter // 2)), ("s2", (hidden, inter // 32)),
+    )  # fmt: skip
+    cex = ffi.new("ds4f_expert[]", n)
+    keep = []  # the from_buffer objects must outlive the call
+    for e, ex in enumerate(experts):
+        if len(ex) != 6:
+            raise ValueError(f"experts[{e}]: expected ExpertWeights(w1, s1, w3, s3, w2, s2)")
+        ce = cex[e]
+        for (field, shape), a in zip(specs, ex):
+            buf = ffi.from_buffer("uint8_t[]", _arr(f"experts[{e}].{field}", a, _U8, shape))
+            keep.append(buf)
+            setattr(ce, field, buf)
+        try:
+            ce.weight = float(weights[e])
+        except (TypeError, ValueError):
+            raise ValueError(f"weights[{e}]: expected a number, got {weights[e]!r}") from None
+    rc = lib.ds4f_experts_forward(
+        cex, n, _ptr("float[]", x), hidden, inter, float(limit), _ptr("float[]", out), _ptr("float[]", scratch)
+    )
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("experts_forward: the native kernel rejected its arguments")
+    return out
+
+
+def _check_env() -> None:
+    want = os.environ.get("DS4F_KERNELS")
+    if want and want != "auto":
+        if want not in BACKENDS:
+            warnings.warn(f"DS4F_KERNELS={want!r} is not a kernel backend; using {get_backend()}", stacklevel=3)
+        elif want not in available_backends():
+            warnings.warn(f"DS4F_KERNELS={want!r} is not supported on this machine; using {get_backend()}", stacklevel=3)
+
+
+_check_env()

@@ -1,0 +1,58 @@
+/* kernels_internal.h — what the backends, the dispatcher and the thread pool share.
+ * Not part of the public API (that is ds4f_kernels.h).
+ *
+ * Every backend implements the same three row-range kernels.  Rows r0..r1 of the matrix are
+ * processed; pointers are to the whole matrix / vector, so out/y are indexed by absolute row.
+ * A row's arithmetic never depends on which other rows are processed in the same call, so the
+ * dispatcher may split rows among threads however it likes without changing a single bit.
+ */
+#ifndef DS4F_KERNELS_INTERNAL_H
+#define DS4F_KERNELS_INTERNAL_H
+#include "ds4f_kernels.h"
+
+typedef void (*ds4f_decode_fn)(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
+                               size_t k, float *out);
+typedef void (*ds4f_matvec_fn)(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
+                               size_t k, const float *x, float *y);
+typedef void (*ds4f_bf16_fn)(const uint16_t *w, size_t r0, size_t r1, size_t k, const float *x,
+                             float *y);
+
+typedef struct {
+    const char *name;
+    ds4f_decode_fn decode;
+    ds4f_matvec_fn matvec;
+    ds4f_bf16_fn bf16;
+} ds4f_ktable;
+
+/* kernels_scalar.c: the reference semantics and the shared tables */
+extern const float ds4f_e2m1[16];       /* E2M1 code -> value, code 8 is -0.0 */
+/* E8M0 byte -> 2^(b-127) as an exact fp32: 0 -> 2^-127 (subnormal), 255 -> NaN.  A union of
+ * bit patterns, so the table is a compile-time constant whatever the compiler's float parsing. */
+typedef union {
+    uint32_t u[256];
+    float f[256];
+} ds4f_e8m0_table;
+extern const ds4f_e8m0_table ds4f_e8m0;
+#define DS4F_SCALE(b) (ds4f_e8m0.f[(b)])
+float ds4f_silu(float g);               /* g / (1 + expf(-g)); the same code for every backend */
+extern const ds4f_ktable ds4f_kt_scalar;
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#define DS4F_X86 1
+extern const ds4f_ktable ds4f_kt_avx2;   /* kernels_avx2.c */
+extern const ds4f_ktable ds4f_kt_avx512; /* kernels_avx512.c */
+#endif
+#if defined(__aarch64__) || defined(_M_ARM64)
+#define DS4F_ARM64 1
+extern const ds4f_ktable ds4f_kt_neon;   /* kernels_neon.c */
+#endif
+
+/* threadpool.c: a persistent pool; the caller takes part.  Jobs are serialised (one at a time,
+ * whatever the number of calling threads); tasks are claimed dynamically, so a task must give
+ * the same result whichever thread runs it. */
+typedef void (*ds4f_task_fn)(void *ctx, size_t task);
+void ds4f_pool_run(ds4f_task_fn fn, void *ctx, size_t ntasks);
+int ds4f_pool_get_threads(void);
+int ds4f_pool_set_threads(int n);
+
+#endif

@@ -1,0 +1,151 @@
+/* threadpool.c — the persistent native thread pool of the kernels.
+ *
+ * n threads in all = the calling thread + (n-1) workers, created lazily on the first parallel
+ * job and kept (parked on a condition variable) until the size changes.  A job is a count of
+ * tasks claimed with an atomic counter; the caller runs tasks too, then waits for the workers.
+ * Jobs are serialised by call_lock, so concurrent callers (the Python wrapper releases the GIL)
+ * simply queue.  Nothing is allocated per job.  After fork() the child starts with no workers.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "kernels_internal.h"
+
+#define MAX_THREADS 256
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one job (or resize) at a time */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER, cv_done = PTHREAD_COND_INITIALIZER;
+static pthread_t workers[MAX_THREADS];
+static int n_running;          /* workers alive */
+static atomic_int n_threads;   /* configured size incl. caller; 0 = not chosen yet */
+static unsigned long generation;
+static int stopping, pending;
+static ds4f_task_fn job_fn;
+static void *job_ctx;
+static size_t job_ntasks;
+static atomic_size_t job_next;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void run_tasks(ds4f_task_fn fn, void *ctx, size_t ntasks) {
+    size_t i;
+    while ((i = atomic_fetch_add_explicit(&job_next, 1, memory_order_relaxed)) < ntasks) fn(ctx, i);
+}
+
+static void *worker_main(void *arg) {
+    /* the generation current when the worker was created (no job was running then): a job
+     * posted before this thread gets to run is still seen as new */
+    unsigned long seen = (unsigned long)(uintptr_t)arg;
+    pthread_mutex_lock(&mu);
+    for (;;) {
+        while (generation == seen && !stopping) pthread_cond_wait(&cv_work, &mu);
+        if (stopping) break;
+        seen = generation;
+        ds4f_task_fn fn = job_fn;
+        void *ctx = job_ctx;
+        size_t nt = job_ntasks;
+        pthread_mutex_unlock(&mu);
+        run_tasks(fn, ctx, nt);
+        pthread_mutex_lock(&mu);
+        if (--pending == 0) pthread_cond_signal(&cv_done);
+    }
+    pthread_mutex_unlock(&mu);
+    return NULL;
+}
+
+static void stop_workers(void) { /* call_lock held */
+    pthread_mutex_lock(&mu);
+    stopping = 1;
+    pthread_cond_broadcast(&cv_work);
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < n_running; i++) pthread_join(workers[i], NULL);
+    n_running = 0;
+    stopping = 0;
+}
+
+static void start_workers(int n) { /* call_lock held; n = workers wanted */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 1 << 20);
+    while (n_running < n) {
+        if (pthread_create(&workers[n_running], &attr, worker_main, (void *)(uintptr_t)generation) != 0) break; /* run with fewer */
+        n_running++;
+    }
+    pthread_attr_destroy(&attr);
+}
+
+static void atfork_prepare(void) { pthread_mutex_lock(&call_lock); }
+static void atfork_parent(void) { pthread_mutex_unlock(&call_lock); }
+static void atfork_child(void) { /* the workers do not exist in the child */
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    mu = m;
+    cv_work = c;
+    cv_done = c;
+    n_running = 0;
+    stopping = 0;
+    pending = 0;
+    pthread_mutex_unlock(&call_lock);
+}
+static void init_once(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
+
+static int default_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 && CPU_COUNT(&set) < n)
+        n = CPU_COUNT(&set);
+#endif
+    return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
+}
+
+int ds4f_pool_get_threads(void) {
+    int n = atomic_load(&n_threads);
+    if (n == 0) {
+        int expected = 0;
+        atomic_compare_exchange_strong(&n_threads, &expected, default_threads());
+        n = atomic_load(&n_threads);
+    }
+    return n;
+}
+
+int ds4f_pool_set_threads(int n) {
+    if (n < 1 || n > MAX_THREADS) return -1;
+    pthread_once(&once, init_once);
+    pthread_mutex_lock(&call_lock);
+    if (n_running > n - 1) stop_workers(); /* shrink: restart lazily at the new size */
+    atomic_store(&n_threads, n);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+void ds4f_pool_run(ds4f_task_fn fn, void *ctx, size_t ntasks) {
+    if (ntasks == 0) return;
+    const int nt = ds4f_pool_get_threads();
+    if (nt == 1 || ntasks == 1) { /* no pool state touched: no lock */
+        for (size_t i = 0; i < ntasks; i++) fn(ctx, i);
+        return;
+    }
+    pthread_once(&once, init_once);
+    pthread_mutex_lock(&call_lock);
+    if (n_running < nt - 1) start_workers(nt - 1);
+    pthread_mutex_lock(&mu);
+    job_fn = fn;
+    job_ctx = ctx;
+    job_ntasks = ntasks;
+    atomic_store(&job_next, 0);
+    pending = n_running;
+    generation++;
+    pthread_cond_broadcast(&cv_work);
+    pthread_mutex_unlock(&mu);
+    run_tasks(fn, ctx, ntasks);
+    pthread_mutex_lock(&mu);
+    while (pending > 0) pthread_cond_wait(&cv_done, &mu);
+    pthread_mutex_unlock(&mu);
+    pthread_mutex_unlock(&call_lock);
+}

@@ -1,0 +1,372 @@
+"""Native kernels: every backend this CPU supports, plus scalar, against references that do
+not use the code under test (ml_dtypes decode, float64 numpy matvec and expert math)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ds4f.engine import kernels as K
+
+AVAILABLE = K.available_backends()
+
+
+def _backend_params():
+    out = []
+    for name in K.BACKENDS:
+        marks = []
+        if name not in AVAILABLE:
+            why = (
+                "neon: not an aarch64 machine (NEON is tested under qemu by tests/test_neon.py)"
+                if name == "neon"
+                else f"{name}: not supported by this CPU/OS (CPUID/XGETBV)"
+            )
+            marks.append(pytest.mark.skip(reason=why))
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+BACKEND = pytest.mark.parametrize("backend", _backend_params())
+SIMD = pytest.mark.parametrize("backend", [p for p in _backend_params() if p.values[0] != "scalar"])
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings():
+    backend, threads = K.get_backend(), K.get_threads()
+    yield
+    K.set_backend(backend)
+    K.set_threads(threads)
+
+
+# ---- independent references ----------------------------------------------------------------
+
+
+def ref_decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """ml_dtypes: float4_e2m1fn x float8_e8m0fnu, product in float32 (exact or inf/NaN)."""
+    rows, half = codes.shape
+    nib = np.empty((rows, 2 * half), np.uint8)
+    nib[:, 0::2] = codes & 15
+    nib[:, 1::2] = codes >> 4
+    vals = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    sc = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    with np.errstate(over="ignore"):  # scale bytes 253, 254: overflow to inf is the point
+        return vals * np.repeat(sc, 32, axis=1)
+
+
+def ref_matvec(w64: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 W.x and the per-row bound sum |w*x| that scales the tolerance."""
+    x64 = x.astype(np.float64)
+    return w64 @ x64, np.abs(w64) @ np.abs(x64)
+
+
+def rand_mxfp4(rng, rows: int, k: int, lo: int = 118, hi: int = 130):
+    codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+    scales = rng.integers(lo, hi, (rows, k // 32), dtype=np.uint8)
+    return codes, scales
+
+
+def unaligned(a: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of a whose data starts `offset` bytes past a 64-byte boundary."""
+    buf = np.zeros(a.nbytes + 64 + offset, np.uint8)
+    start = (-buf.ctypes.data) % 64 + offset
+    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32)
+
+
+# ---- backend and thread settings -------------------------------------------------------------
+
+
+def test_backend_settings():
+    assert "scalar" in AVAILABLE
+    assert K.best_backend() in AVAILABLE
+    assert K.set_backend("auto") == K.best_backend() == K.get_backend()
+    for name in AVAILABLE:
+        assert K.set_backend(name) == name == K.get_backend()
+    with pytest.raises(ValueError, match="'sse9'"):
+        K.set_backend("sse9")
+    for name in set(K.BACKENDS) - set(AVAILABLE):
+        with pytest.raises(ValueError, match=repr(name)):
+            K.set_backend(name)
+    K.set_threads(3)
+    assert K.get_threads() == 3
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="threads"):
+            K.set_threads(bad)
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+
+@BACKEND
+def test_decode_every_code_and_scale_pair(backend):
+    """All 256 code bytes (both nibbles) x all 256 scale bytes, bit for bit against ml_dtypes:
+    -0.0, subnormal blocks (scale 0, 1, 2), overflow to inf (253, 254) and NaN blocks (255)."""
+    K.set_backend(backend)
+    codes = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # row r: every byte, scale byte r
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+    got = K.mxfp4_decode(codes, scales)
+    ref = ref_decode(codes, scales)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+    # the edge cases the bit comparison covers, spelled out
+    assert bits(got)[127, 16] == 0x80000000  # byte 8, low nibble = code 8 = -0.0
+    assert 0 < got[0, 2] < np.finfo(np.float32).tiny  # 0.5 x 2^-127 is subnormal, not flushed
+    assert np.isinf(got[254, 14]) and np.isinf(got[253, 14])  # 6 x 2^127, 6 x 2^126
+    assert np.isnan(got[255]).all()
+
+
+@SIMD
+@pytest.mark.parametrize("rows", [1, 3, 17, 33])
+@pytest.mark.parametrize("k", [32, 64, 96, 4096])
+def test_simd_decode_bit_identical_to_scalar(backend, rows, k):
+    rng = np.random.default_rng(rows * 10007 + k)
+    codes, scales = rand_mxfp4(rng, rows, k, lo=0, hi=256)  # includes subnormal/inf/NaN blocks
+    codes, scales = unaligned(codes, 1), unaligned(scales, 3)
+    K.set_backend("scalar")
+    ref = K.mxfp4_decode(codes, scales)
+    K.set_backend(backend)
+    out = unaligned(np.zeros((rows, k), np.float32), 4)
+    got = K.mxfp4_decode(codes, scales, out=out)
+    assert got is out
+    np.testing.assert_array_equal(bits(got), bits(ref))
+
+
+# ---- matvecs --------------------------------------------------------------------------------
+
+MATVEC_SHAPES = [(1, 32), (7, 96), (37, 64), (130, 4096), (301, 512)]
+
+
+@BACKEND
+@pytest.mark.parametrize("rows,k", MATVEC_SHAPES)
+def test_mxfp4_matvec(backend, rows, k):
+    rng = np.random.default_rng(rows + k)
+    codes, scales = rand_mxfp4(rng, rows, k)
+    x = rng.standard_normal(k).astype(np.float32)
+    ref, bound = ref_matvec(ref_decode(codes, scales).astype(np.float64), x)
+    K.set_backend(backend)
+    results = []
+    for threads in (1, 2, 3):
+        K.set_threads(threads)
+        for _ in range(2):
+            results.append(K.mxfp4_matvec(unaligned(codes, 1), scales, unaligned(x, 4)))
+    y = results[0]
+    assert np.all(np.abs(y - ref) <= 1e-5 * bound), np.max(np.abs(y - ref) / bound)
+    for other in results[1:]:  # identical bits across repeats and thread counts
+        np.testing.assert_array_equal(bits(other), bits(y))
+
+
+def test_mxfp4_matvec_out_is_filled_in_place():
+    rng = np.random.default_rng(5)
+    codes, scales = rand_mxfp4(rng, 64, 128)
+    x = rng.standard_normal(128).astype(np.float32)
+    big = np.full(100, -1.0, np.float32)
+    got = K.mxfp4_matvec(codes, scales, x, out=big[10:74])
+    assert got.base is big and np.all(big[:10] == -1) and np.all(big[74:] == -1)
+    np.testing.assert_array_equal(got, K.mxfp4_matvec(codes, scales, x))
+
+
+@BACKEND
+@pytest.mark.parametrize("rows,k", MATVEC_SHAPES)
+@pytest.mark.parametrize("as_bf16", [False, True], ids=["uint16", "bfloat16"])
+def test_bf16_matvec(backend, rows, k, as_bf16):
+    rng = np.random.default_rng(rows * 3 + k)
+    w32 = rng.standard_normal((rows, k)).astype(np.float32)
+    w = w32.astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal(k).astype(np.float32)
+    ref, bound = ref_matvec(w.astype(np.float64), x)
+    arg = w if as_bf16 else w.view(np.uint16)
+    K.set_backend(backend)
+    results = []
+    for threads in (1, 2, 3):
+        K.set_threads(threads)
+        for _ in range(2):
+            results.append(K.bf16_matvec(arg, x))
+    y = results[0]
+    assert np.all(np.abs(y - ref) <= 1e-5 * bound), np.max(np.abs(y - ref) / bound)
+    for other in results[1:]:
+        np.testing.assert_array_equal(bits(other), bits(y))
+
+
+# ---- experts --------------------------------------------------------------------------------
+
+
+def rand_expert(rng, hidden: int, inter: int) -> K.ExpertWeights:
+    w1, s1 = rand_mxfp4(rng, inter, hidden)
+    w3, s3 = rand_mxfp4(rng, inter, hidden)
+    w2, s2 = rand_mxfp4(rng, hidden, inter)
+    return K.ExpertWeights(w1, s1, w3, s3, w2, s2)
+
+
+def ref_experts(experts, weights, x, limit):
+    """float64 routed-expert math; returns y and a per-row magnitude bound for the tolerance."""
+    x64 = x.astype(np.float64)
+    y = np.zeros(x.shape[0])
+    bound = np.zeros(x.shape[0])
+    for e, wt in zip(experts, weights):
+        W1, W3, W2 = (ref_decode(c, s).astype(np.float64) for c, s in ((e.w1, e.s1), (e.w3, e.s3), (e.w2, e.s2)))
+        g = np.minimum(W1 @ x64, limit)
+        u = np.clip(W3 @ x64, -limit, limit)
+        a = g / (1.0 + np.exp(-g)) * u * wt
+        y += W2 @ a
+        # |a| itself carries fp32 matvec error ~1e-6 relative to its own sum |w*x|: widen by that
+        da = (np.abs(W1) @ np.abs(x64) + np.abs(W3) @ np.abs(x64)) * (abs(wt) * limit + 1.0)
+        bound += np.abs(W2) @ (np.abs(a) + 1e-2 * da)
+    return y, bound
+
+
+@BACKEND
+@pytest.mark.parametrize("n", [1, 3, 6, 8])
+def test_experts_forward(backend, n):
+    hidden, inter, limit = 256, 128, 7.0
+    rng = np.random.default_rng(n)
+    experts = [rand_expert(rng, hidden, inter) for _ in range(n)]
+    weights = list(rng.uniform(0.05, 0.5, n))
+    x = (rng.standard_normal(hidden) * 0.05).astype(np.float32)
+    ref, bound = ref_experts(experts, weights, x, limit)
+    scratch = K.experts_scratch(n, hidden, inter)
+    K.set_backend(backend)
+    results = []
+    for threads in (1, 2, 3):
+        K.set_threads(threads)
+        out = np.empty(hidden, np.float32)
+        assert K.experts_forward(experts, weights, x, limit, out, scratch) is out
+        results.append(out)
+    y = results[0]
+    assert np.all(np.abs(y - ref) <= 1e-5 * bound), np.max(np.abs(y - ref) / bound)
+    for other in results[1:]:
+        np.testing.assert_array_equal(bits(other), bits(y))
+
+
+def test_experts_forward_clamps():
+    """limit small enough that gate and up both clamp: checks min(gate, limit), clip(up)."""
+    hidden, inter = 64, 32
+    rng = np.random.default_rng(11)
+    experts = [rand_expert(rng, hidden, inter) for _ in range(2)]
+    x = rng.standard_normal(hidden).astype(np.float32)
+    ref, bound = ref_experts(experts, [0.7, -0.2], x, 0.5)
+    out = K.experts_forward(experts, [0.7, -0.2], x, 0.5, np.empty(hidden, np.float32), K.experts_scratch(2, hidden, inter))
+    assert np.all(np.abs(out - ref) <= 1e-5 * bound)
+
+
+@pytest.fixture(scope="module")
+def real_experts():
+    hidden, inter, n = 4096, 2048, 6
+    rng = np.random.default_rng(6)
+    experts = [rand_expert(rng, hidden, inter) for _ in range(n)]
+    weights = list(rng.uniform(0.05, 0.5, n))
+    x = (rng.standard_normal(hidden) * 0.02).astype(np.float32)
+    return experts, weights, x, ref_experts(experts, weights, x, 10.0)
+
+
+@BACKEND
+def test_experts_forward_real_shape(backend, real_experts):
+    """The real geometry (hidden 4096, inter 2048), 6 experts, against numpy on 2 threads."""
+    experts, weights, x, (ref, bound) = real_experts
+    K.set_backend(backend)
+    K.set_threads(2)
+    out = np.empty(4096, np.float32)
+    got = K.experts_forward(experts, weights, x, 10.0, out, K.experts_scratch(6, 4096, 2048))
+    assert np.all(np.abs(got - ref) <= 1e-5 * bound)
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_naming_the_argument():
+    rng = np.random.default_rng(0)
+    codes, scales = rand_mxfp4(rng, 8, 64)
+    x = np.zeros(64, np.float32)
+    bad = [
+        (lambda: K.mxfp4_decode(codes.astype(np.int8), scales), "codes"),
+        (lambda: K.mxfp4_decode(codes[:, :24], scales), "codes"),  # k = 48
+        (lambda: K.mxfp4_decode(codes.ravel(), scales), "codes"),
+        (lambda: K.mxfp4_decode(codes.tolist(), scales), "codes"),
+        (lambda: K.mxfp4_decode(codes, scales[:, :1]), "scales"),
+        (lambda: K.mxfp4_decode(codes, scales.astype(np.float32)), "scales"),
+        (lambda: K.mxfp4_decode(np.asfortranarray(codes), scales), "codes"),
+        (lambda: K.mxfp4_decode(codes, scales, out=np.empty((8, 63), np.float32)), "out"),
+        (lambda: K.mxfp4_decode(codes, scales, out=np.empty((8, 64), np.float64)), "out"),
+        (lambda: K.mxfp4_decode(codes, scales, out=np.empty((8, 128), np.float32)[:, ::2]), "out"),
+        (lambda: K.mxfp4_matvec(codes, scales, x[:32]), "x"),
+        (lambda: K.mxfp4_matvec(codes, scales, x.astype(np.float64)), "x"),
+        (lambda: K.mxfp4_matvec(codes, scales, np.zeros(128, np.float32)[::2]), "x"),
+        (lambda: K.mxfp4_matvec(codes, scales, x, out=np.empty(7, np.float32)), "out"),
+        (lambda: K.bf16_matvec(np.zeros((4, 64), np.float32), x), "w"),
+        (lambda: K.bf16_matvec(np.zeros((4, 48), np.uint16), x[:48]), "w"),
+        (lambda: K.bf16_matvec(np.zeros((4, 64), np.uint16), x[:32]), "x"),
+    ]
+    ro = np.empty(8, np.float32)
+    ro.flags.writeable = False
+    bad.append((lambda: K.mxfp4_matvec(codes, scales, x, out=ro), "out"))
+    for call, name in bad:
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            call()
+
+
+def test_bad_expert_input():
+    hidden, inter = 64, 32
+    rng = np.random.default_rng(1)
+    e = rand_expert(rng, hidden, inter)
+    x = np.zeros(hidden, np.float32)
+    out = np.empty(hidden, np.float32)
+    scratch = K.experts_scratch(2, hidden, inter)
+    cases = [
+        (lambda: K.experts_forward([], [], x, 1.0, out, scratch), "experts"),
+        (lambda: K.experts_forward([e] * 9, [1.0] * 9, x, 1.0, out, K.experts_scratch(8, hidden, inter)), "experts"),
+        (lambda: K.experts_forward([e, e], [1.0], x, 1.0, out, scratch), "weights"),
+        (lambda: K.experts_forward([e], [1.0], x, 1.0, out, scratch[:10]), "scratch"),
+        (lambda: K.experts_forward([e], [1.0], x, 1.0, out, scratch.astype(np.float64)), "scratch"),
+        (lambda: K.experts_forward([e], [1.0], x[:32], 1.0, out, scratch), "out"),
+        (lambda: K.experts_forward([e], [1.0], x, 1.0, out[:32], scratch), "out"),
+        (lambda: K.experts_forward([e._replace(w2=e.w2[:, :8])], [1.0], x, 1.0, out, scratch), r"experts\[0\]\.w2"),
+        (lambda: K.experts_forward([e, e._replace(s3=e.s3.astype(np.int16))], [1, 1], x, 1.0, out, scratch), r"experts\[1\]\.s3"),
+        (lambda: K.experts_forward([e], ["a"], x, 1.0, out, scratch), r"weights\[0\]"),
+        (lambda: K.experts_forward([e], [1.0], x, 1.0, out, out), "scratch"),
+    ]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=rf"^{name}"):
+            call()
+    with pytest.raises(ValueError, match="hidden"):
+        K.experts_scratch(1, 48, 32)
+
+
+# ---- GIL ------------------------------------------------------------------------------------
+
+
+def test_gil_released_during_kernels():
+    """While one thread is inside a long kernel call, Python keeps running in another: the
+    largest pause the main thread sees is far shorter than the call."""
+    K.set_backend("scalar")
+    K.set_threads(1)
+    rng = np.random.default_rng(2)
+    codes, scales = rand_mxfp4(rng, 1024, 4096)
+    x = rng.standard_normal(4096).astype(np.float32)
+    t0 = time.perf_counter()
+    K.mxfp4_matvec(codes, scales, x)
+    reps = max(1, int(0.4 / max(time.perf_counter() - t0, 1e-4)))
+    codes, scales = np.tile(codes, (reps, 1)), np.tile(scales, (reps, 1))  # one call of ~0.4 s
+    started = threading.Event()
+
+    def work():
+        started.set()
+        t = time.perf_counter()
+        K.mxfp4_matvec(codes, scales, x)
+        work.duration = time.perf_counter() - t
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    gaps, last = [], time.perf_counter()
+    while worker.is_alive():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    assert max(gaps) < work.duration / 2, (max(gaps), work.duration)
