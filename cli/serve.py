@@ -1,0 +1,100 @@
+"""`ds4f serve`: the engine over HTTP (see ds4f.server.app for the endpoints).
+
+Prints "ds4f serve: listening on http://HOST:PORT" on stdout once it accepts connections.
+SIGINT or SIGTERM: refuse new runs, cancel the active one, wait for it (the run API removes
+its partial files), stop serving, exit 0 (1 if the run did not stop within --stop-timeout).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import stat
+import sys
+import threading
+
+from ds4f.engine.errors import Ds4fError
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    from ds4f.server.app import DEFAULT_HOST, DEFAULT_PORT
+
+    parser.allow_abbrev = False   # `--token X` must not be taken for --token-file
+    parser.add_argument("--model", metavar="PATH",
+                        help="checkpoint (default: ds4f.toml's [model] path, else the demo model)")
+    parser.add_argument("--preset", metavar="NAME", help="default preset of runs (default: ds4f.toml's engine.preset)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to bind (default {DEFAULT_HOST}; beyond loopback needs --token-file)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help="file holding the bearer token every request must send (Authorization: Bearer ...)")
+    parser.add_argument("--token", metavar="TOKEN", help=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="PATH", help="ds4f.toml to use")
+    parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
+                        help="on SIGINT/SIGTERM, how long to wait for the active run to cancel (default 60)")
+    parser.add_argument("--quiet", action="store_true", help="no per-request log lines on stderr")
+    parser.epilog = ("endpoints: GET /status, POST /runs, GET /run?gen=N, GET /runs, GET|DELETE /runs/ID, "
+                     "GET /runs/ID/state, GET /metrics")
+
+
+def _say(message: str) -> None:
+    print(f"ds4f serve: {message}", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from ds4f.server.app import ServerOptions, is_loopback, make_server, read_token_file
+
+    if args.token is not None:
+        raise Ds4fError("--token: the token is read from a file, never from the command line "
+                        "(it would show in ps and the shell history); use --token-file PATH")
+    token = None
+    if args.token_file:
+        token = read_token_file(args.token_file)
+        try:
+            mode = os.stat(args.token_file).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                _say(f"warning: {args.token_file} is readable by other users; chmod 600 it")
+        except OSError:
+            pass
+    options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
+                            port=args.port, token=token, access_log=not args.quiet)
+    server = make_server(options)
+    service = server.service
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        if stop.is_set():
+            _say(f"{signal.Signals(signum).name} again: still waiting for the run to cancel "
+                 f"(at most {args.stop_timeout:g} s)")
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="ds4f-serve", daemon=True)
+    try:
+        thread.start()
+        auth = "bearer token required" if token else "no token (loopback only)"
+        if not token and not is_loopback(args.host):   # make_server refuses this; belt and braces
+            raise Ds4fError("refusing to serve beyond loopback without a token")
+        _say(f"model {service.model} ({service.checkpoint_kind}), preset {service.preset}, "
+             f"kernels {service.best_backend}, history {service.history.path}, {auth}")
+        print(f"ds4f serve: listening on {server.url}", flush=True)
+        while not stop.wait(0.5):
+            if not thread.is_alive():
+                _say("error: the HTTP loop stopped unexpectedly")
+                break
+        current = service.current_run
+        if current is not None and not current.finished:
+            _say(f"stopping: cancelling run {current.id}")
+        stopped = service.close(timeout=args.stop_timeout)
+        server.shutdown()
+        server.server_close()
+        if not stopped:
+            _say(f"error: run {current.id} did not stop within {args.stop_timeout:g} s")
+            return 1
+        _say("stopped")
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
