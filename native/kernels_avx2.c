@@ -9,6 +9,8 @@
  * matvec per row and 16 elements (8 code bytes): widen to 8 dwords, look up low and high
  * nibbles, FMA with x_even / x_odd (de-interleaved once, shared by 4 rows).
  */
+#include <stdint.h>
+
 #include "kernels_internal.h"
 
 #ifdef DS4F_X86
@@ -33,25 +35,44 @@ INL __m256 lookup(lut8 l, __m256i idx, __m256i sign31) {
                             _mm256_castsi256_ps(sign31));
 }
 
+/* decode: duplicate each code byte (c0 c0 c1 c1 ...), widen to dwords, shift odd lanes by 4:
+ * lane j then holds code j in bits 3:0.  Large 64-byte-aligned outputs use non-temporal
+ * stores (same bits, no cache thrash), as in kernels_avx512.c. */
+INL void store8(float *o, __m256 w, int stream) {
+    if (stream)
+        _mm256_stream_ps(o, w);
+    else
+        _mm256_storeu_ps(o, w);
+}
+
+INL void decode_row(const uint8_t *c, const uint8_t *s, size_t ks, float *o, int stream) {
+    const __m256i shift = _mm256_set_epi32(4, 0, 4, 0, 4, 0, 4, 0);
+    for (size_t b = 0; b < ks; b++) {
+        const lut8 l = scaled_lut(s[b]);
+        const __m128i cb = _mm_loadu_si128((const __m128i *)(c + 16 * b));
+        const __m128i d0 = _mm_unpacklo_epi8(cb, cb), d1 = _mm_unpackhi_epi8(cb, cb);
+        const __m256i v0 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(d0), shift);
+        const __m256i v1 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(d0, 8)), shift);
+        const __m256i v2 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(d1), shift);
+        const __m256i v3 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(d1, 8)), shift);
+        store8(o + 32 * b, lookup(l, v0, _mm256_slli_epi32(v0, 28)), stream);
+        store8(o + 32 * b + 8, lookup(l, v1, _mm256_slli_epi32(v1, 28)), stream);
+        store8(o + 32 * b + 16, lookup(l, v2, _mm256_slli_epi32(v2, 28)), stream);
+        store8(o + 32 * b + 24, lookup(l, v3, _mm256_slli_epi32(v3, 28)), stream);
+    }
+}
+
 T256 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
                              size_t k, float *out) {
     const size_t kb = k / 2, ks = k / 32;
-    const __m256i shift = _mm256_set_epi32(4, 0, 4, 0, 4, 0, 4, 0);
+    const int stream = ((uintptr_t)out & 63) == 0 && (r1 - r0) * k * sizeof(float) >= (1u << 20);
     for (size_t r = r0; r < r1; r++) {
-        const uint8_t *c = codes + r * kb, *s = scales + r * ks;
-        float *o = out + r * k;
-        for (size_t b = 0; b < ks; b++) {
-            const lut8 l = scaled_lut(s[b]);
-            const __m128i cb = _mm_loadu_si128((const __m128i *)(c + 16 * b));
-            const __m128i d[2] = {_mm_unpacklo_epi8(cb, cb), _mm_unpackhi_epi8(cb, cb)};
-            for (int h = 0; h < 2; h++) {
-                const __m256i v0 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(d[h]), shift);
-                const __m256i v1 = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(d[h], 8)), shift);
-                _mm256_storeu_ps(o + 32 * b + 16 * h, lookup(l, v0, _mm256_slli_epi32(v0, 28)));
-                _mm256_storeu_ps(o + 32 * b + 16 * h + 8, lookup(l, v1, _mm256_slli_epi32(v1, 28)));
-            }
-        }
+        if (stream)
+            decode_row(codes + r * kb, scales + r * ks, ks, out + r * k, 1);
+        else
+            decode_row(codes + r * kb, scales + r * ks, ks, out + r * k, 0);
     }
+    if (stream) _mm_sfence();
 }
 
 /* x[0..15] -> even elements and odd elements, each in order */

@@ -15,6 +15,8 @@
  * own two accumulators and the same op sequence whether it is processed in a group of 4 or
  * alone, so its bits never depend on the row split (thread count).
  */
+#include <stdint.h>
+
 #include "kernels_internal.h"
 
 #ifdef DS4F_X86
@@ -27,25 +29,50 @@ INL __m512 scaled_lut(uint8_t s) {
     return _mm512_mul_ps(_mm512_loadu_ps(ds4f_e2m1), _mm512_set1_ps(DS4F_SCALE(s)));
 }
 
-/* decode: elements in natural order.  Duplicate each byte (c0 c0 c1 c1 ...), widen to dwords,
- * shift odd lanes right by 4: lane j then holds code j in bits 3:0 (higher bits are ignored
- * by vpermps). */
+/* decode: elements in natural order.  The 16 code bytes are broadcast to all four 128-bit
+ * lanes (a load, no shuffle uop); vpshufb puts byte j/2 in dword lane j, and a variable shift
+ * by 0/4 leaves code j in bits 3:0 (higher bits are ignored by vpermps).  4 shuffles per 32
+ * elements.  Large outputs (a chunk of >= 1 MiB, 64-byte aligned) use non-temporal stores:
+ * the result is the same, the write bypasses the cache it would only thrash. */
+INL void decode_block(const uint8_t *c, uint8_t s, __m512i sh0, __m512i sh1, __m512i shift, __m512 *w0,
+                      __m512 *w1) {
+    const __m512 lut = scaled_lut(s);
+    const __m512i cb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)c));
+    *w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_shuffle_epi8(cb, sh0), shift), lut);
+    *w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_shuffle_epi8(cb, sh1), shift), lut);
+}
+
 T512 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
                              size_t k, float *out) {
     const size_t kb = k / 2, ks = k / 32;
     const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    /* pshufb control: dword lane j takes byte j/2 (cb is broadcast, so every 128-bit lane
+     * holds all 16 bytes) into its low byte and zeroes the rest; s1 does elements 16..31 */
+    const __m512i s0 = _mm512_set_epi32(0x80808007, 0x80808007, 0x80808006, 0x80808006, 0x80808005, 0x80808005,
+                                        0x80808004, 0x80808004, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                        0x80808001, 0x80808001, 0x80808000, 0x80808000);
+    const __m512i s1 = _mm512_add_epi32(s0, _mm512_set1_epi32(8));
+    const int stream = ((uintptr_t)out & 63) == 0 && (r1 - r0) * k * sizeof(float) >= (1u << 20);
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *c = codes + r * kb, *s = scales + r * ks;
         float *o = out + r * k;
-        for (size_t b = 0; b < ks; b++) {
-            const __m512 lut = scaled_lut(s[b]);
-            const __m128i cb = _mm_loadu_si128((const __m128i *)(c + 16 * b));
-            const __m512i v0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(cb, cb)), shift);
-            const __m512i v1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(cb, cb)), shift);
-            _mm512_storeu_ps(o + 32 * b, _mm512_permutexvar_ps(v0, lut));
-            _mm512_storeu_ps(o + 32 * b + 16, _mm512_permutexvar_ps(v1, lut));
+        if (stream) {
+            for (size_t b = 0; b < ks; b++) {
+                __m512 w0, w1;
+                decode_block(c + 16 * b, s[b], s0, s1, shift, &w0, &w1);
+                _mm512_stream_ps(o + 32 * b, w0);
+                _mm512_stream_ps(o + 32 * b + 16, w1);
+            }
+        } else {
+            for (size_t b = 0; b < ks; b++) {
+                __m512 w0, w1;
+                decode_block(c + 16 * b, s[b], s0, s1, shift, &w0, &w1);
+                _mm512_storeu_ps(o + 32 * b, w0);
+                _mm512_storeu_ps(o + 32 * b + 16, w1);
+            }
         }
     }
+    if (stream) _mm_sfence();
 }
 
 INL void mxfp4_block(const uint8_t *c, uint8_t s, __m512 xe, __m512 xo, __m512 *alo,
