@@ -16,16 +16,12 @@ from .errors import Ds4fError
 
 
 def _prompt(model: Path) -> tuple[int, ...] | None:
-    """The first sample prompt the synthetic generator left next to the checkpoint, if any."""
-    for candidate in (model / "prompts.json", model.parent / "prompts.json"):
-        if candidate.is_file():
-            try:
-                prompts = json.loads(candidate.read_text())
-                first = prompts[0] if isinstance(prompts, list) else prompts["prompts"][0]
-                return tuple(int(t) for t in first)
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise Ds4fError(f"{candidate}: expected a list of prompts (lists of token ids)") from None
-    return None
+    """The first sample prompt the synthetic generator left with the checkpoint, if any."""
+    from .checkpoint import open_checkpoint
+
+    with open_checkpoint(model) as ck:
+        prompts = ck.prompts
+    return tuple(prompts[0]) if prompts else None
 
 
 def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_path) -> dict:

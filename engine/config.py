@@ -22,7 +22,6 @@ import platformdirs
 from .errors import Ds4fError
 
 BACKEND_NAMES = ("auto", "scalar", "avx2", "avx512", "neon")
-POLICY_NAMES = ("lru",)  # extended by engine.cache when it registers policies
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.I)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,

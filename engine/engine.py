@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
+from .checkpoint import aligned_buffer
 from .config import Preset
 from .errors import Ds4fError
 from .expert_cache import ExpertCache
@@ -37,12 +38,11 @@ class StepResult:
     stall_s: float
 
 
-def _aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned, pre-faulted uint8 buffer (anonymous mmap) for direct reads."""
-    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arr = np.frombuffer(m, dtype=np.uint8)
-    arr[::mmap.PAGESIZE] = 0
-    return arr
+def warm_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned buffer for direct reads, every page faulted in now rather than mid-token."""
+    buf = aligned_buffer(nbytes)
+    buf[::mmap.PAGESIZE] = 0
+    return buf
 
 
 class Engine:
@@ -61,15 +61,29 @@ class Engine:
             layer: LayerTrunk.from_tensors({k: np.array(v) for k, v in checkpoint.layer_tensors(layer).items()})
             for layer in range(self.n_pinned)}
         self.unpinned = list(range(self.n_pinned, g.n_layers))
-        # hash routing tables stay resident whatever is pinned: they drive the token-start prefetch
-        self.tid2eid = {layer: np.array(checkpoint.layer_tensors(layer)["gate.tid2eid"])
-                        for layer in range(g.n_hash_layers)}
-        self._trunk_bufs = [_aligned_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
+        # Routing stays resident whatever is pinned (a few MB): the hash tables drive the
+        # token-start fetch, the learned routers the lookahead prefetch.
+        self.routers: dict[int, LayerTrunk] = {}
+        for layer in range(g.n_layers):
+            if layer in self.pinned:
+                self.routers[layer] = self.pinned[layer]
+            else:
+                t = checkpoint.layer_tensors(layer)
+                self.routers[layer] = LayerTrunk.from_tensors(
+                    {k: np.array(v) if k.startswith(("gate.", "ffn_norm.")) else v for k, v in t.items()})
+        self.tid2eid = {layer: self.routers[layer].tid2eid for layer in range(g.n_hash_layers)}
+        self.prefetch = bool(preset.prefetch)
+        self.prefetch_counts = {"issued": 0, "useful": 0, "late": 0, "wasted": 0}
+        self._prefetched: dict[tuple[int, int], object] = {}  # key -> slot, issued and not yet used
+        self._x_ahead = np.empty(g.hidden, np.float32)
+        self._logits_ahead = np.empty(g.n_experts, np.float32)
+        self._trunk_bufs = [warm_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
 
         self.pool_bytes = g.n_layers * g.n_experts * checkpoint.slot_nbytes
         self.cache = ExpertCache(preset.cache.resolve(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
                                  preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k)
         self.reader = Reader(checkpoint, io_threads)
+        self.steps = 0  # tokens decoded so far
         self._landed = threading.Event()  # set by an I/O thread whenever a read completes
 
         # per-step buffers
@@ -114,6 +128,9 @@ class Engine:
         stall = 0.0
 
         protected: set = set()
+        step_index = self.steps
+        self.steps += 1
+        self.cache.at(step_index, -1)
         hash_slots = {layer: self._request(layer, self.tid2eid[layer][token_id], protected)
                       for layer in range(g.n_hash_layers)}
         trunk_next = self._read_ahead(self.unpinned[0], 0) if self.unpinned else None
@@ -130,7 +147,9 @@ class Engine:
                 i = self.unpinned.index(layer)
                 if i + 1 < len(self.unpinned):
                     trunk_next = self._read_ahead(self.unpinned[i + 1], (i + 1) % 2)
-            ids, weights, y, layer_stall = self.moe_block(layer, trunk, h, token_id, protected, hash_slots.get(layer))
+            self.cache.at(step_index, layer)
+            ids, weights, y, layer_stall = self.moe_block(layer, trunk, h, token_id, protected, hash_slots.get(layer),
+                                                          lookahead=self.prefetch and layer + 1 < g.n_layers)
             stall += layer_stall
             h += y
             self.out_ids[layer] = ids
@@ -148,7 +167,7 @@ class Engine:
                           bytes_read=bytes1 - bytes0, stall_s=stall)
 
     def moe_block(self, layer: int, trunk: LayerTrunk, h: np.ndarray, token_id: int, protected: set,
-                  slots: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+                  slots: list | None = None, lookahead: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         """One layer's MoE block on the residual h: (ids, weights, block output y, stall seconds).
 
         y = routed experts + shared expert of rmsnorm(h); the caller adds it to h. This is
@@ -160,12 +179,18 @@ class Engine:
         ids, weights = route(sqrt_softplus(self.logits), trunk, token_id, g)
         if slots is None:
             slots = self._request(layer, ids, protected)
-        stall = self._compute_experts(layer, ids, weights, slots, x)
-        # sum in routing-rank order, whatever order the experts landed in
+        if lookahead:
+            self._prefetch_next(layer + 1, h, token_id, protected)
+        shared = []  # the shared expert needs no disk: it fills the first wait for a miss
+        stall = self._compute_experts(layer, ids, weights, slots, x,
+                                      idle_work=lambda: shared.append(self.shared(trunk, x)))
+        if not shared:
+            shared.append(self.shared(trunk, x))
+        # sum in routing-rank order, whatever order the experts landed in, then the shared expert
         self.y[:] = self.ys[0]
         for r in range(1, g.top_k):
             self.y += self.ys[r]
-        self.y += self.shared(trunk, x)
+        self.y += shared[0]
         return ids, weights, self.y, stall
 
     def layer_trunk(self, layer: int) -> LayerTrunk:
@@ -180,18 +205,52 @@ class Engine:
     def _request(self, layer: int, ids, protected: set) -> list:
         """The slots of this layer's experts: hits now, misses handed to the reader."""
         keys = [(layer, int(e)) for e in ids]
-        protected.update(keys)
         slots = []
-        for key in keys:
-            slot = self.cache.lookup(key)
-            if slot is None:
-                slot = self.cache.allocate(key, protected)
-                self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed)
+        useful = set()
+        for key, (slot, hit) in zip(keys, self.cache.request(keys, protected)):
+            if not hit:
+                self._read(slot, key)
+            elif key in self._prefetched:
+                useful.add(key)
+                self.prefetch_counts["useful"] += 1
+                if not slot.ready.is_set():
+                    self.prefetch_counts["late"] += 1
             slots.append(slot)
+        # predictions for this layer the router did not choose (or that were evicted first): wasted reads
+        for key in [k for k in self._prefetched if k[0] == layer]:
+            if key not in useful:
+                self.prefetch_counts["wasted"] += 1
+            del self._prefetched[key]
         return slots
 
-    def _compute_experts(self, layer: int, ids, weights, slots, x) -> float:
-        """Run each routed expert into ys[rank] as soon as its slot is ready; return stall time."""
+    def _read(self, slot, key) -> None:
+        self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed)
+
+    def _prefetch_next(self, layer: int, h: np.ndarray, token_id: int, protected: set) -> None:
+        """Router lookahead: route `layer` on the current residual and start reading its likely
+        experts while this layer computes. Hash layers need no guess (fetched at token start)."""
+        if layer < self.geometry.n_hash_layers:
+            return
+        g = self.geometry
+        router = self.routers[layer]
+        x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, self._x_ahead)
+        kernels.bf16_matvec(router.gate, x, out=self._logits_ahead)
+        ids, _ = route(sqrt_softplus(self._logits_ahead), router, token_id, g)
+        keep = protected | {(layer, int(e)) for e in ids}
+        for e in ids:
+            key = (layer, int(e))
+            if key in self.cache:
+                continue
+            slot = self.cache.allocate(key, keep, count=False)
+            self._prefetched[key] = slot
+            self.prefetch_counts["issued"] += 1
+            self._read(slot, key)
+
+    def _compute_experts(self, layer: int, ids, weights, slots, x, idle_work=None) -> float:
+        """Run each routed expert into ys[rank] as soon as its slot is ready; return stall time.
+
+        idle_work, if given, runs once, the first time nothing is ready (instead of waiting).
+        """
         g = self.geometry
         layout = self.ckpt.expert_layout
         pending = list(range(len(slots)))
@@ -200,6 +259,10 @@ class Engine:
             self._landed.clear()
             ready = [r for r in pending if slots[r].ready.is_set()]
             if not ready:
+                if idle_work is not None:
+                    idle_work()
+                    idle_work = None
+                    continue
                 t0 = time.perf_counter()
                 self._landed.wait(0.05)
                 stall += time.perf_counter() - t0

@@ -39,7 +39,8 @@ class Slot:
 
 class ExpertCache:
     def __init__(self, budget_bytes: int, slot_nbytes: int, n_layers: int, policy: str = "lru",
-                 min_slots: int = 1) -> None:
+                 min_slots: int = 1, with_pool: bool = True) -> None:
+        """with_pool=False keeps only the bookkeeping (the cache lab replays traces with it)."""
         if slot_nbytes % PAGE:
             raise ValueError(f"slot_nbytes must be a multiple of {PAGE}")
         self.slot_nbytes = slot_nbytes
@@ -50,14 +51,17 @@ class ExpertCache:
                 f"expert cache budget {budget_bytes / 2**20:.1f} MiB holds {n_slots} experts of "
                 f"{slot_nbytes / 2**20:.2f} MiB; a token needs at least {min_slots} resident at once")
         self.n_slots = n_slots
-        self._map = mmap.mmap(-1, n_slots * slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.pool = np.frombuffer(self._map, dtype=np.uint8).reshape(n_slots, slot_nbytes)
-        self.pool[:, ::PAGE] = 0  # fault every page in now, not during a token
+        self._map = None
+        self.pool = None
+        if with_pool:
+            self._map = mmap.mmap(-1, n_slots * slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.pool = np.frombuffer(self._map, dtype=np.uint8).reshape(n_slots, slot_nbytes)
+            self.pool[:, ::PAGE] = 0  # fault every page in now, not during a token
         self.slots = [Slot(i) for i in range(n_slots)]
         self._free = list(range(n_slots - 1, -1, -1))
         self._where: dict[tuple[int, int], Slot] = {}
         self.policy_name = policy
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, n_layers)
         self.layers = [LayerCounters() for _ in range(n_layers)]
         self.evictions = 0
 
@@ -102,6 +106,16 @@ class ExpertCache:
             self.layers[key[0]].misses += 1
         return slot
 
+    def request(self, keys, protected: set) -> list[tuple[Slot, bool]]:
+        """One layer's requests in routing-rank order: (slot, hit) for each key. The keys join
+        `protected` first, so none of them can evict another. Misses get a slot (not ready)."""
+        protected.update(keys)
+        out = []
+        for key in keys:
+            slot = self.lookup(key)
+            out.append((slot, True) if slot is not None else (self.allocate(key, protected), False))
+        return out
+
     def discard(self, key) -> None:
         """Forget a key whose read failed, returning its slot to the free list."""
         slot = self._where.pop(key, None)
@@ -110,9 +124,14 @@ class ExpertCache:
             slot.key = None
             self._free.append(slot.index)
 
+    def at(self, token: int, layer: int) -> None:
+        """Tell the policy where the forward pass is (layer -1: the token-start requests)."""
+        self.policy.at(token, layer)
+
     def close(self) -> None:
         self.pool = None  # type: ignore[assignment]
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view still exists; the mapping goes with it
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view still exists; the mapping goes with it

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .config import user_cache_dir
-from .engine import _aligned_buffer
+from .engine import warm_buffer
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def probe_floor(checkpoint, io_threads: int = 4, seconds: float = 2.0, max_reads
     deadline = time.perf_counter() + seconds
 
     def worker() -> None:
-        buf = _aligned_buffer(checkpoint.slot_nbytes)
+        buf = warm_buffer(checkpoint.slot_nbytes)
         while time.perf_counter() < deadline:
             with lock:
                 i = next_i[0]

@@ -206,7 +206,7 @@ class Run:
             read_latency_ms=latency / reads * 1e3 if reads else None,
             stall_s_per_token=sum(t.stall_s for t in tokens) / len(tokens) if tokens else None,
             elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
-            tokens=tokens, events=events)
+            tokens=tokens, events=events, prefetch=dict(eng.prefetch_counts) if eng and eng.prefetch else {})
 
     # -- the run's thread ---------------------------------------------------------------------
     def _log(self, message: str) -> None:
@@ -349,6 +349,7 @@ class Run:
             "evictions": sum(snap.layer_evictions), "read_latency_ms": snap.read_latency_ms,
             "stall_s_per_token": snap.stall_s_per_token, "rss_bytes": snap.rss_bytes,
             "rss_budget_bytes": snap.rss_budget_bytes, "wall_s": snap.elapsed_s,
+            "prefetch": snap.prefetch or None,
         }
         return {
             "schema": REPORT_SCHEMA, "run_id": self.id, "state": "done",

@@ -243,3 +243,25 @@ def test_official_shards_run_like_the_converted_layout(tiny_official, tiny_model
     a = _run(tiny_official, tmp_path, "official")
     b = _run(tiny_model, tmp_path, "converted")
     assert a.report["state_sha256"] == b.report["state_sha256"]
+
+
+def test_lookahead_prefetch_keeps_the_state_and_accounts_every_read(tiny_model, tmp_path):
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text('[presets.pf]\npinned_layers = "50%"\ncache = "25%"\nprefetch = true\n')
+    off = _run(tiny_model, tmp_path, "off", gen=10, preset="laptop")
+    on = _run(tiny_model, tmp_path, "on", gen=10, preset="pf", config_path=str(cfg))
+    assert on.report["state_sha256"] == off.report["state_sha256"]
+    pf = on.report["summary"]["prefetch"]
+    assert pf["issued"] > 0 and pf["useful"] > 0
+    assert pf["issued"] == pf["useful"] + pf["wasted"]  # every prediction is resolved within its token
+    assert pf["late"] <= pf["useful"]
+    s = on.report["summary"]
+    with open_checkpoint(tiny_model) as ck:
+        g = ck.geometry
+        assert s["hits"] + s["misses"] == g.top_k * g.n_layers * on.n_steps
+        # disk bytes: demand misses + every prefetch issued + unpinned trunk layers
+        pinned = set(on.report["pinned_layers"])
+        trunk = sum(ck.trunk_layer_nbytes(i) for i in range(g.n_layers) if i not in pinned)
+        total = sum(t["bytes_read"] for t in on.report["tokens"])
+        assert total == (s["misses"] + pf["issued"]) * ck.slot_nbytes + trunk * on.n_steps
+    assert off.report["summary"]["prefetch"] is None
