@@ -564,9 +564,18 @@ class Handler(BaseHTTPRequestHandler):
         body = json.dumps(_clean(obj), allow_nan=False).encode() + b"\n"
         self._send_bytes(status, body, "application/json", headers)
 
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok and self.request_version == "HTTP/0.9":   # no headers, no status line: not worth serving
+            self.send_error(400, "HTTP/0.9 requests are not supported")
+            return False
+        return ok
+
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Protocol-level errors from http.server (bad request line, headers too large...) as JSON."""
         self.close_connection = True
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"            # always answer with a status line and headers
         try:
             phrase = HTTPStatus(code).phrase
         except ValueError:
@@ -647,8 +656,8 @@ class Handler(BaseHTTPRequestHandler):
         if length_text is None:
             self._body_read = True
             return b""
-        if not _INT_RE.match(length_text.strip()):
-            raise bad("Content-Length", f"not a byte count: {length_text!r}")
+        if not re.fullmatch(r"[0-9]{1,20}", length_text.strip()):
+            raise bad("Content-Length", f"not a byte count: {length_text[:40]!r}")
         length = int(length_text)
         if length > self.server.options.max_body_bytes:
             raise HttpError(413, f"body of {length} bytes is over the limit of {self.server.options.max_body_bytes}")
