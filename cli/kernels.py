@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(stderr=False)
+    console = Console(width=None if sys.stdout.isatty() else 120)  # the table needs ~110 columns
     err = Console(stderr=True)
     with err.status("benchmarking") as status:
         records = B.run_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m))

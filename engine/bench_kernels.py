@@ -150,7 +150,7 @@ def run_bench(
     scratch = K.experts_scratch(N_EXPERTS, HIDDEN, INTER)
     nw = N_EXPERTS * 3 * HIDDEN * INTER
     cases.append(
-        ("experts", f"{N_EXPERTS}x({INTER}x{HIDDEN},{HIDDEN}x{INTER})", nw, nw // 2 + nw // 32,
+        ("experts", f"{N_EXPERTS} experts", nw, nw // 2 + nw // 32,
          lambda: K.experts_forward(experts, weights, xh, 10.0, yh, scratch),
          lambda: np_experts(experts, weights, xh, 10.0))
     )  # fmt: skip

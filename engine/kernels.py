@@ -236,7 +236,10 @@ def experts_forward(
             raise ValueError(f"experts[{e}]: expected ExpertWeights(w1, s1, w3, s3, w2, s2)")
         ce = cex[e]
         for (field, shape), a in zip(specs, ex):
-            buf = ffi.from_buffer("uint8_t[]", _arr(f"experts[{e}].{field}", a, _U8, shape))
+            # fast path first (called once per layer per token); the full check names the culprit
+            if type(a) is not np.ndarray or a.dtype != _U8 or a.shape != shape or not a.flags.c_contiguous:
+                _arr(f"experts[{e}].{field}", a, _U8, shape)
+            buf = ffi.from_buffer("uint8_t[]", a)
             keep.append(buf)
             setattr(ce, field, buf)
         try:

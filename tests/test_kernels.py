@@ -2,6 +2,9 @@
 not use the code under test (ml_dtypes decode, float64 numpy matvec and expert math)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -370,3 +373,28 @@ def test_gil_released_during_kernels():
         last = now
     worker.join()
     assert max(gaps) < work.duration / 2, (max(gaps), work.duration)
+
+
+# ---- environment and floating-point state -------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["scalar", *AVAILABLE[1:], "auto", "bogus"])
+def test_ds4f_kernels_env_selects_initial_backend(value):
+    code = "import warnings; warnings.simplefilter('error')\n" if value in AVAILABLE + ["auto"] else ""
+    code += "from ds4f.engine import kernels as K; print(K.get_backend())"
+    env = {**os.environ, "DS4F_KERNELS": value}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (value if value in AVAILABLE else K.best_backend())
+    if value == "bogus":
+        assert "DS4F_KERNELS='bogus'" in out.stderr
+
+
+def test_kernels_leave_subnormals_alone():
+    """No flush-to-zero / denormals-are-zero in the process after the kernels ran (-ffast-math
+    would set MXCSR FTZ/DAZ at load time; nothing here may)."""
+    for backend in AVAILABLE:
+        K.set_backend(backend)
+        K.mxfp4_decode(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))
+    tiny = np.float32(2.0**-140)
+    assert tiny * np.float32(1.0) > 0 and np.float32(2.0**-126) / np.float32(4.0) == np.float32(2.0**-128)
