@@ -133,7 +133,9 @@ void ds4f_pool_run(ds4f_task_fn fn, void *ctx, size_t ntasks) {
     }
     pthread_once(&once, init_once);
     pthread_mutex_lock(&call_lock);
-    if (n_running < nt - 1) start_workers(nt - 1);
+    const int want = atomic_load(&n_threads) - 1; /* re-read: a resize may have run meanwhile */
+    if (n_running > want) stop_workers();
+    if (n_running < want) start_workers(want);
     pthread_mutex_lock(&mu);
     job_fn = fn;
     job_ctx = ctx;

@@ -398,3 +398,29 @@ def test_kernels_leave_subnormals_alone():
         K.mxfp4_decode(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8))
     tiny = np.float32(2.0**-140)
     assert tiny * np.float32(1.0) > 0 and np.float32(2.0**-126) / np.float32(4.0) == np.float32(2.0**-128)
+
+
+def test_concurrent_callers_and_live_resizing():
+    """Several Python threads share the native pool while another resizes it: every result is
+    still the same bits (jobs are serialised; a resize waits for the running job)."""
+    rng = np.random.default_rng(9)
+    codes, scales = rand_mxfp4(rng, 512, 1024)
+    x = rng.standard_normal(1024).astype(np.float32)
+    K.set_backend(K.best_backend())
+    K.set_threads(1)
+    want = K.mxfp4_matvec(codes, scales, x)
+    bad = []
+
+    def worker():
+        for _ in range(30):
+            if not np.array_equal(K.mxfp4_matvec(codes, scales, x).view(np.uint32), want.view(np.uint32)):
+                bad.append(1)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for i in range(60):
+        K.set_threads(1 + i % 3)
+    for t in threads:
+        t.join()
+    assert not bad
