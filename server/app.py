@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,7 +54,6 @@ MAX_GEN = 100_000                   # tokens per run
 MAX_PROMPT = 4096                   # prompt token ids per run
 MAX_THREADS = 256                   # the run API's own bound
 MIN_TOKEN_CHARS = 16
-RUNS_IN_MEMORY = 32                 # finished runs kept addressable in memory (older: the history)
 RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt")
 LIVE_STATES = ("starting", "running")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -286,8 +285,10 @@ class Service:
         self.backends = list(kernels.available_backends())
         self.best_backend = kernels.best_backend()
         self._start_run = start_run or _start_run
-        self._lock = threading.Lock()
-        self._runs: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()          # guards starting a run and _current
+        self._counts_lock = threading.Lock()   # response counters: never waits behind a run's start
+        # Only the current (or last) Run stays in memory: a Run keeps its engine (pinned trunk,
+        # embeddings) referenced after it ends, so older runs are served from the history.
         self._current = None
         self._closing = False
         self.started_at = time.time()
@@ -298,7 +299,7 @@ class Service:
 
     # -- counters ---------------------------------------------------------------------------------
     def count_response(self, code: int) -> None:
-        with self._lock:
+        with self._counts_lock:
             self._responses[int(code)] += 1
 
     def _last_report_from_history(self) -> dict | None:
@@ -359,15 +360,12 @@ class Service:
                 param = head if head in RUN_PARAMS or head == "model" else None
                 raise HttpError(400 if param != "model" else 500, message, param=param) from None
             self._current = run
-            self._runs[run.id] = run
-            while len(self._runs) > RUNS_IN_MEMORY:
-                self._runs.popitem(last=False)
             self.runs_started += 1
             return run
 
     def _find(self, run_id: str):
-        with self._lock:
-            return self._runs.get(run_id)
+        run = self._current
+        return run if run is not None and run.id == run_id else None
 
     def run_view(self, run) -> dict:
         snap = run.snapshot()
@@ -440,9 +438,8 @@ class Service:
 
     def list_runs(self, limit: int) -> list[dict]:
         seen, out = set(), []
-        with self._lock:
-            mine = list(self._runs.values())[::-1]
-        for run in mine:
+        run = self._current
+        for run in ([run] if run is not None else []):
             snap = run.snapshot()
             seen.add(run.id)
             out.append({"id": run.id, "state": snap.state, "source": "server", "started_at": run.started_at,
@@ -461,8 +458,7 @@ class Service:
 
     # -- status and metrics ------------------------------------------------------------------------
     def status(self) -> dict:
-        with self._lock:
-            run = self._current
+        run = self._current
         snap = run.snapshot() if run is not None else None
         if run is not None and snap.state == "done" and run.report:
             self._note_report(run.id, run.report)
@@ -485,8 +481,8 @@ class Service:
         }
 
     def metrics(self) -> str:
-        with self._lock:
-            run = self._current
+        run = self._current
+        with self._counts_lock:
             responses = dict(self._responses)
         snap = run.snapshot() if run is not None else None
         return render_metrics(snap, {"busy": self.busy, "runs_started": self.runs_started,
@@ -608,6 +604,7 @@ class Handler(BaseHTTPRequestHandler):
         self._body_read = False
         try:
             self._authorize()
+            self._check_browser_origin()
             url = urlsplit(self.path)
             path = unquote(url.path)
             for pattern, methods in self.ROUTES:
@@ -637,6 +634,22 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(500, {"error": f"internal error: {type(exc).__name__}: {exc}", "status": 500})
             except OSError:
                 pass
+
+    def _check_browser_origin(self) -> None:
+        """Keep web pages out: a loopback server answers only to loopback Host names (no DNS
+        rebinding), and no request a browser marks as coming from another site is served."""
+        host = self.headers.get("Host")
+        if host is not None and is_loopback(self.server.options.host):
+            name = host.strip()
+            if name.startswith("["):
+                name = name[1:name.find("]")] if "]" in name else name
+            else:
+                name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+            if not is_loopback(name):
+                raise HttpError(403, f"Host: {host[:80]!r} is not a loopback name; this server answers "
+                                     f"only to localhost, 127.0.0.1 and [::1]")
+        if self.headers.get("Sec-Fetch-Site", "").strip().lower() in ("cross-site", "same-site"):
+            raise HttpError(403, "cross-site browser requests are refused")
 
     def _authorize(self) -> None:
         token = self.server.options.token
@@ -704,7 +717,12 @@ class Handler(BaseHTTPRequestHandler):
     def h_start_json(self, query: str) -> None:
         if query:
             raise bad("query", "POST /runs takes its parameters in a JSON body, not the query string")
-        self._start(parse_json_body(self._read_body()), from_query=False)
+        body = self._read_body()
+        ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if body.strip() and ctype != "application/json":
+            raise HttpError(415, f"Content-Type: send the parameters as application/json, got {ctype or 'none'!r} "
+                                 f"(curl: -H 'Content-Type: application/json')", param="Content-Type")
+        self._start(parse_json_body(body), from_query=False)
 
     def h_start_query(self, query: str) -> None:
         self._no_body()

@@ -382,6 +382,30 @@ def test_metrics_follow_a_live_run(srv):
     assert srv.request("DELETE", f"/runs/{run_id}").status == 200
 
 
+def test_web_pages_cannot_drive_a_loopback_server(srv):
+    # a form or fetch from a page: not JSON, so a browser could send it without a CORS preflight
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = srv.request("POST", "/runs", raw=b'{"gen": 2}', headers=headers)
+        assert r.status == 415 and r.json()["parameter"] == "Content-Type", (ctype, r.body)
+    assert srv.request("POST", "/runs", raw=b'{"gen": 2}',
+                       headers={"Content-Type": "application/json; charset=utf-8"}).status == 202
+    srv.service.current_run.wait(30)
+    # DNS rebinding: a foreign name that resolves to 127.0.0.1
+    for host in ("evil.example", "evil.example:8734", "127.0.0.1.evil.example", "[::2]:80"):
+        r = srv.get("/status", headers={"Host": host})
+        assert r.status == 403 and "loopback" in r.json()["error"], host
+        assert srv.get("/run?gen=2", headers={"Host": host}).status == 403
+    for host in ("localhost", "localhost:8734", "127.0.0.1", f"127.0.0.1:{srv.port}", "[::1]:8734", "[::1]"):
+        assert srv.get("/status", headers={"Host": host}).status == 200, host
+    # <img src="http://127.0.0.1:8734/run?gen=100000"> on some page
+    for site in ("cross-site", "same-site"):
+        r = srv.get("/run?gen=2", headers={"Sec-Fetch-Site": site})
+        assert r.status == 403, site
+    assert srv.get("/status", headers={"Sec-Fetch-Site": "none"}).status == 200
+    assert srv.service.runs_started == 1
+
+
 # -- the token ------------------------------------------------------------------------------------
 def test_token_is_required_on_every_endpoint_when_configured(start):
     srv = start(token=TOKEN)
@@ -542,7 +566,7 @@ def test_paths_methods_and_sizes(srv):
     assert srv.get("/runs?limit=0").status == 400
     assert srv.get("/runs?limit=3").status == 200
     assert srv.get("/runs?color=red").json()["parameter"] == "color"
-    r = srv.request("POST", "/runs?gen=2", raw=b"{}")
+    r = srv.request("POST", "/runs?gen=2", raw=b"{}", headers={"Content-Type": "application/json"})
     assert r.status == 400 and r.json()["parameter"] == "query"
     assert srv.service.runs_started == 0
 
@@ -585,14 +609,14 @@ def _protocol_abuse(port: int) -> list[int]:
     out.append(_status_of(_raw(port, b"POST /runs HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")))
     out.append(_status_of(_raw(port, b"POST /runs HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n{}")))
     out.append(_status_of(_raw(port, b"POST /runs HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"gen\"", shut=True)))
-    _raw(port, b"\x00\x01\x02\xff" * 100)                  # binary junk: any answer or none
-    _raw(port, b"")                                        # connect and leave
+    out.append(_status_of(_raw(port, b"\x00\x01\x02\xff" * 100, shut=True)))   # binary junk
+    assert _raw(port, b"", shut=True) == b""                # connect and leave: nothing to answer
     return out
 
 
 def test_protocol_level_abuse_is_refused(srv):
     codes = _protocol_abuse(srv.port)
-    assert codes == [400, 400, 505, 414, 431, 431, 400, 400, 411, 413, 400], codes
+    assert codes == [400, 400, 505, 414, 431, 431, 400, 400, 411, 413, 400, 400], codes
     assert srv.get("/status").status == 200
 
 
@@ -682,6 +706,14 @@ def test_a_burst_of_concurrent_requests_leaves_the_server_healthy(srv):
     while threading.active_count() > baseline + 1:         # the handler threads went away
         assert time.monotonic() < deadline, threading.enumerate()
         time.sleep(0.05)
+
+
+def test_no_new_runs_once_shutting_down(srv):
+    assert srv.service.close(timeout=5)
+    r = srv.post_run(gen=2)
+    assert r.status == 503 and r.headers["retry-after"]
+    assert srv.get("/status").json()["server"]["closing"] is True
+    assert srv.service.runs_started == 0
 
 
 # -- signals --------------------------------------------------------------------------------------
