@@ -4,7 +4,9 @@
  *   codes:  rows * k/2 bytes, element 2i in the low nibble of byte i, 2i+1 in the high nibble
  *   scales: rows * k/32 E8M0 bytes, one per 32 consecutive elements of a row
  * value = e2m1(code) * 2^(scale - 127); scale 255 is NaN.  k must be a multiple of 32.
- * bf16 matrices are rows x k uint16 (the upper half of an fp32).
+ * bf16 matrices are rows x k uint16 (the upper half of an fp32); k a multiple of 32 as well.
+ * Backends and threads are process-wide settings; a change applies from the next call on.
+ * The kernels never touch MXCSR/FPCR (no flush-to-zero): subnormals in, subnormals out.
  * All matvecs accumulate in fp32; each output row is computed by one thread in a fixed
  * order, so a backend's results do not depend on the thread count.
  */
