@@ -160,14 +160,14 @@ def replay(trace: Trace, budget: Budget | str | int, policy: str) -> ReplayResul
     budget_bytes = budget.resolve(trace.pool_bytes)
     g = trace.geometry
     cache = ExpertCache(budget_bytes, trace.slot_nbytes, g.n_layers, "lru",
-                        min_slots=(g.n_hash_layers + 1) * g.top_k, with_pool=False)
+                        min_slots=(g.n_hash_layers + 1) * g.top_k, with_pool=False, n_experts=g.n_experts)
     if policy == "belady":
         cache.policy = Belady(trace.request_sequence())
     else:
         from .cache_policies import make_policy
 
         try:
-            cache.policy = make_policy(policy, g.n_layers)
+            cache.policy = make_policy(policy, g.n_layers, g.n_experts, cache.n_slots)
         except ValueError as exc:
             raise Ds4fError(str(exc)) from None
         cache.policy_name = policy

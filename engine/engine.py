@@ -81,7 +81,7 @@ class Engine:
 
         self.pool_bytes = g.n_layers * g.n_experts * checkpoint.slot_nbytes
         self.cache = ExpertCache(preset.cache.resolve(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
-                                 preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k)
+                                 preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k, n_experts=g.n_experts)
         self.reader = Reader(checkpoint, io_threads)
         self.steps = 0  # tokens decoded so far
         self._landed = threading.Event()  # set by an I/O thread whenever a read completes

@@ -39,7 +39,7 @@ class Slot:
 
 class ExpertCache:
     def __init__(self, budget_bytes: int, slot_nbytes: int, n_layers: int, policy: str = "lru",
-                 min_slots: int = 1, with_pool: bool = True) -> None:
+                 min_slots: int = 1, with_pool: bool = True, n_experts: int = 256) -> None:
         """with_pool=False keeps only the bookkeeping (the cache lab replays traces with it)."""
         if slot_nbytes % PAGE:
             raise ValueError(f"slot_nbytes must be a multiple of {PAGE}")
@@ -61,7 +61,7 @@ class ExpertCache:
         self._free = list(range(n_slots - 1, -1, -1))
         self._where: dict[tuple[int, int], Slot] = {}
         self.policy_name = policy
-        self.policy = make_policy(policy, n_layers)
+        self.policy = make_policy(policy, n_layers, n_experts, n_slots)
         self.layers = [LayerCounters() for _ in range(n_layers)]
         self.evictions = 0
 

@@ -26,7 +26,7 @@ import psutil
 
 from . import kernels
 from .checkpoint import open_checkpoint
-from .config import BACKEND_NAMES, load_config, user_data_dir
+from .config import BACKEND_NAMES, Preset, load_config, user_data_dir
 from .engine import Engine
 from .errors import Ds4fError
 from .snapshot import Snapshot, TokenRecord
@@ -40,7 +40,7 @@ _active: "Run | None" = None
 @dataclass(frozen=True)
 class RunConfig:
     model: str                               # checkpoint path (official shards or ds4f layout)
-    preset: str = "laptop"                   # a preset of ds4f.toml
+    preset: "str | Preset" = "laptop"        # a preset of ds4f.toml, or a Preset made in code
     gen: int = 8                             # tokens to generate
     prompt: tuple[int, ...] | None = None    # prompt token ids; None: (bos,)
     io_threads: int | None = None            # None: the preset's, else ds4f.toml's
@@ -64,7 +64,7 @@ def start_run(config: RunConfig, history=None) -> "Run":
     """Validate, open the checkpoint and start the run's thread; returns at once."""
     global _active
     cfg = load_config(config.config_path)
-    preset = cfg.get_preset(config.preset)
+    preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
     if not isinstance(config.gen, int) or config.gen < 1:
         raise Ds4fError(f"gen: must be a positive number of tokens, got {config.gen!r}")
     if config.backend not in BACKEND_NAMES:
@@ -332,7 +332,7 @@ class Run:
 
     def config_dict(self) -> dict:
         d = asdict(self.config)
-        d.update(prompt=list(self.prompt), preset_detail=self.preset.describe(),
+        d.update(preset=self.preset.name, prompt=list(self.prompt), preset_detail=self.preset.describe(),
                  io_threads=self.io_threads, kernel_threads=self.kernel_threads, backend_requested=self.config.backend)
         return d
 

@@ -1,0 +1,70 @@
+"""`ds4f replay` and `ds4f trace export`: the cache lab from the shell."""
+from __future__ import annotations
+
+import argparse
+
+from ds4f.engine.errors import Ds4fError
+
+DEFAULT_SWEEP = "5%,10%,15%,20%,25%,30%,40%,50%,60%,75%"
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    if name == "replay":
+        parser.add_argument("trace", help="a run's state dump (state.bin) or an exported trace (.npz)")
+        parser.add_argument("--cache", default="25%", metavar="BUDGET",
+                            help="cache budget: a size ('4 GiB') or a fraction of the pool ('25%%'); default 25%%")
+        parser.add_argument("--policy", default="all",
+                            help="lru | lfu | fcr | cycle | duel | belady | all (default: all)")
+        parser.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="BUDGETS",
+                            help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP})")
+        parser.add_argument("--plot", metavar="PNG", help="with --sweep: save hit rate against budget (needs matplotlib)")
+    elif name == "trace":
+        sub = parser.add_subparsers(dest="action", required=True)
+        export = sub.add_parser("export", help="write a run's routing trace compactly (.npz)")
+        export.add_argument("state", help="the run's state dump (state.bin)")
+        export.add_argument("out", help="output file (.npz)")
+
+
+def run(args) -> int:
+    if args.command == "trace":
+        from ds4f.engine.cache_replay import export_trace, load_trace
+
+        out = export_trace(args.state, args.out)
+        t = load_trace(out)
+        print(f"{out}: {len(t.ids)} tokens x {t.geometry.n_layers} layers x top-{t.geometry.top_k} "
+              f"({out.stat().st_size} bytes)")
+        return 0
+    return _replay(args)
+
+
+def _policies(text: str) -> list[str]:
+    from ds4f.engine.cache_policies import ONLINE_POLICIES
+
+    known = [*ONLINE_POLICIES, "belady"]
+    if text == "all":
+        return known
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in known]
+    if bad:
+        raise Ds4fError(f"--policy: unknown policy {bad[0]!r} (known: {', '.join(known)}, all)")
+    return names
+
+
+def _replay(args) -> int:
+    from ds4f.engine.cache_replay import load_trace
+    from ds4f.engine.cache_sweep import format_table, plot_sweep, sweep
+
+    trace = load_trace(args.trace)
+    policies = _policies(args.policy)
+    budgets = [b.strip() for b in (args.sweep or args.cache).split(",") if b.strip()]
+    g = trace.geometry
+    print(f"{args.trace}: {len(trace.ids)} tokens, {g.n_layers} layers x {g.n_experts} experts, top-{g.top_k}, "
+          f"pool {trace.pool_bytes / 2**30:.2f} GiB in {trace.slot_nbytes / 2**20:.2f} MiB records")
+    results = sweep([trace], budgets, policies)
+    print(format_table(results, budgets, policies))
+    if args.plot:
+        if not args.sweep:
+            raise Ds4fError("--plot needs --sweep")
+        plot_sweep(results, budgets, policies, args.plot, title=str(args.trace))
+        print(f"plot: {args.plot}")
+    return 0

@@ -1,0 +1,109 @@
+"""`ds4f bench cache`: policies against Belady on the bench checkpoint's traces, and prefetch.
+
+1. Traces: one run per sample prompt (the synthetic generator's prompts.json) records the
+   routing; the math does not depend on the cache, so these runs use the server preset.
+2. Sweep: every policy at every budget over all traces (hits summed), with targets: the
+   default policy >= LRU at every budget, and within 10% of Belady at the laptop budget.
+3. Prefetch: the laptop preset with lookahead prefetch off and on, same prompts, in this
+   invocation: stall time per token, and wasted reads per useful one.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .errors import Ds4fError
+
+BUDGETS = ["10%", "15%", "20%", "25%", "30%", "40%", "50%", "75%"]
+
+
+def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path) -> dict:
+    from .runs import RunConfig, start_run
+
+    run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=tuple(prompt),
+                              config_path=config_path, probe_floor=False, dump_path=str(dump)))
+    run.wait()
+    if run.state != "done":
+        raise Ds4fError(run.error or f"bench run ended {run.state}")
+    return run.report
+
+
+def bench_cache(args) -> int:
+    from .cache_policies import DEFAULT_POLICY, ONLINE_POLICIES
+    from .cache_replay import load_trace
+    from .cache_sweep import format_table, sweep
+    from .checkpoint import open_checkpoint
+    from .config import load_config, user_cache_dir
+    from .synthetic_models import ensure_synthetic
+
+    model = Path(args.model) if args.model else ensure_synthetic("bench")
+    with open_checkpoint(model) as ck:
+        prompts = ck.prompts[:4]
+    if not prompts:
+        raise Ds4fError(f"{model}: no sample prompts (prompts.json); bench cache needs a synthetic checkpoint")
+    gen = args.gen or 24
+    scratch = user_cache_dir() / "bench-runs"
+    scratch.mkdir(parents=True, exist_ok=True)
+
+    print(f"bench cache: {model}, {len(prompts)} prompts + {gen} generated tokens each", file=sys.stderr)
+    traces = []
+    for i, prompt in enumerate(prompts):
+        dump = scratch / f"trace-{i}.bin"
+        _run(model, "server", prompt, gen, dump, args.config)
+        traces.append(load_trace(dump))
+        print(f"  trace {i}: {len(traces[-1].ids)} tokens", file=sys.stderr)
+
+    cfg = load_config(args.config)
+    laptop = cfg.get_preset(args.preset)
+    policies = [*ONLINE_POLICIES, "belady"]
+    budgets = list(BUDGETS)
+    laptop_budget = str(laptop.cache)
+    if laptop_budget not in budgets:
+        budgets.append(laptop_budget)
+    results = sweep(traces, budgets, policies)
+    print("\nhit rate by policy and budget (all traces):")
+    print(format_table(results, budgets, policies))
+
+    default = DEFAULT_POLICY
+    below = [b for b in budgets if results[b, default].hit_rate is not None and results[b, "lru"].hit_rate is not None
+             and results[b, default].hit_rate < results[b, "lru"].hit_rate]
+    d, opt = results[laptop_budget, default].hit_rate, results[laptop_budget, "belady"].hit_rate
+    gap = (opt - d) / opt if d is not None and opt else None
+    print(f"\ndefault policy {default} >= lru at every budget: {'met' if not below else 'NOT met at ' + ', '.join(below)}")
+    if gap is not None:
+        print(f"{default} vs belady at the {args.preset} budget ({laptop_budget}): {d:.1%} vs {opt:.1%}, "
+              f"{gap:.1%} below the optimum: {'met' if gap <= 0.10 else 'NOT met'} (target <= 10%)")
+
+    # prefetch off / on, same prompts, this invocation
+    rows = {}
+    for label, prefetch in (("off", False), ("on", True)):
+        preset = replace(laptop, prefetch=prefetch, name=f"{laptop.name}+prefetch-{label}")
+        stalls, tokens, pf = [], 0, {"issued": 0, "useful": 0, "late": 0, "wasted": 0}
+        s_tok = []
+        for i, prompt in enumerate(prompts):
+            report = _run(model, preset, prompt, gen, scratch / f"pf-{label}-{i}.bin", args.config)
+            stalls += [t["stall_s"] for t in report["tokens"][1:]]
+            s_tok.append(report["summary"]["s_per_token"])
+            tokens += len(report["tokens"])
+            for k, v in (report["summary"]["prefetch"] or {}).items():
+                pf[k] += v
+        rows[label] = (statistics.mean(stalls), statistics.median(s_tok), pf)
+    off, on = rows["off"], rows["on"]
+    drop = 1 - on[0] / off[0] if off[0] else 0.0
+    pf = on[2]
+    waste = pf["wasted"] / pf["useful"] if pf["useful"] else float("inf")
+    print(f"\nprefetch ({args.preset} preset, policy {laptop.policy}, warm tokens):")
+    print(f"  stall s/token   off {off[0]:.4f}   on {on[0]:.4f}   drop {drop:.1%} "
+          f"({'met' if drop >= 0.25 else 'NOT met'}, target >= 25%)")
+    print(f"  s/token median  off {off[1]:.4f}   on {on[1]:.4f}")
+    print(f"  prefetches: {pf['issued']} issued, {pf['useful']} useful, {pf['late']} late, {pf['wasted']} wasted; "
+          f"wasted per useful {waste:.2f} ({'met' if waste < 0.5 else 'NOT met'}, target < 0.5)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "sweep": {f"{b}|{p}": results[b, p].hit_rate for b in budgets for p in policies},
+            "default_policy": default, "laptop_budget": laptop_budget, "gap_to_belady": gap,
+            "stall_off": off[0], "stall_on": on[0], "stall_drop": drop, "prefetch": pf}, indent=1))
+    return 0
