@@ -45,7 +45,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=None, help="comma-separated prompt token ids (default: bos)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads")
     parser.add_argument("--io-threads", type=int, default=None, help="expert-read threads")
-    parser.add_argument("--backend", default="auto", help="auto | scalar | avx2 | avx512 | neon")
+    parser.add_argument("--backend", default=None, help="auto | scalar | avx2 | avx512 | neon (default: ds4f.toml's)")
     parser.add_argument("--no-simd", action="store_true", help="scalar kernels (same as --backend scalar)")
     parser.add_argument("--no-probe", action="store_true", help="skip the NVMe floor probe")
     parser.add_argument("--config", help="ds4f.toml to use")

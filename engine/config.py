@@ -84,7 +84,7 @@ class Preset:
     name: str
     pinned_layers: str          # "all" | "none" | "N" | "P%"
     cache: Budget               # expert-cache budget
-    policy: str = "lru"
+    policy: str = "cycle"
     io_threads: int | None = None       # None: the [engine] default
     kernel_threads: int | None = None
     prefetch: bool = False              # router lookahead prefetch (issue 7)
@@ -221,7 +221,7 @@ def _preset(name: str, body: dict, source: str) -> Preset:
     if not (pinned in ("all", "none") or re.fullmatch(r"\d+", pinned)
             or re.fullmatch(r"\d+(\.\d+)?%", pinned) and float(pinned[:-1]) <= 100):
         raise Ds4fError(f"{where}.pinned_layers: expected 'all', 'none', a count or a percentage, got {body['pinned_layers']!r}")
-    policy = body.get("policy", "lru")
+    policy = body.get("policy", "cycle")
     from . import cache_policies  # registry of online policies
 
     if policy not in cache_policies.ONLINE_POLICIES:

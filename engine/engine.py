@@ -23,7 +23,7 @@ from .config import Preset
 from .errors import Ds4fError
 from .expert_cache import ExpertCache
 from .model import LayerTrunk, SharedExpert, expert_weights, rms_norm, route, sqrt_softplus
-from .reader import Reader
+from .reader import DEMAND, PREFETCH, Reader
 
 
 @dataclass
@@ -36,6 +36,23 @@ class StepResult:
     misses: int
     bytes_read: int
     stall_s: float
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    layer_hits: tuple[int, ...]
+    layer_misses: tuple[int, ...]
+    layer_evictions: tuple[int, ...]
+    cache_used_bytes: int
+    cache_capacity_bytes: int     # slots x slot bytes, <= the budget
+    cache_budget_bytes: int
+    slots: int
+    slot_nbytes: int
+    expert_reads: int
+    read_latency_s: float         # summed over expert reads
+    prefetch: dict
+    pinned_layers: tuple[int, ...]
+    resident_bytes: int           # what the engine keeps in RAM: pinned trunk, globals, cache, buffers
 
 
 def warm_buffer(nbytes: int) -> np.ndarray:
@@ -98,6 +115,21 @@ class Engine:
         self.out_ids = np.empty((g.n_layers, g.top_k), np.int32)
         self.out_weights = np.empty((g.n_layers, g.top_k), np.float32)
         self.out_hidden = np.empty((g.n_layers, g.hidden), np.float32)
+
+    def figures(self) -> "EngineFigures":
+        """The cache, reader and memory figures a snapshot or report needs (a cheap copy)."""
+        ck, cache = self.ckpt, self.cache
+        reads, _nbytes, latency = self.reader.expert_stats.totals()
+        resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned)
+                    + sum(a.nbytes for a in (self.embed, self.head, self.final_norm))
+                    + cache.capacity_bytes + sum(b.nbytes for b in self._trunk_bufs))
+        return EngineFigures(
+            layer_hits=tuple(c.hits for c in cache.layers), layer_misses=tuple(c.misses for c in cache.layers),
+            layer_evictions=tuple(c.evictions for c in cache.layers), cache_used_bytes=cache.used_bytes,
+            cache_capacity_bytes=cache.capacity_bytes, cache_budget_bytes=cache.budget_bytes, slots=cache.n_slots,
+            slot_nbytes=cache.slot_nbytes, expert_reads=reads, read_latency_s=latency,
+            prefetch=dict(self.prefetch_counts) if self.prefetch else {}, pinned_layers=tuple(sorted(self.pinned)),
+            resident_bytes=resident)
 
     # -- settings that change at token boundaries ------------------------------------------
     def set_kernels(self, backend: str, threads: int) -> None:
@@ -223,8 +255,8 @@ class Engine:
             del self._prefetched[key]
         return slots
 
-    def _read(self, slot, key) -> None:
-        self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed)
+    def _read(self, slot, key, priority: int = DEMAND) -> None:
+        self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed, priority)
 
     def _prefetch_next(self, layer: int, h: np.ndarray, token_id: int, protected: set) -> None:
         """Router lookahead: route `layer` on the current residual and start reading its likely
@@ -241,10 +273,13 @@ class Engine:
             key = (layer, int(e))
             if key in self.cache:
                 continue
-            slot = self.cache.allocate(key, keep, count=False)
+            try:
+                slot = self.cache.allocate(key, keep, count=False, wait=False)
+            except Ds4fError:
+                break  # no slot free of the current token's needs: prefetch is best effort
             self._prefetched[key] = slot
             self.prefetch_counts["issued"] += 1
-            self._read(slot, key)
+            self._read(slot, key, PREFETCH)
 
     def _compute_experts(self, layer: int, ids, weights, slots, x, idle_work=None) -> float:
         """Run each routed expert into ys[rank] as soon as its slot is ready; return stall time.

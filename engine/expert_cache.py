@@ -60,6 +60,7 @@ class ExpertCache:
         self.slots = [Slot(i) for i in range(n_slots)]
         self._free = list(range(n_slots - 1, -1, -1))
         self._where: dict[tuple[int, int], Slot] = {}
+        self._in_flight: set = set()  # keys whose read may not have landed yet
         self.policy_name = policy
         self.policy = make_policy(policy, n_layers, n_experts, n_slots)
         self.layers = [LayerCounters() for _ in range(n_layers)]
@@ -85,12 +86,20 @@ class ExpertCache:
                 self.layers[key[0]].hits += 1
         return slot
 
-    def allocate(self, key, protected, count: bool = True) -> Slot:
+    def allocate(self, key, protected, count: bool = True, wait: bool = True) -> Slot:
         """A slot for key after a miss: a free one, else the policy's victim. Counted as a miss."""
         if self._free:
             slot = self.slots[self._free.pop()]
         else:
-            victim = self.policy.victim(protected)
+            # a slot whose read is still in flight cannot be reused (the read would land in it)
+            while True:
+                self._in_flight = {k for k in self._in_flight
+                                   if k in self._where and not self._where[k].ready.is_set()}
+                victim = self.policy.victim(protected | self._in_flight if self._in_flight else protected)
+                if victim is not None or not wait or not (self._in_flight - protected):
+                    break
+                # every candidate is a prefetch still being read: wait for one to land
+                self._where[next(iter(self._in_flight - protected))].ready.wait(0.05)
             if victim is None:
                 raise Ds4fError(f"expert cache: all {self.n_slots} slots are in use by the current token")
             slot = self._where.pop(victim)
@@ -99,7 +108,11 @@ class ExpertCache:
             self.evictions += 1
         slot.key = key
         slot.error = None
-        slot.ready.clear()
+        if self.pool is not None:
+            slot.ready.clear()  # until its read lands (the bookkeeping-only cache has no reads)
+            self._in_flight.add(key)
+        else:
+            slot.ready.set()
         self._where[key] = slot
         self.policy.insert(key)
         if count:

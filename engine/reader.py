@@ -6,9 +6,11 @@ to one slot, and a second request for a key still in flight waits on the same sl
 """
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 
 class ReadStats:
@@ -31,22 +33,54 @@ class ReadStats:
             return self.reads, self.bytes, self.latency_s
 
 
+DEMAND, PREFETCH = 0, 1  # read priorities: what the current layer waits for goes first
+
+
 class Reader:
+    """I/O threads taking read jobs from one priority queue: demand reads (the experts and
+    trunk the forward pass is waiting for) always go before prefetch reads."""
+
     def __init__(self, checkpoint, threads: int) -> None:
         self.checkpoint = checkpoint
-        self.threads = threads
         self.expert_stats = ReadStats()
         self.trunk_stats = ReadStats()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ds4f-io")
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._workers: list[threading.Thread] = []
+        self._start(threads)
+
+    @property
+    def threads(self) -> int:
+        return len(self._workers)
+
+    def _start(self, n: int) -> None:
+        for i in range(n):
+            t = threading.Thread(target=self._work, name=f"ds4f-io-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def _stop(self) -> None:
+        for _ in self._workers:
+            self._queue.put((99, next(self._seq), None))  # after every queued read
+        for t in self._workers:
+            t.join()
+        self._workers = []
+
+    def _work(self) -> None:
+        while True:
+            _prio, _seq, job = self._queue.get()
+            if job is None:
+                return
+            job()
 
     def resize(self, threads: int) -> None:
-        """Change the number of I/O threads (between tokens: nothing is in flight)."""
+        """Change the number of I/O threads; queued reads finish first."""
         if threads != self.threads:
-            self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ds4f-io")
-            self.threads = threads
+            self._stop()
+            self._start(threads)
 
-    def read_expert(self, slot, layer: int, expert: int, buf, landed: threading.Event) -> None:
+    def read_expert(self, slot, layer: int, expert: int, buf, landed: threading.Event,
+                    priority: int = DEMAND) -> None:
         """Fill slot from disk in the background; slot.ready (then `landed`) is set when done or failed."""
 
         def job() -> None:
@@ -60,18 +94,23 @@ class Reader:
                 slot.ready.set()
                 landed.set()
 
-        self._pool.submit(job)
+        self._queue.put((priority, next(self._seq), job))
 
     def read_trunk_layer(self, layer: int, buf) -> Future:
         """Read one layer's MoE trunk into buf; the future gives its tensors (views into buf)."""
+        future: Future = Future()
 
-        def job():
+        def job() -> None:
             t0 = time.perf_counter()
-            tensors = self.checkpoint.read_trunk_layer(layer, buf)
-            self.trunk_stats.add(self.checkpoint.trunk_layer_nbytes(layer), time.perf_counter() - t0)
-            return tensors
+            try:
+                tensors = self.checkpoint.read_trunk_layer(layer, buf)
+                self.trunk_stats.add(self.checkpoint.trunk_layer_nbytes(layer), time.perf_counter() - t0)
+                future.set_result(tensors)
+            except BaseException as exc:
+                future.set_exception(exc)
 
-        return self._pool.submit(job)
+        self._queue.put((DEMAND, next(self._seq), job))
+        return future
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._stop()

@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -27,7 +27,7 @@ import psutil
 from . import kernels
 from .checkpoint import open_checkpoint
 from .config import BACKEND_NAMES, Preset, load_config, user_data_dir
-from .engine import Engine
+from .engine import Engine, EngineFigures
 from .errors import Ds4fError
 from .snapshot import Snapshot, TokenRecord
 from .statedump import StateWriter
@@ -45,7 +45,7 @@ class RunConfig:
     prompt: tuple[int, ...] | None = None    # prompt token ids; None: (bos,)
     io_threads: int | None = None            # None: the preset's, else ds4f.toml's
     kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
-    backend: str = "auto"                    # auto | scalar | avx2 | avx512 | neon
+    backend: str | None = None               # auto | scalar | avx2 | avx512 | neon; None: ds4f.toml's engine.backend
     dump_path: str | None = None             # state.bin; None: <data dir>/runs/<id>/state.bin
     report_path: str | None = None           # report.json; None: next to the state dump
     config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
@@ -67,6 +67,8 @@ def start_run(config: RunConfig, history=None) -> "Run":
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
     if not isinstance(config.gen, int) or config.gen < 1:
         raise Ds4fError(f"gen: must be a positive number of tokens, got {config.gen!r}")
+    if config.backend is None:
+        config = replace(config, backend=cfg.backend)
     if config.backend not in BACKEND_NAMES:
         raise Ds4fError(f"backend: unknown backend {config.backend!r} (known: {', '.join(BACKEND_NAMES)})")
     if config.backend != "auto" and config.backend not in kernels.available_backends():
@@ -121,7 +123,9 @@ class Run:
         self._events: list[str] = []
         self._tokens: list[TokenRecord] = []
         self._generated: list[int] = []
-        self._engine: Engine | None = None
+        self._engine: Engine | None = None          # released when the run ends (its memory goes)
+        self._final_figures: EngineFigures | None = None
+        self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
         self._floor = None
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
@@ -175,6 +179,7 @@ class Run:
             backend = self._backend
             kt, it = self.kernel_threads, self.io_threads
         eng = self._engine
+        fig = eng.figures() if eng is not None else self._final_figures
         warm = tokens[1:] or tokens
         s_tok = statistics.median(t.seconds for t in warm) if warm else None
         gb_tok = sum(t.bytes_read for t in warm) / len(warm) / 1e9 if warm else None
@@ -182,8 +187,6 @@ class Run:
         floor = self._floor.gbps if self._floor else None
         hits = sum(t.hits for t in tokens)
         misses = sum(t.misses for t in tokens)
-        layers = eng.cache.layers if eng else []
-        reads, _nbytes, latency = eng.reader.expert_stats.totals() if eng else (0, 0, 0.0)
         elapsed = (self.finished_at or time.time()) - self.started_at
         remaining = self.n_steps - len(tokens)
         try:
@@ -198,28 +201,20 @@ class Run:
             gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
             io_efficiency=eff / floor if eff is not None and floor else None,
             hit_rate=hits / (hits + misses) if hits + misses else None,
-            layer_hits=tuple(c.hits for c in layers), layer_misses=tuple(c.misses for c in layers),
-            layer_evictions=tuple(c.evictions for c in layers),
-            cache_bytes=eng.cache.used_bytes if eng else 0,
-            budget_bytes=eng.cache.capacity_bytes if eng else 0,
-            rss_bytes=rss, rss_budget_bytes=self._rss_budget(eng),
-            read_latency_ms=latency / reads * 1e3 if reads else None,
+            layer_hits=fig.layer_hits if fig else (), layer_misses=fig.layer_misses if fig else (),
+            layer_evictions=fig.layer_evictions if fig else (),
+            cache_bytes=fig.cache_used_bytes if fig else 0,
+            budget_bytes=fig.cache_capacity_bytes if fig else 0,
+            rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes if fig else 0,
+            read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
             stall_s_per_token=sum(t.stall_s for t in tokens) / len(tokens) if tokens else None,
             elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
-            tokens=tokens, events=events, prefetch=dict(eng.prefetch_counts) if eng and eng.prefetch else {})
+            tokens=tokens, events=events, prefetch=fig.prefetch if fig else {})
 
     # -- the run's thread ---------------------------------------------------------------------
     def _log(self, message: str) -> None:
         with self._lock:
             self._events.append(f"{time.strftime('%H:%M:%S')} {message}")
-
-    def _rss_budget(self, eng: Engine | None) -> int:
-        if eng is None:
-            return 0
-        ck = self.checkpoint
-        pinned = sum(ck.trunk_layer_nbytes(layer) for layer in eng.pinned)
-        globals_ = sum(a.nbytes for a in (eng.embed, eng.head, eng.final_norm))
-        return pinned + globals_ + eng.cache.capacity_bytes + 2 * ck.trunk_layer_buf_nbytes
 
     def _apply_switches(self, eng: Engine, step: int) -> None:
         with self._lock:
@@ -292,7 +287,9 @@ class Run:
             self._fail(f"internal error: {type(exc).__name__}: {exc}", writer)
         finally:
             if self._engine is not None:
+                self._final_figures = self._engine.figures()
                 self._engine.close()
+                self._engine = None
             self.checkpoint.close()
             self._done.set()
             with _active_lock:
@@ -338,7 +335,7 @@ class Run:
 
     def _build_report(self, sha: str | None) -> dict:
         snap = self.snapshot()
-        eng = self._engine
+        fig = self._engine.figures()
         tokens = [asdict(t) for t in snap.tokens]
         cold = snap.tokens[0] if snap.tokens else None
         summary = {
@@ -357,9 +354,9 @@ class Run:
             "model": str(self.config.model), "checkpoint_kind": self.checkpoint.kind,
             "geometry": self.checkpoint.geometry.to_config(), "config": self.config_dict(),
             "io_mode": self.checkpoint.io_mode, "policy": self.preset.policy,
-            "cache": {"budget_bytes": eng.cache.budget_bytes, "capacity_bytes": eng.cache.capacity_bytes,
-                      "slots": eng.cache.n_slots, "slot_nbytes": eng.cache.slot_nbytes},
-            "pinned_layers": sorted(eng.pinned), "floor": asdict(self._floor) if self._floor else None,
+            "cache": {"budget_bytes": fig.cache_budget_bytes, "capacity_bytes": fig.cache_capacity_bytes,
+                      "slots": fig.slots, "slot_nbytes": fig.slot_nbytes},
+            "pinned_layers": list(fig.pinned_layers), "floor": asdict(self._floor) if self._floor else None,
             "summary": summary,
             "layers": [{"layer": i, "hits": h, "misses": m, "evictions": e}
                        for i, (h, m, e) in enumerate(zip(snap.layer_hits, snap.layer_misses, snap.layer_evictions))],

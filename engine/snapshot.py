@@ -32,7 +32,7 @@ class Snapshot:
     error: str | None
     model: str                      # checkpoint path
     preset: str
-    gen: int                        # tokens requested
+    gen: int                        # decode steps in all: prompt tokens after the first + tokens generated
     tokens_done: int
     backend: str                    # active kernel backend: avx512 | avx2 | neon | scalar
     kernel_threads: int

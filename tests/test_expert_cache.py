@@ -13,10 +13,15 @@ def test_pool_fits_the_budget_and_is_aligned():
     assert all(cache.pool[i].ctypes.data % 4096 == 0 for i in range(cache.n_slots))
 
 
+def _landed(cache, key):
+    cache.lookup(key, count=False).ready.set()  # what the reader does when the read completes
+
+
 def test_lru_evicts_least_recently_used_and_counts():
     cache = ExpertCache(budget_bytes=3 * SLOT, slot_nbytes=SLOT, n_layers=2)
     for e in (1, 2, 3):
         cache.allocate((0, e), protected=set())
+        _landed(cache, (0, e))
     assert cache.lookup((0, 1)) is not None        # 1 becomes most recent; 2 is now the LRU
     cache.allocate((1, 9), protected=set())
     assert (0, 2) not in cache and (0, 1) in cache and (0, 3) in cache
@@ -29,10 +34,22 @@ def test_protected_keys_are_not_evicted():
     cache = ExpertCache(budget_bytes=2 * SLOT, slot_nbytes=SLOT, n_layers=1)
     cache.allocate((0, 1), protected=set())
     cache.allocate((0, 2), protected=set())
+    _landed(cache, (0, 1))
+    _landed(cache, (0, 2))
     cache.allocate((0, 3), protected={(0, 1)})
+    _landed(cache, (0, 3))
     assert (0, 1) in cache and (0, 2) not in cache
     with pytest.raises(Ds4fError, match="in use"):
         cache.allocate((0, 4), protected={(0, 1), (0, 3)})
+
+
+def test_a_slot_still_being_read_is_never_reused():
+    cache = ExpertCache(budget_bytes=2 * SLOT, slot_nbytes=SLOT, n_layers=1)
+    cache.allocate((0, 1), protected=set())   # in flight
+    cache.allocate((0, 2), protected=set())
+    _landed(cache, (0, 2))
+    cache.allocate((0, 3), protected=set())   # LRU would pick (0, 1), but its read has not landed
+    assert (0, 1) in cache and (0, 2) not in cache
 
 
 def test_too_small_a_budget_is_refused():
