@@ -55,11 +55,13 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # the table needs ~110 columns
     err = Console(stderr=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with err.status("benchmarking") as status:
         records = B.run_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m))
 
     table = Table(
-        title=f"ds4f kernels — median of {args.repeat}, {os.cpu_count()} cores, best backend {K.best_backend()}",
+        title=f"ds4f kernels — median of {args.repeat}, {os.cpu_count()} cores, best backend {K.best_backend()}"
+        + ("" if load is None else f", load avg {load:.1f}"),
         caption="GB/s = weight bytes read/s · Gw/s = G weights/s · ×scalar at the same thread count · "
         "×numpy = table decode + np.dot (its own BLAS threads) · ×1T = same backend at 1 thread",
     )

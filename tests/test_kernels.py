@@ -424,3 +424,21 @@ def test_concurrent_callers_and_live_resizing():
     for t in threads:
         t.join()
     assert not bad
+
+
+def test_bench_kernels_cli_writes_json(tmp_path, capsys):
+    import json
+
+    from ds4f.cli import main
+
+    path = tmp_path / "bench.json"
+    rc = main(["bench-kernels", "--repeat", "1", "--kernels", "matvec", "--threads", "1", "--json", str(path)])
+    assert rc == 0
+    records = json.loads(path.read_text())
+    backends = {r["backend"] for r in records}
+    assert backends == set(AVAILABLE) | {"numpy"}
+    for r in records:
+        assert r["kernel"] == "matvec" and r["median_s"] > 0 and r["gweights_per_s"] > 0
+        assert r["backend"] == "numpy" or r["speedup_vs_scalar"] > 0
+    assert "matvec" in capsys.readouterr().out
+    assert main(["bench-kernels", "--kernels", "nope"]) == 2
