@@ -90,8 +90,10 @@ class Engine:
                     {k: np.array(v) if k.startswith(("gate.", "ffn_norm.")) else v for k, v in t.items()})
         self.tid2eid = {layer: self.routers[layer].tid2eid for layer in range(g.n_hash_layers)}
         self.prefetch = bool(preset.prefetch)
-        self.prefetch_counts = {"issued": 0, "useful": 0, "late": 0, "wasted": 0}
-        self._prefetched: dict[tuple[int, int], object] = {}  # key -> slot, issued and not yet used
+        # issued = useful + wasted + cancelled; late: useful but still being read when needed;
+        # cancelled: dropped before its read started, costing nothing
+        self.prefetch_counts = {"issued": 0, "useful": 0, "late": 0, "wasted": 0, "cancelled": 0}
+        self._prefetched: dict[tuple[int, int], object] = {}  # key -> ReadJob, issued and not yet used
         self._x_ahead = np.empty(g.hidden, np.float32)
         self._logits_ahead = np.empty(g.n_experts, np.float32)
         self._trunk_bufs = [warm_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
@@ -247,16 +249,23 @@ class Engine:
                 self.prefetch_counts["useful"] += 1
                 if not slot.ready.is_set():
                     self.prefetch_counts["late"] += 1
+                    self.reader.promote(self._prefetched[key])
             slots.append(slot)
-        # predictions for this layer the router did not choose (or that were evicted first): wasted reads
+        # predictions for this layer the router did not choose (or that were evicted first):
+        # cancelled if their read has not started, else wasted reads
         for key in [k for k in self._prefetched if k[0] == layer]:
-            if key not in useful:
+            job = self._prefetched.pop(key)
+            if key in useful:
+                continue
+            if job.cancel() and self.cache.peek(key) is job.slot:
+                self.cache.discard(key)
+                self.prefetch_counts["cancelled"] += 1
+            else:
                 self.prefetch_counts["wasted"] += 1
-            del self._prefetched[key]
         return slots
 
-    def _read(self, slot, key, priority: int = DEMAND) -> None:
-        self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed, priority)
+    def _read(self, slot, key, priority: int = DEMAND):
+        return self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed, priority)
 
     def _prefetch_next(self, layer: int, h: np.ndarray, token_id: int, protected: set) -> None:
         """Router lookahead: route `layer` on the current residual and start reading its likely
@@ -277,9 +286,8 @@ class Engine:
                 slot = self.cache.allocate(key, keep, count=False, wait=False)
             except Ds4fError:
                 break  # no slot free of the current token's needs: prefetch is best effort
-            self._prefetched[key] = slot
             self.prefetch_counts["issued"] += 1
-            self._read(slot, key, PREFETCH)
+            self._prefetched[key] = self._read(slot, key, PREFETCH)
 
     def _compute_experts(self, layer: int, ids, weights, slots, x, idle_work=None) -> float:
         """Run each routed expert into ys[rank] as soon as its slot is ready; return stall time.

@@ -77,6 +77,10 @@ class ExpertCache:
     def __contains__(self, key) -> bool:
         return key in self._where
 
+    def peek(self, key) -> Slot | None:
+        """The slot holding key, without counting or telling the policy."""
+        return self._where.get(key)
+
     def lookup(self, key, count: bool = True) -> Slot | None:
         """The slot holding key (a hit, counted and touched), or None."""
         slot = self._where.get(key)

@@ -13,6 +13,39 @@ import time
 from concurrent.futures import Future
 
 
+class ReadJob:
+    """One expert read. It runs at most once, however often it is queued, and can be
+    cancelled while it waits (then it never touches its slot, which may be reused)."""
+
+    def __init__(self, reader: "Reader", slot, layer: int, expert: int, buf, landed: threading.Event) -> None:
+        self.reader, self.slot, self.layer, self.expert, self.buf, self.landed = reader, slot, layer, expert, buf, landed
+        self._lock = threading.Lock()
+        self.started = False
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        """Cancel if not started yet; True if it will never read."""
+        with self._lock:
+            if not self.started:
+                self.cancelled = True
+            return self.cancelled
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.started or self.cancelled:
+                return
+            self.started = True
+        t0 = time.perf_counter()
+        try:
+            n = self.reader.checkpoint.read_expert(self.layer, self.expert, self.buf)
+            self.reader.expert_stats.add(n, time.perf_counter() - t0)
+        except BaseException as exc:  # handed to the compute thread, which re-raises it
+            self.slot.error = exc
+        finally:
+            self.slot.ready.set()
+            self.landed.set()
+
+
 class ReadStats:
     """Counters updated by the I/O threads; read under the lock."""
 
@@ -80,21 +113,16 @@ class Reader:
             self._start(threads)
 
     def read_expert(self, slot, layer: int, expert: int, buf, landed: threading.Event,
-                    priority: int = DEMAND) -> None:
+                    priority: int = DEMAND) -> "ReadJob":
         """Fill slot from disk in the background; slot.ready (then `landed`) is set when done or failed."""
-
-        def job() -> None:
-            t0 = time.perf_counter()
-            try:
-                n = self.checkpoint.read_expert(layer, expert, buf)
-                self.expert_stats.add(n, time.perf_counter() - t0)
-            except BaseException as exc:  # handed to the compute thread, which re-raises it
-                slot.error = exc
-            finally:
-                slot.ready.set()
-                landed.set()
-
+        job = ReadJob(self, slot, layer, expert, buf, landed)
         self._queue.put((priority, next(self._seq), job))
+        return job
+
+    def promote(self, job: "ReadJob") -> None:
+        """Queue a waiting prefetch again as a demand read; whichever copy starts first reads."""
+        if not job.started:
+            self._queue.put((DEMAND, next(self._seq), job))
 
     def read_trunk_layer(self, layer: int, buf) -> Future:
         """Read one layer's MoE trunk into buf; the future gives its tensors (views into buf)."""

@@ -14,7 +14,7 @@ def test_pool_fits_the_budget_and_is_aligned():
 
 
 def _landed(cache, key):
-    cache.lookup(key, count=False).ready.set()  # what the reader does when the read completes
+    cache.peek(key).ready.set()  # what the reader does when the read completes
 
 
 def test_lru_evicts_least_recently_used_and_counts():
