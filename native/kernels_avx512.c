@@ -14,6 +14,16 @@
  * x_even/x_odd are de-interleaved once per block and shared by 4 rows.  Each row has its
  * own two accumulators and the same op sequence whether it is processed in a group of 4 or
  * alone, so its bits never depend on the row split (thread count).
+ *
+ * Profile notes (Zen 4 VM, 2 cores; perf has no hardware counters here and valgrind cannot
+ * decode AVX-512, so: a C micro-benchmark with L1-resident data vs the bench's real shapes,
+ * plus the disassembly).  matvec's inner loop is ~32 vector uops per 4 rows x 32 weights, of
+ * which 14 are shuffles; it runs at ~23 G weights/s from L1 and 19-23 from L3/DRAM on the
+ * real shapes, i.e. compute-bound near the shuffle-port limit.  decode runs at ~19 G elem/s
+ * from L1 (store-bound: 4 B written per element) but ~6-9 on the bench shape, whose 32 MB
+ * fp32 output does not fit any cache: it is write-bandwidth bound, which non-temporal stores
+ * only soften.  The scalar decode already does ~1 element/cycle, so 15x scalar would need
+ * ~190 GB/s of stores.
  */
 #include <stdint.h>
 
