@@ -104,6 +104,15 @@ def _run(args) -> int:
           f"I/O efficiency {_fmt(s['io_efficiency'], '.2f')}")
     print(f"cache          {_fmt(s['hit_rate'], '.1%')} hits ({s['hits']} hits, {s['misses']} misses, {s['evictions']} evictions) · "
           f"read latency {_fmt(s['read_latency_ms'], '.1f', ' ms')} · stall {_fmt(s['stall_s_per_token'], '.3f', ' s/token')}")
+    pf = s.get("prefetch")
+    if s.get("optimum_hit_rate") is not None:
+        requests = s["hits"] + s["misses"]
+        own = (s["hits"] - (pf["useful"] if pf else 0)) / requests if requests else 0.0
+        print(f"policy         {run.preset.policy}: {own:.1%} of requests hit without prefetch's help; "
+              f"Belady (same budget, no prefetch) {s['optimum_hit_rate']:.1%}")
+    if pf:
+        print(f"prefetch       {pf['issued']} issued · {pf['useful']} useful ({pf['late']} late) · "
+              f"{pf['wasted']} wasted · {pf['cancelled']} cancelled")
     print(f"memory         RSS {s['rss_bytes'] / 2**30:.2f} GiB of {s['rss_budget_bytes'] / 2**30:.2f} GiB budget · {snap.io_mode}")
     print(f"kernels        {', '.join(sorted(set(run.report['backend_by_token'])))} · {snap.kernel_threads} kernel threads · {snap.io_threads} I/O threads")
     print(f"generated      {run.report['generated']}")

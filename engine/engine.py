@@ -85,9 +85,7 @@ class Engine:
             if layer in self.pinned:
                 self.routers[layer] = self.pinned[layer]
             else:
-                t = checkpoint.layer_tensors(layer)
-                self.routers[layer] = LayerTrunk.from_tensors(
-                    {k: np.array(v) if k.startswith(("gate.", "ffn_norm.")) else v for k, v in t.items()})
+                self.routers[layer] = LayerTrunk.router_only(checkpoint.layer_tensors(layer))
         self.tid2eid = {layer: self.routers[layer].tid2eid for layer in range(g.n_hash_layers)}
         self.prefetch = bool(preset.prefetch)
         # issued = useful + wasted + cancelled; late: useful but still being read when needed;

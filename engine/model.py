@@ -42,6 +42,14 @@ class LayerTrunk:
     shared_w2: np.ndarray           # bf16 [hidden, inter]
 
     @classmethod
+    def router_only(cls, t: dict[str, np.ndarray]) -> "LayerTrunk":
+        """Copies of just the routing tensors (norm, gate, bias/tid2eid), nothing else kept alive."""
+        return cls(ffn_norm=np.array(t["ffn_norm.weight"], dtype=np.float32), gate=np.array(t["gate.weight"]),
+                   bias=np.array(t["gate.bias"], dtype=np.float32) if "gate.bias" in t else None,
+                   tid2eid=np.array(t["gate.tid2eid"]) if "gate.tid2eid" in t else None,
+                   shared_w1=None, shared_w3=None, shared_w2=None)  # type: ignore[arg-type]
+
+    @classmethod
     def from_tensors(cls, t: dict[str, np.ndarray]) -> "LayerTrunk":
         return cls(
             ffn_norm=np.asarray(t["ffn_norm.weight"], dtype=np.float32),

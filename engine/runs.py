@@ -125,6 +125,8 @@ class Run:
         self._generated: list[int] = []
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
+        self._routing: list = []                     # expert ids per token, for the optimum's replay
+        self._optimum: float | None = None
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
         self._floor = None
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
@@ -209,7 +211,8 @@ class Run:
             read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
             stall_s_per_token=sum(t.stall_s for t in tokens) / len(tokens) if tokens else None,
             elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
-            tokens=tokens, events=events, prefetch=fig.prefetch if fig else {})
+            tokens=tokens, events=events, prefetch=fig.prefetch if fig else {},
+            optimum_hit_rate=self._optimum)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _log(self, message: str) -> None:
@@ -260,6 +263,7 @@ class Run:
                 res = eng.step(token)
                 seconds = time.perf_counter() - t0
                 writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden)
+                self._routing.append(res.ids.copy())
                 record = TokenRecord(index=step, token_id=token, next_token_id=res.next_token, seconds=seconds,
                                      bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
                                      stall_s=res.stall_s, backend=eng.backend,
@@ -308,6 +312,7 @@ class Run:
         self.finished_at = time.time()
         report = None
         if state == "done":
+            self._optimum = self._optimum_hit_rate()
             report = self._build_report(sha)
             self.report_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.report_path.with_name(self.report_path.name + ".partial")
@@ -326,6 +331,22 @@ class Run:
                                     started_at=self.started_at, finished_at=self.finished_at)
             except Exception as exc:  # the run itself succeeded; say what went wrong with the record
                 self._log(f"could not record the run in the history: {exc}")
+
+    def _optimum_hit_rate(self) -> float | None:
+        """Belady's hit rate on this run's own trace with the same cache: the regret's yardstick."""
+        import numpy as np
+
+        from .cache_replay import Trace, replay
+        from .config import Budget
+
+        fig = self._engine.figures() if self._engine is not None else self._final_figures
+        if not self._routing or fig is None:
+            return None
+        trace = Trace(self.checkpoint.geometry, np.stack(self._routing), np.zeros(len(self._routing), np.int32))
+        try:
+            return replay(trace, Budget(nbytes=fig.cache_capacity_bytes), "belady").hit_rate
+        except Ds4fError:
+            return None
 
     def config_dict(self) -> dict:
         d = asdict(self.config)
@@ -346,7 +367,7 @@ class Run:
             "evictions": sum(snap.layer_evictions), "read_latency_ms": snap.read_latency_ms,
             "stall_s_per_token": snap.stall_s_per_token, "rss_bytes": snap.rss_bytes,
             "rss_budget_bytes": snap.rss_budget_bytes, "wall_s": snap.elapsed_s,
-            "prefetch": snap.prefetch or None,
+            "prefetch": snap.prefetch or None, "optimum_hit_rate": snap.optimum_hit_rate,
         }
         return {
             "schema": REPORT_SCHEMA, "run_id": self.id, "state": "done",

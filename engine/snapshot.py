@@ -59,4 +59,5 @@ class Snapshot:
     eta_s: float | None
     tokens: tuple[TokenRecord, ...] = ()
     events: tuple[str, ...] = ()    # human-readable log lines (switches, errors, milestones)
-    prefetch: dict = field(default_factory=dict)  # issued/useful/wasted/late (issue 7)
+    prefetch: dict = field(default_factory=dict)  # issued/useful/late/wasted/cancelled (empty: prefetch off)
+    optimum_hit_rate: float | None = None  # Belady on this run's trace at the same budget (when done)

@@ -70,6 +70,9 @@ def test_replay_reproduces_the_engine_exactly(tiny_model, tmp_path, policy):
     assert run.report["cache"]["capacity_bytes"] <= run.report["cache"]["budget_bytes"]
     r = replay(load_trace(tmp_path / "s.bin"), "25%", policy)
     assert (r.hits, r.misses) == (s["hits"], s["misses"])
+    # the run reports the optimum for its own trace and budget: Belady's
+    assert s["optimum_hit_rate"] == replay(load_trace(tmp_path / "s.bin"), "25%", "belady").hit_rate
+    assert s["optimum_hit_rate"] >= s["hit_rate"]
     assert r.layer_hits == [layer["hits"] for layer in run.report["layers"]]
     # the exported trace replays the same
     out = export_trace(tmp_path / "s.bin", tmp_path / "t.npz")
