@@ -1,7 +1,8 @@
 """Kernel benchmark on the real expert shapes: every available backend, 1 thread and all cores,
 against scalar and against a numpy baseline (table decode + np.dot) measured in the same run.
 
-Figures: median wall time of `repeat` calls after one warm-up call (time.perf_counter);
+Figures: median wall time of `repeat` calls, each after an untimed warm-up call, with the
+thread counts measured in turn (time.perf_counter);
 G weights/s = matrix elements processed per second; GB/s = weight bytes read per second
 (MXFP4: k/2 code bytes + k/32 scale bytes per row; bf16: 2 bytes per element).
 """
@@ -59,6 +60,21 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _interleaved_times(call: Callable[[], object], threads: list[int], repeat: int) -> dict[int, float]:
+    """Median time per thread count, the counts measured in turn within each repeat, so that
+    load from other processes (a shared box) hits 1 thread and n threads alike.  Each timed
+    call follows an untimed one at the same setting (pool threads started, caches warm)."""
+    times: dict[int, list[float]] = {nt: [] for nt in threads}
+    for _ in range(repeat):
+        for nt in threads:
+            K.set_threads(nt)
+            call()
+            t0 = time.perf_counter()
+            call()
+            times[nt].append(time.perf_counter() - t0)
+    return {nt: statistics.median(v) for nt, v in times.items()}
 
 
 # ---- numpy baseline --------------------------------------------------------------------------
@@ -164,18 +180,15 @@ def run_bench(
             scalar_t: dict[int, float] = {}
             for backend in backends:
                 K.set_backend(backend)
-                one_t = None
+                note(f"{kernel} {label}: {backend}")
+                times = _interleaved_times(call, threads, repeat)
                 for nt in threads:
-                    K.set_threads(nt)
-                    note(f"{kernel} {label}: {backend}, {nt} thread(s)")
-                    t = _median_time(call, repeat)
+                    t = times[nt]
                     if backend == "scalar":
                         scalar_t[nt] = t
-                    if one_t is None:
-                        one_t = t
                     records.append(Record(
                         kernel, label, backend, nt, t, nbytes / t / 1e9, nweights / t / 1e9,
-                        scalar_t[nt] / t if nt in scalar_t else None, t_np / t, one_t / t,
+                        scalar_t[nt] / t if nt in scalar_t else None, t_np / t, times[threads[0]] / t,
                     ))  # fmt: skip
             records.append(Record(kernel, label, "numpy", 0, t_np, nbytes / t_np / 1e9, nweights / t_np / 1e9))
     finally:
