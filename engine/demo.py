@@ -1,0 +1,138 @@
+"""The out-of-the-box demo model: a synthetic checkpoint made once in the user's cache directory.
+
+    path = ensure_demo_model(progress=callback)   # callback(done, total, label)
+
+The first call synthesises the `demo` geometry in the official format, converts it to the
+ds4f layout and renames the result into place as <cache>/demo-ds4f; the official shards are
+removed afterwards to save space. Later calls return the existing directory at once. A crash
+or ^C never leaves a half model that looks whole: the work happens in a hidden sibling
+directory and only a finished, marked conversion is renamed into place. A file lock keeps two
+consoles started together from building it twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from .config import user_cache_dir
+from .errors import Ds4fError
+
+DEMO_DIRNAME = "demo-ds4f"
+DEMO_GEOMETRY = "demo"
+DEMO_SEED = 0
+DEMO_VERSION = 1                # bump to rebuild everyone's demo model on next launch
+MARKER = "ds4f-demo.json"       # written last, inside the converted checkpoint
+LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
+
+ProgressCallback = Callable[[int, int, str], None]
+
+
+def demo_model_path(root: Path | None = None) -> Path:
+    return Path(root or user_cache_dir()) / DEMO_DIRNAME
+
+
+def _marker(geometry: str, seed: int) -> dict:
+    return {"format": "ds4f-demo", "version": DEMO_VERSION, "geometry": geometry, "seed": seed}
+
+
+def is_complete(path: Path, geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED) -> bool:
+    """A finished demo conversion of this version (marker present and matching, layout files there)."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if marker != _marker(geometry, seed):
+        return False
+    return all((path / name).is_file() for name in LAYOUT_FILES)
+
+
+class _Stage:
+    """Maps one step's progress (synth, then convert) onto one 0..1000 bar for the caller."""
+
+    SCALE = 1000
+
+    def __init__(self, callback: ProgressCallback | None, start: float, end: float, name: str):
+        self.callback, self.start, self.end, self.name = callback, start, end, name
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self.callback is None:
+            return
+        frac = (done / total) if total else 1.0
+        value = self.start + (self.end - self.start) * max(0.0, min(1.0, frac))
+        self.callback(int(value * self.SCALE), self.SCALE, f"{self.name}: {label}" if label else self.name)
+
+
+class _BuildLock:
+    """An exclusive lock file next to the demo model (fcntl where available)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fh = None
+
+    def __enter__(self):
+        self.fh = open(self.path, "a+")
+        try:
+            import fcntl
+
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX)
+        except ImportError:  # no fcntl (Windows): a second console may build in parallel; renames stay atomic
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            import fcntl
+
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
+        except ImportError:
+            pass
+        self.fh.close()
+        return False
+
+
+def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | os.PathLike | None = None,
+                      geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED) -> Path:
+    """The demo checkpoint's directory, made on first use (see the module docstring)."""
+    from .convert import convert_checkpoint
+    from .synth import synth_checkpoint
+
+    root = Path(root) if root is not None else user_cache_dir()
+    out = root / DEMO_DIRNAME
+    if is_complete(out, geometry, seed):
+        return out
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Ds4fError(f"{root}: cannot create the cache directory for the demo model: {exc.strerror}") from None
+    with _BuildLock(root / f".{DEMO_DIRNAME}.lock"):
+        if is_complete(out, geometry, seed):  # another process finished it while we waited
+            return out
+        for stale in root.glob(f".{DEMO_DIRNAME}.build-*"):  # left by a crash: we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        work = root / f".{DEMO_DIRNAME}.build-{os.getpid()}-{int(time.time())}"
+        work.mkdir()
+        try:
+            official = work / "official"
+            converted = work / "ds4f"
+            synth_checkpoint(official, geometry, seed=seed, progress=_Stage(progress, 0.0, 0.5, "synthesising"))
+            convert_checkpoint(official, converted, progress=_Stage(progress, 0.5, 0.98, "converting"))
+            shutil.rmtree(official, ignore_errors=True)  # the official shards are not needed once converted
+            (converted / MARKER).write_text(json.dumps(_marker(geometry, seed)) + "\n")
+            if progress is not None:
+                progress(990, 1000, "moving into place")
+            if out.exists() or out.is_symlink():
+                old = root / f".{DEMO_DIRNAME}.build-old-{os.getpid()}"
+                os.rename(out, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.rename(converted, out)
+        except OSError as exc:
+            raise Ds4fError(f"{work}: cannot make the demo model: {exc.strerror or exc}") from None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if progress is not None:
+        progress(1000, 1000, "ready")
+    return out
