@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from textual import work
+from textual.css.query import NoMatches
 from textual.app import App
 
 from ds4f.engine.config import Config, load_config, user_cache_dir
@@ -104,6 +105,11 @@ class Ds4fConsole(App):
     @property
     def dashboard(self) -> DashboardScreen:
         return self.screen_stack[0]  # type: ignore[return-value]
+
+    def log_event(self, text: str, style: str = "") -> None:
+        """A line in the dashboard's event log (dropped while starting up or shutting down)."""
+        if self.screen_stack and isinstance(self.screen_stack[0], DashboardScreen):
+            self.screen_stack[0].log_line(text, style)
 
     def on_mount(self) -> None:
         self.theme_changed_signal.subscribe(self, self._theme_changed)
@@ -211,7 +217,7 @@ class Ds4fConsole(App):
             self.controller.model = path
         if screen.is_current:
             self.pop_screen()
-        self.dashboard.log_line(f"demo model ready: {path}", "dim")
+        self.log_event(f"demo model ready: {path}", "dim")
         self.tick(force=True)
 
     def _demo_failed(self, screen: SetupScreen, message: str) -> None:
@@ -231,6 +237,8 @@ class Ds4fConsole(App):
         return self.controller.snapshot() if self.controller is not None else None
 
     def tick(self, force: bool = False) -> None:
+        if not self.screen_stack or not isinstance(self.screen_stack[0], DashboardScreen):
+            return  # starting up or shutting down
         try:
             snap = self.current_snapshot()
         except Exception as exc:  # the engine must never take the console down
@@ -238,11 +246,16 @@ class Ds4fConsole(App):
             return
         if snap is not None:
             self._transitions(snap)
-        if self.frozen and not force:
-            return
         dash = self.dashboard
-        if dash.is_current or force:
-            dash.show(snap)
+        if not (dash.is_current or force):
+            return
+        try:
+            if self.frozen:  # the figures stay as they were; the status line says so
+                dash._status(dash.shown)
+            else:
+                dash.show(snap)
+        except NoMatches:  # the app is shutting down and the panels are gone
+            pass
 
     def _transitions(self, snap) -> None:
         before = self._seen_state.get(snap.run_id)
@@ -261,12 +274,12 @@ class Ds4fConsole(App):
     def change_refresh(self, step: int) -> None:
         self.refresh_s = next_refresh(self.refresh_s, step)
         self._start_timer()
-        self.dashboard.log_line(f"· refresh period {self.refresh_s:g} s", "italic")
+        self.log_event(f"· refresh period {self.refresh_s:g} s", "italic")
         self.tick(force=True)
 
     def toggle_freeze(self) -> None:
         self.frozen = not self.frozen
-        self.dashboard.log_line("· display frozen (space resumes; the run goes on)" if self.frozen
+        self.log_event("· display frozen (space resumes; the run goes on)" if self.frozen
                                 else "· display live again", "italic")
         self.tick(force=True)
 
@@ -279,7 +292,7 @@ class Ds4fConsole(App):
             self.notify("A run is already live: s stops it.", severity="warning")
             return
         self._starting = True
-        self.dashboard.log_line(f"· starting: {ctl.model}, preset {ctl.preset}, {ctl.gen} tokens, "
+        self.log_event(f"· starting: {ctl.model}, preset {ctl.preset}, {ctl.gen} tokens, "
                                 f"{ctl.next_backend()}, k{ctl.effective_kernel_threads()} "
                                 f"io{ctl.effective_io_threads()}", "italic")
         self._start_worker(ctl)
@@ -301,7 +314,7 @@ class Ds4fConsole(App):
 
     def _start_failed(self, message: str, model: str) -> None:
         self._starting = False
-        self.dashboard.log_line(f"cannot start the run: {message}", "bold red")
+        self.log_event(f"cannot start the run: {message}", "bold red")
         self.notify(message, title="cannot start the run", severity="error", timeout=10)
         if model and model in message:
             self.show_error("The checkpoint could not be opened", message, can_go_back=True)
@@ -309,7 +322,7 @@ class Ds4fConsole(App):
     def stop_run(self) -> None:
         ctl = self.controller
         if ctl is not None and ctl.stop():
-            self.dashboard.log_line("· stop requested: the run ends at the next token", "italic")
+            self.log_event("· stop requested: the run ends at the next token", "italic")
         else:
             self.notify("No live run to stop.")
 
@@ -369,7 +382,7 @@ class Ds4fConsole(App):
             except Ds4fError as exc:
                 self.notify(str(exc), severity="warning")
         if self._booted:
-            self.dashboard.log_line(f"· theme {theme.name}", "italic")
+            self.log_event(f"· theme {theme.name}", "italic")
 
     async def action_quit(self) -> None:
         ctl = self.controller

@@ -12,9 +12,10 @@ from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
+from textual.css.query import NoMatches
 from textual.containers import Container, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
-from textual.widgets import DataTable, Digits, Input, Label, ProgressBar, RichLog, Static
+from textual.widgets import DataTable, Digits, Input, Label, ProgressBar, Static
 
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.history import RunRecord, hash_groups
@@ -24,7 +25,7 @@ from . import figures as F
 from .bindings import (DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS, SCREENS_FOR_HELP, keys_of)
 from .controller import simd_scalar_pair
 from .thresholds import (HIT_RATE, hit_rate_level, io_efficiency_level, rss_level, state_level)
-from .widgets import KeyBar, LayerStrip, Meter, Panel, Plot
+from .widgets import EventLog, KeyBar, LayerStrip, Meter, Panel, Plot
 
 if TYPE_CHECKING:
     from .app import Ds4fConsole
@@ -55,6 +56,7 @@ class DashboardScreen(Screen):
         self._log_last: str | None = None
         self._notes_shown = 0
         self._failed_reported: set[str] = set()
+        self.shown: Snapshot | None = None  # the snapshot the panels show (kept while frozen)
 
     def compose(self) -> ComposeResult:
         yield Static(id="status")
@@ -82,7 +84,7 @@ class DashboardScreen(Screen):
                 yield Meter(id="run-meter")
                 yield Static(id="run-text")
             with Panel("events", id="p-log"):
-                yield RichLog(id="log", max_lines=2000, wrap=True, markup=False, highlight=False, min_width=20)
+                yield EventLog(id="log")
         yield KeyBar()
 
     def on_mount(self) -> None:
@@ -95,7 +97,10 @@ class DashboardScreen(Screen):
 
     # -- the event log ----------------------------------------------------------------------
     def log_line(self, text: str, style: str = "") -> None:
-        self.query_one("#log", RichLog).write(Text(text, style=style))
+        try:
+            self.query_one("#log", EventLog).add(Text(text, style=style))
+        except NoMatches:  # not composed yet, or already torn down
+            pass
 
     def _sync_events(self, snap: Snapshot) -> None:
         if snap.run_id != self._log_run:
@@ -127,6 +132,7 @@ class DashboardScreen(Screen):
         """Draw one Snapshot (None: no run yet this session)."""
         app = self.app
         ctl = getattr(app, "controller", None)
+        self.shown = snap
         self._status(snap)
         if ctl is not None:
             self.sync_notes(ctl.notes)
@@ -314,7 +320,7 @@ class HistoryScreen(Screen):
     app: "Ds4fConsole"
 
     def __init__(self, records: list[RunRecord] | None = None) -> None:
-        super().__init__(id="history")
+        super().__init__()
         self._fixed = records
         self.records: list[RunRecord] = []
         self.marked: list[str] = []
@@ -467,8 +473,16 @@ VERDICT = {
     "routing": ("ROUTING DIVERGES", "warning", "expert choices differ from there on"),
     "drift": ("DRIFT", "critical", "same routing; states beyond tolerance"),
 }
-TOLERANCE = 1e-5
 LOG_FLOOR = -12.0
+
+
+def low_bit_tolerance() -> float:
+    """The engine's bound between low-bit and drift (relative error of a layer's hidden state)."""
+    try:
+        from ds4f.engine.statedump import LOW_BIT_TOLERANCE
+    except ImportError:
+        return 1e-4
+    return float(LOW_BIT_TOLERANCE)
 
 
 def log_error(v: float) -> float:
@@ -485,7 +499,7 @@ class DiffScreen(Screen):
     app: "Ds4fConsole"
 
     def __init__(self, a: RunRecord, b: RunRecord, diff=None, diff_fn: Callable | None = None) -> None:
-        super().__init__(id="diff")
+        super().__init__()
         self.a, self.b = a, b
         self.diff = diff
         self.diff_fn = diff_fn
@@ -496,7 +510,7 @@ class DiffScreen(Screen):
         with Horizontal(id="diff-body"):
             with Panel("per-layer max relative error", id="p-layers"):
                 yield Static(id="layers-axis-top")
-                yield Plot(id="layers-plot", max_col_width=3, mode="fit")
+                yield Plot(id="layers-plot", max_col_width=3, mode="fit", above_is_bad=True)
                 yield Static(id="layers-axis")
             with Panel("runs side by side", id="p-sides"):
                 yield Static(id="sides")
@@ -544,10 +558,11 @@ class DiffScreen(Screen):
         if d.cls == "routing":
             t.append(f" at token {d.token}, layer {d.layer}", "bold")
         t.append(f": {meaning}\n")
+        tol = low_bit_tolerance()
         rels = [x for x in d.layer_max_rel if x is not None and math.isfinite(x)]
         if rels and max(rels) > 0:
             worst = max(range(len(d.layer_max_rel)), key=lambda i: d.layer_max_rel[i] or 0)
-            t.append(f"max rel error {max(rels):.1e} at layer {worst} (tolerance {TOLERANCE:g})"
+            t.append(f"max rel error {max(rels):.1e} at layer {worst} (tolerance {tol:g})"
                      f" · {d.n_tokens} tokens\n")
         else:
             t.append(f"no difference in any layer · {getattr(d, 'n_tokens', '?')} tokens\n")
@@ -560,15 +575,18 @@ class DiffScreen(Screen):
             v.set_class(name[1] == level, f"-{name[1]}")
         n = len(d.layer_max_rel)
         self.query_one("#layers-plot", Plot).set_data([log_error(x) for x in d.layer_max_rel],
-                                                       floor=log_error(TOLERANCE), maximum=-LOG_FLOOR,
+                                                       floor=log_error(tol), maximum=-LOG_FLOOR,
                                                        marker=d.layer if d.cls == "routing" else None)
         top = Text()
-        top.append("log scale 1e-12…1 ", "dim")
-        top.append("─ tolerance 1e-5")
+        top.append("log 1e-12…1 ", "dim")
+        top.append(f"─ tol {tol:g}")
         self.query_one("#layers-axis-top", Static).update(top)
         axis = Text(f"layer 0…{n - 1}" if n else "no layers", style="dim")
         if d.cls == "routing":
-            axis.append(f" · ▲ routing differs at L{d.layer}", "bold")
+            axis.append(f" · ▲ routing L{d.layer}", "bold")
+        if getattr(d, "detail", ""):
+            t.append(f"\n{d.detail}", "italic")
+            v.update(t)
         self.query_one("#layers-axis", Static).update(axis)
         self.query_one("#p-layers", Panel).set_level(level, word.lower())
 
@@ -672,7 +690,7 @@ class ErrorScreen(Screen[str]):
                 ("escape", "choose('back')", "back"), ("q", "app.quit", "quit")]
 
     def __init__(self, title: str, message: str, offer_demo: bool = True, can_go_back: bool = False) -> None:
-        super().__init__(id="error")
+        super().__init__()
         self.title_text, self.message = title, message
         self.offer_demo, self.can_go_back = offer_demo, can_go_back
 
@@ -706,7 +724,7 @@ class SetupScreen(Screen[None]):
     """First launch: the demo checkpoint is being made (synthesised, converted) in the cache dir."""
 
     def __init__(self, where: str) -> None:
-        super().__init__(id="setup")
+        super().__init__()
         self.where = where
 
     def compose(self) -> ComposeResult:

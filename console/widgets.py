@@ -11,11 +11,45 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.geometry import Size
+from textual.events import Resize
 from textual.widget import Widget
+from textual.widgets import RichLog
 
 from .thresholds import LEVELS
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+class EventLog(RichLog):
+    """The event log: wraps to its width, and re-wraps everything when the width changes
+    (a resized terminal, or a layout switch between narrow and wide)."""
+
+    KEEP = 500
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None):
+        super().__init__(id=id, classes=classes, max_lines=self.KEEP, wrap=True, markup=False, highlight=False,
+                         min_width=10)
+        self.entries: list[Text] = []
+        self._wrapped_at = 0
+
+    def add(self, text: Text) -> None:
+        self.entries.append(text)
+        if len(self.entries) > self.KEEP:
+            del self.entries[: len(self.entries) - self.KEEP]
+        self._write(text)
+
+    def _write(self, text: Text) -> None:
+        width = self.scrollable_content_region.width
+        self.write(text, width=width if width > 0 else None, scroll_end=True)
+
+    def on_resize(self, event: Resize) -> None:
+        super().on_resize(event)
+        width = self.scrollable_content_region.width
+        if width and width != self._wrapped_at:
+            self._wrapped_at = width
+            self.clear()
+            for entry in self.entries:
+                self._write(entry)
 
 
 class Panel(Vertical):
@@ -55,14 +89,15 @@ class Plot(_Styled):
     the column of one index (e.g. the layer where routing first differs).
     """
 
-    COMPONENT_CLASSES = {"plot--bar", "plot--floor", "plot--axis", "plot--above", "plot--marker"}
+    COMPONENT_CLASSES = {"plot--bar", "plot--floor", "plot--axis", "plot--above", "plot--over", "plot--marker"}
     DEFAULT_CSS = """
     Plot { height: 1fr; min-height: 1; }
     """
 
     def __init__(self, *, id: str | None = None, classes: str | None = None, max_col_width: int = 3,
-                 mode: str = "tail"):
+                 mode: str = "tail", above_is_bad: bool = False):
         super().__init__(id=id, classes=classes)
+        self.above_is_bad = above_is_bad  # colour for values at/over the line: good (floor) or bad (tolerance)
         self.values: list[float] = []
         self.floor: float | None = None
         self.maximum: float | None = None
@@ -113,7 +148,8 @@ class Plot(_Styled):
         if self.floor is not None and self.floor > 0:
             f = min(total - 1, int(self.floor / scale * total))
             floor_row = plot_h - 1 - f // 8
-        bar, floor_st, above = self.style_of("plot--bar"), self.style_of("plot--floor"), self.style_of("plot--above")
+        bar, floor_st = self.style_of("plot--bar"), self.style_of("plot--floor")
+        above = self.style_of("plot--over" if self.above_is_bad else "plot--above")
         pad = width - len(shown) * col_w
         text = Text(no_wrap=True, overflow="crop")
         for row in range(plot_h):

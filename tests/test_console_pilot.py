@@ -1,0 +1,564 @@
+"""Pilot tests: every key of the console, driven against the real engine on the tiny checkpoint.
+
+Runs are real (ds4f.engine.runs on the session's tiny model); only the dashboard's refresh
+period is shortened so a test sees a run progress. Each test gets its own history file.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import statistics
+import time
+
+import pytest
+from textual.widgets import DataTable, Input, Static
+
+from ds4f.console.app import Ds4fConsole
+from ds4f.console.bindings import APP_BINDINGS, DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS
+from ds4f.console.screens import (DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen,
+                                  SetupScreen, TokenCountScreen)
+from ds4f.console.widgets import EventLog, KeyBar, Panel
+from ds4f.engine import kernels
+from ds4f.engine.history import History
+
+def async_test(fn):
+    """Run an async test with asyncio (the project has no pytest async plugin)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+SIMD = [b for b in kernels.available_backends() if b != "scalar"]
+needs_simd = pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
+SIZE = (100, 30)
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind():
+    yield
+    from ds4f.engine.runs import active_run
+
+    run = active_run()
+    if run is not None:
+        run.cancel()
+        run.wait(30)
+
+
+@pytest.fixture
+def history_path(tmp_path):
+    return tmp_path / "history.sqlite3"
+
+
+def make_app(model, history_path, **kw) -> Ds4fConsole:
+    kw.setdefault("refresh_s", 0.1)
+    return Ds4fConsole(model=str(model), history=History(history_path), **kw)
+
+
+async def wait_for(pilot, cond, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def booted(pilot):
+    await wait_for(pilot, lambda: pilot.app.controller is not None and pilot.app._booted, 30, "boot")
+    await pilot.pause(0.1)
+
+
+async def run_to_end(pilot, timeout: float = 120.0):
+    app = pilot.app
+    await pilot.press("r")
+    await wait_for(pilot, lambda: app.controller.run is not None, 30, "the run to start")
+    await wait_for(pilot, lambda: app.controller.run.finished, timeout, "the run to end")
+    await pilot.pause(0.3)  # a refresh or two
+    return app.controller.run
+
+
+def text_of(app, selector: str) -> str:
+    w = app.screen.query_one(selector, Static)
+    return str(w.render())
+
+
+def log_text(app) -> str:
+    return "\n".join(t.plain for t in app.dashboard.query_one(EventLog).entries)
+
+
+# ------------------------------------------------------------------------------ run, stop
+@async_test
+async def test_run_starts_progresses_and_finishes(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=1000)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        assert "idle" in text_of(app, "#run-state")
+        await pilot.press("r")
+        seen: list[int] = []
+        await wait_for(pilot, lambda: app.controller.run is not None, 30, "start")
+        while not app.controller.run.finished:
+            state = text_of(app, "#run-state")
+            for word in state.split():
+                if "/" in word and word.split("/")[0].isdigit():
+                    seen.append(int(word.split("/")[0]))
+            await pilot.pause(0.05)
+        await pilot.pause(0.3)
+        run = app.controller.run
+        assert run.state == "done", run.error
+        assert "done" in text_of(app, "#run-state") and "1000/1000" in text_of(app, "#run-state")
+        assert any(0 < n < 1000 for n in seen), f"never saw a partial count: {sorted(set(seen))[:10]}"
+        assert seen == sorted(seen), "progress only goes forward"
+        assert "s/token" in text_of(app, "#speed-caption")
+        assert str(app.dashboard.query_one("#speed-digits").value) != "—"
+        assert "done" in log_text(app)
+    rec = History(history_path).get(run.id)
+    assert rec is not None and rec.state == "done" and len(rec.state_sha256) == 64
+    assert os.path.isfile(rec.state_path)
+
+
+@async_test
+async def test_stop_cancels(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=100_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 3,
+                       60, "a few tokens")
+        await pilot.press("r")  # a second run while one is live is refused, not started
+        await pilot.press("s")
+        run = app.controller.run
+        assert run.wait(30)
+        await pilot.pause(0.3)
+        assert run.state == "cancelled"
+        assert 3 < run.snapshot().tokens_done < 100_000
+        assert "cancelled" in text_of(app, "#run-state")
+        await pilot.press("s")  # nothing live: harmless
+    recs = History(history_path).list_runs()
+    assert [r.state for r in recs] == ["cancelled"], "one run only, recorded as cancelled"
+    assert recs[0].state_path is None
+
+
+# ------------------------------------------------------------------------------ settings keys
+@needs_simd
+@async_test
+async def test_simd_toggle_reaches_the_report(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=20)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        first = app.controller.next_backend()
+        await pilot.press("k")
+        toggled = app.controller.next_backend()
+        assert {first, toggled} == {"scalar", kernels.best_backend()}
+        run = await run_to_end(pilot)
+        assert set(run.report["backend_by_token"]) == {toggled}
+        await pilot.press("k")
+        run = await run_to_end(pilot)
+        assert set(run.report["backend_by_token"]) == {first}
+
+
+@needs_simd
+@async_test
+async def test_simd_toggle_lands_live_at_a_token(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=1500)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        before = app.controller.next_backend()
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done >= 5,
+                       60, "five tokens")
+        await pilot.press("k")
+        run = app.controller.run
+        assert run.wait(180)
+        await pilot.pause(0.3)
+        assert run.state == "done", run.error
+        by_token = run.report["backend_by_token"]
+        switch = next(i for i, b in enumerate(by_token) if b != by_token[0])
+        assert switch >= 5 and by_token[0] == before and set(by_token[switch:]) == {by_token[switch]}
+        kern = text_of(app, "#kern-text")
+        assert f"at token {switch}" in kern and by_token[switch] in kern
+        rec = History(history_path).get(run.id)
+        assert rec.backend == "mixed"
+
+
+@async_test
+async def test_threads_and_preset_reach_the_next_run(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        ctl = app.controller
+        io0, k0, preset0 = ctl.effective_io_threads(), ctl.effective_kernel_threads(), ctl.preset
+        await pilot.press("right_square_bracket", "right_square_bracket", "left_square_bracket")
+        assert ctl.effective_io_threads() == io0 + 1
+        await pilot.press("left_curly_bracket")
+        k1 = max(1, k0 - 1)
+        assert ctl.effective_kernel_threads() == k1
+        await pilot.press("right_curly_bracket", "left_curly_bracket")
+        assert ctl.effective_kernel_threads() == k1
+        await pilot.press("p")
+        assert ctl.preset != preset0
+        assert f"next: {ctl.preset}" in text_of(app, "#status")
+        run = await run_to_end(pilot)
+        snap = run.snapshot()
+        assert (snap.preset, snap.io_threads, snap.kernel_threads) == (ctl.preset, io0 + 1, k1)
+        assert run.report["config"]["preset"] == ctl.preset
+        assert run.report["config"]["io_threads"] == io0 + 1
+        assert run.report["config"]["kernel_threads"] == k1
+        assert {t["io_threads"] for t in run.report["tokens"]} == {io0 + 1}
+
+
+@async_test
+async def test_io_threads_change_live(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=100_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        io0 = app.controller.effective_io_threads()
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 2,
+                       60, "tokens")
+        await pilot.press("right_square_bracket")
+        await wait_for(pilot, lambda: app.controller.run.snapshot().io_threads == io0 + 1, 30, "the switch")
+        await pilot.press("s")
+        assert app.controller.run.wait(30)
+
+
+@async_test
+async def test_set_token_count(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("n")
+        assert isinstance(app.screen, TokenCountScreen)
+        inp = app.screen.query_one(Input)
+        inp.value = ""
+        await pilot.press("0", "enter")  # refused: stays open and says why
+        assert isinstance(app.screen, TokenCountScreen)
+        inp.value = ""
+        await pilot.press("1", "2", "enter")
+        assert isinstance(app.screen, DashboardScreen)
+        assert app.controller.gen == 12
+        await pilot.press("n", "escape")  # escape keeps the count
+        assert app.controller.gen == 12
+        run = await run_to_end(pilot)
+        assert run.snapshot().tokens_done == 12
+
+
+# ------------------------------------------------------------------------------ history and diffs
+@async_test
+async def test_history_persists_across_restarts(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        run = await run_to_end(pilot)
+        await pilot.press("t")  # a theme choice, remembered too
+        theme = app.theme
+        await pilot.press("q")
+    assert theme != "ds4f-dark"
+
+    again = make_app(tiny_model, history_path)
+    async with again.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        assert again.theme == theme
+        await pilot.press("h")
+        assert isinstance(again.screen, HistoryScreen)
+        table = again.screen.query_one(DataTable)
+        assert table.row_count == 1
+        assert run.report["state_sha256"][:10] in str(table.get_row_at(0)[-1])
+        assert run.id in text_of(again, "#run-detail")
+        await pilot.press("escape")
+        assert isinstance(again.screen, DashboardScreen)
+
+
+@async_test
+async def test_identical_runs_diff_as_identical(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("d")  # too few runs: a notice, no screen
+        assert isinstance(app.screen, DashboardScreen)
+        a = await run_to_end(pilot)
+        await pilot.press("left_curly_bracket")  # a thread count does not change the state
+        b = await run_to_end(pilot)
+        assert a.report["state_sha256"] == b.report["state_sha256"]
+        await pilot.press("h")
+        table = app.screen.query_one(DataTable)
+        assert all(" =A" in str(table.get_row_at(i)[-1]) for i in range(2)), "matching hashes are marked"
+        await pilot.press("space", "down", "space", "d")
+        assert isinstance(app.screen, DiffScreen)
+        await wait_for(pilot, lambda: app.screen.diff is not None, 30, "the diff")
+        await pilot.pause(0.1)
+        assert app.screen.diff.cls == "identical"
+        assert "IDENTICAL" in text_of(app, "#verdict") and "equal" in text_of(app, "#verdict")
+        await pilot.press("x")  # swap A and B
+        await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen) and app.screen.diff is not None, 30, "swap")
+        assert app.screen.a.run_id == b.id
+        await pilot.press("escape")
+        assert isinstance(app.screen, HistoryScreen)
+        await pilot.press("m")  # jump to the other run with the same hash
+        await pilot.press("escape", "d")  # dashboard d: the last two runs
+        assert isinstance(app.screen, DiffScreen)
+        await wait_for(pilot, lambda: app.screen.diff is not None, 30, "the diff")
+        assert app.screen.diff.cls == "identical"
+
+
+@needs_simd
+@async_test
+async def test_simd_scalar_pair_one_keystroke(tiny_model, history_path):
+    from ds4f.engine.statedump import diff_states
+
+    app = make_app(tiny_model, history_path, gen=30)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("c")  # no pair yet: a notice
+        assert isinstance(app.screen, DashboardScreen)
+        first = await run_to_end(pilot)
+        await pilot.press("k")
+        second = await run_to_end(pilot)
+        simd, scalar = (first, second) if first.report["backend_by_token"][0] != "scalar" else (second, first)
+        await pilot.press("c")
+        assert isinstance(app.screen, DiffScreen)
+        await wait_for(pilot, lambda: app.screen.diff is not None, 30, "the diff")
+        await pilot.pause(0.1)
+        assert (app.screen.a.run_id, app.screen.b.run_id) == (simd.id, scalar.id)
+        expected = diff_states(simd.report["state_path"], scalar.report["state_path"]).cls
+        assert app.screen.diff.cls == expected
+        assert expected in ("identical", "low-bit"), "SIMD and scalar agree on routing and within tolerance"
+        word = {"identical": "IDENTICAL", "low-bit": "LOW-BIT"}[expected]
+        assert word in text_of(app, "#verdict")
+        await pilot.press("escape", "h", "c")  # the same key in the history screen
+        assert isinstance(app.screen, DiffScreen)
+
+
+# ------------------------------------------------------------------------------ errors
+@async_test
+async def test_engine_error_shows_and_app_keeps_working(tiny_model, history_path, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    app = make_app(model, history_path, gen=100_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 2,
+                       60, "tokens")
+        pool = model / "pool-mxfp4.bin"
+        with open(pool, "r+b") as fh:  # the disk goes bad under the run
+            fh.truncate(4096)
+        run = app.controller.run
+        assert run.wait(60)
+        await pilot.pause(0.4)
+        assert run.state == "failed" and run.error
+        assert "failed" in text_of(app, "#run-state")
+        assert run.error[:30] in log_text(app)
+        assert app.dashboard.query_one("#p-run", Panel).has_class("-critical")
+        # the app keeps working: keys respond and a fresh model runs
+        shutil.copy(tiny_model / "pool-mxfp4.bin", pool)
+        app.controller.gen = 3
+        run2 = await run_to_end(pilot)
+        assert run2.state == "done"
+    states = [r.state for r in History(history_path).list_runs()]
+    assert states == ["done", "failed"]
+
+
+@async_test
+async def test_start_error_offers_the_demo(tiny_model, history_path, tmp_path):
+    from ds4f.engine.demo import ensure_demo_model
+
+    demo_root = tmp_path / "cache"
+    app = Ds4fConsole(model=str(tmp_path / "no-such-model"), history=History(history_path), refresh_s=0.1,
+                      demo_factory=lambda progress=None: ensure_demo_model(progress, root=demo_root, geometry="tiny"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), 30, "the error screen")
+        msg = text_of(app, "#error-message")
+        assert "no-such-model" in msg and "not found" in msg and "--model" in msg
+        await pilot.press("d")
+        await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen) and app.controller
+                       and app.controller.model.endswith("demo-ds4f"), 60, "the demo model")
+        run = await run_to_end(pilot)
+        assert run.state == "done"
+
+
+@async_test
+async def test_bad_config_error_screen(tmp_path, history_path):
+    bad = tmp_path / "ds4f.toml"
+    bad.write_text("[engine]\nio_threads = 'many'\n")
+    app = Ds4fConsole(config_path=str(bad), history=History(history_path),
+                      demo_factory=lambda progress=None: tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), 30, "the error screen")
+        msg = text_of(app, "#error-message")
+        assert str(bad) in msg and "engine.io_threads" in msg
+        await pilot.press("r")  # retry: still bad
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), 30, "the error screen again")
+        await pilot.press("d")  # the demo model, with the built-in config
+        await wait_for(pilot, lambda: app.controller is not None and app.controller.model == str(tmp_path), 30,
+                       "the demo")
+        assert app.config.source == "built-in ds4f.toml" or app.config.source.endswith("ds4f.toml")
+
+
+@async_test
+async def test_first_launch_makes_the_demo_then_reuses_it(tmp_path, history_path):
+    from ds4f.engine.demo import ensure_demo_model
+
+    root = tmp_path / "cache"
+    calls = []
+
+    def factory(progress=None):
+        calls.append(progress)
+        return ensure_demo_model(progress, root=root, geometry="tiny")
+
+    for launch in range(2):
+        app = Ds4fConsole(config=None, model=None, history=History(history_path), demo_factory=factory,
+                          refresh_s=0.1)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.controller is not None, 30, "boot")
+            if launch == 0:
+                await wait_for(pilot, lambda: isinstance(app.screen, SetupScreen) or app.controller.model, 30, "setup")
+            await wait_for(pilot, lambda: app.controller.model and isinstance(app.screen, DashboardScreen), 60,
+                           "the demo model")
+            assert app.controller.model == str(root / "demo-ds4f")
+    assert len(calls) == 2 and (root / "demo-ds4f" / "ds4f-demo.json").is_file()
+
+
+# ------------------------------------------------------------------------------ display keys
+@async_test
+async def test_refresh_period_freeze_theme_help_quit(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, refresh_s=1.0, gen=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("plus")
+        assert app.refresh_s == 2.0 and "⟳2s" in text_of(app, "#status")
+        await pilot.press("minus", "minus", "minus")
+        assert app.refresh_s == 0.25
+        await pilot.press("space")
+        assert app.frozen and "FROZEN" in text_of(app, "#status")
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.finished, 60, "run")
+        await pilot.pause(0.6)
+        assert "idle" in text_of(app, "#run-state"), "a frozen display does not move"
+        await pilot.press("space")
+        await pilot.pause(0.6)
+        assert "done" in text_of(app, "#run-state")
+        themes = []
+        for _ in range(3):
+            await pilot.press("t")
+            themes.append(app.theme)
+        assert themes == ["ds4f-light", "ds4f-contrast", "ds4f-dark"]
+        assert History(history_path).get_setting("theme") == "ds4f-dark"
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert isinstance(app.screen, DashboardScreen)
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+@async_test
+async def test_quit_stops_a_live_run(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=100_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.state == "running", 60,
+                       "running")
+        run = app.controller.run
+        await pilot.press("q")
+    assert run.finished and run.state == "cancelled"
+
+
+@async_test
+async def test_keys_stay_responsive_during_a_run(tiny_model, history_path):
+    """From the key arriving at the app to its action running, while a run decodes."""
+    from textual import events
+
+    app = make_app(tiny_model, history_path, refresh_s=0.25, gen=100_000)
+    stamps: list[float] = []
+    change_refresh = app.change_refresh
+
+    def timed(step):
+        stamps.append(time.perf_counter())
+        change_refresh(step)
+
+    app.change_refresh = timed
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 20,
+                       60, "a busy run")
+        latencies = []
+        for i in range(30):
+            key, char = ("plus", "+") if i % 2 == 0 else ("minus", "-")
+            n = len(stamps)
+            event = events.Key(key, char)
+            event.set_sender(app)
+            t0 = time.perf_counter()
+            app._driver.send_message(event)  # as the terminal driver delivers a key
+            await wait_for(pilot, lambda: len(stamps) > n, 5, "the key")
+            latencies.append(stamps[-1] - t0)
+            await pilot.pause(0.03)
+        assert app.controller.run.state == "running"
+        await pilot.press("s")
+        app.controller.run.wait(30)
+    assert statistics.median(latencies) < 0.05, latencies
+    assert max(latencies) < 0.1, latencies
+
+
+# ------------------------------------------------------------------------------ palette and footer
+ALL_ACTIONS = {b.action for b in APP_BINDINGS + DASHBOARD_BINDINGS + HISTORY_BINDINGS + DIFF_BINDINGS}
+
+
+def test_every_binding_has_a_handler():
+    screens = {id(DASHBOARD_BINDINGS): DashboardScreen, id(HISTORY_BINDINGS): HistoryScreen,
+               id(DIFF_BINDINGS): DiffScreen, id(APP_BINDINGS): Ds4fConsole}
+    for bindings in (APP_BINDINGS, DASHBOARD_BINDINGS, HISTORY_BINDINGS, DIFF_BINDINGS):
+        owner = screens[id(bindings)]
+        for b in bindings:
+            name = b.action.split("(")[0]
+            assert hasattr(owner, f"action_{name}"), f"{owner.__name__} lacks action_{name} for {b.key}"
+            assert b.tooltip, f"{b.key} has no help text"
+
+
+@async_test
+async def test_every_dashboard_key_is_in_the_footer_and_the_palette(tiny_model, history_path):
+    from ds4f.console.commands import ActionCommands
+
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await booted(pilot)
+        bar = app.screen.query_one(KeyBar)
+        shown = " ".join(f"{k} {label}" for k, label in bar.items())
+        for b in DASHBOARD_BINDINGS + APP_BINDINGS:
+            if b.show:
+                label = b.group.description if b.group else b.description
+                assert f" {label}" in shown, f"{b.key} missing from the key bar: {shown}"
+        assert bar.region.height <= 3 and bar.region.y + bar.region.height == 24
+        provider = ActionCommands(app.screen)
+        actions = {cb.args[0] for _t, _h, cb in provider._entries()}
+        assert {b.action for b in DASHBOARD_BINDINGS} <= actions
+        assert {"help", "cycle_theme", "quit"} <= actions
+        # choose "cycle preset" through the palette
+        preset = app.controller.preset
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.2)
+        for ch in "cycle preset":
+            await pilot.press("space" if ch == " " else ch)
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.controller.preset != preset, 10, "the palette command")
+
+
+def test_no_color_is_respected(monkeypatch, tiny_model, history_path):
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = make_app(tiny_model, history_path)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await booted(pilot)
+            assert app.no_color
+            panel = app.dashboard.query_one("#p-io", Panel)
+            panel.set_level("warning", "eff 45%")
+            assert "warning" in str(panel.border_subtitle), "levels are words too, not colour alone"
+
+    asyncio.run(go())

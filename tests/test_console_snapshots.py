@@ -1,0 +1,106 @@
+"""Screenshots of the console with fixed data (pytest-textual-snapshot), kept in tests/snapshots/.
+
+No engine runs here: the dashboard is fed one fixed Snapshot, the history a fixed SQLite
+file, the diff screen a fixed StateDiff. Update with `pytest tests/test_console_snapshots.py
+--snapshot-update` after checking the new images by eye (the HTML report shows them).
+Textual is pinned in pyproject.toml because its rendering changes between releases.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import pytest_textual_snapshot
+
+from ds4f.console.app import Ds4fConsole
+from ds4f.console.screens import DiffScreen
+
+from test_console_data import MODEL, builtin_config, fixed_diff, fixed_history, fixed_snapshot
+
+SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
+
+
+class _Ds4fSVG(pytest_textual_snapshot.SVGImageExtension):
+    """The plugin's SVG extension, storing files under tests/snapshots/<test module>/."""
+
+    @classmethod
+    def dirname(cls, *, test_location) -> str:
+        return str(SNAPSHOT_DIR / test_location.basename)
+
+
+@pytest.fixture(autouse=True)
+def _snapshot_dir_and_clock(monkeypatch):
+    monkeypatch.setattr(pytest_textual_snapshot, "SVGImageExtension", _Ds4fSVG)
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    yield
+    time.tzset()
+
+
+def make_app(tmp_path, snap="running", theme=None, diff="low-bit") -> Ds4fConsole:
+    history = fixed_history(tmp_path / "history.sqlite3")
+    snapshot = None if snap is None else fixed_snapshot(snap)
+    return Ds4fConsole(config=builtin_config(), history=history, model=MODEL, validate_model=False,
+                       snapshot_source=lambda: snapshot, diff_fn=lambda a, b: fixed_diff(diff), theme=theme)
+
+
+def test_dashboard_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), terminal_size=(80, 24))
+
+
+def test_dashboard_160x48(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), terminal_size=(160, 48))
+
+
+def test_dashboard_idle_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path, snap=None), terminal_size=(80, 24))
+
+
+def test_dashboard_light_120x36(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path, theme="ds4f-light"), terminal_size=(120, 36))
+
+
+def test_dashboard_contrast_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path, theme="ds4f-contrast"), terminal_size=(80, 24))
+
+
+def test_history_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), press=["h", "down", "down", "down"], terminal_size=(80, 24))
+
+
+def test_history_160x48(snap_compare, tmp_path):
+    # marks two runs with the same hash
+    assert snap_compare(make_app(tmp_path), press=["h", "down", "down", "down", "down", "space", "down", "space"],
+                        terminal_size=(160, 48))
+
+
+def _diff_of(kind: str):
+    async def run_before(pilot) -> None:
+        app = pilot.app
+        while app.controller is None:  # booted on Ready
+            await pilot.pause(0.02)
+        runs = app.controller.runs()
+        by_tail = {r.run_id[-4:]: r for r in runs}
+        b = by_tail["0c11"] if kind == "identical" else by_tail["5a03"]
+        app.push_screen(DiffScreen(by_tail["77e2"], b, diff=fixed_diff(kind)))
+        await pilot.pause()
+
+    return run_before
+
+
+def test_diff_identical_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), run_before=_diff_of("identical"), terminal_size=(80, 24))
+
+
+def test_diff_routing_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), run_before=_diff_of("routing"), terminal_size=(80, 24))
+
+
+def test_diff_low_bit_160x48(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), run_before=_diff_of("low-bit"), terminal_size=(160, 48))
+
+
+def test_help_80x24(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), press=["question_mark"], terminal_size=(80, 24))
