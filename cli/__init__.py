@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ds4f {name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug, not bad input: one line, the traceback on request
+        if os.environ.get("DS4F_DEBUG"):
+            raise
+        print(f"ds4f {name}: internal error: {type(exc).__name__}: {exc} (DS4F_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 70
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def bench_cache(args) -> int:
     from .cache_sweep import format_table, sweep
     from .checkpoint import open_checkpoint
     from .config import load_config, user_cache_dir
-    from .synthetic_models import ensure_synthetic
+    from .demo import ensure_synthetic
 
     model = Path(args.model) if args.model else ensure_synthetic("bench")
     with open_checkpoint(model) as ck:
@@ -81,7 +82,7 @@ def bench_cache(args) -> int:
     rows = {}
     for label, prefetch in (("off", False), ("on", True)):
         preset = replace(laptop, prefetch=prefetch, name=f"{laptop.name}+prefetch-{label}")
-        stalls, tokens, pf = [], 0, {"issued": 0, "useful": 0, "late": 0, "wasted": 0}
+        stalls, tokens, pf = [], 0, Counter()
         s_tok = []
         for i, prompt in enumerate(prompts):
             report = _run(model, preset, prompt, gen, scratch / f"pf-{label}-{i}.bin", args.config)
@@ -99,11 +100,13 @@ def bench_cache(args) -> int:
     print(f"  stall s/token   off {off[0]:.4f}   on {on[0]:.4f}   drop {drop:.1%} "
           f"({'met' if drop >= 0.25 else 'NOT met'}, target >= 25%)")
     print(f"  s/token median  off {off[1]:.4f}   on {on[1]:.4f}")
-    print(f"  prefetches: {pf['issued']} issued, {pf['useful']} useful, {pf['late']} late, {pf['wasted']} wasted; "
+    print(f"  prefetches: {pf['issued']} issued, {pf['useful']} useful, {pf['late']} late, {pf['wasted']} wasted, "
+          f"{pf['cancelled']} cancelled unread; "
           f"wasted per useful {waste:.2f} ({'met' if waste < 0.5 else 'NOT met'}, target < 0.5)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "sweep": {f"{b}|{p}": results[b, p].hit_rate for b in budgets for p in policies},
             "default_policy": default, "laptop_budget": laptop_budget, "gap_to_belady": gap,
-            "stall_off": off[0], "stall_on": on[0], "stall_drop": drop, "prefetch": pf}, indent=1))
+            "stall_off": off[0], "stall_on": on[0], "stall_drop": drop, "prefetch": dict(pf),
+            "s_per_token_off": off[1], "s_per_token_on": on[1]}, indent=1))
     return 0

@@ -52,7 +52,7 @@ def _scratch_dir() -> Path:
 
 def bench_engine(args) -> int:
     from . import kernels
-    from .synthetic_models import ensure_synthetic
+    from .demo import ensure_synthetic
 
     model = Path(args.model) if args.model else ensure_synthetic("bench")
     prompt = _prompt(model)

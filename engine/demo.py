@@ -95,25 +95,25 @@ class _BuildLock:
 
 
 def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | os.PathLike | None = None,
-                      geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED) -> Path:
+                      geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED, dirname: str = DEMO_DIRNAME) -> Path:
     """The demo checkpoint's directory, made on first use (see the module docstring)."""
     from .convert import convert_checkpoint
     from .synth import synth_checkpoint
 
     root = Path(root) if root is not None else user_cache_dir()
-    out = root / DEMO_DIRNAME
+    out = root / dirname
     if is_complete(out, geometry, seed):
         return out
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise Ds4fError(f"{root}: cannot create the cache directory for the demo model: {exc.strerror}") from None
-    with _BuildLock(root / f".{DEMO_DIRNAME}.lock"):
+    with _BuildLock(root / f".{dirname}.lock"):
         if is_complete(out, geometry, seed):  # another process finished it while we waited
             return out
-        for stale in root.glob(f".{DEMO_DIRNAME}.build-*"):  # left by a crash: we hold the lock
+        for stale in root.glob(f".{dirname}.build-*"):  # left by a crash: we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        work = root / f".{DEMO_DIRNAME}.build-{os.getpid()}-{int(time.time())}"
+        work = root / f".{dirname}.build-{os.getpid()}-{int(time.time())}"
         work.mkdir()
         try:
             official = work / "official"
@@ -125,7 +125,7 @@ def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | o
             if progress is not None:
                 progress(990, 1000, "moving into place")
             if out.exists() or out.is_symlink():
-                old = root / f".{DEMO_DIRNAME}.build-old-{os.getpid()}"
+                old = root / f".{dirname}.build-old-{os.getpid()}"
                 os.rename(out, old)
                 shutil.rmtree(old, ignore_errors=True)
             os.rename(converted, out)
@@ -136,3 +136,11 @@ def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | o
     if progress is not None:
         progress(1000, 1000, "ready")
     return out
+
+
+def ensure_synthetic(geometry: str, progress: ProgressCallback | None = None) -> Path:
+    """A converted synthetic checkpoint of a named geometry (e.g. the `bench` model of the
+    benchmarks) in the cache directory, made once, like the demo model."""
+    if geometry == DEMO_GEOMETRY:
+        return ensure_demo_model(progress)
+    return ensure_demo_model(progress, geometry=geometry, dirname=f"{geometry}-ds4f")
