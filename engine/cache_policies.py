@@ -134,7 +134,7 @@ class Cycle:
     """
 
     name = "cycle"
-    HALF_LIFE = 2.0
+    HALF_LIFE = 4.0
     RECENT_BONUS = 1.0
     DISTANCE_WEIGHT = 0.3
 
