@@ -74,9 +74,9 @@ class Engine:
         self.head = checkpoint.global_tensor("head.weight")
         self.final_norm = np.asarray(checkpoint.global_tensor("norm.weight"), dtype=np.float32)
         self.n_pinned = preset.pinned_count(g.n_layers)
+        # (layer_tensors reads a layer into a buffer of its own: the views keep just that alive)
         self.pinned: dict[int, LayerTrunk] = {
-            layer: LayerTrunk.from_tensors({k: np.array(v) for k, v in checkpoint.layer_tensors(layer).items()})
-            for layer in range(self.n_pinned)}
+            layer: LayerTrunk.from_tensors(checkpoint.layer_tensors(layer)) for layer in range(self.n_pinned)}
         self.unpinned = list(range(self.n_pinned, g.n_layers))
         # Routing stays resident whatever is pinned (a few MB): the hash tables drive the
         # token-start fetch, the learned routers the lookahead prefetch.
@@ -229,7 +229,7 @@ class Engine:
         """A layer's MoE trunk: the pinned copy, or a fresh read (outside the per-token read-ahead)."""
         if layer in self.pinned:
             return self.pinned[layer]
-        return LayerTrunk.from_tensors({k: np.array(v) for k, v in self.ckpt.layer_tensors(layer).items()})
+        return LayerTrunk.from_tensors(self.ckpt.layer_tensors(layer))
 
     def _read_ahead(self, layer: int, buf_index: int):
         return self.reader.read_trunk_layer(layer, self._trunk_bufs[buf_index])
