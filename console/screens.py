@@ -57,13 +57,14 @@ class DashboardScreen(Screen):
         self._notes_shown = 0
         self._failed_reported: set[str] = set()
         self.shown: Snapshot | None = None  # the snapshot the panels show (kept while frozen)
+        self._shown_content: dict[str, object] = {}
 
     def compose(self) -> ComposeResult:
         yield Static(id="status")
         with Container(id="panels"):
             with Panel("s/token", id="p-speed"):
                 with Horizontal(id="speed-top"):
-                    yield Digits(F.DASH, id="speed-digits")
+                    yield Digits("-.---", id="speed-digits")
                     yield Static(id="speed-caption")
                 yield Plot(id="speed-plot")
             with Panel("read GB/s · NVMe floor", id="p-io"):
@@ -94,6 +95,18 @@ class DashboardScreen(Screen):
 
     def on_screen_resume(self) -> None:
         self.app.tick(force=True)
+
+    def _put(self, selector: str, content) -> None:
+        """Update a Static only when its content changed: an unchanged panel costs the SSH link nothing."""
+        if self._shown_content.get(selector) == content:
+            return
+        self._shown_content[selector] = content
+        self.query_one(selector, Static).update(content)
+
+    def _digits(self, value: str) -> None:
+        digits = self.query_one("#speed-digits", Digits)
+        if digits.value != value:
+            digits.update(value)
 
     # -- the event log ----------------------------------------------------------------------
     def log_line(self, text: str, style: str = "") -> None:
@@ -138,30 +151,30 @@ class DashboardScreen(Screen):
             self.sync_notes(ctl.notes)
         q = self.query_one
         if snap is None:
-            q("#speed-digits", Digits).update(F.DASH)
-            q("#speed-caption", Static).update(Text("s/token\nno run yet\npress r", style="dim"))
+            self._digits("-.---")
+            self._put("#speed-caption", Text("s/token\nno run yet\npress r", style="dim"))
             for pid in ("#speed-plot", "#io-plot", "#hits-plot"):
                 q(pid, Plot).set_data([])
-            q("#io-text", Static).update(Text("effective read — GB/s\nfloor — · efficiency —", style="dim"))
-            q("#hits-text", Static).update(Text("hit rate —", style="dim"))
+            self._put("#io-text", Text("effective read — GB/s\nfloor — · efficiency —", style="dim"))
+            self._put("#hits-text", Text("hit rate —", style="dim"))
             q("#hits-strip", LayerStrip).set_rates([])
             q("#rss-meter", Meter).set(None, None, "RSS", F.DASH)
-            q("#mem-text", Static).update(Text("expert cache —", style="dim"))
+            self._put("#mem-text", Text("expert cache —", style="dim"))
             self._kernels(None)
-            q("#run-state", Static).update(Text("idle: r starts a run", style="dim"))
+            self._put("#run-state", Text("idle: r starts a run", style="dim"))
             q("#run-meter", Meter).set(0.0, None, "", "")
-            q("#run-text", Static).update("")
+            self._put("#run-text", "")
             for pid in ("#p-io", "#p-hits", "#p-mem", "#p-run"):
                 q(pid, Panel).set_level(None)
             return
         self._sync_events(snap)
         # s/token: big number (median over warm tokens) and the per-token history
-        q("#speed-digits", Digits).update(F.fmt_s_per_token(snap.s_per_token))
+        self._digits(F.fmt_s_per_token(snap.s_per_token).replace(F.DASH, "-.---"))
         cap = Text()
         cap.append("s/token", "bold")
         cap.append(f"\nmedian of {max(0, snap.tokens_done - 1)} warm")
         cap.append(f"\nfirst {F.fmt_seconds(snap.s_first_token)}")
-        q("#speed-caption", Static).update(cap)
+        self._put("#speed-caption", cap)
         q("#speed-plot", Plot).set_data(F.token_seconds(snap.tokens))
         # read GB/s against the floor
         eff_level = io_efficiency_level(snap.io_efficiency)
@@ -173,7 +186,7 @@ class DashboardScreen(Screen):
         io.append(f"\n{gbt} GB/tok · {snap.io_mode}")
         if snap.read_latency_ms is not None:
             io.append(f" · {snap.read_latency_ms:.2g} ms/read")
-        q("#io-text", Static).update(io)
+        self._put("#io-text", io)
         q("#io-plot", Plot).set_data(F.token_gbps(snap.tokens), floor=snap.floor_gbps)
         q("#p-io", Panel).set_level(eff_level, f"eff {F.fmt_pct(snap.io_efficiency, 0)}"
                                     if snap.io_efficiency is not None else None)
@@ -183,7 +196,7 @@ class DashboardScreen(Screen):
         ht = Text()
         ht.append(F.fmt_pct(snap.hit_rate), "bold")
         ht.append(f" · {hits:,} hits · {misses:,} misses")
-        q("#hits-text", Static).update(ht)
+        self._put("#hits-text", ht)
         q("#hits-plot", Plot).set_data(F.token_hit_rates(snap.tokens), maximum=1.0)
         q("#hits-strip", LayerStrip).set_rates(F.layer_hit_rates(snap))
         q("#p-hits", Panel).set_level(hl)
@@ -195,7 +208,7 @@ class DashboardScreen(Screen):
                                    if snap.rss_budget_bytes else F.fmt_bytes(snap.rss_bytes))
         cache = (f"expert cache {F.fmt_bytes(snap.cache_bytes)} / {F.fmt_bytes(snap.budget_bytes)}"
                  if snap.budget_bytes else "expert cache —")
-        q("#mem-text", Static).update(cache)
+        self._put("#mem-text", cache)
         q("#p-mem", Panel).set_level(rl, F.fmt_pct(frac, 0) if frac is not None else None)
         # kernels and the run
         self._kernels(snap)
@@ -203,7 +216,7 @@ class DashboardScreen(Screen):
         st = Text()
         st.append(f"{STATE_MARK.get(snap.state, '?')} {snap.state}", "bold")
         st.append(f"  {F.progress_text(snap)}")
-        q("#run-state", Static).update(st)
+        self._put("#run-state", st)
         q("#run-meter", Meter).set(snap.tokens_done / snap.gen if snap.gen else 0.0,
                                    "critical" if snap.state == "failed" else None, "", f"{snap.tokens_done}/{snap.gen}")
         rt = Text()
@@ -215,7 +228,7 @@ class DashboardScreen(Screen):
         rt.append(f"\npreset {snap.preset} · run {snap.run_id}")
         if snap.error:
             rt.append(f"\n{snap.error}", "bold red")
-        q("#run-text", Static).update(rt)
+        self._put("#run-text", rt)
         q("#p-run", Panel).set_level(sl if snap.state in ("failed", "cancelled") else None, snap.state)
 
     def _kernels(self, snap: Snapshot | None) -> None:
@@ -235,7 +248,7 @@ class DashboardScreen(Screen):
                 kt.append(f"\n⇄ {last}", "bold")
             else:
                 kt.append(f"\nno switch this run", "dim")
-        self.query_one("#kern-text", Static).update(kt)
+        self._put("#kern-text", kt)
 
     def _status(self, snap: Snapshot | None) -> None:
         app = self.app
@@ -251,7 +264,7 @@ class DashboardScreen(Screen):
         t.append(f"  ⟳{app.refresh_s:g}s")
         if app.frozen:
             t.append(" FROZEN", "reverse bold")
-        self.query_one("#status", Static).update(t)
+        self._put("#status", t)
 
     # -- actions: the app does the work ----------------------------------------------------
     def action_run(self) -> None:
@@ -661,7 +674,7 @@ class TokenCountScreen(ModalScreen[int | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="tokens-box") as box:
             box.border_title = "tokens to decode"
-            yield Label("How many tokens should the next run decode? (enter accepts, esc cancels)")
+            yield Static("Tokens for the next run to decode (enter accepts, esc cancels):")
             yield Input(value=str(self.current), type="integer", id="tokens-input")
             yield Label("", id="tokens-error")
 

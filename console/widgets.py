@@ -65,11 +65,13 @@ class Panel(Vertical):
         self.level: str | None = None
 
     def set_level(self, level: str | None, note: str | None = None) -> None:
+        subtitle = " · ".join(x for x in (note, level) if x) or None
+        if (level, subtitle) == (self.level, self.border_subtitle):
+            return
         self.level = level
         for name in LEVELS:
             self.set_class(level == name, f"-{name}")
-        subtitle = " · ".join(x for x in (note, level) if x)
-        self.border_subtitle = subtitle or None
+        self.border_subtitle = subtitle
 
 
 class _Styled(Widget):

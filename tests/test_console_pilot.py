@@ -113,7 +113,7 @@ async def test_run_starts_progresses_and_finishes(tiny_model, history_path):
         assert any(0 < n < 1000 for n in seen), f"never saw a partial count: {sorted(set(seen))[:10]}"
         assert seen == sorted(seen), "progress only goes forward"
         assert "s/token" in text_of(app, "#speed-caption")
-        assert str(app.dashboard.query_one("#speed-digits").value) != "—"
+        assert str(app.dashboard.query_one("#speed-digits").value) != "-.---"
         assert "done" in log_text(app)
     rec = History(history_path).get(run.id)
     assert rec is not None and rec.state == "done" and len(rec.state_sha256) == 64
@@ -378,6 +378,21 @@ async def test_start_error_offers_the_demo(tiny_model, history_path, tmp_path):
                        and app.controller.model.endswith("demo-ds4f"), 60, "the demo model")
         run = await run_to_end(pilot)
         assert run.state == "done"
+
+
+@async_test
+async def test_corrupt_checkpoint_error_screen(tiny_model, history_path, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "pool-mxfp4.json").write_text("{ not json")
+    app = Ds4fConsole(model=str(model), history=History(history_path), demo_factory=lambda progress=None: tiny_model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), 30, "the error screen")
+        msg = text_of(app, "#error-message")
+        assert "pool-mxfp4.json" in msg, msg
+        await pilot.press("d")
+        await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen) and app.controller
+                       and app.controller.model == str(tiny_model), 30, "the demo model")
 
 
 @async_test

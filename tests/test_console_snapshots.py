@@ -7,6 +7,7 @@ Textual is pinned in pyproject.toml because its rendering changes between releas
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -42,7 +43,9 @@ def _snapshot_dir_and_clock(monkeypatch):
 def make_app(tmp_path, snap="running", theme=None, diff="low-bit") -> Ds4fConsole:
     history = fixed_history(tmp_path / "history.sqlite3")
     snapshot = None if snap is None else fixed_snapshot(snap)
-    return Ds4fConsole(config=builtin_config(), history=history, model=MODEL, validate_model=False,
+    # fixed settings, so the status line does not depend on this machine's CPU (best backend, cores)
+    config = dataclasses.replace(builtin_config(), backend="avx2", kernel_threads=16, io_threads=8)
+    return Ds4fConsole(config=config, history=history, model=MODEL, validate_model=False,
                        snapshot_source=lambda: snapshot, diff_fn=lambda a, b: fixed_diff(diff), theme=theme)
 
 
