@@ -659,6 +659,17 @@ class HelpScreen(ModalScreen[None]):
                 if title == "Everywhere":
                     table.add_row("ctrl+p", "Command palette: every action by name")
                 yield Static(table)
+            app = self.app
+            files = Table(box=None, show_header=False, pad_edge=False, expand=True, title="Files",
+                          title_justify="left", title_style="bold")
+            files.add_column(style="bold", no_wrap=True, width=12)
+            files.add_column(overflow="fold")
+            config = getattr(app, "config", None)
+            ctl = getattr(app, "controller", None)
+            files.add_row("config", config.source if config else "—")
+            files.add_row("history", str(ctl.history.path) if ctl and ctl.history else "—")
+            files.add_row("model", (ctl.model or "—") if ctl else "—")
+            yield Static(files)
 
     def action_dismiss(self, result=None) -> None:
         self.dismiss(None)

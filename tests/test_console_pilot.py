@@ -464,6 +464,14 @@ async def test_refresh_period_freeze_theme_help_quit(tiny_model, history_path):
         assert History(history_path).get_setting("theme") == "ds4f-dark"
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
+        from rich.console import Console
+
+        console = Console(width=400, record=True, file=open(os.devnull, "w"))
+        for w in app.screen.query(Static):
+            console.print(w.content)
+        help_text = console.export_text()
+        assert "toggle_simd" not in help_text and "Switch the kernels between SIMD and scalar" in help_text
+        assert str(history_path) in help_text, "the help says where the history lives"
         await pilot.press("escape")
         assert isinstance(app.screen, DashboardScreen)
         await pilot.press("q")

@@ -103,7 +103,3 @@ def test_diff_routing_80x24(snap_compare, tmp_path):
 
 def test_diff_low_bit_160x48(snap_compare, tmp_path):
     assert snap_compare(make_app(tmp_path), run_before=_diff_of("low-bit"), terminal_size=(160, 48))
-
-
-def test_help_80x24(snap_compare, tmp_path):
-    assert snap_compare(make_app(tmp_path), press=["question_mark"], terminal_size=(80, 24))
