@@ -186,6 +186,9 @@ class DashboardScreen(Screen):
         io.append(f"\n{gbt} GB/tok · {snap.io_mode}")
         if snap.read_latency_ms is not None:
             io.append(f" · {snap.read_latency_ms:.2g} ms/read")
+        if snap.prefetch:
+            pf = snap.prefetch
+            io.append(f"\nprefetch {pf.get('useful', 0)}/{pf.get('issued', 0)} used · {pf.get('wasted', 0)} wasted", "dim")
         self._put("#io-text", io)
         q("#io-plot", Plot).set_data(F.token_gbps(snap.tokens), floor=snap.floor_gbps)
         q("#p-io", Panel).set_level(eff_level, f"eff {F.fmt_pct(snap.io_efficiency, 0)}"
@@ -196,6 +199,9 @@ class DashboardScreen(Screen):
         ht = Text()
         ht.append(F.fmt_pct(snap.hit_rate), "bold")
         ht.append(f" · {hits:,} hits · {misses:,} misses")
+        ht.append(f"\npolicy {snap.policy}", "dim")
+        if snap.optimum_hit_rate is not None:  # Belady on this run's trace, known when it is done
+            ht.append(f" · optimum {F.fmt_pct(snap.optimum_hit_rate)}", "dim")
         self._put("#hits-text", ht)
         q("#hits-plot", Plot).set_data(F.token_hit_rates(snap.tokens), maximum=1.0)
         q("#hits-strip", LayerStrip).set_rates(F.layer_hit_rates(snap))

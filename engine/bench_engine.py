@@ -58,6 +58,15 @@ def bench_engine(args) -> int:
     prompt = _prompt(model)
     gen = args.gen or 8
     best = kernels.best_backend()
+    # a fresh floor for this invocation: the runs below then read it from the cache
+    from .checkpoint import open_checkpoint
+    from .config import load_config
+    from .probe import cached_floor
+
+    cfg = load_config(args.config)
+    with open_checkpoint(model) as ck:
+        floor = cached_floor(ck, cfg.effective_io_threads(cfg.get_preset(args.preset)), seconds=3.0, max_age_s=0)
+    print(f"NVMe floor now: {floor.gbps:.2f} GB/s ({floor.io_mode}, queue depth {floor.io_threads})", file=sys.stderr)
     print(f"bench engine: {model} · preset {args.preset} · prompt of {len(prompt or (0,))} tokens + {gen} generated",
           file=sys.stderr)
     simd = _one_run(model, args.preset, gen, best, prompt, args.config)

@@ -73,21 +73,25 @@ def _cache_key(checkpoint, io_threads: int) -> str:
     return "|".join(parts) + f"|qd{io_threads}"
 
 
-def cached_floor(checkpoint, io_threads: int, seconds: float = 2.0) -> FloorResult:
-    """The floor for this checkpoint's pool at this queue depth, measured once and remembered."""
+FLOOR_MAX_AGE_S = 900.0  # a shared or thermally throttled disk drifts: re-measure after this
+
+
+def cached_floor(checkpoint, io_threads: int, seconds: float = 2.0, max_age_s: float = FLOOR_MAX_AGE_S) -> FloorResult:
+    """The floor for this checkpoint's pool at this queue depth, remembered for max_age_s."""
     store = user_cache_dir() / "floor.json"
     key = _cache_key(checkpoint, io_threads)
     try:
         known = json.loads(store.read_text())
     except (OSError, ValueError):
         known = {}
-    if key in known:
+    entry = known.get(key)
+    if isinstance(entry, dict) and time.time() - entry.get("measured_at", 0) < max_age_s:
         try:
-            return FloorResult(**known[key])
-        except TypeError:
+            return FloorResult(**entry["result"])
+        except (TypeError, KeyError):
             pass
     result = probe_floor(checkpoint, io_threads, seconds)
-    known[key] = asdict(result)
+    known[key] = {"measured_at": time.time(), "result": asdict(result)}
     store.parent.mkdir(parents=True, exist_ok=True)
     tmp = store.with_suffix(".tmp")
     tmp.write_text(json.dumps(known, indent=1))
