@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except Ds4fError as exc:
         print(f"ds4f {name}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ds4f diff a b | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print(f"ds4f {name}: interrupted", file=sys.stderr)
         return 130

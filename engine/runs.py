@@ -47,7 +47,7 @@ class RunConfig:
     kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
     backend: str | None = None               # auto | scalar | avx2 | avx512 | neon; None: ds4f.toml's engine.backend
     dump_path: str | None = None             # state.bin; None: <data dir>/runs/<id>/state.bin
-    report_path: str | None = None           # report.json; None: next to the state dump
+    report_path: str | None = None           # report.json; None: next to the state dump (a.bin -> a.report.json)
     config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
     probe_floor: bool | None = None          # measure the NVMe floor; None: ds4f.toml's engine.probe_floor
 
@@ -111,7 +111,12 @@ class Run:
         self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
         run_dir = user_data_dir() / "runs" / self.id
         self.dump_path = Path(config.dump_path) if config.dump_path else run_dir / "state.bin"
-        self.report_path = Path(config.report_path) if config.report_path else self.dump_path.with_name("report.json")
+        if config.report_path:
+            self.report_path = Path(config.report_path)
+        elif config.dump_path:  # next to the dump, named after it: a.bin -> a.report.json
+            self.report_path = self.dump_path.with_name(self.dump_path.stem + ".report.json")
+        else:
+            self.report_path = run_dir / "report.json"
 
         self._lock = threading.Lock()
         self._cancel = threading.Event()

@@ -270,3 +270,28 @@ def test_lookahead_prefetch_keeps_the_state_and_accounts_every_read(tiny_model, 
         total = sum(t["bytes_read"] for t in on.report["tokens"])
         assert total == (s["misses"] + pf["issued"] - pf["cancelled"]) * ck.slot_nbytes + trunk * on.n_steps
     assert off.report["summary"]["prefetch"] is None
+
+
+def test_cli_run_and_diff_exit_codes(tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    def ds4f(*args):
+        return subprocess.run([sys.executable, "-m", "ds4f.cli", *args], capture_output=True, text=True, timeout=120)
+
+    a = ds4f("run", str(tiny_model), "--gen", "3", "--no-probe", "--dump-state", str(tmp_path / "a.bin"))
+    assert a.returncode == 0, a.stderr
+    assert "s/token" in a.stdout and "sha256" in a.stdout and "token    1/3" in a.stderr
+    assert (tmp_path / "a.report.json").is_file()
+    b = ds4f("run", str(tiny_model), "--gen", "3", "--no-probe", "--dump-state", str(tmp_path / "b.bin"))
+    assert ds4f("diff", str(tmp_path / "a.bin"), str(tmp_path / "b.bin")).returncode == 0  # identical
+    if SIMD:
+        c = ds4f("run", str(tiny_model), "--gen", "3", "--no-probe", "--no-simd", "--dump-state", str(tmp_path / "c.bin"))
+        assert c.returncode == 0, c.stderr
+        d = ds4f("diff", str(tmp_path / "a.bin"), str(tmp_path / "c.bin"))
+        assert d.returncode == 1 and d.stdout.startswith("low-bit"), d.stdout
+    bad = ds4f("diff", str(tmp_path / "a.bin"), str(tmp_path / "a.report.json"))
+    assert bad.returncode == 2 and "bad magic" in bad.stderr and "Traceback" not in bad.stderr
+    missing = ds4f("run", str(tmp_path / "nope"), "--gen", "2")
+    assert missing.returncode == 2 and "nope" in missing.stderr and "Traceback" not in missing.stderr
+    assert b.returncode == 0
