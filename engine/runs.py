@@ -133,6 +133,7 @@ class Run:
         self._routing: list = []                     # expert ids per token, for the optimum's replay
         self._optimum: float | None = None
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
+        self._rss_at_end = 0
         self._floor = None
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
@@ -196,10 +197,7 @@ class Run:
         misses = sum(t.misses for t in tokens)
         elapsed = (self.finished_at or time.time()) - self.started_at
         remaining = self.n_steps - len(tokens)
-        try:
-            rss = self._process.memory_info().rss
-        except psutil.Error:
-            rss = 0
+        rss = self._rss_at_end if self.finished_at is not None else self._rss_now()
         return Snapshot(
             run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
             gen=self.n_steps, tokens_done=len(tokens), backend=backend, kernel_threads=kt, io_threads=it,
@@ -220,6 +218,12 @@ class Run:
             optimum_hit_rate=self._optimum)
 
     # -- the run's thread ---------------------------------------------------------------------
+    def _rss_now(self) -> int:
+        try:
+            return self._process.memory_info().rss
+        except psutil.Error:
+            return 0
+
     def _log(self, message: str) -> None:
         with self._lock:
             self._events.append(f"{time.strftime('%H:%M:%S')} {message}")
@@ -314,6 +318,7 @@ class Run:
         self._finish("failed")
 
     def _finish(self, state: str, sha: str | None = None) -> None:
+        self._rss_at_end = self._rss_now()  # what the run held; the engine's memory goes after this
         self.finished_at = time.time()
         report = None
         if state == "done":
