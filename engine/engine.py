@@ -38,6 +38,11 @@ class StepResult:
     stall_s: float
 
 
+# What a run's Python side holds beyond its arrays: token records, events, the report,
+# numpy temporaries and the I/O threads' stacks (measured at 2-4 MiB on the demo model).
+BOOKKEEPING_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class EngineFigures:
     layer_hits: tuple[int, ...]
@@ -52,7 +57,7 @@ class EngineFigures:
     read_latency_s: float         # summed over expert reads
     prefetch: dict
     pinned_layers: tuple[int, ...]
-    resident_bytes: int           # what the engine keeps in RAM: pinned trunk, globals, cache, buffers
+    resident_bytes: int           # what the engine keeps in RAM: pinned trunk, globals, routers, cache, buffers
 
 
 def warm_buffer(nbytes: int) -> np.ndarray:
@@ -120,9 +125,13 @@ class Engine:
         """The cache, reader and memory figures a snapshot or report needs (a cheap copy)."""
         ck, cache = self.ckpt, self.cache
         reads, _nbytes, latency = self.reader.expert_stats.totals()
+        routers = sum(t.gate.nbytes + t.ffn_norm.nbytes + (t.bias.nbytes if t.bias is not None else 0)
+                      + (t.tid2eid.nbytes if t.tid2eid is not None else 0)
+                      for layer, t in self.routers.items() if layer not in self.pinned)
         resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned)
                     + sum(a.nbytes for a in (self.embed, self.head, self.final_norm))
-                    + cache.capacity_bytes + sum(b.nbytes for b in self._trunk_bufs))
+                    + cache.capacity_bytes + sum(b.nbytes for b in self._trunk_bufs) + routers
+                    + self.scratch.nbytes + BOOKKEEPING_BYTES)
         return EngineFigures(
             layer_hits=tuple(c.hits for c in cache.layers), layer_misses=tuple(c.misses for c in cache.layers),
             layer_evictions=tuple(c.evictions for c in cache.layers), cache_used_bytes=cache.used_bytes,
