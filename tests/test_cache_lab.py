@@ -116,3 +116,17 @@ def test_cli_replay_sweep_and_plot(tiny_model, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ds4f.cli", "replay", str(tmp_path / "s.bin"), "--policy", "mru"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "mru" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_cache_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
+    """A smoke test of the benchmark's plumbing (its figures are measured by hand, not here)."""
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "bench", "cache", str(tiny_model), "--gen", "3",
+                          "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for words in ("belady", ">= lru at every budget", "stall s/token", "wasted per useful"):
+        assert words in out.stdout
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["default_policy"] == "cycle" and result["prefetch"]["issued"] > 0
+    assert all(v is None or 0 <= v <= 1 for v in result["sweep"].values())
