@@ -16,7 +16,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--policy", default="all",
                             help="lru | lfu | fcr | cycle | duel | belady | all (default: all)")
         parser.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="BUDGETS",
-                            help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP})")
+                            help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP.replace('%', '%%')})")
         parser.add_argument("--plot", metavar="PNG", help="with --sweep: save hit rate against budget (needs matplotlib)")
     elif name == "trace":
         sub = parser.add_subparsers(dest="action", required=True)

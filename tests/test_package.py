@@ -20,3 +20,12 @@ def test_cli_help_lists_commands():
     assert out.returncode == 0
     for cmd in ("bench-kernels", "synth", "convert", "verify", "run", "diff"):
         assert cmd in out.stdout
+
+
+def test_every_command_has_working_help():
+    from ds4f.cli import COMMANDS
+
+    for name in COMMANDS:
+        out = subprocess.run([sys.executable, "-m", "ds4f.cli", name, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0, (name, out.stderr)
+        assert f"ds4f {name}" in out.stdout and "Traceback" not in out.stderr
