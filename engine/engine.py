@@ -110,6 +110,7 @@ class Engine:
 
         # per-step buffers
         self.h = np.empty(g.hidden, np.float32)
+        self._h64 = np.empty(g.hidden, np.float64)  # rms_norm's float64 sum of squares
         self.x = np.empty(g.hidden, np.float32)
         self.logits = np.empty(g.n_experts, np.float32)
         self.vocab_logits = np.empty(g.vocab, np.float32)
@@ -177,7 +178,7 @@ class Engine:
         trunk_next = self._read_ahead(self.unpinned[0], 0) if self.unpinned else None
 
         h = self.h
-        h[:] = self.embed[token_id].astype(np.float32)
+        np.copyto(h, self.embed[token_id])  # bf16 -> fp32, exact
         for layer in range(g.n_layers):
             if layer in self.pinned:
                 trunk = self.pinned[layer]
@@ -198,7 +199,7 @@ class Engine:
             self.out_hidden[layer] = h
             protected.difference_update((layer, int(e)) for e in ids)
 
-        final = rms_norm(h, self.final_norm, g.rms_norm_eps, self.x)
+        final = rms_norm(h, self.final_norm, g.rms_norm_eps, self.x, self._h64)
         kernels.bf16_matvec(self.head, final, out=self.vocab_logits)
         next_token = int(np.argmax(self.vocab_logits))
         bytes1 = self.reader.expert_stats.totals()[1] + self.reader.trunk_stats.totals()[1]
@@ -215,7 +216,7 @@ class Engine:
         DeepseekV4SparseMoeBlock (after its post-attention RMSNorm) in transformers' terms.
         """
         g = self.geometry
-        x = rms_norm(h, trunk.ffn_norm, g.rms_norm_eps, self.x)
+        x = rms_norm(h, trunk.ffn_norm, g.rms_norm_eps, self.x, self._h64)
         kernels.bf16_matvec(trunk.gate, x, out=self.logits)
         ids, weights = route(sqrt_softplus(self.logits), trunk, token_id, g)
         if slots is None:
@@ -281,7 +282,7 @@ class Engine:
             return
         g = self.geometry
         router = self.routers[layer]
-        x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, self._x_ahead)
+        x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, self._x_ahead, self._h64)
         kernels.bf16_matvec(router.gate, x, out=self._logits_ahead)
         ids, _ = route(sqrt_softplus(self._logits_ahead), router, token_id, g)
         keep = protected | {(layer, int(e)) for e in ids}

@@ -62,9 +62,13 @@ class LayerTrunk:
         )
 
 
-def rms_norm(h: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
-    """out = h / sqrt(mean(h^2) + eps) * weight, the mean taken in float64 (fixed order)."""
-    h64 = h.astype(np.float64)
+def rms_norm(h: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray,
+             scratch64: np.ndarray | None = None) -> np.ndarray:
+    """out = h / sqrt(mean(h^2) + eps) * weight, the mean taken in float64 (fixed order).
+    scratch64: an optional float64 buffer of h's size, so nothing is allocated per call."""
+    h64 = h.astype(np.float64) if scratch64 is None else scratch64
+    if scratch64 is not None:
+        np.copyto(h64, h)
     inv = np.float32(1.0 / np.sqrt(np.dot(h64, h64) / h.shape[0] + eps))
     np.multiply(h, inv, out=out)
     np.multiply(out, weight, out=out)
@@ -89,22 +93,25 @@ def route(scores: np.ndarray, trunk: LayerTrunk, token_id: int, geometry: Geomet
     return ids, w.astype(np.float32)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
-
-
 class SharedExpert:
     """The always-on shared expert on the bf16 matvec kernel (no swiglu clamp: official semantics)."""
 
     def __init__(self, hidden: int, inter: int) -> None:
         self.gate = np.empty(inter, np.float32)
         self.up = np.empty(inter, np.float32)
+        self.act = np.empty(inter, np.float32)
         self.out = np.empty(hidden, np.float32)
 
     def __call__(self, trunk: LayerTrunk, x: np.ndarray) -> np.ndarray:
         kernels.bf16_matvec(trunk.shared_w1, x, out=self.gate)
         kernels.bf16_matvec(trunk.shared_w3, x, out=self.up)
-        act = (silu(self.gate) * self.up).astype(np.float32, copy=False)
+        # act = silu(gate) * up = gate / (1 + exp(-gate)) * up, in place, the same fp32 operations
+        act = self.act
+        np.negative(self.gate, out=act)
+        np.exp(act, out=act)
+        act += np.float32(1.0)
+        np.divide(self.gate, act, out=act)
+        act *= self.up
         return kernels.bf16_matvec(trunk.shared_w2, act, out=self.out)
 
 
