@@ -102,6 +102,10 @@ def _run(args) -> int:
     print(f"GB/token       {_fmt(s['gb_per_token'], '.3f')} warm · {_fmt(s['gb_first_token'], '.3f')} first token")
     print(f"effective read {_fmt(s['eff_read_gbps'], '.2f', ' GB/s')} · floor {_fmt(s['floor_gbps'], '.2f', ' GB/s')} · "
           f"I/O efficiency {_fmt(s['io_efficiency'], '.2f')}")
+    if s["io_efficiency"] is not None and s["io_efficiency"] > 1.05:
+        from ds4f.engine.probe import FLOOR_CAVEAT
+
+        print(f"               {FLOOR_CAVEAT}")
     print(f"cache          {_fmt(s['hit_rate'], '.1%')} hits ({s['hits']} hits, {s['misses']} misses, {s['evictions']} evictions) · "
           f"read latency {_fmt(s['read_latency_ms'], '.1f', ' ms')} · stall {_fmt(s['stall_s_per_token'], '.3f', ' s/token')}")
     pf = s.get("prefetch")

@@ -96,6 +96,10 @@ def bench_engine(args) -> int:
     eff = s["io_efficiency"]
     if eff is not None:
         print(f"target I/O efficiency >= 0.85: {'met' if eff >= 0.85 else 'NOT met'} ({eff:.2f})")
+        if eff > 1.05:
+            from .probe import FLOOR_CAVEAT
+
+            print(FLOOR_CAVEAT)
     if args.json:
         Path(args.json).write_text(json.dumps({"simd": simd["summary"], "scalar": scalar["summary"],
                                                "backend": best, "scalar_over_simd": ratio}, indent=1))

@@ -19,6 +19,11 @@ from .config import user_cache_dir
 from .engine import warm_buffer
 
 
+FLOOR_CAVEAT = ("note: efficiency above 1 means the run read faster than the probe's uniformly random reads: "
+                "something below O_DIRECT (a host or controller cache) favours the experts the run re-reads; "
+                "the floor is then a lower bound, not this disk's limit")
+
+
 @dataclass(frozen=True)
 class FloorResult:
     gbps: float            # 1e9 bytes per second
