@@ -186,7 +186,7 @@ def test_budget_too_small_is_a_clear_error(tiny_model, tmp_path):
 # ---------------------------------------------------------------- switches, cancel, errors
 @pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
 def test_switch_lands_at_a_token_boundary(tiny_model, tmp_path):
-    run = start_run(RunConfig(model=str(tiny_model), gen=40, backend=SIMD[-1], probe_floor=False,
+    run = start_run(RunConfig(model=str(tiny_model), gen=300, backend=SIMD[-1], probe_floor=False,
                               dump_path=str(tmp_path / "sw.bin")))
     while run.snapshot().tokens_done < 2 and not run.finished:
         time.sleep(0.001)
