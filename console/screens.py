@@ -199,9 +199,13 @@ class DashboardScreen(Screen):
         ht = Text()
         ht.append(F.fmt_pct(snap.hit_rate), "bold")
         ht.append(f" · {hits:,} hits · {misses:,} misses")
-        ht.append(f"\npolicy {snap.policy}", "dim")
-        if snap.optimum_hit_rate is not None:  # Belady on this run's trace, known when it is done
-            ht.append(f" · optimum {F.fmt_pct(snap.optimum_hit_rate)}", "dim")
+        if snap.optimum_hit_rate is not None and hits + misses:  # Belady on this run's trace, when done
+            # regret: points of hit rate the policy left to the optimum (hits prefetch made are not the policy's)
+            own = (hits - snap.prefetch.get("useful", 0)) / (hits + misses)
+            ht.append(f"\n{snap.policy} · Belady {F.fmt_pct(snap.optimum_hit_rate)}, "
+                      f"regret {100 * (snap.optimum_hit_rate - own):.1f}", "dim")
+        else:
+            ht.append(f"\npolicy {snap.policy}", "dim")
         self._put("#hits-text", ht)
         q("#hits-plot", Plot).set_data(F.token_hit_rates(snap.tokens), maximum=1.0)
         q("#hits-strip", LayerStrip).set_rates(F.layer_hit_rates(snap))

@@ -16,8 +16,8 @@ def test_thresholds():
         ["fine", "fine", "careful", "warning", "critical", None]
     assert [T.io_efficiency_level(x) for x in (0.85, 0.7, 0.5, 0.2)] == ["fine", "careful", "warning", "critical"]
     gib = 2**30
-    assert [T.rss_level(int(r * gib), gib) for r in (0.5, 0.9, 0.97, 1.2)] == \
-        ["fine", "careful", "warning", "critical"]
+    assert [T.rss_level(int(r * gib), gib) for r in (0.5, 0.99, 1.03, 1.1, 1.2)] == \
+        ["fine", "fine", "careful", "warning", "critical"]
     assert T.rss_level(5, 0) is None
     assert T.state_level("failed") == "critical"
 
