@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from ds4f.engine.errors import Ds4fError
 

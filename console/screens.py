@@ -257,7 +257,7 @@ class DashboardScreen(Screen):
                 last = sw[-1]
                 kt.append(f"\n⇄ {last}", "bold")
             else:
-                kt.append(f"\nno switch this run", "dim")
+                kt.append("\nno switch this run", "dim")
         self._put("#kern-text", kt)
 
     def _status(self, snap: Snapshot | None) -> None:

@@ -33,11 +33,12 @@ def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path) -> dict
 
 
 def bench_cache(args) -> int:
+    from .bench_engine import bench_scratch_dir
     from .cache_policies import DEFAULT_POLICY, ONLINE_POLICIES
     from .cache_replay import load_trace
     from .cache_sweep import format_table, sweep
     from .checkpoint import open_checkpoint
-    from .config import load_config, user_cache_dir
+    from .config import load_config
     from .demo import ensure_synthetic
 
     model = Path(args.model) if args.model else ensure_synthetic("bench")
@@ -46,8 +47,7 @@ def bench_cache(args) -> int:
     if not prompts:
         raise Ds4fError(f"{model}: no sample prompts (prompts.json); bench cache needs a synthetic checkpoint")
     gen = args.gen or 24
-    scratch = user_cache_dir() / "bench-runs"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch = bench_scratch_dir()
 
     print(f"bench cache: {model}, {len(prompts)} prompts + {gen} generated tokens each", file=sys.stderr)
     traces = []

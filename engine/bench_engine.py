@@ -29,7 +29,7 @@ def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_pa
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, backend=backend,
                               config_path=config_path, probe_floor=True,
-                              dump_path=str(Path(_scratch_dir()) / f"bench-{backend}.bin")))
+                              dump_path=str(bench_scratch_dir() / f"bench-{backend}.bin")))
     shown = 0
     while not run.wait(0.2):
         snap = run.snapshot()
@@ -42,7 +42,8 @@ def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_pa
     return run.report
 
 
-def _scratch_dir() -> Path:
+def bench_scratch_dir() -> Path:
+    """Where the benchmarks keep their runs' dumps and reports (the user's cache directory)."""
     from .config import user_cache_dir
 
     d = user_cache_dir() / "bench-runs"

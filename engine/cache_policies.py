@@ -208,8 +208,7 @@ class Duel:
             p.at(token, layer)
         for sh in self.shadows:
             sh.at(token, layer)
-        if layer >= 0 or not self._batch or next(iter(self._batch))[0] != 0:
-            self._batch = set()
+        self._batch = set()  # a new batch of requests (a layer's, or the token-start hash batch)
 
     def _request(self, key) -> None:
         self._batch.add(key)

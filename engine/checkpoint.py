@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import BF16, dequantize_fp8, st_itemsize, st_numpy_dtype
-from ds4f.engine.geometry import Geometry, fp8_scale_shape
+from ds4f.engine.formats import dequantize_fp8, st_itemsize, st_numpy_dtype
+from ds4f.engine.geometry import Geometry
 from ds4f.engine.safetensors_index import INDEX_NAME, TensorInfo, load_official_index, pread_exact, read_json
 
 ALIGN = 4096

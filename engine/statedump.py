@@ -29,7 +29,7 @@ from .errors import Ds4fError
 MAGIC = b"DS4FSTAT"
 VERSION = 1
 BACKEND_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
-BACKEND_NAMES = {v: k for k, v in BACKEND_CODES.items()}
+BACKEND_BY_CODE = {v: k for k, v in BACKEND_CODES.items()}
 # hidden-state error, relative to the layer's largest magnitude, below which two runs
 # with identical routing are "low-bit" (SIMD lane order) rather than "drift"
 LOW_BIT_TOLERANCE = 1e-4
@@ -96,7 +96,7 @@ class State:
 
     @property
     def backends(self) -> list[str]:
-        return [BACKEND_NAMES.get(int(b), "?") for b in self.records["backend"]]
+        return [BACKEND_BY_CODE.get(int(b), "?") for b in self.records["backend"]]
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -40,12 +40,11 @@ import os
 import shutil
 import zlib
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import BF16, E8M0, ST_DTYPES, quantize_fp8, st_itemsize
+from ds4f.engine.formats import BF16, E8M0, ST_DTYPES, quantize_fp8
 from ds4f.engine.geometry import MX_BLOCK, Geometry, TensorPlan, get_geometry, official_tensors
 from ds4f.engine.progress import Progress, ProgressArg
 

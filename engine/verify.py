@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.checkpoint import (Checkpoint, OfficialCheckpoint, aligned_buffer, check_official_tensors,
-                                    detect_kind, load_ds4f_layout, moe_region_layout, _views)
+from ds4f.engine.checkpoint import _views, aligned_buffer, check_official_tensors, detect_kind, load_ds4f_layout
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.formats import E8M0_NAN
 from ds4f.engine.geometry import Geometry
