@@ -14,7 +14,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--cache", default="25%", metavar="BUDGET",
                             help="cache budget: a size ('4 GiB') or a fraction of the pool ('25%%'); default 25%%")
         parser.add_argument("--policy", default="all",
-                            help="lru | lfu | fcr | cycle | duel | belady | all (default: all)")
+                            help="lru | lfu | fcr | cycle | duel | belady | belady@N | all, or a comma-separated "
+                                 "list (default: all). belady@N sees only the next N tokens' requests and evicts "
+                                 "as the default policy beyond them: how much foresight the optimum needs")
         parser.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="BUDGETS",
                             help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP.replace('%', '%%')})")
         parser.add_argument("--plot", metavar="PNG", help="with --sweep: save hit rate against budget (needs matplotlib)")
@@ -39,14 +41,20 @@ def run(args) -> int:
 
 def _policies(text: str) -> list[str]:
     from ds4f.engine.cache_policies import ONLINE_POLICIES
+    from ds4f.engine.cache_replay import parse_policy
 
     known = [*ONLINE_POLICIES, "belady"]
     if text == "all":
         return known
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in known]
+    for p in names:
+        try:
+            parse_policy(p)
+        except Ds4fError as exc:
+            raise Ds4fError(f"--policy: {exc}") from None
+    bad = [p for p in names if p not in known and not p.startswith("belady@")]
     if bad:
-        raise Ds4fError(f"--policy: unknown policy {bad[0]!r} (known: {', '.join(known)}, all)")
+        raise Ds4fError(f"--policy: unknown policy {bad[0]!r} (known: {', '.join(known)}, belady@N, all)")
     return names
 
 

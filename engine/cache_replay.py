@@ -136,6 +136,52 @@ class Belady:
         return best
 
 
+class HorizonBelady(Belady):
+    """Belady that sees only the next `horizon_tokens` tokens of requests: among the keys whose
+    next request lies beyond that, it evicts as `fallback` (an online policy) would; only if
+    every candidate is needed within the horizon does it evict the farthest. belady@N in the
+    lab: how far ahead the optimum must see to earn its hit rate."""
+
+    def __init__(self, sequence: list, horizon_requests: int, fallback) -> None:
+        super().__init__(sequence)
+        self.horizon = horizon_requests
+        self.fallback = fallback
+        self.name = "belady@horizon"
+
+    def at(self, token: int, layer: int) -> None:
+        self.fallback.at(token, layer)
+
+    def touch(self, key) -> None:
+        self.fallback.touch(key)
+        self._seen(key)
+
+    def insert(self, key) -> None:
+        self.fallback.insert(key)
+        self._seen(key)
+
+    def remove(self, key) -> None:
+        super().remove(key)
+        self.fallback.remove(key)
+
+    def victim(self, protected=frozenset()):
+        near = {k for k, nxt in self._resident_next.items() if nxt - self._pos <= self.horizon}
+        if len(near) < len(self._resident_next):
+            victim = self.fallback.victim(set(protected) | near)
+            if victim is not None:
+                return victim
+        return super().victim(protected)
+
+
+def parse_policy(policy: str) -> tuple[str, int | None]:
+    """('belady', N) for 'belady@N' (N tokens of foresight), else (policy, None)."""
+    if policy.startswith("belady@"):
+        n = policy[len("belady@"):]
+        if not n.isdigit() or int(n) < 1:
+            raise Ds4fError(f"policy {policy!r}: belady@N takes a whole number of tokens >= 1, like belady@4")
+        return "belady", int(n)
+    return policy, None
+
+
 @dataclass
 class ReplayResult:
     policy: str
@@ -161,16 +207,20 @@ def replay(trace: Trace, budget: Budget | str | int, policy: str) -> ReplayResul
     g = trace.geometry
     cache = ExpertCache(budget_bytes, trace.slot_nbytes, g.n_layers, "lru",
                         min_slots=(g.n_hash_layers + 1) * g.top_k, with_pool=False, n_experts=g.n_experts)
-    if policy == "belady":
+    from .cache_policies import DEFAULT_POLICY, make_policy
+
+    name, horizon = parse_policy(policy)
+    if horizon is not None:
+        cache.policy = HorizonBelady(trace.request_sequence(), horizon * g.n_layers * g.top_k,
+                                     make_policy(DEFAULT_POLICY, g.n_layers, g.n_experts, cache.n_slots))
+    elif name == "belady":
         cache.policy = Belady(trace.request_sequence())
     else:
-        from .cache_policies import make_policy
-
         try:
             cache.policy = make_policy(policy, g.n_layers, g.n_experts, cache.n_slots)
         except ValueError as exc:
             raise Ds4fError(str(exc)) from None
-        cache.policy_name = policy
+    cache.policy_name = policy
     for t in range(len(trace.ids)):  # the engine's Engine.step, without the arithmetic
         keys = [[(layer, int(e)) for e in trace.ids[t, layer]] for layer in range(g.n_layers)]
         protected: set = set()

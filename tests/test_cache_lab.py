@@ -44,6 +44,24 @@ def test_belady_keeps_the_loop_lru_thrashes():
     assert (r.hits, r.misses) == (11, 9)
 
 
+def test_belady_with_a_horizon():
+    # The loop of 4 keys through 3 slots: at each eviction the resident keys are next needed
+    # 1, 2 and 3 requests ahead. Seeing 2 tokens (= 2 requests here) ahead, the one key beyond
+    # the horizon is always the farthest, so belady@2 makes Belady's choices: 11 hits.
+    t = _trace([0, 1, 2, 3] * 5)
+    budget = 3 * t.slot_nbytes
+    assert (replay(t, budget, "belady@2").hits, replay(t, budget, "belady@3").hits) == (11, 11)
+    # a horizon longer than the trace is Belady itself
+    t = _trace([1, 2, 3, 1, 2, 4, 1, 2, 5, 3, 1, 4])
+    for budget in (2, 3):
+        full = replay(t, budget * t.slot_nbytes, "belady")
+        long = replay(t, budget * t.slot_nbytes, f"belady@{len(t.ids)}")
+        assert (long.hits, long.misses) == (full.hits, full.misses)
+    for bad in ("belady@0", "belady@x", "belady@"):
+        with pytest.raises(Ds4fError, match="belady@N"):
+            replay(t, "50%", bad)
+
+
 def test_belady_is_an_upper_bound_for_every_online_policy():
     rng = np.random.default_rng(1)
     g = Geometry(hidden=64, inter=32, n_layers=3, n_experts=8, top_k=2, n_hash_layers=1, vocab=16)
@@ -52,7 +70,7 @@ def test_belady_is_an_upper_bound_for_every_online_policy():
     t = Trace(g, seq.astype(np.int32), np.zeros(60, np.int32))
     for budget in ("40%", "60%", "80%"):
         opt = replay(t, budget, "belady").hits
-        for policy in ONLINE_POLICIES:
+        for policy in [*ONLINE_POLICIES, "belady@1", "belady@4"]:
             r = replay(t, budget, policy)
             assert r.hits <= opt, (policy, budget)
             assert r.hits + r.misses == 60 * 3 * 2
