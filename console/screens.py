@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Digits, Input, Label, ProgressBar, Static
 
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.history import RunRecord, hash_groups
-from ds4f.engine.snapshot import Snapshot
+from ds4f.engine.snapshot import Snapshot, disk_occupancy
 
 from . import figures as F
 from .bindings import (DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS, SCREENS_FOR_HELP, keys_of)
@@ -181,7 +181,10 @@ class DashboardScreen(Screen):
         io = Text()
         io.append(f"{F.fmt_gbps(snap.eff_read_gbps)} GB/s", "bold")
         io.append(f" of {F.fmt_gbps(snap.floor_gbps)} floor" if snap.floor_gbps else " · floor not measured")
-        io.append(f" · eff {F.fmt_pct(snap.io_efficiency, 0)}")
+        busy, _depth = disk_occupancy(snap.tokens)
+        if busy:  # the share of time a read was in flight: prefetch can use only the rest
+            io.append(f" · busy {F.fmt_pct(busy, 0)}")
+        # (the efficiency is in the panel's border, with its level)
         gbt = F.DASH if snap.gb_per_token is None else f"{snap.gb_per_token:.3g}"
         io.append(f"\n{gbt} GB/tok · {snap.io_mode}")
         if snap.read_latency_ms is not None:

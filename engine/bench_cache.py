@@ -77,6 +77,15 @@ def bench_cache(args) -> int:
     if gap is not None:
         print(f"{default} vs belady at the {args.preset} budget ({laptop_budget}): {d:.1%} vs {opt:.1%}, "
               f"{gap:.1%} below the optimum: {'met' if gap <= 0.10 else 'NOT met'} (target <= 10%)")
+        # how much foresight the optimum needs: Belady that sees N tokens ahead, the default beyond
+        horizons = [1, 2, 3, 4, 8]
+        seen = sweep(traces, [laptop_budget], [f"belady@{n}" for n in horizons])
+        rates = {n: seen[laptop_budget, f"belady@{n}"].hit_rate for n in horizons}
+        enough = [n for n in horizons if rates[n] is not None and (opt - rates[n]) / opt <= 0.10]
+        print("  foresight: belady seeing N tokens ahead (then evicting as " + default + "): "
+              + ", ".join(f"N={n} {rates[n]:.1%}" for n in horizons)
+              + (f"; within 10% of the optimum needs N >= {enough[0]} tokens of exact future routing"
+                 if enough else "; none of these is within 10%"))
 
     # prefetch off / on, same prompts, this invocation; the two runs of a prompt alternate
     # which goes first, so a disk that speeds up or slows down during the bench favours neither
@@ -84,6 +93,7 @@ def bench_cache(args) -> int:
                for label in ("off", "on")}
     stalls: dict = {"off": [], "on": []}
     s_tok: dict = {"off": [], "on": []}
+    disk: dict = {"off": [], "on": []}  # (summary dicts) for the disk's busy share and depth
     pf_total = {"off": Counter(), "on": Counter()}
     for i, prompt in enumerate(prompts):
         for label in (("off", "on") if i % 2 == 0 else ("on", "off")):
@@ -91,6 +101,7 @@ def bench_cache(args) -> int:
             stalls[label] += [t["stall_s"] for t in report["tokens"][1:]]
             s_tok[label].append(report["summary"]["s_per_token"])
             pf_total[label].update(report["summary"]["prefetch"] or {})
+            disk[label].append(report["summary"])
     rows = {label: (statistics.mean(stalls[label]), statistics.median(s_tok[label]), pf_total[label])
             for label in ("off", "on")}
     off, on = rows["off"], rows["on"]
@@ -104,10 +115,23 @@ def bench_cache(args) -> int:
     print(f"  prefetches: {pf['issued']} issued, {pf['useful']} useful, {pf['late']} late, {pf['wasted']} wasted, "
           f"{pf['cancelled']} cancelled unread; "
           f"wasted per useful {waste:.2f} ({'met' if waste < 0.5 else 'NOT met'}, target < 0.5)")
+    busy = {k: statistics.mean(r["disk_busy_fraction"] for r in disk[k]) for k in disk}
+    depth = {k: statistics.mean(r["mean_read_depth"] for r in disk[k]) for k in disk}
+    gbt = {k: statistics.mean(r["gb_per_token"] for r in disk[k]) for k in disk}
+    io_threads = cfg.effective_io_threads(laptop)
+    print(f"  disk: a read in flight {busy['off']:.0%} of the time off, {busy['on']:.0%} on; mean reads in flight "
+          f"{depth['off']:.2f} off, {depth['on']:.2f} on (of {io_threads}); GB/token {gbt['off']:.3f} off, "
+          f"{gbt['on']:.3f} on")
+    if busy["off"] > 0.8:
+        print(f"  read-bound: with prefetch off the disk is already busy {busy['off']:.0%} of each token, so an early "
+              f"read mostly displaces a demand read; prefetch can only win the idle {1 - busy['off']:.0%} and the "
+              f"shallow-queue time, minus its wasted reads")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "sweep": {f"{b}|{p}": results[b, p].hit_rate for b in budgets for p in policies},
             "default_policy": default, "laptop_budget": laptop_budget, "gap_to_belady": gap,
             "stall_off": off[0], "stall_on": on[0], "stall_drop": drop, "prefetch": dict(pf),
-            "s_per_token_off": off[1], "s_per_token_on": on[1]}, indent=1))
+            "s_per_token_off": off[1], "s_per_token_on": on[1], "disk_busy": busy, "mean_read_depth": depth,
+            "gb_per_token": gbt, "belady_foresight": {str(n): r for n, r in rates.items()} if gap is not None else None},
+            indent=1))
     return 0

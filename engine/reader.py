@@ -6,6 +6,7 @@ to one slot, and a second request for a key still in flight waits on the same sl
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -13,12 +14,12 @@ import time
 from concurrent.futures import Future
 
 
-class ReadJob:
-    """One expert read. It runs at most once, however often it is queued, and can be
-    cancelled while it waits (then it never touches its slot, which may be reused)."""
+class _Job:
+    """A read that runs at most once, however often it is queued (promotion queues it again),
+    and can be cancelled while it waits. `landed` is set when it completes or fails."""
 
-    def __init__(self, reader: "Reader", slot, layer: int, expert: int, buf, landed: threading.Event) -> None:
-        self.reader, self.slot, self.layer, self.expert, self.buf, self.landed = reader, slot, layer, expert, buf, landed
+    def __init__(self, reader: "Reader", landed: threading.Event) -> None:
+        self.reader, self.landed = reader, landed
         self._lock = threading.Lock()
         self.started = False
         self.cancelled = False
@@ -35,6 +36,25 @@ class ReadJob:
             if self.started or self.cancelled:
                 return
             self.started = True
+        self.reader.occupancy.began()
+        try:
+            self.run()
+        finally:
+            self.reader.occupancy.ended()
+            self.landed.set()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class ReadJob(_Job):
+    """One expert read into its cache slot (slot.ready is set when done or failed)."""
+
+    def __init__(self, reader: "Reader", slot, layer: int, expert: int, buf, landed: threading.Event) -> None:
+        super().__init__(reader, landed)
+        self.slot, self.layer, self.expert, self.buf = slot, layer, expert, buf
+
+    def run(self) -> None:
         t0 = time.perf_counter()
         try:
             n = self.reader.checkpoint.read_expert(self.layer, self.expert, self.buf)
@@ -43,7 +63,30 @@ class ReadJob:
             self.slot.error = exc
         finally:
             self.slot.ready.set()
-            self.landed.set()
+
+
+class TrunkJob(_Job):
+    """One layer's MoE trunk read into a buffer; result() gives its tensors (views into buf)."""
+
+    def __init__(self, reader: "Reader", layer: int, buf, landed: threading.Event) -> None:
+        super().__init__(reader, landed)
+        self.layer, self.buf = layer, buf
+        self.future: Future = Future()
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            tensors = self.reader.checkpoint.read_trunk_layer(self.layer, self.buf)
+            self.reader.trunk_stats.add(self.reader.checkpoint.trunk_layer_nbytes(self.layer), time.perf_counter() - t0)
+            self.future.set_result(tensors)
+        except BaseException as exc:
+            self.future.set_exception(exc)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> dict:
+        return self.future.result()
 
 
 class ReadStats:
@@ -66,21 +109,93 @@ class ReadStats:
             return self.reads, self.bytes, self.latency_s
 
 
-DEMAND, PREFETCH = 0, 1  # read priorities: what the current layer waits for goes first
+class Occupancy:
+    """How busy the disk was kept: time with at least one read in flight (busy_s) and the
+    time integral of the number in flight (depth_s; depth_s / wall = mean queue depth).
+    Prefetch can only use the time the disk is idle or shallow, so these bound its gain."""
+
+    def __init__(self, on_end=None) -> None:
+        self.lock = threading.Lock()
+        self.on_end = on_end  # called (outside the lock) whenever a read ends
+        self.in_flight = 0
+        self.busy_s = 0.0
+        self.depth_s = 0.0
+        self._since = time.perf_counter()
+
+    def _advance(self, now: float) -> None:
+        dt = now - self._since
+        if self.in_flight:
+            self.busy_s += dt
+            self.depth_s += self.in_flight * dt
+        self._since = now
+
+    def began(self) -> None:
+        with self.lock:
+            self._advance(time.perf_counter())
+            self.in_flight += 1
+
+    def ended(self) -> None:
+        with self.lock:
+            self._advance(time.perf_counter())
+            self.in_flight -= 1
+        if self.on_end is not None:
+            self.on_end()
+
+    def totals(self) -> tuple[float, float]:
+        """(busy_s, depth_s) up to now."""
+        with self.lock:
+            self._advance(time.perf_counter())
+            return self.busy_s, self.depth_s
+
+
+# Read priorities: what the forward pass waits for now, then the next unpinned trunk
+# layer's read-ahead (needed a layer later). Router-lookahead guesses (PREFETCH) never enter
+# that queue: they wait for the prefetch lane.
+DEMAND, AHEAD, PREFETCH = 0, 1, 2
 
 
 class Reader:
-    """I/O threads taking read jobs from one priority queue: demand reads (the experts and
-    trunk the forward pass is waiting for) always go before prefetch reads."""
+    """I/O threads taking read jobs from one priority queue (demand reads, then trunk
+    read-ahead), and one prefetch lane that starts a guess only while the disk is otherwise
+    idle: nothing queued and fewer than PREFETCH_GATE reads in flight. A started read cannot
+    be interrupted, so a guess started on a busy disk delays the demand reads behind it;
+    a guess the lane never started costs no read (it is promoted if needed, else cancelled)."""
+
+    PREFETCH_GATE = 1
 
     def __init__(self, checkpoint, threads: int) -> None:
         self.checkpoint = checkpoint
         self.expert_stats = ReadStats()
         self.trunk_stats = ReadStats()
+        self._guesses: collections.deque = collections.deque()
+        self._lane_cv = threading.Condition()
+        self._closing = False
+        self.occupancy = Occupancy(on_end=self._wake_lane)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._workers: list[threading.Thread] = []
         self._start(threads)
+        self._lane = threading.Thread(target=self._prefetch_lane, name="ds4f-io-prefetch", daemon=True)
+        self._lane.start()
+
+    def _wake_lane(self) -> None:
+        with self._lane_cv:
+            self._lane_cv.notify()
+
+    def _prefetch_lane(self) -> None:
+        while True:
+            with self._lane_cv:
+                while True:
+                    if self._closing:
+                        return
+                    while self._guesses and (self._guesses[0].started or self._guesses[0].cancelled):
+                        self._guesses.popleft()  # promoted and read by a worker, or cancelled
+                    if (self._guesses and self.occupancy.in_flight < self.PREFETCH_GATE
+                            and self._queue.empty()):
+                        job = self._guesses.popleft()
+                        break
+                    self._lane_cv.wait(0.05)  # woken when a read ends or a guess arrives; the timeout is a safety net
+            job()
 
     @property
     def threads(self) -> int:
@@ -116,29 +231,28 @@ class Reader:
                     priority: int = DEMAND) -> "ReadJob":
         """Fill slot from disk in the background; slot.ready (then `landed`) is set when done or failed."""
         job = ReadJob(self, slot, layer, expert, buf, landed)
-        self._queue.put((priority, next(self._seq), job))
+        if priority == PREFETCH:
+            with self._lane_cv:
+                self._guesses.append(job)
+                self._lane_cv.notify()
+        else:
+            self._queue.put((priority, next(self._seq), job))
         return job
 
-    def promote(self, job: "ReadJob") -> None:
-        """Queue a waiting prefetch again as a demand read; whichever copy starts first reads."""
+    def promote(self, job: _Job) -> None:
+        """Queue a waiting read again as a demand read; whichever copy starts first reads."""
         if not job.started:
             self._queue.put((DEMAND, next(self._seq), job))
 
-    def read_trunk_layer(self, layer: int, buf) -> Future:
-        """Read one layer's MoE trunk into buf; the future gives its tensors (views into buf)."""
-        future: Future = Future()
-
-        def job() -> None:
-            t0 = time.perf_counter()
-            try:
-                tensors = self.checkpoint.read_trunk_layer(layer, buf)
-                self.trunk_stats.add(self.checkpoint.trunk_layer_nbytes(layer), time.perf_counter() - t0)
-                future.set_result(tensors)
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._queue.put((DEMAND, next(self._seq), job))
-        return future
+    def read_trunk_layer(self, layer: int, buf, landed: threading.Event, priority: int = AHEAD) -> TrunkJob:
+        """Read one layer's MoE trunk into buf in the background (`landed` is set when done)."""
+        job = TrunkJob(self, layer, buf, landed)
+        self._queue.put((priority, next(self._seq), job))
+        return job
 
     def close(self) -> None:
+        with self._lane_cv:
+            self._closing = True
+            self._lane_cv.notify()
+        self._lane.join()
         self._stop()

@@ -29,7 +29,7 @@ from .checkpoint import open_checkpoint
 from .config import BACKEND_NAMES, Preset, load_config, user_data_dir
 from .engine import Engine, EngineFigures
 from .errors import Ds4fError
-from .snapshot import Snapshot, TokenRecord
+from .snapshot import Snapshot, TokenRecord, disk_occupancy
 from .statedump import StateWriter
 
 REPORT_SCHEMA = "ds4f.report/1"
@@ -276,7 +276,8 @@ class Run:
                 record = TokenRecord(index=step, token_id=token, next_token_id=res.next_token, seconds=seconds,
                                      bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
                                      stall_s=res.stall_s, backend=eng.backend,
-                                     kernel_threads=eng.kernel_threads, io_threads=eng.io_threads)
+                                     kernel_threads=eng.kernel_threads, io_threads=eng.io_threads,
+                                     disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s)
                 with self._lock:
                     self._tokens.append(record)
                 if step + 1 < len(self.prompt):
@@ -369,6 +370,7 @@ class Run:
         fig = self._engine.figures()
         tokens = [asdict(t) for t in snap.tokens]
         cold = snap.tokens[0] if snap.tokens else None
+        disk_busy, read_depth = disk_occupancy(snap.tokens)
         summary = {
             "tokens": snap.tokens_done, "s_per_token": snap.s_per_token, "s_first_token": snap.s_first_token,
             "gb_per_token": snap.gb_per_token, "gb_first_token": cold.bytes_read / 1e9 if cold else None,
@@ -378,6 +380,8 @@ class Run:
             "stall_s_per_token": snap.stall_s_per_token, "rss_bytes": snap.rss_bytes,
             "rss_budget_bytes": snap.rss_budget_bytes, "wall_s": snap.elapsed_s,
             "prefetch": snap.prefetch or None, "optimum_hit_rate": snap.optimum_hit_rate,
+            # warm tokens: the share of time the disk had a read in flight, and the mean number in flight
+            "disk_busy_fraction": disk_busy, "mean_read_depth": read_depth,
         }
         return {
             "schema": REPORT_SCHEMA, "run_id": self.id, "state": "done",

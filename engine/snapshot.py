@@ -23,6 +23,8 @@ class TokenRecord:
     backend: str            # kernel backend used for this token
     kernel_threads: int
     io_threads: int
+    disk_busy_s: float = 0.0    # time with at least one read in flight (prefetch can use only the rest)
+    disk_depth_s: float = 0.0   # time integral of reads in flight; / seconds = mean queue depth
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,13 @@ class Snapshot:
     events: tuple[str, ...] = ()    # human-readable log lines (switches, errors, milestones)
     prefetch: dict = field(default_factory=dict)  # issued/useful/late/wasted/cancelled (empty: prefetch off)
     optimum_hit_rate: float | None = None  # Belady on this run's trace at the same budget (when done)
+
+
+def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tuple[float | None, float | None]:
+    """Over the warm tokens (all, if only one): the share of time the disk had a read in
+    flight, and the mean number in flight. (None, None) before any token."""
+    warm = tokens[1:] or tokens
+    seconds = sum(t.seconds for t in warm)
+    if not seconds:
+        return None, None
+    return sum(t.disk_busy_s for t in warm) / seconds, sum(t.disk_depth_s for t in warm) / seconds

@@ -31,7 +31,8 @@ def fixed_tokens(n: int = 24, switch_at: int | None = 14) -> tuple[TokenRecord, 
         misses = 258 - hits
         out.append(TokenRecord(index=i, token_id=1000 + i, next_token_id=1001 + i, seconds=secs,
                                bytes_read=int(misses * 6.37e6 * (0.22 if not cold else 1.0)), hits=hits,
-                               misses=misses, stall_s=0.012, backend=backend, kernel_threads=16, io_threads=8))
+                               misses=misses, stall_s=0.012, backend=backend, kernel_threads=16, io_threads=8,
+                               disk_busy_s=0.87 * secs, disk_depth_s=5.2 * secs))
     return tuple(out)
 
 

@@ -115,6 +115,10 @@ async def test_run_starts_progresses_and_finishes(tiny_model, history_path):
         assert "s/token" in text_of(app, "#speed-caption")
         assert str(app.dashboard.query_one("#speed-digits").value) != "-.---"
         assert "done" in log_text(app)
+        # the disk's occupancy, as the report has it
+        busy = run.report["summary"]["disk_busy_fraction"]
+        assert f"busy {busy:.0%}" in text_of(app, "#io-text")
+        assert app.dashboard.query_one("#io-plot").size.height >= 1
     rec = History(history_path).get(run.id)
     assert rec is not None and rec.state == "done" and len(rec.state_sha256) == 64
     assert os.path.isfile(rec.state_path)

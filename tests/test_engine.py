@@ -261,6 +261,12 @@ def test_lookahead_prefetch_keeps_the_state_and_accounts_every_read(tiny_model, 
     assert pf["issued"] == pf["useful"] + pf["wasted"] + pf["cancelled"]
     assert pf["late"] <= pf["useful"]
     s = on.report["summary"]
+    # the disk's occupancy: busy at most all the time, and never more reads in flight than
+    # the I/O threads plus the prefetch lane
+    for r in (on, off):
+        busy, depth = r.report["summary"]["disk_busy_fraction"], r.report["summary"]["mean_read_depth"]
+        assert 0 < busy <= 1 and busy <= depth <= (r.io_threads + 1) * busy + 1e-9
+    from ds4f.engine.engine import Engine
     with open_checkpoint(tiny_model) as ck:
         g = ck.geometry
         assert s["hits"] + s["misses"] == g.top_k * g.n_layers * on.n_steps
@@ -269,6 +275,9 @@ def test_lookahead_prefetch_keeps_the_state_and_accounts_every_read(tiny_model, 
         trunk = sum(ck.trunk_layer_nbytes(i) for i in range(g.n_layers) if i not in pinned)
         total = sum(t["bytes_read"] for t in on.report["tokens"])
         assert total == (s["misses"] + pf["issued"] - pf["cancelled"]) * ck.slot_nbytes + trunk * on.n_steps
+        # only the lookahead's confident guesses are read: at most PREFETCH_RANKS per learned layer ahead
+        ahead = g.n_layers - max(g.n_hash_layers, 1)
+        assert pf["issued"] <= Engine.PREFETCH_RANKS * ahead * on.n_steps
     assert off.report["summary"]["prefetch"] is None
 
 
