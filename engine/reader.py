@@ -3,6 +3,8 @@
 Each request is one call of the checkpoint's thread-safe read (one O_DIRECT pread for the
 ds4f layout). Requests for the same expert are coalesced by the cache itself: a key maps
 to one slot, and a second request for a key still in flight waits on the same slot.
+Prefetch guesses have a lane of their own that reads only while the disk is otherwise idle,
+and an Occupancy records how busy the disk was kept (what prefetch could still use).
 """
 from __future__ import annotations
 
