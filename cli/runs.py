@@ -36,6 +36,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--preset", default="laptop")
         parser.add_argument("--config", help="ds4f.toml to use")
         parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+        parser.add_argument("--backend", default=None,
+                            help="bench cache: kernel backend of the prefetch runs (default: ds4f.toml's); "
+                                 "scalar shows what prefetch does when the disk has idle time")
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +172,9 @@ def _bench(args) -> int:
     if args.what == "engine":
         from ds4f.engine.bench_engine import bench_engine
 
+        if args.backend is not None:
+            raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
+                            "--backend is for bench cache")
         return bench_engine(args)
     from ds4f.engine.bench_cache import bench_cache
 

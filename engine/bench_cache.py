@@ -21,10 +21,10 @@ from .errors import Ds4fError
 BUDGETS = ["10%", "15%", "20%", "25%", "30%", "40%", "50%", "75%"]
 
 
-def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path) -> dict:
+def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path, backend: str | None = None) -> dict:
     from .runs import RunConfig, start_run
 
-    run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=tuple(prompt),
+    run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=tuple(prompt), backend=backend,
                               config_path=config_path, probe_floor=False, dump_path=str(dump)))
     run.wait()
     if run.state != "done":
@@ -97,7 +97,8 @@ def bench_cache(args) -> int:
     pf_total = {"off": Counter(), "on": Counter()}
     for i, prompt in enumerate(prompts):
         for label in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            report = _run(model, presets[label], prompt, gen, scratch / f"pf-{label}-{i}.bin", args.config)
+            report = _run(model, presets[label], prompt, gen, scratch / f"pf-{label}-{i}.bin", args.config,
+                          args.backend)
             stalls[label] += [t["stall_s"] for t in report["tokens"][1:]]
             s_tok[label].append(report["summary"]["s_per_token"])
             pf_total[label].update(report["summary"]["prefetch"] or {})
@@ -108,7 +109,8 @@ def bench_cache(args) -> int:
     drop = 1 - on[0] / off[0] if off[0] else 0.0
     pf = on[2]
     waste = pf["wasted"] / pf["useful"] if pf["useful"] else float("inf")
-    print(f"\nprefetch ({args.preset} preset, policy {laptop.policy}, warm tokens):")
+    print(f"\nprefetch ({args.preset} preset, policy {laptop.policy}, {report['backend_by_token'][-1]} "
+          f"kernels, warm tokens):")
     print(f"  stall s/token   off {off[0]:.4f}   on {on[0]:.4f}   drop {drop:.1%} "
           f"({'met' if drop >= 0.25 else 'NOT met'}, target >= 25%)")
     print(f"  s/token median  off {off[1]:.4f}   on {on[1]:.4f}")

@@ -141,8 +141,10 @@ def test_bench_cache_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     import json
 
     out = subprocess.run([sys.executable, "-m", "ds4f.cli", "bench", "cache", str(tiny_model), "--gen", "3",
-                          "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=300)
+                          "--backend", "scalar", "--json", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert "scalar kernels" in out.stdout  # the prefetch runs used the backend asked for
     for words in ("belady", ">= lru at every budget", "stall s/token", "wasted per useful", "foresight: belady seeing",
                   "a read in flight"):
         assert words in out.stdout
@@ -150,3 +152,9 @@ def test_bench_cache_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     assert result["default_policy"] == "cycle" and result["prefetch"]["issued"] > 0
     assert all(v is None or 0 <= v <= 1 for v in result["sweep"].values())
     assert all(0 < result["disk_busy"][k] <= 1 for k in ("off", "on"))
+
+
+def test_bench_engine_refuses_a_backend():
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "bench", "engine", "--backend", "scalar"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--backend is for bench cache" in out.stderr and "Traceback" not in out.stderr
