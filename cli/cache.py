@@ -29,7 +29,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.command == "trace":
-        from ds4f.engine.cache_replay import export_trace, load_trace
+        from ds4f.engine.lab.replay import export_trace, load_trace
 
         out = export_trace(args.state, args.out)
         t = load_trace(out)
@@ -40,8 +40,8 @@ def run(args) -> int:
 
 
 def _policies(text: str) -> list[str]:
-    from ds4f.engine.cache_policies import ONLINE_POLICIES
-    from ds4f.engine.cache_replay import parse_policy
+    from ds4f.engine.runtime.policies import ONLINE_POLICIES
+    from ds4f.engine.lab.replay import parse_policy
 
     known = [*ONLINE_POLICIES, "belady"]
     if text == "all":
@@ -59,8 +59,8 @@ def _policies(text: str) -> list[str]:
 
 
 def _replay(args) -> int:
-    from ds4f.engine.cache_replay import load_trace
-    from ds4f.engine.cache_sweep import format_table, plot_sweep, sweep
+    from ds4f.engine.lab.replay import load_trace
+    from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep
 
     trace = load_trace(args.trace)
     policies = _policies(args.policy)

@@ -33,7 +33,7 @@ def _fmt(v: float | None, spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4f.engine import bench_kernels as B
+    from ds4f.engine.bench import kernels as B
     from ds4f.engine import kernels as K
 
     if args.repeat < 1:

@@ -105,7 +105,7 @@ def _run(args) -> int:
     print(f"effective read {_fmt(s['eff_read_gbps'], '.2f', ' GB/s')} · floor {_fmt(s['floor_gbps'], '.2f', ' GB/s')} · "
           f"I/O efficiency {_fmt(s['io_efficiency'], '.2f')}")
     if s["io_efficiency"] is not None and s["io_efficiency"] > 1.05:
-        from ds4f.engine.probe import FLOOR_CAVEAT
+        from ds4f.engine.bench.probe import FLOOR_CAVEAT
 
         print(f"               {FLOOR_CAVEAT}")
     print(f"cache          {_fmt(s['hit_rate'], '.1%')} hits ({s['hits']} hits, {s['misses']} misses, {s['evictions']} evictions) · "
@@ -156,7 +156,7 @@ def _diff(args) -> int:
 def _probe(args) -> int:
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
-    from ds4f.engine.probe import probe_floor
+    from ds4f.engine.bench.probe import probe_floor
 
     threads = args.io_threads or load_config(args.config).io_threads
     if threads < 1 or args.seconds <= 0:
@@ -170,12 +170,12 @@ def _probe(args) -> int:
 
 def _bench(args) -> int:
     if args.what == "engine":
-        from ds4f.engine.bench_engine import bench_engine
+        from ds4f.engine.bench.engine import bench_engine
 
         if args.backend is not None:
             raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
                             "--backend is for bench cache")
         return bench_engine(args)
-    from ds4f.engine.bench_cache import bench_cache
+    from ds4f.engine.bench.cache import bench_cache
 
     return bench_cache(args)

@@ -38,7 +38,7 @@ def _default_diff(a, b):
 
 
 def _default_demo(progress=None):
-    from ds4f.engine.demo import ensure_demo_model
+    from ds4f.engine.checkpoint.demo import ensure_demo_model
 
     return ensure_demo_model(progress=progress)
 

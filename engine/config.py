@@ -19,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 import platformdirs
 
-from .errors import Ds4fError
+from ds4f.engine.errors import Ds4fError
 
 BACKEND_NAMES = ("auto", "scalar", "avx2", "avx512", "neon")
 
@@ -222,10 +222,10 @@ def _preset(name: str, body: dict, source: str) -> Preset:
             or re.fullmatch(r"\d+(\.\d+)?%", pinned) and float(pinned[:-1]) <= 100):
         raise Ds4fError(f"{where}.pinned_layers: expected 'all', 'none', a count or a percentage, got {body['pinned_layers']!r}")
     policy = body.get("policy", "cycle")
-    from . import cache_policies  # registry of online policies
+    from ds4f.engine.runtime.policies import ONLINE_POLICIES
 
-    if policy not in cache_policies.ONLINE_POLICIES:
-        raise Ds4fError(f"{where}.policy: unknown policy {policy!r} (known: {', '.join(cache_policies.ONLINE_POLICIES)})")
+    if policy not in ONLINE_POLICIES:
+        raise Ds4fError(f"{where}.policy: unknown policy {policy!r} (known: {', '.join(ONLINE_POLICIES)})")
     for key in ("io_threads", "kernel_threads"):
         if key in body and body[key] < 0:
             raise Ds4fError(f"{where}.{key}: must be >= 0, got {body[key]}")

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels
-from .checkpoint import aligned_buffer
-from .config import Preset
-from .errors import Ds4fError
-from .expert_cache import ExpertCache
-from .model import LayerTrunk, SharedExpert, expert_weights, rms_norm, route, sqrt_softplus
-from .reader import DEMAND, PREFETCH, Reader, TrunkJob
+from ds4f.engine import kernels
+from ds4f.engine.checkpoint import aligned_buffer
+from ds4f.engine.config import Preset
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.runtime.expert_cache import ExpertCache
+from ds4f.engine.model.moe import LayerTrunk, SharedExpert, expert_weights, rms_norm, route, sqrt_softplus
+from ds4f.engine.runtime.reader import DEMAND, PREFETCH, Reader, TrunkJob
 
 
 @dataclass

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import psutil
 
-from . import kernels
-from .checkpoint import open_checkpoint
-from .config import BACKEND_NAMES, Preset, load_config, user_data_dir
-from .engine import Engine, EngineFigures
-from .errors import Ds4fError
-from .snapshot import Snapshot, TokenRecord, disk_occupancy
-from .statedump import StateWriter
+from ds4f.engine import kernels
+from ds4f.engine.checkpoint import open_checkpoint
+from ds4f.engine.config import BACKEND_NAMES, Preset, load_config, user_data_dir
+from ds4f.engine.engine import Engine, EngineFigures
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.snapshot import Snapshot, TokenRecord, disk_occupancy
+from ds4f.engine.statedump import StateWriter
 
 REPORT_SCHEMA = "ds4f.report/1"
 _active_lock = threading.Lock()
@@ -256,7 +256,7 @@ class Run:
                 self._engine = eng
                 self._backend = eng.backend
             if self.probe and not self._cancel.is_set():
-                from .probe import cached_floor
+                from ds4f.engine.bench.probe import cached_floor
 
                 self._floor = cached_floor(self.checkpoint, self.io_threads)
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
@@ -347,8 +347,8 @@ class Run:
         """Belady's hit rate on this run's own trace with the same cache: the regret's yardstick."""
         import numpy as np
 
-        from .cache_replay import Trace, replay
-        from .config import Budget
+        from ds4f.engine.lab.replay import Trace, replay
+        from ds4f.engine.config import Budget
 
         fig = self._engine.figures() if self._engine is not None else self._final_figures
         if not self._routing or fig is None:

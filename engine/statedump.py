@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import Ds4fError
+from ds4f.engine.errors import Ds4fError
 
 MAGIC = b"DS4FSTAT"
 VERSION = 1

@@ -134,7 +134,7 @@ def resolve_model(explicit: str | None, cfg) -> str:
         return str(Path(explicit).expanduser())
     if cfg.model_path:
         return cfg.model_path
-    from ds4f.engine.demo import ensure_synthetic
+    from ds4f.engine.checkpoint.demo import ensure_synthetic
 
     return str(ensure_synthetic("demo"))
 

@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_official(tmp_path_factory):
     """A tiny synthetic checkpoint in the official format (safetensors shards), made once."""
-    from ds4f.engine.synth import synth_checkpoint
+    from ds4f.engine.checkpoint.synth import synth_checkpoint
 
     return synth_checkpoint(tmp_path_factory.mktemp("tiny") / "official", "tiny", seed=0)
 
@@ -24,6 +24,6 @@ def tiny_official(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_official, tmp_path_factory):
     """The same tiny checkpoint converted to the ds4f layout, made once."""
-    from ds4f.engine.convert import convert_checkpoint
+    from ds4f.engine.checkpoint.convert import convert_checkpoint
 
     return convert_checkpoint(tiny_official, tmp_path_factory.mktemp("tiny-ds4f") / "ds4f")

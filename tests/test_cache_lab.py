@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from ds4f.engine.cache_policies import ONLINE_POLICIES
-from ds4f.engine.cache_replay import Trace, export_trace, load_trace, replay
+from ds4f.engine.runtime.policies import ONLINE_POLICIES
+from ds4f.engine.lab.replay import Trace, export_trace, load_trace, replay
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.geometry import Geometry
+from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.runs import RunConfig, start_run
 
 ONE_LAYER = Geometry(hidden=64, inter=32, n_layers=1, n_experts=8, top_k=1, n_hash_layers=0, vocab=16)

@@ -1,7 +1,7 @@
 """engine/demo.py: the console's out-of-the-box model, made once in the cache directory."""
 import pytest
 
-from ds4f.engine import demo
+from ds4f.engine.checkpoint import demo
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.errors import Ds4fError
 
@@ -28,7 +28,7 @@ def test_made_once_then_reused(tmp_path):
 
 
 def test_crash_leaves_no_model_that_looks_whole(tmp_path, monkeypatch):
-    import ds4f.engine.convert as convert
+    import ds4f.engine.checkpoint.convert as convert
 
     def boom(*args, **kwargs):
         raise Ds4fError("disk full (simulated)")

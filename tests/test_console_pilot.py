@@ -368,7 +368,7 @@ async def test_engine_error_shows_and_app_keeps_working(tiny_model, history_path
 
 @async_test
 async def test_start_error_offers_the_demo(tiny_model, history_path, tmp_path):
-    from ds4f.engine.demo import ensure_demo_model
+    from ds4f.engine.checkpoint.demo import ensure_demo_model
 
     demo_root = tmp_path / "cache"
     app = Ds4fConsole(model=str(tmp_path / "no-such-model"), history=History(history_path), refresh_s=0.1,
@@ -419,7 +419,7 @@ async def test_bad_config_error_screen(tmp_path, history_path):
 
 @async_test
 async def test_first_launch_makes_the_demo_then_reuses_it(tmp_path, history_path):
-    from ds4f.engine.demo import ensure_demo_model
+    from ds4f.engine.checkpoint.demo import ensure_demo_model
 
     root = tmp_path / "cache"
     calls = []

@@ -2,7 +2,7 @@
 import pytest
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.expert_cache import ExpertCache
+from ds4f.engine.runtime.expert_cache import ExpertCache
 
 SLOT = 8192
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.formats import dequantize_mxfp4
-from ds4f.engine.geometry import GEOMETRIES
-from ds4f.engine.synth import synth_checkpoint
+from ds4f.engine.checkpoint.formats import dequantize_mxfp4
+from ds4f.engine.model.geometry import GEOMETRIES
+from ds4f.engine.checkpoint.synth import synth_checkpoint
 
 
 def rmsnorm(x, w, eps):

@@ -10,7 +10,7 @@ Run by hand, in a venv with torch and transformers (not a ds4f or CI dependency)
     /tmp/venv-ref/bin/python tools/make_golden_moe.py   # rewrites tests/fixtures/golden_moe.{npz,json}
 
 What it does
-1. Writes the tiny synthetic checkpoint (`ds4f.engine.synth.synth_checkpoint(out, "tiny",
+1. Writes the tiny synthetic checkpoint (`ds4f.engine.checkpoint.synth.synth_checkpoint(out, "tiny",
    seed=SYNTH_SEED)`, the official safetensors format) into a temp dir. That call is the
    only ds4f code used: everything after it is independent of ds4f.
 2. Reads the shards with its own safetensors header parser and dequantizes every weight it
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from ds4f.engine.synth import synth_checkpoint
+    from ds4f.engine.checkpoint.synth import synth_checkpoint
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="ds4f-golden-") as tmp:

@@ -18,15 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.checkpoint import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POOL_BIN, POOL_FORMAT, POOL_JSON,
-                                    PROMPTS_NAME, TENSOR_ALIGN, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON, TRUNK_OFFSETS,
-                                    OfficialCheckpoint, align_up, aligned_buffer, detect_kind, expert_layout,
-                                    moe_region_layout, official_name, write_trunk_offsets)
+from ds4f.engine.checkpoint import detect_kind
+from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POOL_BIN, POOL_FORMAT, POOL_JSON,
+                                         PROMPTS_NAME, TENSOR_ALIGN, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON,
+                                         TRUNK_OFFSETS, align_up, aligned_buffer, expert_layout, moe_region_layout,
+                                         official_name)
+from ds4f.engine.checkpoint.layout import write_trunk_offsets
+from ds4f.engine.checkpoint.official import OfficialCheckpoint
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import dequantize_fp8, st_itemsize, st_numpy_dtype
+from ds4f.engine.checkpoint.formats import dequantize_fp8, st_itemsize, st_numpy_dtype
 from ds4f.engine.progress import Progress, ProgressArg
-from ds4f.engine.safetensors_index import TensorInfo, pread_exact
-from ds4f.engine.synth import _commit_dir, _fresh_dir
+from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact
+from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir
 
 CHUNK_BYTES = 64 * 1024 * 1024
 COPY_ALONG = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", PROMPTS_NAME)

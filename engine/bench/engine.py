@@ -12,12 +12,12 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import Ds4fError
+from ds4f.engine.errors import Ds4fError
 
 
 def _prompt(model: Path) -> tuple[int, ...] | None:
     """The first sample prompt the synthetic generator left with the checkpoint, if any."""
-    from .checkpoint import open_checkpoint
+    from ds4f.engine.checkpoint import open_checkpoint
 
     with open_checkpoint(model) as ck:
         prompts = ck.prompts
@@ -25,7 +25,7 @@ def _prompt(model: Path) -> tuple[int, ...] | None:
 
 
 def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_path) -> dict:
-    from .runs import RunConfig, start_run
+    from ds4f.engine.runs import RunConfig, start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, backend=backend,
                               config_path=config_path, probe_floor=True,
@@ -44,7 +44,7 @@ def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_pa
 
 def bench_scratch_dir() -> Path:
     """Where the benchmarks keep their runs' dumps and reports (the user's cache directory)."""
-    from .config import user_cache_dir
+    from ds4f.engine.config import user_cache_dir
 
     d = user_cache_dir() / "bench-runs"
     d.mkdir(parents=True, exist_ok=True)
@@ -52,17 +52,17 @@ def bench_scratch_dir() -> Path:
 
 
 def bench_engine(args) -> int:
-    from . import kernels
-    from .demo import ensure_synthetic
+    from ds4f.engine import kernels
+    from ds4f.engine.checkpoint.demo import ensure_synthetic
 
     model = Path(args.model) if args.model else ensure_synthetic("bench")
     prompt = _prompt(model)
     gen = args.gen or 8
     best = kernels.best_backend()
     # a fresh floor for this invocation: the runs below then read it from the cache
-    from .checkpoint import open_checkpoint
-    from .config import load_config
-    from .probe import cached_floor
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.bench.probe import cached_floor
 
     cfg = load_config(args.config)
     with open_checkpoint(model) as ck:
@@ -98,7 +98,7 @@ def bench_engine(args) -> int:
     if eff is not None:
         print(f"target I/O efficiency >= 0.85: {'met' if eff >= 0.85 else 'NOT met'} ({eff:.2f})")
         if eff > 1.05:
-            from .probe import FLOOR_CAVEAT
+            from ds4f.engine.bench.probe import FLOOR_CAVEAT
 
             print(FLOOR_CAVEAT)
     if args.json:

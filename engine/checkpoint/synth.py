@@ -44,8 +44,9 @@ from pathlib import Path
 import numpy as np
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import BF16, E8M0, ST_DTYPES, quantize_fp8
-from ds4f.engine.geometry import MX_BLOCK, Geometry, TensorPlan, get_geometry, official_tensors
+from ds4f.engine.checkpoint.formats import BF16, E8M0, ST_DTYPES, quantize_fp8
+from ds4f.engine.checkpoint.tensors import TensorPlan, official_tensors
+from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
 from ds4f.engine.progress import Progress, ProgressArg
 
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024

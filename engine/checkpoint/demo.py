@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .config import user_cache_dir
-from .errors import Ds4fError
+from ds4f.engine.config import user_cache_dir
+from ds4f.engine.errors import Ds4fError
 
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"
@@ -97,8 +97,8 @@ class _BuildLock:
 def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | os.PathLike | None = None,
                       geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED, dirname: str = DEMO_DIRNAME) -> Path:
     """The demo checkpoint's directory, made on first use (see the module docstring)."""
-    from .convert import convert_checkpoint
-    from .synth import synth_checkpoint
+    from ds4f.engine.checkpoint.convert import convert_checkpoint
+    from ds4f.engine.checkpoint.synth import synth_checkpoint
 
     root = Path(root) if root is not None else user_cache_dir()
     out = root / dirname

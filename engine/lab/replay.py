@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Budget, parse_budget
-from .errors import Ds4fError
-from .expert_cache import PAGE, ExpertCache
-from .geometry import Geometry
+from ds4f.engine.config import Budget, parse_budget
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.runtime.expert_cache import PAGE, ExpertCache
+from ds4f.engine.model.geometry import Geometry
 
 TRACE_FORMAT = "ds4f.trace"
 TRACE_VERSION = 1
@@ -59,7 +59,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     with open(path, "rb") as f:
         magic = f.read(8)
     if magic == b"DS4FSTAT":
-        from .statedump import read_state
+        from ds4f.engine.statedump import read_state
 
         state = read_state(path)
         geometry = Geometry.from_config(state.header["geometry"], str(path))
@@ -207,7 +207,7 @@ def replay(trace: Trace, budget: Budget | str | int, policy: str) -> ReplayResul
     g = trace.geometry
     cache = ExpertCache(budget_bytes, trace.slot_nbytes, g.n_layers, "lru",
                         min_slots=(g.n_hash_layers + 1) * g.top_k, with_pool=False, n_experts=g.n_experts)
-    from .cache_policies import DEFAULT_POLICY, make_policy
+    from ds4f.engine.runtime.policies import DEFAULT_POLICY, make_policy
 
     name, horizon = parse_policy(policy)
     if horizon is not None:

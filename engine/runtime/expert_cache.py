@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cache_policies import make_policy
-from .errors import Ds4fError
+from ds4f.engine.runtime.policies import make_policy
+from ds4f.engine.errors import Ds4fError
 
 PAGE = 4096
 

@@ -193,7 +193,7 @@ class Duel:
     WINDOW = 256
 
     def __init__(self, n_layers: int = 1, n_experts: int = 256, capacity: int = 0) -> None:
-        from .expert_cache import ExpertCache
+        from ds4f.engine.runtime.expert_cache import ExpertCache
 
         self.live = [LRU(n_layers), Cycle(n_layers, n_experts)]
         self.shadows = [ExpertCache(max(capacity, 1) * 4096, 4096, n_layers, "lru", with_pool=False, n_experts=n_experts)

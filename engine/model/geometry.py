@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import st_itemsize
 
 MX_BLOCK = 32  # MXFP4: one E8M0 scale per 32 elements along K
-FP8_TILE = 128  # FP8 trunk linears: one E8M0 scale per 128x128 tile
+FP8_TILE = 128  # FP8 linears: one E8M0 scale per 128x128 tile
 
 # Geometry field -> config.json key (the official names).
 CONFIG_KEYS: dict[str, str] = {
@@ -167,49 +166,6 @@ class Geometry:
     @property
     def pool_nbytes(self) -> int:
         return self.expert_nbytes * self.n_layers * self.n_experts
-
-
-def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Shape of the E8M0 scale tiles of a 2-D FP8 weight (one per 128x128 tile)."""
-    r, c = shape
-    return (-(-r // FP8_TILE), -(-c // FP8_TILE))
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    name: str
-    dtype: str  # safetensors code
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * st_itemsize(self.dtype)
-
-
-def official_tensors(g: Geometry) -> list[TensorPlan]:
-    """The tensors of the official release's MoE trunk and experts, in generation order."""
-    out: list[TensorPlan] = []
-    si = g.shared_inter
-    for layer in range(g.n_layers):
-        p = f"layers.{layer}."
-        out += [TensorPlan(p + "attn_norm.weight", "BF16", (g.hidden,)),
-                TensorPlan(p + "ffn_norm.weight", "BF16", (g.hidden,)),
-                TensorPlan(p + "ffn.gate.weight", "BF16", (g.n_experts, g.hidden))]
-        if g.is_hash_layer(layer):
-            out.append(TensorPlan(p + "ffn.gate.tid2eid", "I64", (g.vocab, g.top_k)))
-        else:
-            out.append(TensorPlan(p + "ffn.gate.bias", "F32", (g.n_experts,)))
-        for w, shape in (("w1", (si, g.hidden)), ("w3", (si, g.hidden)), ("w2", (g.hidden, si))):
-            out.append(TensorPlan(p + f"ffn.shared_experts.{w}.weight", "F8_E4M3", shape))
-            out.append(TensorPlan(p + f"ffn.shared_experts.{w}.scale", "F8_E8M0", fp8_scale_shape(shape)))
-        for e in range(g.n_experts):
-            for part, shape in g.expert_parts().items():
-                w, kind = part.split(".")
-                out.append(TensorPlan(p + f"ffn.experts.{e}.{part}", "I8" if kind == "weight" else "F8_E8M0", shape))
-    out += [TensorPlan("embed.weight", "BF16", (g.vocab, g.hidden)),
-            TensorPlan("head.weight", "BF16", (g.vocab, g.hidden)),
-            TensorPlan("norm.weight", "BF16", (g.hidden,))]
-    return out
 
 
 GEOMETRIES: dict[str, Geometry] = {

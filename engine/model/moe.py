@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels
-from .geometry import Geometry
+from ds4f.engine import kernels
+from ds4f.engine.model.geometry import Geometry
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .config import user_cache_dir
-from .engine import warm_buffer
+from ds4f.engine.config import user_cache_dir
+from ds4f.engine.engine import warm_buffer
 
 
 FLOOR_CAVEAT = ("note: efficiency above 1 means the run read faster than the probe's uniformly random reads: "

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.checkpoint import _views, aligned_buffer, check_official_tensors, detect_kind, load_ds4f_layout
+from ds4f.engine.checkpoint import detect_kind
+from ds4f.engine.checkpoint.base import _views, aligned_buffer
+from ds4f.engine.checkpoint.layout import load_ds4f_layout
+from ds4f.engine.checkpoint.official import check_official_tensors
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import E8M0_NAN
-from ds4f.engine.geometry import Geometry
+from ds4f.engine.checkpoint.formats import E8M0_NAN
+from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.progress import Progress, ProgressArg
-from ds4f.engine.safetensors_index import read_json, load_official_index
+from ds4f.engine.checkpoint.safetensors_index import read_json, load_official_index
 
 MAX_LISTED = 50  # per kind of problem; the rest are counted
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.formats import ST_DTYPES, st_itemsize
+from ds4f.engine.checkpoint.formats import ST_DTYPES, st_itemsize
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -16,13 +16,13 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import Ds4fError
+from ds4f.engine.errors import Ds4fError
 
 BUDGETS = ["10%", "15%", "20%", "25%", "30%", "40%", "50%", "75%"]
 
 
 def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path, backend: str | None = None) -> dict:
-    from .runs import RunConfig, start_run
+    from ds4f.engine.runs import RunConfig, start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=tuple(prompt), backend=backend,
                               config_path=config_path, probe_floor=False, dump_path=str(dump)))
@@ -33,13 +33,13 @@ def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path, backend
 
 
 def bench_cache(args) -> int:
-    from .bench_engine import bench_scratch_dir
-    from .cache_policies import DEFAULT_POLICY, ONLINE_POLICIES
-    from .cache_replay import load_trace
-    from .cache_sweep import format_table, sweep
-    from .checkpoint import open_checkpoint
-    from .config import load_config
-    from .demo import ensure_synthetic
+    from ds4f.engine.bench.engine import bench_scratch_dir
+    from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
+    from ds4f.engine.lab.replay import load_trace
+    from ds4f.engine.lab.sweep import format_table, sweep
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.checkpoint.demo import ensure_synthetic
 
     model = Path(args.model) if args.model else ensure_synthetic("bench")
     with open_checkpoint(model) as ck:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cache_replay import Trace, replay
-from .errors import Ds4fError
+from ds4f.engine.lab.replay import Trace, replay
+from ds4f.engine.errors import Ds4fError
 
 
 @dataclass

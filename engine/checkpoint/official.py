@@ -1,0 +1,151 @@
+"""The official release (safetensors shards + index + config.json), read in place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ds4f.engine.checkpoint.base import (CONFIG_NAME, Checkpoint, _check_buffer, _dontneed, _views, moe_region_layout,
+                                         official_name)
+from ds4f.engine.checkpoint.formats import dequantize_fp8, st_numpy_dtype
+from ds4f.engine.checkpoint.safetensors_index import (INDEX_NAME, TensorInfo, load_official_index, pread_exact,
+                                                      read_json)
+from ds4f.engine.checkpoint.tensors import official_tensors
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.geometry import Geometry
+
+class OfficialCheckpoint(Checkpoint):
+    kind = "official"
+
+    def __init__(self, root: Path):
+        cfg_path = root / CONFIG_NAME
+        geometry = Geometry.from_config(read_json(cfg_path, "config JSON"), str(cfg_path))
+        super().__init__(root, geometry)
+        self.io_mode = "buffered+fadvise"  # safetensors offsets are not 4 KiB-aligned
+        tensors, files = load_official_index(root)
+        self.tensors: dict[str, TensorInfo] = tensors
+        self.files = files
+        problems = check_official_tensors(geometry, tensors, root)
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise Ds4fError(problems[0] + more)
+        self._fd_of: dict[Path, int] = {}
+        try:
+            for f in files:
+                fd = os.open(f, os.O_RDONLY)
+                self._fds.append(fd)
+                self._fd_of[f] = fd
+        except OSError as exc:
+            self.close()
+            raise Ds4fError(f"{exc.filename}: cannot open: {exc.strerror}") from None
+        self._plans = {}  # (layer, expert) -> [(file, offset, length, [(slot offset, nbytes)])]
+
+    def _expert_plan(self, layer: int, expert: int):
+        key = (layer, expert)
+        plan = self._plans.get(key)
+        if plan is None:
+            pieces = []
+            for name, (slot_off, shape) in self.expert_layout.items():
+                t = self.tensors[f"layers.{layer}.ffn.experts.{expert}.{name}"]
+                pieces.append((t.file, t.offset, t.nbytes, slot_off))
+            pieces.sort(key=lambda p: (str(p[0]), p[1]))
+            plan = []
+            for f, off, n, slot_off in pieces:
+                if plan and plan[-1][0] == f and plan[-1][1] + plan[-1][2] == off:
+                    last = plan[-1]
+                    plan[-1] = (f, last[1], last[2] + n, last[3] + [(slot_off, n)])
+                else:
+                    plan.append((f, off, n, [(slot_off, n)]))
+            self._plans[key] = plan
+        return plan
+
+    def expert_extents(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
+        self._check_expert(layer, expert)
+        return [(str(f), off, n) for f, off, n, _ in self._expert_plan(layer, expert)]
+
+    def read_expert(self, layer: int, expert: int, buf) -> int:
+        self._check_expert(layer, expert)
+        mv = _check_buffer(buf, self.expert_nbytes, "read_expert")
+        total = 0
+        for f, off, n, segs in self._expert_plan(layer, expert):
+            fd = self._fd_of[f]
+            views = [mv[s:s + k] for s, k in segs]
+            try:
+                got = os.preadv(fd, views, off)
+            except OSError as exc:
+                raise Ds4fError(f"{f}: read of (layer {layer}, expert {expert}) failed: {exc.strerror}") from None
+            if got < n:  # redo piecewise: a second short read means the shard is truncated
+                pos = off
+                for v in views:
+                    pread_exact(fd, v, pos, f, f"(layer {layer}, expert {expert})")
+                    pos += len(v)
+            _dontneed(fd, off, n)
+            total += n
+        return total
+
+    # -- trunk
+    def _read_tensor_into(self, t: TensorInfo, out: np.ndarray) -> None:
+        pread_exact(self._fd_of[t.file], memoryview(out.reshape(-1).view(np.uint8)), t.offset, t.file, t.name)
+
+    def _read_tensor(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        arr = np.empty(t.shape, dtype=st_numpy_dtype(t.dtype))
+        self._read_tensor_into(t, arr)
+        return arr
+
+    def trunk_layer_nbytes(self, layer: int) -> int:
+        self._check_layer(layer)
+        n = 0
+        for short, _dt, _shape, _off in moe_region_layout(self.geometry, layer)[0]:
+            name = official_name(layer, short)
+            n += self.tensors[name].nbytes
+            sc = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+            if sc in self.tensors and self.tensors[name].dtype.startswith("F8"):
+                n += self.tensors[sc].nbytes
+        return n
+
+    def read_trunk_layer(self, layer: int, buf) -> dict[str, np.ndarray]:
+        self._check_layer(layer)
+        layout, region = moe_region_layout(self.geometry, layer)
+        mv = _check_buffer(buf, region, "read_trunk_layer")
+        views = _views(np.frombuffer(mv, dtype=np.uint8), layout)
+        for short, dtype, shape, _off in layout:
+            name = official_name(layer, short)
+            t = self.tensors[name]
+            if t.dtype == "F8_E4M3":
+                w = self._read_tensor(name)
+                s = self._read_tensor(name[: -len(".weight")] + ".scale")
+                dequantize_fp8(w, s, name=f"{t.file}: {name}", out=views[short])
+            else:
+                self._read_tensor_into(t, views[short])
+        return views
+
+    def global_tensor(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise Ds4fError(f"{self.path}: no tensor {name}")
+        t = self.tensors[name]
+        arr = self._read_tensor(name)
+        scale = name[: -len(".weight")] + ".scale"
+        if t.dtype == "F8_E4M3" and scale in self.tensors:
+            arr = dequantize_fp8(arr, self._read_tensor(scale), name=f"{t.file}: {name}")
+        return arr
+
+
+def check_official_tensors(g: Geometry, tensors: dict[str, TensorInfo], root: Path) -> list[str]:
+    """Every tensor the engine needs is present with the official dtype and shape."""
+    problems = []
+    for plan in official_tensors(g):
+        t = tensors.get(plan.name)
+        if t is None:
+            problems.append(f"{root / INDEX_NAME}: no tensor {plan.name} (config.json's geometry needs it)")
+            continue
+        ok_dtypes = {plan.dtype} | ({"U8"} if plan.dtype == "I8" else set())
+        if t.dtype not in ok_dtypes:
+            problems.append(f"{t.file}: {plan.name}: dtype {t.dtype}, expected {plan.dtype}")
+        if tuple(t.shape) != tuple(plan.shape):
+            problems.append(f"{t.file}: {plan.name}: shape {list(t.shape)}, expected {list(plan.shape)}"
+                            f" for the geometry in config.json")
+    return problems
+
+
