@@ -29,7 +29,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.command == "trace":
-        from ds4f.engine.lab.replay import export_trace, load_trace
+        from ds4f.engine.lab.trace import export_trace, load_trace
 
         out = export_trace(args.state, args.out)
         t = load_trace(out)
@@ -59,7 +59,7 @@ def _policies(text: str) -> list[str]:
 
 
 def _replay(args) -> int:
-    from ds4f.engine.lab.replay import load_trace
+    from ds4f.engine.lab.trace import load_trace
     from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep
 
     trace = load_trace(args.trace)

@@ -160,6 +160,17 @@ class Engine:
         kernels.set_threads(threads)
         self.kernel_threads = threads
 
+    def reset_for_run(self, io_threads: int, kernel_threads: int, backend: str) -> None:
+        """Make a loaded engine start the next run as a fresh one would: an empty expert cache
+        (its slots stay allocated and faulted in), zero counters, the run's kernel and I/O settings."""
+        self.cache.reset()
+        self.reader.reset_stats()
+        self.prefetch_counts = dict.fromkeys(self.prefetch_counts, 0)
+        self._prefetched.clear()
+        self.steps = 0
+        self.set_kernels(backend, kernel_threads)
+        self.set_io_threads(io_threads)
+
     def set_io_threads(self, threads: int) -> None:
         self.reader.resize(threads)
 

@@ -33,6 +33,14 @@ from ds4f.engine.snapshot import Snapshot, TokenRecord, disk_occupancy
 from ds4f.engine.statedump import StateWriter
 
 REPORT_SCHEMA = "ds4f.report/1"
+
+# The limits of a run, the same for every front end.
+DEFAULT_GEN = 8            # tokens to generate when a front end is not told
+MAX_GEN = 100_000          # tokens per run
+MAX_PROMPT = 4096          # prompt token ids per run
+MAX_THREADS = 256          # kernel or I/O threads
+LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
+END_STATES = ("done", "cancelled", "failed")
 _active_lock = threading.Lock()
 _active: "Run | None" = None
 
@@ -41,7 +49,7 @@ _active: "Run | None" = None
 class RunConfig:
     model: str                               # checkpoint path (official shards or ds4f layout)
     preset: "str | Preset" = "laptop"        # a preset of ds4f.toml, or a Preset made in code
-    gen: int = 8                             # tokens to generate
+    gen: int = DEFAULT_GEN                   # tokens to generate
     prompt: tuple[int, ...] | None = None    # prompt token ids; None: (bos,)
     io_threads: int | None = None            # None: the preset's, else ds4f.toml's
     kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
@@ -60,8 +68,66 @@ def active_run() -> "Run | None":
     return _active if _active is not None and not _active.finished else None
 
 
-def start_run(config: RunConfig, history=None) -> "Run":
-    """Validate, open the checkpoint and start the run's thread; returns at once."""
+class EngineHost:
+    """Keeps one loaded Engine between runs, as a console or a server does: a run on the same
+    checkpoint (same files, unchanged) with the same preset reuses it (its pinned trunk, routers,
+    expert-cache slots and I/O threads) instead of loading it again. Each run still starts with
+    an empty cache and its own counters, so its figures and state dump are those of a fresh
+    engine. Kernel backend and threads, and the I/O thread count, are set per run.
+    Runs that share a host run one at a time (the process allows one active run)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._key: tuple | None = None
+        self.loads = 0              # engines loaded so far (a reuse does not count)
+
+    @staticmethod
+    def key(checkpoint, preset: Preset) -> tuple:
+        stamps = []
+        for f in sorted(checkpoint.path.iterdir()) if checkpoint.path.is_dir() else ():
+            try:
+                st = f.stat()
+                stamps.append((f.name, st.st_size, st.st_mtime_ns))
+            except OSError:
+                pass
+        return (str(checkpoint.path.resolve()), checkpoint.kind, tuple(stamps), preset)
+
+    def engine_for(self, checkpoint, preset: Preset, io_threads: int, kernel_threads: int, backend: str) -> "Engine":
+        """The loaded engine if it fits this checkpoint and preset (reset for a new run), else a
+        new one (the old one is closed). The checkpoint handed in is closed if the host keeps its own."""
+        key = self.key(checkpoint, preset)
+        with self._lock:
+            if self._engine is not None and self._key == key:
+                checkpoint.close()
+                self._engine.reset_for_run(io_threads, kernel_threads, backend)
+                return self._engine
+            old, self._engine, self._key = self._engine, None, None
+        if old is not None:
+            old.close()
+            old.ckpt.close()
+        engine = Engine(checkpoint, preset, io_threads, kernel_threads, backend)
+        with self._lock:
+            self._engine, self._key = engine, key
+            self.loads += 1
+        return engine
+
+    def owns(self, engine) -> bool:
+        return engine is not None and engine is self._engine
+
+    def close(self) -> None:
+        with self._lock:
+            old, self._engine, self._key = self._engine, None, None
+        if old is not None:
+            old.close()
+            old.ckpt.close()
+
+
+def start_run(config: RunConfig, history=None, engines: EngineHost | None = None, on_token=None) -> "Run":
+    """Validate, open the checkpoint and start the run's thread; returns at once.
+
+    engines: keep the engine loaded after the run for the next one (see EngineHost).
+    on_token: called in the run's thread after each token with its TokenRecord (keep it short)."""
     global _active
     cfg = load_config(config.config_path)
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
@@ -91,15 +157,19 @@ def start_run(config: RunConfig, history=None) -> "Run":
         if active_run() is not None:
             checkpoint.close()
             raise Ds4fError(f"run {_active.id} is still active; stop it first")
-        run = Run(config, cfg, preset, checkpoint, prompt, history)
+        run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token)
         _active = run
     run._thread.start()
     return run
 
 
 class Run:
-    def __init__(self, config: RunConfig, cfg, preset, checkpoint, prompt, history) -> None:
+    def __init__(self, config: RunConfig, cfg, preset, checkpoint, prompt, history, engines=None,
+                 on_token=None) -> None:
         self.id = _new_run_id()
+        self.engines = engines
+        self.on_token = on_token
+        self._hosted = False    # the engine and its checkpoint belong to `engines` and outlive the run
         self.config = config
         self.preset = preset
         self.checkpoint = checkpoint
@@ -251,7 +321,16 @@ class Run:
         writer = None
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
-            eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
+            if self.engines is not None:
+                t0 = time.perf_counter()
+                loads = self.engines.loads
+                eng = self.engines.engine_for(self.checkpoint, self.preset, self.io_threads, self.kernel_threads,
+                                              self._backend)
+                self.checkpoint, self._hosted = eng.ckpt, True
+                how = "loaded" if self.engines.loads > loads else "reused"
+                self._log(f"engine {how} in {time.perf_counter() - t0:.2f} s")
+            else:
+                eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
             with self._lock:
                 self._engine = eng
                 self._backend = eng.backend
@@ -280,6 +359,8 @@ class Run:
                                      disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s)
                 with self._lock:
                     self._tokens.append(record)
+                if self.on_token is not None:
+                    self.on_token(record)
                 if step + 1 < len(self.prompt):
                     token = self.prompt[step + 1]
                 else:
@@ -302,9 +383,11 @@ class Run:
         finally:
             if self._engine is not None:
                 self._final_figures = self._engine.figures()
-                self._engine.close()
+                if not self._hosted:
+                    self._engine.close()
                 self._engine = None
-            self.checkpoint.close()
+            if not self._hosted:
+                self.checkpoint.close()
             self._done.set()
             with _active_lock:
                 if _active is self:
@@ -347,7 +430,8 @@ class Run:
         """Belady's hit rate on this run's own trace with the same cache: the regret's yardstick."""
         import numpy as np
 
-        from ds4f.engine.lab.replay import Trace, replay
+        from ds4f.engine.lab.replay import replay
+        from ds4f.engine.lab.trace import Trace
         from ds4f.engine.config import Budget
 
         fig = self._engine.figures() if self._engine is not None else self._final_figures

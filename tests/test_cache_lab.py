@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ds4f.engine.runtime.policies import ONLINE_POLICIES
-from ds4f.engine.lab.replay import Trace, export_trace, load_trace, replay
+from ds4f.engine.lab.replay import replay
+from ds4f.engine.lab.trace import Trace, export_trace, load_trace
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.runs import RunConfig, start_run

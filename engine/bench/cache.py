@@ -35,7 +35,7 @@ def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path, backend
 def bench_cache(args) -> int:
     from ds4f.engine.bench.engine import bench_scratch_dir
     from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
-    from ds4f.engine.lab.replay import load_trace
+    from ds4f.engine.lab.trace import load_trace
     from ds4f.engine.lab.sweep import format_table, sweep
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config

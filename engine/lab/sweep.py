@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4f.engine.lab.replay import Trace, replay
+from ds4f.engine.lab.replay import replay
+from ds4f.engine.lab.trace import Trace
 from ds4f.engine.errors import Ds4fError
 
 

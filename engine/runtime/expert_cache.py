@@ -62,8 +62,22 @@ class ExpertCache:
         self._where: dict[tuple[int, int], Slot] = {}
         self._in_flight: set = set()  # keys whose read may not have landed yet
         self.policy_name = policy
+        self._n_experts = n_experts
         self.policy = make_policy(policy, n_layers, n_experts, n_slots)
         self.layers = [LayerCounters() for _ in range(n_layers)]
+        self.evictions = 0
+
+    def reset(self) -> None:
+        """Empty the cache (every slot free, a fresh policy, zero counters); the pool stays."""
+        for slot in self.slots:
+            if slot.key is not None and not slot.ready.is_set():
+                slot.ready.wait()  # a read still landing in this slot finishes first
+            slot.key, slot.error = None, None
+        self._free = list(range(self.n_slots - 1, -1, -1))
+        self._where.clear()
+        self._in_flight = set()
+        self.policy = make_policy(self.policy_name, len(self.layers), self._n_experts, self.n_slots)
+        self.layers = [LayerCounters() for _ in self.layers]
         self.evictions = 0
 
     @property

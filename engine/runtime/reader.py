@@ -180,6 +180,13 @@ class Reader:
         self._lane = threading.Thread(target=self._prefetch_lane, name="ds4f-io-prefetch", daemon=True)
         self._lane.start()
 
+    def reset_stats(self) -> None:
+        """Zero the read counters and the occupancy (a new run on the same reader)."""
+        self.expert_stats = ReadStats()
+        self.trunk_stats = ReadStats()
+        with self.occupancy.lock:
+            self.occupancy.busy_s = self.occupancy.depth_s = 0.0
+
     def _wake_lane(self) -> None:
         with self._lane_cv:
             self._lane_cv.notify()

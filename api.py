@@ -1,0 +1,64 @@
+"""The engine's public surface: the one module the console, the server and the CLI import.
+
+    host = EngineHost()                     # keeps one loaded engine across runs
+    run = start_run(RunConfig(model=..., preset="laptop", gen=8), history=History(path), engines=host)
+    run.snapshot()                          # live figures, cheap, any thread, any time
+    run.switch(backend="scalar", kernel_threads=1, io_threads=8)   # lands at the next token
+    run.cancel(); run.wait(); run.state; run.error; run.report
+    host.close()
+
+Everything a front end needs is re-exported here, so the engine's modules can move without the
+front ends noticing, and a front end cannot reach around the run API into the engine's inner
+parts (tests/test_layering.py checks that no front-end module imports ds4f.engine directly).
+Errors are Ds4fError: `message`, and the `param`, `path` and `kind` it concerns.
+"""
+from __future__ import annotations
+
+from ds4f.engine.checkpoint import detect_kind, open_checkpoint
+from ds4f.engine.config import (BACKEND_NAMES, Budget, Config, Preset, format_bytes, load_config, parse_budget,
+                                user_cache_dir, user_config_path, user_data_dir)
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.history import History, RunRecord, hash_groups
+from ds4f.engine.kernels import BACKENDS, available_backends, best_backend
+from ds4f.engine.runs import (DEFAULT_GEN, END_STATES, LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, EngineHost, Run,
+                              RunConfig, active_run, start_run)
+from ds4f.engine.snapshot import Snapshot, TokenRecord, disk_occupancy
+from ds4f.engine.checkpoint.convert import convert_checkpoint
+from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
+from ds4f.engine.checkpoint.synth import synth_checkpoint
+from ds4f.engine.checkpoint.verify import verify_checkpoint
+from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
+from ds4f.engine.lab.trace import export_trace, load_trace
+from ds4f.engine.lab.replay import parse_policy, replay
+from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep
+from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
+from ds4f.engine.bench.cache import bench_cache
+from ds4f.engine.bench.engine import bench_engine
+from ds4f.engine.bench.kernels import KERNELS as KERNEL_NAMES
+from ds4f.engine.bench.kernels import check_targets as check_kernel_targets
+from ds4f.engine.bench.kernels import run_bench as run_kernel_bench
+from ds4f.engine.bench.probe import FLOOR_CAVEAT, cached_floor, probe_floor
+from ds4f.engine.statedump import LOW_BIT_TOLERANCE, StateDiff, diff_states, read_state
+
+__all__ = [
+    "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
+    "MAX_THREADS", "Budget", "Config", "Ds4fError", "EngineHost", "History", "Preset", "Run", "RunConfig",
+    "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "available_backends", "best_backend",
+    "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
+    "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
+    "user_config_path", "user_data_dir",
+    # checkpoints, the cache lab and benchmarks
+    "convert_checkpoint", "synth_checkpoint", "verify_checkpoint", "ensure_demo_model", "ensure_synthetic",
+    "GEOMETRIES", "CONFIG_KEYS", "Geometry", "get_geometry",
+    "load_trace", "export_trace", "parse_policy", "replay", "sweep", "format_table", "plot_sweep",
+    "ONLINE_POLICIES", "DEFAULT_POLICY",
+    "bench_engine", "bench_cache", "run_kernel_bench", "check_kernel_targets", "KERNEL_NAMES",
+    "BACKENDS", "probe_floor", "cached_floor", "FLOOR_CAVEAT",
+]
+
+def checkpoint_summary(path: str) -> dict:
+    """Open a checkpoint, check it, and say what it is: {kind, path, geometry, io_mode}.
+    Raises Ds4fError naming the file and the problem."""
+    with open_checkpoint(path) as ck:
+        return {"kind": ck.kind, "path": str(ck.path), "geometry": ck.geometry.to_config(), "io_mode": ck.io_mode,
+                "vocab": ck.geometry.vocab}

@@ -1,0 +1,93 @@
+"""A routing trace: for each token and layer, the experts the router chose (rank order).
+
+It comes from a run's state dump or from a compact export (`ds4f trace export`, an .npz).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.runtime.expert_cache import PAGE
+from ds4f.engine.runtime.schedule import token_request_order
+
+TRACE_FORMAT = "ds4f.trace"
+TRACE_VERSION = 1
+
+
+@dataclass
+class Trace:
+    geometry: Geometry
+    ids: np.ndarray          # int32 [tokens, n_layers, top_k], routing-rank order
+    tokens: np.ndarray       # int32 [tokens], the token fed at each step
+    source: str = ""
+
+    @property
+    def slot_nbytes(self) -> int:
+        return -(-self.geometry.expert_nbytes // PAGE) * PAGE
+
+    @property
+    def pool_bytes(self) -> int:
+        g = self.geometry
+        return g.n_layers * g.n_experts * self.slot_nbytes
+
+    def request_sequence(self) -> list[tuple[int, int]]:
+        """Every (layer, expert) request in the engine's order (runtime.schedule), rank order."""
+        order = token_request_order(self.geometry.n_layers, self.geometry.n_hash_layers)
+        return [(layer, int(e)) for t in range(len(self.ids)) for layer in order for e in self.ids[t, layer]]
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """A trace from a state dump (state.bin) or an exported trace (.npz)."""
+    path = Path(path)
+    if not path.exists():
+        raise Ds4fError(f"{path}: trace not found")
+    with open(path, "rb") as f:
+        magic = f.read(8)
+    if magic == b"DS4FSTAT":
+        from ds4f.engine.statedump import read_state
+
+        state = read_state(path)
+        geometry = Geometry.from_config(state.header["geometry"], str(path))
+        return Trace(geometry, np.array(state.records["ids"], dtype=np.int32),
+                     np.array(state.records["token"], dtype=np.int32), str(path))
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("format") != TRACE_FORMAT:
+                raise ValueError("not a ds4f trace")
+            if meta.get("version") != TRACE_VERSION:
+                raise Ds4fError(f"{path}: trace version {meta.get('version')}; this ds4f reads {TRACE_VERSION}")
+            geometry = Geometry.from_config(meta["geometry"], str(path))
+            ids = z["ids"].astype(np.int32)
+            tokens = z["tokens"].astype(np.int32)
+    except Ds4fError:
+        raise
+    except Exception as exc:  # zip/npz/json damage of any kind
+        raise Ds4fError(f"{path}: not a ds4f state dump or trace ({exc})") from None
+    g = geometry
+    if ids.ndim != 3 or ids.shape[1:] != (g.n_layers, g.top_k) or len(tokens) != len(ids):
+        raise Ds4fError(f"{path}: trace shape {ids.shape} does not match its geometry "
+                        f"({g.n_layers} layers x top-{g.top_k})")
+    if len(ids) and (ids.min() < 0 or ids.max() >= g.n_experts):
+        raise Ds4fError(f"{path}: expert ids outside 0..{g.n_experts - 1}")
+    return Trace(geometry, ids, tokens, str(path))
+
+
+def export_trace(state_path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the compact trace of a state dump: expert ids as uint16, token ids, geometry."""
+    trace = load_trace(state_path)
+    out = Path(out)
+    meta = json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION,
+                       "geometry": trace.geometry.to_config(), "source": str(state_path)})
+    tmp = out.with_name(out.name + ".partial.npz")
+    np.savez_compressed(tmp, meta=np.array(meta), ids=trace.ids.astype(np.uint16), tokens=trace.tokens)
+    os.replace(tmp, out)
+    return out
+
+
