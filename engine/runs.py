@@ -132,31 +132,33 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     cfg = load_config(config.config_path)
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
     if not isinstance(config.gen, int) or config.gen < 1:
-        raise Ds4fError(f"gen: must be a positive number of tokens, got {config.gen!r}")
+        raise Ds4fError(f"gen: must be a positive number of tokens, got {config.gen!r}", param="gen")
     if config.backend is None:
         config = replace(config, backend=cfg.backend)
     if config.backend not in BACKEND_NAMES:
-        raise Ds4fError(f"backend: unknown backend {config.backend!r} (known: {', '.join(BACKEND_NAMES)})")
+        raise Ds4fError(f"backend: unknown backend {config.backend!r} (known: {', '.join(BACKEND_NAMES)})",
+                        param="backend")
     if config.backend != "auto" and config.backend not in kernels.available_backends():
         raise Ds4fError(f"backend: {config.backend} is not available on this machine "
-                        f"(available: {', '.join(kernels.available_backends())})")
+                        f"(available: {', '.join(kernels.available_backends())})", param="backend")
     for name in ("io_threads", "kernel_threads"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or value < 1 or value > 256):
-            raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}")
+            raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}", param=name)
     if not config.model:
-        raise Ds4fError("model: no checkpoint path given")
+        raise Ds4fError("model: no checkpoint path given", param="model")
     checkpoint = open_checkpoint(config.model)
     g = checkpoint.geometry
     prompt = tuple(config.prompt) if config.prompt else (g.bos_token_id,)
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < g.vocab]
     if bad:
         checkpoint.close()
-        raise Ds4fError(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{g.vocab - 1})")
+        raise Ds4fError(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{g.vocab - 1})",
+                        param="prompt")
     with _active_lock:
         if active_run() is not None:
             checkpoint.close()
-            raise Ds4fError(f"run {_active.id} is still active; stop it first")
+            raise Ds4fError(f"run {_active.id} is still active; stop it first", kind="busy")
         run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token)
         _active = run
     run._thread.start()
@@ -240,10 +242,11 @@ class Run:
         """Change settings; they take effect at the next token boundary."""
         if backend is not None:
             if backend != "auto" and backend not in kernels.available_backends():
-                raise Ds4fError(f"backend: {backend} is not available here (available: {', '.join(kernels.available_backends())})")
+                raise Ds4fError(f"backend: {backend} is not available here (available: {', '.join(kernels.available_backends())})",
+                                param="backend")
         for name, value in (("kernel_threads", kernel_threads), ("io_threads", io_threads)):
             if value is not None and (not isinstance(value, int) or not 1 <= value <= 256):
-                raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}")
+                raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}", param=name)
         with self._lock:
             for name, value in (("backend", backend), ("kernel_threads", kernel_threads), ("io_threads", io_threads)):
                 if value is not None:
