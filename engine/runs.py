@@ -202,6 +202,7 @@ class Run:
         self._generated: list[int] = []
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
+        self._session_nbytes = 0                     # the session's buffers, counted as resident
         self._routing: list = []                     # expert ids per token, for the optimum's replay
         self._optimum: float | None = None
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
@@ -260,7 +261,7 @@ class Run:
             backend = self._backend
             kt, it = self.kernel_threads, self.io_threads
         eng = self._engine
-        fig = eng.figures() if eng is not None else self._final_figures
+        fig = eng.figures(self._session_nbytes) if eng is not None else self._final_figures
         warm = tokens[1:] or tokens
         s_tok = statistics.median(t.seconds for t in warm) if warm else None
         gb_tok = sum(t.bytes_read for t in warm) / len(warm) / 1e9 if warm else None
@@ -334,8 +335,9 @@ class Run:
                 self._log(f"engine {how} in {time.perf_counter() - t0:.2f} s")
             else:
                 eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
+            session = eng.new_session()
             with self._lock:
-                self._engine = eng
+                self._engine, self._session_nbytes = eng, session.nbytes
                 self._backend = eng.backend
             if self.probe and not self._cancel.is_set():
                 from ds4f.engine.bench.probe import cached_floor
@@ -351,7 +353,7 @@ class Run:
                     break
                 self._apply_switches(eng, step)
                 t0 = time.perf_counter()
-                res = eng.step(token)
+                res = session.step(token)
                 seconds = time.perf_counter() - t0
                 writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden)
                 self._routing.append(res.ids.copy())
@@ -385,7 +387,7 @@ class Run:
             self._fail(f"internal error: {type(exc).__name__}: {exc}", writer)
         finally:
             if self._engine is not None:
-                self._final_figures = self._engine.figures()
+                self._final_figures = self._engine.figures(self._session_nbytes)
                 if not self._hosted:
                     self._engine.close()
                 self._engine = None
@@ -437,7 +439,7 @@ class Run:
         from ds4f.engine.lab.trace import Trace
         from ds4f.engine.config import Budget
 
-        fig = self._engine.figures() if self._engine is not None else self._final_figures
+        fig = self._engine.figures(self._session_nbytes) if self._engine is not None else self._final_figures
         if not self._routing or fig is None:
             return None
         trace = Trace(self.checkpoint.geometry, np.stack(self._routing), np.zeros(len(self._routing), np.int32))
@@ -454,7 +456,7 @@ class Run:
 
     def _build_report(self, sha: str | None) -> dict:
         snap = self.snapshot()
-        fig = self._engine.figures()
+        fig = self._engine.figures(self._session_nbytes)
         tokens = [asdict(t) for t in snap.tokens]
         cold = snap.tokens[0] if snap.tokens else None
         disk_busy, read_depth = disk_occupancy(snap.tokens)

@@ -1,7 +1,8 @@
 """The streaming engine end to end on the tiny checkpoint: math, determinism, accounting, artifacts.
 
-The reference forward pass here is float64 numpy with ml_dtypes decoding, written from the
-model's definition (DESIGN.md, transformers' deepseek_v4), sharing no code with the engine.
+The reference forward pass is ds4f.engine.model.reference: float64 numpy with ml_dtypes decoding,
+written from the model's definition (DESIGN.md, transformers' deepseek_v4), sharing no code with
+the engine's fp32 path.
 """
 from __future__ import annotations
 
@@ -9,74 +10,17 @@ import os
 import time
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from ds4f.engine import kernels
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.reference import reference_step
 from ds4f.engine.runs import RunConfig, start_run
 from ds4f.engine.statedump import diff_states, read_state
 
 SIMD = [b for b in kernels.available_backends() if b != "scalar"]
-
-
-# ---------------------------------------------------------------- an independent reference
-def _decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    rows = codes.shape[0]
-    nib = np.empty((rows, codes.shape[1] * 2), np.uint8)
-    nib[:, 0::2] = codes & 0x0F
-    nib[:, 1::2] = codes >> 4
-    vals = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    sc = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
-    return vals * np.repeat(sc, 32, axis=1)
-
-
-def _expert(ck, layer, e):
-    buf = np.zeros(ck.slot_nbytes + 4096, np.uint8)
-    off = (-buf.ctypes.data) % 4096
-    slot = buf[off:off + ck.slot_nbytes]
-    ck.read_expert(layer, e, slot)
-    part = {}
-    for name, (o, shape) in ck.expert_layout.items():
-        part[name] = slot[o:o + int(np.prod(shape))].reshape(shape)
-    return (_decode_mxfp4(part["w1.weight"], part["w1.scale"]), _decode_mxfp4(part["w3.weight"], part["w3.scale"]),
-            _decode_mxfp4(part["w2.weight"], part["w2.scale"]))
-
-
-def _f64(a):
-    return np.asarray(a).astype(np.float64)
-
-
-def reference_step(ck, token: int):
-    """(next token, ids [L, k], hidden [L, H]) in float64."""
-    g = ck.geometry
-    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
-    h = _f64(ck.global_tensor("embed.weight")[token])
-    ids_all, hid_all = [], []
-    for layer in range(g.n_layers):
-        t = ck.layer_tensors(layer)
-        x = h / np.sqrt(np.mean(h * h) + g.rms_norm_eps) * _f64(t["ffn_norm.weight"])
-        scores = np.sqrt(np.logaddexp(0, _f64(t["gate.weight"]) @ x))
-        if "gate.tid2eid" in t:
-            ids = np.asarray(t["gate.tid2eid"][token])
-        else:
-            ids = np.argsort(-(scores + _f64(t["gate.bias"])), kind="stable")[: g.top_k]
-        w = scores[ids] / scores[ids].sum() * g.routed_scaling_factor
-        y = np.zeros(g.hidden)
-        for e, we in zip(ids, w):
-            w1, w3, w2 = _expert(ck, layer, int(e))
-            act = silu(np.minimum(w1 @ x, g.swiglu_limit)) * np.clip(w3 @ x, -g.swiglu_limit, g.swiglu_limit)
-            y += w2 @ (act * we)
-        s1, s3, s2 = (_f64(t[f"shared_experts.{n}.weight"]) for n in ("w1", "w3", "w2"))
-        y += s2 @ (silu(s1 @ x) * (s3 @ x))
-        h = h + y
-        ids_all.append(sorted(int(i) for i in ids))
-        hid_all.append(h.copy())
-    final = h / np.sqrt(np.mean(h * h) + g.rms_norm_eps) * _f64(ck.global_tensor("norm.weight"))
-    logits = _f64(ck.global_tensor("head.weight")) @ final
-    return int(np.argmax(logits)), ids_all, np.array(hid_all)
 
 
 # ---------------------------------------------------------------- helpers
@@ -266,7 +210,7 @@ def test_lookahead_prefetch_keeps_the_state_and_accounts_every_read(tiny_model, 
     for r in (on, off):
         busy, depth = r.report["summary"]["disk_busy_fraction"], r.report["summary"]["mean_read_depth"]
         assert 0 < busy <= 1 and busy <= depth <= (r.io_threads + 1) * busy + 1e-9
-    from ds4f.engine.engine import Engine
+    from ds4f.engine.runtime.streamer import Streamer
     with open_checkpoint(tiny_model) as ck:
         g = ck.geometry
         assert s["hits"] + s["misses"] == g.top_k * g.n_layers * on.n_steps
@@ -277,7 +221,7 @@ def test_lookahead_prefetch_keeps_the_state_and_accounts_every_read(tiny_model, 
         assert total == (s["misses"] + pf["issued"] - pf["cancelled"]) * ck.slot_nbytes + trunk * on.n_steps
         # only the lookahead's confident guesses are read: at most PREFETCH_RANKS per learned layer ahead
         ahead = g.n_layers - max(g.n_hash_layers, 1)
-        assert pf["issued"] <= Engine.PREFETCH_RANKS * ahead * on.n_steps
+        assert pf["issued"] <= Streamer.PREFETCH_RANKS * ahead * on.n_steps
     assert off.report["summary"]["prefetch"] is None
 
 

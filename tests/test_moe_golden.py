@@ -107,14 +107,15 @@ def test_moe_block_matches_transformers(backend, golden, golden_checkpoint):
     try:
         eng = Engine(ck, preset, io_threads=2, kernel_threads=1, backend=backend)
         assert eng.backend == backend
+        session = eng.new_session()
         failures = []
         worst_w = worst_y = 0.0
         for i in range(len(golden["layer"])):
             layer, token = int(golden["layer"][i]), int(golden["token"][i])
             h = golden["h"][i].astype(np.float32)
-            ids, weights, y, _stall = eng.moe_block(layer, eng.layer_trunk(layer), h.copy(), token, protected=set())
+            ids, weights, y = session.moe_sublayer(layer, h.copy(), token)
             ids = np.asarray(ids).astype(np.int64)
-            y = np.array(y, dtype=np.float64)  # a copy: moe_block returns the engine's buffer
+            y = np.array(y, dtype=np.float64)  # a copy: moe_sublayer returns the session's buffer
             ref_ids, ref_w, ref_y = golden["ids"][i], golden["weights"][i], golden["y"][i]
             margin = golden["margin"][i]
             where = (f"row {i}: layer {layer} ({meta['kinds'][golden['kind'][i]]}), token {token}, "

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ds4f.engine.config import user_cache_dir
-from ds4f.engine.engine import warm_buffer
+from ds4f.engine.runtime.memory import warm_buffer
 
 
 FLOOR_CAVEAT = ("note: efficiency above 1 means the run read faster than the probe's uniformly random reads: "

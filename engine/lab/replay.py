@@ -12,7 +12,7 @@ from ds4f.engine.config import Budget, parse_budget
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.lab.belady import Belady, HorizonBelady
 from ds4f.engine.lab.trace import Trace
-from ds4f.engine.runtime.expert_cache import ExpertCache
+from ds4f.engine.runtime.cache_book import CacheBook, slots_for_budget
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, make_policy
 from ds4f.engine.runtime.schedule import TokenRequests
 
@@ -49,21 +49,20 @@ def replay(trace: Trace, budget: Budget | str | int, policy: str) -> ReplayResul
         budget = parse_budget(budget, "--cache")
     budget_bytes = budget.resolve(trace.pool_bytes)
     g = trace.geometry
-    cache = ExpertCache(budget_bytes, trace.slot_nbytes, g.n_layers, "lru",
-                        min_slots=(g.n_hash_layers + 1) * g.top_k, with_pool=False, n_experts=g.n_experts)
+    n_slots = slots_for_budget(budget_bytes, trace.slot_nbytes, min_slots=(g.n_hash_layers + 1) * g.top_k)
 
     name, horizon = parse_policy(policy)
     if horizon is not None:
-        cache.policy = HorizonBelady(trace.request_sequence(), horizon * g.n_layers * g.top_k,
-                                     make_policy(DEFAULT_POLICY, g.n_layers, g.n_experts, cache.n_slots))
+        chosen = HorizonBelady(trace.request_sequence(), horizon * g.n_layers * g.top_k,
+                               make_policy(DEFAULT_POLICY, g.n_layers, g.n_experts, n_slots))
     elif name == "belady":
-        cache.policy = Belady(trace.request_sequence())
+        chosen = Belady(trace.request_sequence())
     else:
         try:
-            cache.policy = make_policy(policy, g.n_layers, g.n_experts, cache.n_slots)
+            chosen = make_policy(policy, g.n_layers, g.n_experts, n_slots)
         except ValueError as exc:
             raise Ds4fError(str(exc)) from None
-    cache.policy_name = policy
+    cache = CacheBook(n_slots, g.n_layers, chosen)
     req = TokenRequests(cache, g.n_layers, g.n_hash_layers)
     for t in range(len(trace.ids)):
         req.start(t, {layer: trace.ids[t, layer] for layer in range(g.n_hash_layers)})

@@ -13,7 +13,7 @@ import numpy as np
 
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.runtime.expert_cache import PAGE
+from ds4f.engine.runtime.cache_book import PAGE
 from ds4f.engine.runtime.schedule import token_request_order
 
 TRACE_FORMAT = "ds4f.trace"

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 
+from ds4f.engine.runtime.cache_book import CacheBook
+
 import numpy as np
 
 
@@ -193,12 +195,9 @@ class Duel:
     WINDOW = 256
 
     def __init__(self, n_layers: int = 1, n_experts: int = 256, capacity: int = 0) -> None:
-        from ds4f.engine.runtime.expert_cache import ExpertCache
-
         self.live = [LRU(n_layers), Cycle(n_layers, n_experts)]
-        self.shadows = [ExpertCache(max(capacity, 1) * 4096, 4096, n_layers, "lru", with_pool=False, n_experts=n_experts)
-                        for _ in self.live]
-        self.shadows[1].policy = Cycle(n_layers, n_experts)
+        self.shadows = [CacheBook(max(capacity, 1), n_layers, LRU(n_layers)),
+                        CacheBook(max(capacity, 1), n_layers, Cycle(n_layers, n_experts))]
         self.score = [0.0, 0.0]
         self.decay = 0.5 ** (1.0 / self.WINDOW)
         self._batch: set = set()  # keys requested in the current layer (the shadows protect them)

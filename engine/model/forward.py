@@ -1,0 +1,102 @@
+"""The forward pass of one token, top to bottom (the MoE half of DeepSeek-V4-Flash).
+
+    h = embed[token]                                            # [hidden] fp32
+    for each layer l:
+        x = rmsnorm(h) * ffn_norm                               # [hidden]
+        scores = sqrt(softplus(W_gate . x))                     # [n_experts]
+        ids = tid2eid[token]            if l < num_hash_layers  # [top_k]
+              top_k(scores + bias)      otherwise
+        w = scores[ids] / sum(scores[ids]) * routed_scaling_factor
+        y = sum_e w2_e . (silu(min(w1_e.x, lim)) * clamp(w3_e.x, ±lim) * w_e)  +  shared(x)
+        h = h + y
+    logits = head . (rmsnorm(h) * norm)                         # [vocab]
+
+Semantics follow HF transformers' `deepseek_v4` (DeepseekV4SparseMoeBlock, its TopK/Hash
+routers, DeepseekV4Experts, DeepseekV4MLP as the shared expert), computed in fp32.
+
+The weights come from a `source` (runtime.streamer.Streamer in the engine): this module has no
+threads and reads no files. The source decides where weights live and when they arrive; the
+arithmetic here does not depend on it: the routed experts may arrive in any order, their outputs
+are summed in routing-rank order, so a token's result does not depend on I/O timing or threads.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from ds4f.engine import kernels
+from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.model.moe import MoeBuffers, combine, routed_expert, shared_expert
+from ds4f.engine.model.ops import rms_norm
+from ds4f.engine.model.router import route, router_scores
+from ds4f.engine.model.weights import GlobalWeights, RouterWeights
+
+SHARED = -1  # the rank an arrival carries when it is the shared expert's weights
+
+
+class WeightSource(Protocol):
+    """Where the forward pass gets its weights (see runtime.streamer.Streamer)."""
+
+    geometry: Geometry
+    globals: GlobalWeights
+
+    def start_token(self, token_id: int) -> None: ...
+    def router(self, layer: int) -> RouterWeights: ...
+    def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None: ...
+    def arrivals(self, layer: int) -> Iterator[tuple[int, object]]: ...
+    def finish_layer(self, layer: int, ids: np.ndarray) -> None: ...
+
+
+class ForwardBuffers:
+    """The forward pass's working memory and its per-token record, allocated once per session."""
+
+    def __init__(self, g: Geometry) -> None:
+        self.h = np.empty(g.hidden, np.float32)            # the residual stream
+        self.h64 = np.empty(g.hidden, np.float64)          # rms_norm's float64 sum of squares
+        self.x = np.empty(g.hidden, np.float32)            # the normalised input of a sublayer
+        self.router_logits = np.empty(g.n_experts, np.float32)
+        self.logits = np.empty(g.vocab, np.float32)        # the head's output
+        self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)
+        # the token's record (the state dump's): per layer
+        self.ids = np.empty((g.n_layers, g.top_k), np.int32)        # selected experts, rank order
+        self.weights = np.empty((g.n_layers, g.top_k), np.float32)  # their routing weights
+        self.hidden = np.empty((g.n_layers, g.hidden), np.float32)  # the residual after the layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.moe.nbytes + sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
+
+def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
+                 buf: ForwardBuffers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's MoE block on the residual h: (ids, weights, y); the caller adds y to h."""
+    g = source.geometry
+    router = source.router(layer)
+    x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, buf.x, buf.h64)
+    scores = router_scores(router, x, buf.router_logits)
+    ids, weights = route(scores, router, token_id, g)
+    source.request_experts(layer, ids, h)
+    for rank, w in source.arrivals(layer):      # in the order the weights arrive
+        if rank == SHARED:
+            shared_expert(w, x, buf.moe)
+        else:
+            routed_expert(w, weights[rank], x, g.swiglu_limit, buf.moe.ys[rank], buf.moe)
+    return ids, weights, combine(buf.moe)
+
+
+def forward(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
+    """The logits (fp32 [vocab]) after `token_id`; buf.ids / weights / hidden hold the token's record."""
+    g = source.geometry
+    source.start_token(token_id)
+    h = buf.h
+    np.copyto(h, source.globals.embed[token_id])  # bf16 -> fp32, exact
+    for layer in range(g.n_layers):
+        ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
+        h += y
+        source.finish_layer(layer, ids)
+        buf.ids[layer] = ids
+        buf.weights[layer] = weights
+        buf.hidden[layer] = h
+    final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, buf.x, buf.h64)
+    return kernels.bf16_matvec(source.globals.head, final, out=buf.logits)

@@ -1,0 +1,88 @@
+"""The weights the forward pass reads, one record per sublayer, with dtype and shape per field.
+
+Shapes use the geometry's names: hidden (model width), n_experts (routed experts per layer),
+top_k (experts per token), vocab, shared_inter (the shared expert's width), inter (a routed
+expert's width). The arrays may be views into a pinned trunk buffer, a read-ahead buffer or a
+cache slot: these records never own or copy memory they are given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds4f.engine import kernels
+
+
+@dataclass
+class RouterWeights:
+    """What routing one layer needs: resident for every layer, whatever is pinned."""
+
+    ffn_norm: np.ndarray            # fp32 [hidden]          RMSNorm weight before the MoE block
+    gate: np.ndarray                # bf16 [n_experts, hidden] router logits = gate . x
+    bias: np.ndarray | None         # fp32 [n_experts]       selection bias (learned layers)
+    tid2eid: np.ndarray | None      # int64 [vocab, top_k]   token id -> experts (hash layers)
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, np.ndarray], copy: bool = False) -> "RouterWeights":
+        """From a layer's trunk tensors (short names); copy=True keeps nothing else of `t` alive."""
+        take = np.array if copy else np.asarray
+        return cls(ffn_norm=np.array(t["ffn_norm.weight"], dtype=np.float32), gate=take(t["gate.weight"]),
+                   bias=np.array(t["gate.bias"], dtype=np.float32) if "gate.bias" in t else None,
+                   tid2eid=take(t["gate.tid2eid"]) if "gate.tid2eid" in t else None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.ffn_norm, self.gate, self.bias, self.tid2eid) if a is not None)
+
+
+@dataclass
+class SharedExpertWeights:
+    """The always-on shared expert (a SwiGLU MLP without the routed experts' clamp)."""
+
+    w1: np.ndarray                  # bf16 [shared_inter, hidden]  gate projection
+    w3: np.ndarray                  # bf16 [shared_inter, hidden]  up projection
+    w2: np.ndarray                  # bf16 [hidden, shared_inter]  down projection
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, np.ndarray]) -> "SharedExpertWeights":
+        return cls(w1=t["shared_experts.w1.weight"], w3=t["shared_experts.w3.weight"],
+                   w2=t["shared_experts.w2.weight"])
+
+
+@dataclass
+class MoeWeights:
+    """One layer's MoE sublayer apart from its routed experts: the router and the shared expert."""
+
+    router: RouterWeights
+    shared: SharedExpertWeights
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, np.ndarray]) -> "MoeWeights":
+        return cls(RouterWeights.from_tensors(t), SharedExpertWeights.from_tensors(t))
+
+
+@dataclass
+class GlobalWeights:
+    """The weights outside the layers."""
+
+    embed: np.ndarray               # bf16 [vocab, hidden]   token embeddings
+    final_norm: np.ndarray          # fp32 [hidden]          RMSNorm weight before the head
+    head: np.ndarray                # bf16 [vocab, hidden]   logits = head . norm(h)
+
+    @property
+    def nbytes(self) -> int:
+        return self.embed.nbytes + self.final_norm.nbytes + self.head.nbytes
+
+
+def expert_weights(slot: np.ndarray, layout: dict[str, tuple[int, tuple[int, ...]]]) -> kernels.ExpertWeights:
+    """Views of one routed expert's six MXFP4 tensors inside its cache slot (a uint8 array):
+    w1, w3 [inter, hidden/2] codes with [inter, hidden/32] scales; w2 [hidden, inter/2], [hidden, inter/32]."""
+
+    def view(name: str) -> np.ndarray:
+        offset, shape = layout[name]
+        n = int(np.prod(shape))
+        return slot[offset:offset + n].reshape(shape)
+
+    return kernels.ExpertWeights(view("w1.weight"), view("w1.scale"), view("w3.weight"),
+                                 view("w3.scale"), view("w2.weight"), view("w2.scale"))

@@ -1,0 +1,209 @@
+"""The streamer: the weight source the forward pass reads, backed by RAM, the expert cache and disk.
+
+What it does for each token (model.forward calls it; runtime.schedule fixes the request order):
+  1. token start: the hash layers' experts are known from the token id, so they are all requested
+     at once; the first unpinned trunk layer's read starts;
+  2. each layer: routing uses the resident router; the layer's misses go to the reader; with
+     prefetch on, the next layer's likely experts are guessed by routing it on the current
+     residual (router lookahead) and read by the reader's prefetch lane while the disk is idle;
+     the next unpinned trunk layer is read ahead, queued behind the demand misses;
+  3. arrivals: the experts already resident are handed out at once, the misses as they land, and
+     the shared expert's weights in the first wait once its trunk is there (pinned, or read ahead);
+     the time spent waiting is the token's stall.
+Every buffer is allocated here, once; a token allocates only small Python objects.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import numpy as np
+
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.forward import SHARED
+from ds4f.engine.model.ops import rms_norm
+from ds4f.engine.model.router import route, router_scores
+from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights, SharedExpertWeights, expert_weights
+from ds4f.engine.runtime.expert_cache import ExpertCache
+from ds4f.engine.runtime.memory import warm_buffer
+from ds4f.engine.runtime.reader import DEMAND, PREFETCH, Reader, TrunkJob
+from ds4f.engine.runtime.schedule import TokenRequests
+
+
+class Streamer:
+    # Router lookahead guesses only its top PREFETCH_RANKS experts: the precision of a guess
+    # falls with its rank, and the last ranks' guesses cost about as many wasted reads as they save
+    # (`ds4f bench cache` measures it).
+    PREFETCH_RANKS = 4
+
+    def __init__(self, checkpoint, pinned: dict[int, MoeWeights], routers: dict[int, RouterWeights],
+                 globals_: GlobalWeights, cache: ExpertCache, reader: Reader, prefetch: bool) -> None:
+        g = self.geometry = checkpoint.geometry
+        self.ckpt = checkpoint
+        self.globals = globals_
+        self.pinned = pinned                       # layer -> MoeWeights kept in RAM
+        self.routers = routers                     # layer -> RouterWeights, every layer
+        self.unpinned = [layer for layer in range(g.n_layers) if layer not in pinned]
+        self.cache = cache
+        self.reader = reader
+        self.requests = TokenRequests(cache, g.n_layers, g.n_hash_layers)
+        self.prefetch = prefetch
+        # issued = useful + wasted + cancelled; late: useful but still being read when needed;
+        # cancelled: dropped before its read started, costing nothing
+        self.prefetch_counts = {"issued": 0, "useful": 0, "late": 0, "wasted": 0, "cancelled": 0}
+        self._prefetched: dict[tuple[int, int], object] = {}  # key -> ReadJob, issued and not yet used
+        self._trunk_bufs = [warm_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
+        self._landed = threading.Event()  # set by an I/O thread whenever a read completes
+        # lookahead routing works in buffers of its own
+        self._h64 = np.empty(g.hidden, np.float64)
+        self._x_ahead = np.empty(g.hidden, np.float32)
+        self._logits_ahead = np.empty(g.n_experts, np.float32)
+        # the current token
+        self.tokens = 0                 # tokens started so far
+        self.stall_s = 0.0              # time arrivals waited for reads, summed over tokens
+        self._token_id = 0
+        self._slots: dict[int, list] = {}
+        self._trunk: dict[int, "MoeWeights | TrunkJob"] = {}
+        self._trunk_next: TrunkJob | None = None
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return sum(b.nbytes for b in self._trunk_bufs)
+
+    def reset(self) -> None:
+        """Forget every run-specific state: an empty cache, zero counters (a new run)."""
+        self.cache.reset()
+        self.reader.reset_stats()
+        self.prefetch_counts = dict.fromkeys(self.prefetch_counts, 0)
+        self._prefetched.clear()
+        self.tokens = 0
+        self.stall_s = 0.0
+
+    # -- the WeightSource interface (model.forward) -----------------------------------------------
+    def start_token(self, token_id: int) -> None:
+        g = self.geometry
+        t = self.tokens
+        self.tokens += 1
+        self._token_id = token_id
+        hash_ids = {layer: self.routers[layer].tid2eid[token_id] for layer in range(g.n_hash_layers)}
+        pairs = self.requests.start(t, hash_ids)
+        self._slots = {layer: self._issue(layer, p) for layer, p in pairs.items()}
+        self._trunk = {}
+        self._trunk_next = self._read_ahead(0) if self.unpinned else None
+
+    def router(self, layer: int) -> RouterWeights:
+        return self.routers[layer]
+
+    def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None:
+        """The layer's experts are chosen: request the misses, read ahead, guess the next layer."""
+        self.requests.enter(layer)
+        if layer in self.pinned:
+            self._trunk[layer] = self.pinned[layer]
+        else:
+            # routing used the resident router; only the shared expert needs this read, so it
+            # may still be in flight (arrivals waits for it when nothing else is left)
+            self._trunk[layer] = self._trunk_next
+            i = self.unpinned.index(layer)
+            if i + 1 < len(self.unpinned):  # into the buffer the previous unpinned layer used
+                self._trunk_next = self._read_ahead(i + 1)
+        if layer >= self.geometry.n_hash_layers:
+            self._slots[layer] = self._issue(layer, self.requests.request(layer, ids))
+        if self.prefetch and layer + 1 < self.geometry.n_layers:
+            self._guess(layer + 1, h)
+
+    def arrivals(self, layer: int) -> Iterator[tuple[int, object]]:
+        """(rank, expert weights) as each routed expert's slot is ready, and (SHARED, shared expert
+        weights) in the first wait once the layer's trunk is there."""
+        slots = self._slots.pop(layer)
+        trunk = self._trunk.pop(layer)
+        pending = list(range(len(slots)))
+        shared_done = False
+        promoted = False
+        while pending or not shared_done:
+            self._landed.clear()
+            ready = [r for r in pending if slots[r].ready.is_set()]
+            if not ready:
+                if not shared_done and (isinstance(trunk, MoeWeights) or trunk.done()):
+                    if not isinstance(trunk, MoeWeights):
+                        trunk = MoeWeights(self.routers[layer], SharedExpertWeights.from_tensors(trunk.result()))
+                    shared_done = True
+                    yield SHARED, trunk.shared  # the shared expert needs no expert read
+                    continue
+                if not pending and not promoted:
+                    self.reader.promote(trunk)  # the trunk is all this layer still waits for
+                    promoted = True
+                t0 = time.perf_counter()
+                self._landed.wait(0.05)
+                self.stall_s += time.perf_counter() - t0
+                continue
+            for r in ready:
+                slot = slots[r]
+                if slot.error is not None:
+                    err, key = slot.error, slot.key
+                    self.cache.discard(key)
+                    if isinstance(err, Ds4fError):
+                        raise err
+                    raise Ds4fError(f"reading expert {key[1]} of layer {layer}: {err}") from err
+                pending.remove(r)
+                yield r, expert_weights(self.cache.pool[slot.index], self.ckpt.expert_layout)
+
+    def finish_layer(self, layer: int, ids: np.ndarray) -> None:
+        self.requests.leave(layer, ids)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def _read_ahead(self, unpinned_index: int) -> TrunkJob:
+        layer = self.unpinned[unpinned_index]
+        return self.reader.read_trunk_layer(layer, self._trunk_bufs[unpinned_index % 2], self._landed)
+
+    def _issue(self, layer: int, pairs: list) -> list:
+        """Slots of a layer's request: misses go to the reader; hits on a guess count the guess."""
+        slots = []
+        useful = set()
+        for slot, hit in pairs:
+            key = slot.key
+            if not hit:
+                self._read(slot, key)
+            elif key in self._prefetched:
+                useful.add(key)
+                self.prefetch_counts["useful"] += 1
+                if not slot.ready.is_set():
+                    self.prefetch_counts["late"] += 1
+                    self.reader.promote(self._prefetched[key])
+            slots.append(slot)
+        # guesses for this layer the router did not choose (or that were evicted first):
+        # cancelled if their read has not started, else wasted reads
+        for key in [k for k in self._prefetched if k[0] == layer]:
+            job = self._prefetched.pop(key)
+            if key in useful:
+                continue
+            if job.cancel() and self.cache.peek(key) is job.slot:
+                self.cache.discard(key)
+                self.prefetch_counts["cancelled"] += 1
+            else:
+                self.prefetch_counts["wasted"] += 1
+        return slots
+
+    def _read(self, slot, key, priority: int = DEMAND):
+        return self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed, priority)
+
+    def _guess(self, layer: int, h: np.ndarray) -> None:
+        """Router lookahead: route `layer` on the current residual and start reading its likely
+        experts while this layer computes. Hash layers need no guess (fetched at token start)."""
+        if layer < self.geometry.n_hash_layers:
+            return
+        g = self.geometry
+        router = self.routers[layer]
+        x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, self._x_ahead, self._h64)
+        ids, _ = route(router_scores(router, x, self._logits_ahead), router, self._token_id, g)
+        keep = self.requests.protected | {(layer, int(e)) for e in ids}
+        for e in ids[:self.PREFETCH_RANKS]:
+            key = (layer, int(e))
+            if key in self.cache:
+                continue
+            try:
+                slot = self.cache.allocate(key, keep, count=False, wait=False)
+            except Ds4fError:
+                break  # no slot free of the current token's needs: prefetch is best effort
+            self.prefetch_counts["issued"] += 1
+            self._prefetched[key] = self._read(slot, key, PREFETCH)

@@ -1,0 +1,75 @@
+"""A session: one sequence's state on an engine (its position; the KV cache joins it with
+attention). `eval(token)` runs the forward pass and returns the logits; `step(token)` also picks
+the greedy next token and says what the token cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
+
+
+@dataclass
+class StepResult:
+    next_token: int
+    ids: np.ndarray          # int32 [n_layers, top_k]  selected experts, rank order
+    weights: np.ndarray      # fp32 [n_layers, top_k]
+    hidden: np.ndarray       # fp32 [n_layers, hidden]  residual stream after each layer
+    hits: int
+    misses: int
+    bytes_read: int
+    stall_s: float
+    disk_busy_s: float       # time in this step with at least one read in flight
+    disk_depth_s: float      # time integral of reads in flight (/ step time = mean queue depth)
+
+
+class Session:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.geometry = engine.geometry
+        self.source = engine.streamer
+        self.buffers = ForwardBuffers(self.geometry)
+        self.position = 0          # tokens evaluated so far
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffers.nbytes
+
+    def eval(self, token_id: int) -> np.ndarray:
+        """The logits after `token_id` (fp32 [vocab], the session's buffer: copy to keep)."""
+        g = self.geometry
+        if not 0 <= token_id < g.vocab:
+            raise Ds4fError(f"token id {token_id} is outside the vocabulary (0..{g.vocab - 1})", param="token")
+        logits = forward(self.source, token_id, self.buffers)
+        self.position += 1
+        return logits
+
+    def moe_sublayer(self, layer: int, h: np.ndarray, token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One layer's MoE block alone on the residual h, as if `token_id` were at that layer:
+        (ids, weights, y), y the session's buffer. Tests compare it with transformers' block."""
+        self.source.start_token(token_id)
+        ids, weights, y = moe_sublayer(self.source, layer, h, token_id, self.buffers)
+        self.source.finish_layer(layer, ids)
+        return ids, weights, y
+
+    def step(self, token_id: int) -> StepResult:
+        """eval, the greedy next token, and the token's reads, hits and stall."""
+        cache, reader, source = self.engine.cache, self.engine.reader, self.source
+        hits0 = sum(c.hits for c in cache.layers)
+        misses0 = sum(c.misses for c in cache.layers)
+        bytes0 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
+        busy0, depth0 = reader.occupancy.totals()
+        stall0 = source.stall_s
+        logits = self.eval(token_id)
+        next_token = int(np.argmax(logits))
+        bytes1 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
+        busy1, depth1 = reader.occupancy.totals()
+        b = self.buffers
+        return StepResult(next_token, b.ids, b.weights, b.hidden,
+                          hits=sum(c.hits for c in cache.layers) - hits0,
+                          misses=sum(c.misses for c in cache.layers) - misses0,
+                          bytes_read=bytes1 - bytes0, stall_s=source.stall_s - stall0,
+                          disk_busy_s=busy1 - busy0, disk_depth_s=depth1 - depth0)
