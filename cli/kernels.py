@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if backends and best not in backends:
         best = max(backends, key=K.BACKENDS.index)
     if best != "scalar":
-        console.print(f"targets (issue 2), backend {best}, worst shape:")
+        console.print(f"targets, backend {best}, worst shape:")
         for desc, got, target, met in B.check_targets(records, best):
             console.print(f"  {'met ' if met else 'MISS'}  {desc}: {got:.2f} (target >= {target:g})")
 

@@ -20,8 +20,9 @@ except ModuleNotFoundError:  # Python 3.10
 import platformdirs
 
 from ds4f.engine.errors import Ds4fError
+from ds4f.engine.kernels import BACKENDS
 
-BACKEND_NAMES = ("auto", "scalar", "avx2", "avx512", "neon")
+BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.I)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -87,7 +88,7 @@ class Preset:
     policy: str = "cycle"
     io_threads: int | None = None       # None: the [engine] default
     kernel_threads: int | None = None
-    prefetch: bool = False              # router lookahead prefetch (issue 7)
+    prefetch: bool = False              # router lookahead prefetch
 
     def pinned_count(self, n_layers: int) -> int:
         """How many trunk layers (from layer 0) stay resident."""

@@ -270,11 +270,6 @@ class History:
     def count(self) -> int:
         return int(self._run(lambda c: c.execute("SELECT COUNT(*) FROM runs").fetchone()[0]))
 
-    def delete(self, run_id: str) -> bool:
-        return bool(self._run(lambda c: c.execute("DELETE FROM runs WHERE run_id = ?", (run_id,)).rowcount,
-                              write=True))
-
-    # -- settings -------------------------------------------------------------------------
     def get_setting(self, key: str, default: Any = None) -> Any:
         row = self._run(lambda c: c.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone())
         if row is None:

@@ -99,14 +99,6 @@ class State:
         return [BACKEND_BY_CODE.get(int(b), "?") for b in self.records["backend"]]
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_state(path: str | os.PathLike) -> State:
     path = Path(path)
     try:

@@ -10,7 +10,8 @@
  *   w_lo  = vpermps(v, lut_s)       vpermps reads index bits 3:0 = low nibble = elements 2i
  *   w_hi  = vpermps(v >> 4, lut_s)  high nibble = elements 2i+1
  *   acc_lo += w_lo * x_even;  acc_hi += w_hi * x_odd      (FMA)
- * Weights are decoded in registers, never through a scratch buffer (the seed's lesson).
+ * Weights are decoded in registers, never through a scratch buffer (a round trip through memory
+ * costs more than the decode).
  * x_even/x_odd are de-interleaved once per block and shared by 4 rows.  Each row has its
  * own two accumulators and the same op sequence whether it is processed in a group of 4 or
  * alone, so its bits never depend on the row split (thread count).

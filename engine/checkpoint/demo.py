@@ -31,10 +31,6 @@ LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
 ProgressCallback = Callable[[int, int, str], None]
 
 
-def demo_model_path(root: Path | None = None) -> Path:
-    return Path(root or user_cache_dir()) / DEMO_DIRNAME
-
-
 def _marker(geometry: str, seed: int) -> dict:
     return {"format": "ds4f-demo", "version": DEMO_VERSION, "geometry": geometry, "seed": seed}
 

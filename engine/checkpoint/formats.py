@@ -53,14 +53,6 @@ def st_itemsize(code: str) -> int:
     return ST_DTYPES[code][0].itemsize
 
 
-def st_code(dtype: np.dtype) -> str:
-    dtype = np.dtype(dtype)
-    for code, (dt, _name) in ST_DTYPES.items():
-        if dt == dtype:
-            return code
-    raise ValueError(f"no safetensors dtype for {dtype}")
-
-
 # ---- E2M1 -------------------------------------------------------------------------
 def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
     """uint8/int8 [..., k/2] -> codes uint8 [..., k] (element 2i from the low nibble)."""
@@ -92,10 +84,6 @@ def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     rows, k = vals.shape
     s = e8m0_to_f32(scales).reshape(rows, k // 32, 1)
     return (vals.reshape(rows, k // 32, 32) * s).reshape(rows, k)
-
-
-def count_nan_scales(scales) -> int:
-    return int(np.count_nonzero(np.asarray(scales).view(np.uint8) == E8M0_NAN))
 
 
 # ---- FP8 E4M3 with 128x128 E8M0 tiles ----------------------------------------------
@@ -153,5 +141,3 @@ def quantize_fp8(w: np.ndarray, tile: int = 128) -> tuple[np.ndarray, np.ndarray
     return q, scale_bytes.view(E8M0)
 
 
-def bf16_to_f32(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a).view(BF16).astype(np.float32)

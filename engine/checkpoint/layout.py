@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,20 +51,20 @@ class Ds4fCheckpoint(Checkpoint):
     kind = "ds4f"
 
     def __init__(self, root: Path):
-        state, problems = load_ds4f_layout(root)
+        layout, problems = load_ds4f_layout(root)
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise Ds4fError(problems[0] + more)
-        super().__init__(root, state["geometry"])
-        self.pool_path: Path = state["pool_path"]
-        self.trunk_path: Path = state["trunk_path"]
-        self.record_offsets: np.ndarray = state["record_offsets"]
-        self.record_crc32: np.ndarray = state["record_crc32"]
-        self.record_nbytes: int = state["record_nbytes"]
+        super().__init__(root, layout.geometry)
+        self.pool_path: Path = layout.pool_path
+        self.trunk_path: Path = layout.trunk_path
+        self.record_offsets: np.ndarray = layout.record_offsets
+        self.record_crc32: np.ndarray = layout.record_crc32
+        self.record_nbytes: int = layout.record_nbytes
         self.slot_nbytes = self.record_nbytes
-        self.regions: dict[str, tuple[int, int]] = state["regions"]
-        self.trunk_tensors: dict[str, dict] = state["tensors"]
-        self._layer_layout = state["layer_layout"]
+        self.regions: dict[str, tuple[int, int]] = layout.regions
+        self.trunk_tensors: dict[str, dict] = layout.tensors
+        self._layer_layout = layout.layer_layout
         self.trunk_layer_buf_nbytes = max(self.regions[f"layer.{L}"][1] for L in range(self.geometry.n_layers))
         self._pool_fd, self.io_mode = _open_direct(self.pool_path)
         self._fds.append(self._pool_fd)
@@ -130,21 +131,37 @@ def _pos_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, list[str]]:
-    """Parse and validate the ds4f layout's JSON files; (state, problems). Used by open and verify."""
+@dataclass
+class Ds4fLayout:
+    """The ds4f layout's JSON files, parsed. A field is None when validation stopped before it."""
+
+    geometry: Geometry | None = None
+    pool_path: Path | None = None             # pool-mxfp4.bin
+    record_nbytes: int | None = None          # bytes per expert record (a multiple of ALIGN)
+    record_offsets: np.ndarray | None = None  # int64 [n_layers * n_experts]: byte offset of each record
+    record_crc32: np.ndarray | None = None    # int64 [n_layers * n_experts]: crc32 of each expert's bytes
+    trunk_path: Path | None = None            # trunk.bin
+    regions: dict[str, tuple[int, int]] = field(default_factory=dict)   # region -> (offset, nbytes)
+    tensors: dict[str, dict] = field(default_factory=dict)              # official name -> trunk.json entry
+    # layer -> [(short name, dtype code, shape, offset in the layer's region)]
+    layer_layout: dict[int, list[tuple[str, str, tuple[int, ...], int]]] = field(default_factory=dict)
+
+
+def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayout, list[str]]:
+    """Parse and validate the ds4f layout's JSON files; (layout, problems). Used by open and verify."""
     problems: list[str] = []
-    state: dict = {}
+    layout = Ds4fLayout()
     cfg_path, pool_json, trunk_json = root / CONFIG_NAME, root / POOL_JSON, root / TRUNK_JSON
     try:
         g = Geometry.from_config(read_json(cfg_path, "config JSON"), str(cfg_path))
     except Ds4fError as exc:
-        return state, [str(exc)]
-    state["geometry"] = g
+        return layout, [str(exc)]
+    layout.geometry = g
     try:
         pool = read_json(pool_json, "pool JSON")
         trunk = read_json(trunk_json, "trunk JSON")
     except Ds4fError as exc:
-        return state, [str(exc)]
+        return layout, [str(exc)]
     for path, doc, fmt in ((pool_json, pool, POOL_FORMAT), (trunk_json, trunk, TRUNK_FORMAT)):
         if not isinstance(doc, dict) or doc.get("format") != fmt:
             problems.append(f"{path}: not a {fmt} file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
@@ -158,21 +175,21 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
             except Ds4fError as exc:
                 problems.append(str(exc))
     if problems:
-        return state, problems
+        return layout, problems
 
     # -- pool
     n_rec = g.n_layers * g.n_experts
     rec_n = pool.get("record_nbytes")
     want_rec = align_up(g.expert_nbytes)
     pool_path = root / str(pool.get("file", POOL_BIN))
-    state["pool_path"] = pool_path
+    layout.pool_path = pool_path
     if pool.get("expert_nbytes") != g.expert_nbytes:
         problems.append(f"{pool_json}: expert_nbytes {pool.get('expert_nbytes')!r}, the geometry gives {g.expert_nbytes}")
     if not _pos_int(rec_n) or rec_n % ALIGN or rec_n < g.expert_nbytes:
         problems.append(f"{pool_json}: record_nbytes {rec_n!r} is not a multiple of {ALIGN} holding an expert"
                         f" of {g.expert_nbytes} bytes")
         rec_n = want_rec
-    state["record_nbytes"] = rec_n
+    layout.record_nbytes = rec_n
     parts = pool.get("parts")
     canon = {k: {"offset": off, "shape": list(shape)} for k, (off, shape) in expert_layout(g).items()}
     if parts != canon:
@@ -192,7 +209,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
             if r[0] % ALIGN:
                 problems.append(f"{pool_json}: record {i} (layer {i // g.n_experts}, expert {i % g.n_experts})"
                                 f" at offset {r[0]} is not {ALIGN}-aligned")
-    state["record_offsets"], state["record_crc32"] = offs, crcs
+    layout.record_offsets, layout.record_crc32 = offs, crcs
     if check_sizes:
         if not pool_path.exists():
             problems.append(f"{pool_path}: missing")
@@ -206,7 +223,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
 
     # -- trunk
     trunk_path = root / str(trunk.get("file", TRUNK_BIN))
-    state["trunk_path"] = trunk_path
+    layout.trunk_path = trunk_path
     tsize = trunk_path.stat().st_size if trunk_path.exists() else None
     if check_sizes and tsize is None:
         problems.append(f"{trunk_path}: missing")
@@ -222,7 +239,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
         if check_sizes and tsize is not None and r["offset"] + r["nbytes"] > tsize:
             problems.append(f"{trunk_path}: truncated: region {r['name']} ends at {r['offset'] + r['nbytes']}"
                             f" but the file has {tsize} bytes")
-    state["regions"] = regions
+    layout.regions = regions
     tensors: dict[str, dict] = {}
     for t in trunk.get("tensors") or []:
         try:
@@ -238,7 +255,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
         if check_sizes and tsize is not None and off + nb > tsize:
             problems.append(f"{trunk_path}: truncated: {name} ends at {off + nb} but the file has {tsize} bytes")
         tensors[name] = t
-    state["tensors"] = tensors
+    layout.tensors = tensors
     layer_layout = {}
     for L in range(g.n_layers):
         reg = regions.get(f"layer.{L}")
@@ -263,7 +280,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
     for name in GLOBAL_NAMES:
         if name not in tensors:
             problems.append(f"{trunk_json}: no tensor {name}")
-    state["layer_layout"] = layer_layout
+    layout.layer_layout = layer_layout
     # trunk.offsets must agree with trunk.json's regions
     off_path = root / TRUNK_OFFSETS
     try:
@@ -272,7 +289,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[dict, lis
             problems.append(f"{off_path}: regions differ from {trunk_json}")
     except Ds4fError as exc:
         problems.append(str(exc))
-    return state, problems
+    return layout, problems
 
 
 def read_trunk_offsets(path: Path) -> dict[str, tuple[int, int]]:

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.checkpoint.formats import BF16, E8M0, ST_DTYPES, quantize_fp8
+from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, quantize_fp8
 from ds4f.engine.checkpoint.tensors import TensorPlan, official_tensors
 from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
 from ds4f.engine.progress import Progress, ProgressArg
@@ -65,7 +65,7 @@ HASH_IN_TOPIC = 0.75  # share of a hash-layer token's experts taken from its top
 
 
 # ---- MXFP4 statistics of Gaussian weights ----------------------------------------------
-_E2M1_MAGS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_MAGS = E2M1_VALUES[:8].astype(np.float64)  # the non-negative codes 0..7
 
 
 def _mxfp4_luts(k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -43,13 +43,13 @@ def verify_checkpoint(path: Path | str, progress: ProgressArg = None, info: dict
 
 
 def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
-    state, problems = load_ds4f_layout(root)
-    g: Geometry | None = state.get("geometry")
-    if g is None or "record_offsets" not in state or "pool_path" not in state:
+    layout, problems = load_ds4f_layout(root)
+    g: Geometry | None = layout.geometry
+    if g is None or layout.record_offsets is None or layout.pool_path is None:
         return problems
     info["geometry"] = g
-    pool_path: Path = state["pool_path"]
-    offs, crcs, rec_n = state["record_offsets"], state["record_crc32"], state["record_nbytes"]
+    pool_path: Path = layout.pool_path
+    offs, crcs, rec_n = layout.record_offsets, layout.record_crc32, layout.record_nbytes
     order = np.argsort(offs, kind="stable")
     gaps = np.diff(offs[order])
     for i in np.flatnonzero(gaps < rec_n)[:MAX_LISTED]:
@@ -103,12 +103,12 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
         problems.append(f"{pool_path}: {nan_total} NaN scale bytes (0xFF) in {len(nan_records)} records: {where}"
                         + (" ..." if len(nan_records) > 10 else ""))
     # tid2eid ids in range (hash layers)
-    trunk_path: Path = state["trunk_path"]
+    trunk_path: Path = layout.trunk_path
     if trunk_path.exists():
         tsize = trunk_path.stat().st_size
         for L in range(g.n_hash_layers):
-            reg = state["regions"].get(f"layer.{L}")
-            lay = state["layer_layout"].get(L)
+            reg = layout.regions.get(f"layer.{L}")
+            lay = layout.layer_layout.get(L)
             if not reg or not lay or reg[0] + reg[1] > tsize:
                 continue
             rbuf = aligned_buffer(reg[1])
