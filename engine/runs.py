@@ -81,6 +81,7 @@ class EngineHost:
         self._engine: Engine | None = None
         self._key: tuple | None = None
         self.loads = 0              # engines loaded so far (a reuse does not count)
+        self.baseline_rss = 0       # the process's RSS before the loaded engine was made
 
     @staticmethod
     def key(checkpoint, preset: Preset) -> tuple:
@@ -106,8 +107,10 @@ class EngineHost:
         if old is not None:
             old.close()
             old.ckpt.close()
+        baseline = psutil.Process().memory_info().rss
         engine = Engine(checkpoint, preset, io_threads, kernel_threads, backend)
         with self._lock:
+            self.baseline_rss = baseline
             self._engine, self._key = engine, key
             self.loads += 1
         return engine
@@ -331,6 +334,7 @@ class Run:
                 eng = self.engines.engine_for(self.checkpoint, self.preset, self.io_threads, self.kernel_threads,
                                               self._backend)
                 self.checkpoint, self._hosted = eng.ckpt, True
+                self._baseline_rss = self.engines.baseline_rss  # the budget counts the engine once
                 how = "loaded" if self.engines.loads > loads else "reused"
                 self._log(f"engine {how} in {time.perf_counter() - t0:.2f} s")
             else:
