@@ -27,7 +27,7 @@ from ds4f.engine.checkpoint.layout import write_trunk_offsets
 from ds4f.engine.checkpoint.official import OfficialCheckpoint
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import dequantize_fp8, st_itemsize, st_numpy_dtype
-from ds4f.engine.progress import Progress, ProgressArg
+from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact
 from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir
 

@@ -47,7 +47,7 @@ from ds4f.engine.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, quantize_fp8
 from ds4f.engine.checkpoint.tensors import TensorPlan, official_tensors
 from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
-from ds4f.engine.progress import Progress, ProgressArg
+from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
 PROMPTS_NAME = "prompts.json"

@@ -22,7 +22,7 @@ from ds4f.engine.checkpoint.official import check_official_tensors
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import E8M0_NAN
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.progress import Progress, ProgressArg
+from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import read_json, load_official_index
 
 MAX_LISTED = 50  # per kind of problem; the rest are counted
