@@ -1,0 +1,226 @@
+"""The package's layers, checked from the source: no import cycles, front ends reach the engine
+only through ds4f.api, the engine knows nothing of its front ends, and the model's math owns no
+threads and no files.
+
+Every .py file under the package root (tests/ and virtualenvs aside) is parsed with ast; every
+import counts, at module level or inside a function. `from ds4f.a.b import X` is an import of the
+module ds4f.a.b.X if that is a module, else of the package ds4f.a.b (its __init__).
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]     # the repository root is the ds4f package
+PACKAGE = "ds4f"
+SKIP_DIRS = {"tests", "build", "dist", "__pycache__", "node_modules"}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str   # module doing the import
+    target: str     # what it names: a ds4f module after resolution, else the dotted name as written
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{_MODULES[self.importer].relative_to(ROOT)}:{self.line}"
+
+
+def _skip(path: Path) -> bool:
+    parts = path.relative_to(ROOT).parts[:-1]
+    return any(p in SKIP_DIRS or p.startswith(".") or p.endswith(".egg-info") or p.startswith("venv")
+               for p in parts)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGE, *parts])
+
+
+def _find_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py")) if not _skip(p)}
+
+
+_MODULES = _find_modules()
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _imports_of(module: str, path: Path) -> list[Import]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_package = path.name == "__init__.py"
+    out: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [Import(module, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not _within(source, PACKAGE):
+                out.append(Import(module, source, node.lineno))
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                out.append(Import(module, sub if sub in _MODULES else source, node.lineno))
+    return out
+
+
+def _all_imports() -> list[Import]:
+    found = {imp for module, path in _MODULES.items() for imp in _imports_of(module, path)}
+    return sorted(found, key=lambda imp: (imp.importer, imp.line, imp.target))
+
+
+def _internal_graph() -> dict[str, dict[str, Import]]:
+    graph: dict[str, dict[str, Import]] = {m: {} for m in _MODULES}
+    for imp in _all_imports():
+        if imp.target in _MODULES and imp.target != imp.importer:
+            graph[imp.importer].setdefault(imp.target, imp)
+    return graph
+
+
+def _strongly_connected(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        component.append(m)
+                        if m == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def _a_cycle(graph: dict[str, dict[str, Import]], component: list[str]) -> list[str]:
+    """One cycle through the component's first module (shortest, by breadth-first search)."""
+    members = set(component)
+    start = component[0]
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child not in members:
+                    continue
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if child not in parent:
+                    parent[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    return component  # pragma: no cover - a strongly connected component always has a cycle
+
+
+# ---------------------------------------------------------------------------------- the tests
+def test_the_walk_sees_the_package():
+    for module in ("ds4f", "ds4f.api", "ds4f.engine.runs", "ds4f.engine.model.forward", "ds4f.cli.runs"):
+        assert module in _MODULES, module
+    assert not any(_within(m, "ds4f.tests") for m in _MODULES)
+    targets = {(imp.importer, imp.target) for imp in _all_imports()}
+    assert ("ds4f.api", "ds4f.engine.runs") in targets                     # from ds4f.engine.runs import ...
+    assert ("ds4f.cli.runs", "ds4f.api") in targets                        # inside functions too
+    assert ("ds4f.engine.model.forward", "ds4f.engine.kernels") in targets   # from ds4f.engine import kernels
+
+
+def test_the_cycle_finder_finds_cycles():
+    def edges(**graph):
+        return {a: {b: Import(a, b, 1) for b in bs} for a, bs in graph.items()}
+
+    graph = edges(a=["b"], b=["c"], c=["a", "d"], d=[], e=["e"])
+    assert _strongly_connected(graph) == [["a", "b", "c"]]
+    assert _a_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert _strongly_connected(edges(a=["b"], b=["c"], c=[])) == []
+
+
+def test_no_import_cycles():
+    graph = _internal_graph()
+    cycles = []
+    for component in _strongly_connected(graph):
+        cycle = _a_cycle(graph, component)
+        steps = "\n".join(f"      {a} -> {b}  ({graph[a][b].where})" for a, b in zip(cycle, cycle[1:]))
+        cycles.append(f"  {' -> '.join(cycle)}\n    (all of: {', '.join(component)})\n{steps}")
+    assert not cycles, f"{len(cycles)} import cycle(s) between ds4f modules:\n" + "\n".join(cycles)
+
+
+# Which ds4f modules each front end may import: the API, itself, and what it runs or shows.
+FRONT_ENDS = {
+    "ds4f.console": ("ds4f.api", "ds4f.console", "ds4f.themes"),
+    "ds4f.server": ("ds4f.api", "ds4f.server"),
+    "ds4f.cli": ("ds4f.api", "ds4f.cli", "ds4f.server", "ds4f.console"),   # `serve`, `bench console`
+}
+
+
+def test_front_ends_reach_the_engine_only_through_the_api():
+    bad = []
+    for imp in _all_imports():
+        layer = next((f for f in FRONT_ENDS if _within(imp.importer, f)), None)
+        if layer is None or not _within(imp.target, PACKAGE):
+            continue
+        allowed = imp.target == PACKAGE or any(_within(imp.target, a) for a in FRONT_ENDS[layer])
+        if not allowed or _within(imp.target, "ds4f.engine"):
+            bad.append(f"  {imp.where}: {imp.importer} imports {imp.target}")
+    assert not bad, "front ends must import the engine through ds4f.api only:\n" + "\n".join(bad)
+
+
+def test_the_engine_knows_nothing_of_its_front_ends():
+    forbidden = ("textual", "ds4f.console", "ds4f.server", "ds4f.cli", "ds4f.api")
+    bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in _all_imports()
+           if _within(imp.importer, "ds4f.engine") and any(_within(imp.target, f) for f in forbidden)]
+    assert not bad, "the engine must not import its front ends, textual or ds4f.api:\n" + "\n".join(bad)
+
+
+def test_the_model_math_has_no_threads_and_no_files():
+    forbidden = ("threading", "_thread", "concurrent", "queue", "multiprocessing", "mmap", "os", "pathlib", "io",
+                 "shutil", "tempfile",
+                 "ds4f.engine.runtime", "ds4f.engine.checkpoint", "ds4f.engine.runs", "ds4f.engine.bench",
+                 "ds4f.engine.lab")
+    bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in _all_imports()
+           if _within(imp.importer, "ds4f.engine.model") and any(_within(imp.target, f) for f in forbidden)]
+    assert not bad, ("ds4f.engine.model is the math: no threads, no file access, no runtime, checkpoint, "
+                     "runs, bench or lab:\n" + "\n".join(bad))
