@@ -1,7 +1,9 @@
 """`ds4f` command line: one subcommand per module in this package.
 
-Each command module defines `configure(parser)` (add its arguments) and `run(args) -> int`.
+Each command module defines `configure(name, parser)` (add its arguments) and `run(args) -> int`.
 Modules are imported only when their command runs, so `ds4f --help` stays fast.
+The engine is reached only through ds4f.api (tests/test_layering.py checks it), like the
+console and the server do.
 A Ds4fError (bad input, missing file, bad config) is printed as one line, never a traceback.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("ds4f.cli.runs", "decode tokens with the streaming engine"),
     "diff": ("ds4f.cli.runs", "compare two state dumps"),
     "probe-disk": ("ds4f.cli.runs", "measure the NVMe floor with direct reads"),
-    "bench": ("ds4f.cli.runs", "benchmarks: `bench engine`, `bench cache`"),
+    "bench": ("ds4f.cli.runs", "benchmarks: `bench engine`, `bench cache`, `bench console`"),
     "serve": ("ds4f.cli.serve", "serve the engine over HTTP"),
     "replay": ("ds4f.cli.cache", "replay a routing trace through a cache policy"),
     "trace": ("ds4f.cli.cache", "export a run's routing trace"),
@@ -36,12 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ds4f.engine.errors import Ds4fError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv or ["--help"])
         return 2
+    from ds4f.api import Ds4fError
+
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"ds4f {name}", description=COMMANDS[name][1])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.api import Ds4fError
 
 DEFAULT_SWEEP = "5%,10%,15%,20%,25%,30%,40%,50%,60%,75%"
 
@@ -29,7 +29,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.command == "trace":
-        from ds4f.engine.lab.trace import export_trace, load_trace
+        from ds4f.api import export_trace, load_trace
 
         out = export_trace(args.state, args.out)
         t = load_trace(out)
@@ -40,8 +40,7 @@ def run(args) -> int:
 
 
 def _policies(text: str) -> list[str]:
-    from ds4f.engine.runtime.policies import ONLINE_POLICIES
-    from ds4f.engine.lab.replay import parse_policy
+    from ds4f.api import ONLINE_POLICIES, parse_policy
 
     known = [*ONLINE_POLICIES, "belady"]
     if text == "all":
@@ -59,8 +58,7 @@ def _policies(text: str) -> list[str]:
 
 
 def _replay(args) -> int:
-    from ds4f.engine.lab.trace import load_trace
-    from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep
+    from ds4f.api import format_table, load_trace, plot_sweep, sweep
 
     trace = load_trace(args.trace)
     policies = _policies(args.policy)

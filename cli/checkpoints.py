@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.api import Ds4fError
 
 
 def _human(n: float) -> str:
@@ -24,7 +24,7 @@ def _dir_size(p: Path) -> int:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "synth":
-        from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry
+        from ds4f.api import CONFIG_KEYS, GEOMETRIES, Geometry
 
         parser.add_argument("out", type=Path, help="output directory (created; must not exist unless --force)")
         parser.add_argument("--geometry", default="tiny", choices=sorted(GEOMETRIES),
@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _synth(args) -> int:
-    from ds4f.engine.model.geometry import Geometry, get_geometry
-    from ds4f.engine.checkpoint.synth import synth_checkpoint
+    from ds4f.api import Geometry, get_geometry, synth_checkpoint
 
     base = get_geometry(args.geometry)
     overrides = {f.name: getattr(args, f"g_{f.name}") for f in dataclasses.fields(Geometry)
@@ -75,7 +74,7 @@ def _synth(args) -> int:
 
 
 def _convert(args) -> int:
-    from ds4f.engine.checkpoint.convert import convert_checkpoint
+    from ds4f.api import convert_checkpoint
 
     t0 = time.perf_counter()
     out = convert_checkpoint(args.src, args.dst, progress=True, force=args.force)
@@ -85,7 +84,7 @@ def _convert(args) -> int:
 
 
 def _verify(args) -> int:
-    from ds4f.engine.checkpoint.verify import verify_checkpoint
+    from ds4f.api import verify_checkpoint
 
     t0 = time.perf_counter()
     info: dict = {}

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.api import Ds4fError
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -33,22 +33,21 @@ def _fmt(v: float | None, spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4f.engine.bench import kernels as B
-    from ds4f.engine import kernels as K
+    from ds4f import api
 
     if args.repeat < 1:
         raise Ds4fError("--repeat must be at least 1")
     backends = _list(args.backends, "backends")
     for b in backends or []:
-        if b not in K.available_backends():
-            raise Ds4fError(f"--backends: {b!r} is not available here ({', '.join(K.available_backends())})")
+        if b not in api.available_backends():
+            raise Ds4fError(f"--backends: {b!r} is not available here ({', '.join(api.available_backends())})")
     threads = _list(args.threads, "threads", int)
     if threads and min(threads) < 1:
         raise Ds4fError("--threads: counts must be >= 1")
-    kernels = tuple(_list(args.kernels, "kernels") or B.KERNELS)
+    kernels = tuple(_list(args.kernels, "kernels") or api.KERNEL_NAMES)
     for k in kernels:
-        if k not in B.KERNELS:
-            raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(B.KERNELS)})")
+        if k not in api.KERNEL_NAMES:
+            raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(api.KERNEL_NAMES)})")
 
     from rich.console import Console
     from rich.table import Table
@@ -57,10 +56,10 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with err.status("benchmarking") as status:
-        records = B.run_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m))
+        records = api.run_kernel_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m))
 
     table = Table(
-        title=f"ds4f kernels — median of {args.repeat}, {os.cpu_count()} cores, best backend {K.best_backend()}"
+        title=f"ds4f kernels — median of {args.repeat}, {os.cpu_count()} cores, best backend {api.best_backend()}"
         + ("" if load is None else f", load avg {load:.1f}"),
         caption="GB/s = weight bytes read/s · Gw/s = G weights/s · ×scalar at the same thread count · "
         "×numpy = table decode + np.dot (its own BLAS threads) · ×1T = same backend at 1 thread",
@@ -81,12 +80,12 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.print(table)
 
-    best = K.best_backend()
+    best = api.best_backend()
     if backends and best not in backends:
-        best = max(backends, key=K.BACKENDS.index)
+        best = max(backends, key=api.BACKENDS.index)
     if best != "scalar":
         console.print(f"targets, backend {best}, worst shape:")
-        for desc, got, target, met in B.check_targets(records, best):
+        for desc, got, target, met in api.check_kernel_targets(records, best):
             console.print(f"  {'met ' if met else 'MISS'}  {desc}: {got:.2f} (target >= {target:g})")
 
     if args.json:

@@ -1,7 +1,7 @@
-"""`ds4f run`, `ds4f diff`, `ds4f probe-disk`, `ds4f bench engine`: the engine from the shell.
+"""`ds4f run`, `ds4f diff`, `ds4f probe-disk`, `ds4f bench engine|cache|console`: the engine from the shell.
 
-All of them go through the run API (ds4f.engine.runs) or the engine's own probe, like the
-console and the server do.
+All of them go through ds4f.api (the run API, the probe, the benchmarks), like the console and
+the server do; `bench console` measures the console itself (ds4f.console.bench).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.api import DEFAULT_GEN, Ds4fError
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache"], help="which benchmark")
+        parser.add_argument("what", choices=["engine", "cache", "console"],
+                            help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
+                                 "console (key-to-action latency and bytes per refresh during a run)")
         parser.add_argument("model", nargs="?", help="checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("--gen", type=int, default=None, help="tokens per run")
         parser.add_argument("--preset", default="laptop")
@@ -43,7 +45,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="preset from ds4f.toml (default: engine.preset)")
-    parser.add_argument("--gen", type=int, default=5, help="tokens to generate (default 5)")
+    parser.add_argument("--gen", type=int, default=None, help=f"tokens to generate (default {DEFAULT_GEN})")
     parser.add_argument("--prompt", default=None, help="comma-separated prompt token ids (default: bos)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads")
     parser.add_argument("--io-threads", type=int, default=None, help="expert-read threads")
@@ -71,16 +73,12 @@ def _fmt(value, spec: str, unit: str = "") -> str:
 
 
 def _run(args) -> int:
-    from ds4f.engine.config import load_config
-    from ds4f.engine.runs import RunConfig, start_run
+    from ds4f.api import History, RunConfig, load_config, start_run
 
     cfg = load_config(args.config)
-    history = None
-    if args.history:
-        from ds4f.engine.history import History
-
-        history = History(cfg.history_path)
-    config = RunConfig(model=args.model, preset=args.preset or cfg.preset, gen=args.gen,
+    history = History(cfg.history_path) if args.history else None
+    config = RunConfig(model=args.model, preset=args.preset or cfg.preset,
+                       gen=DEFAULT_GEN if args.gen is None else args.gen,
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
                        backend="scalar" if args.no_simd else args.backend, dump_path=args.dump_state,
                        report_path=args.json, config_path=args.config, probe_floor=False if args.no_probe else None)
@@ -105,7 +103,7 @@ def _run(args) -> int:
     print(f"effective read {_fmt(s['eff_read_gbps'], '.2f', ' GB/s')} · floor {_fmt(s['floor_gbps'], '.2f', ' GB/s')} · "
           f"I/O efficiency {_fmt(s['io_efficiency'], '.2f')}")
     if s["io_efficiency"] is not None and s["io_efficiency"] > 1.05:
-        from ds4f.engine.bench.probe import FLOOR_CAVEAT
+        from ds4f.api import FLOOR_CAVEAT
 
         print(f"               {FLOOR_CAVEAT}")
     print(f"cache          {_fmt(s['hit_rate'], '.1%')} hits ({s['hits']} hits, {s['misses']} misses, {s['evictions']} evictions) · "
@@ -137,7 +135,7 @@ def _print_tokens(run, shown: int) -> int:
 
 
 def _diff(args) -> int:
-    from ds4f.engine.statedump import diff_states
+    from ds4f.api import diff_states
 
     d = diff_states(args.a, args.b)
     if args.json:
@@ -154,9 +152,7 @@ def _diff(args) -> int:
 
 
 def _probe(args) -> int:
-    from ds4f.engine.checkpoint import open_checkpoint
-    from ds4f.engine.config import load_config
-    from ds4f.engine.bench.probe import probe_floor
+    from ds4f.api import load_config, open_checkpoint, probe_floor
 
     threads = args.io_threads or load_config(args.config).io_threads
     if threads < 1 or args.seconds <= 0:
@@ -169,13 +165,63 @@ def _probe(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.what == "console":
+        return _bench_console(args)
     if args.what == "engine":
-        from ds4f.engine.bench.engine import bench_engine
+        from ds4f.api import bench_engine
 
         if args.backend is not None:
             raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
                             "--backend is for bench cache")
         return bench_engine(args)
-    from ds4f.engine.bench.cache import bench_cache
+    from ds4f.api import bench_cache
 
     return bench_cache(args)
+
+
+def _bench_console(args) -> int:
+    from ds4f.console.bench import bench_console
+
+    if args.backend is not None:
+        raise Ds4fError("--backend: bench console measures the console, not the kernels; --backend is for bench cache")
+    results = bench_console(model=args.model, gen=args.gen, preset=args.preset, config_path=args.config)
+    _print_figures(f"ds4f console — {args.preset} preset", results)
+    if args.json:
+        _write_json(args.json, results)
+    return 0
+
+
+def _flatten(results: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = []
+    for key, value in results.items():
+        if isinstance(value, dict):
+            rows += _flatten(value, f"{prefix}{key} ")
+        else:
+            rows.append((f"{prefix}{key}", value))
+    return rows
+
+
+def _print_figures(title: str, results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("figure", justify="left")
+    table.add_column("value", justify="right")
+    for name, value in _flatten(results):
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, (list, tuple)):
+            value = ", ".join(str(v) for v in value)
+        table.add_row(name.replace("_", " "), "—" if value is None else str(value))
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
+
+
+def _write_json(path: str, results: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+            f.write("\n")
+    except OSError as exc:
+        raise Ds4fError(f"--json: cannot write {path}: {exc.strerror}") from None
+    print(f"wrote {path}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`ds4f serve`: the engine over HTTP (see ds4f.server.app for the endpoints).
+"""`ds4f serve`: the engine over HTTP (see ds4f.server.routes for the endpoints).
 
 Prints "ds4f serve: listening on http://HOST:PORT" on stdout once it accepts connections.
 SIGINT or SIGTERM: refuse new runs, cancel the active one, wait for it (the run API removes
@@ -13,7 +13,7 @@ import stat
 import sys
 import threading
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.api import Ds4fError
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:

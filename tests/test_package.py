@@ -29,3 +29,22 @@ def test_every_command_has_working_help():
         out = subprocess.run([sys.executable, "-m", "ds4f.cli", name, "--help"], capture_output=True, text=True)
         assert out.returncode == 0, (name, out.stderr)
         assert f"ds4f {name}" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_bench_console_has_working_help():
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "bench", "console", "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert "console" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_run_defaults_to_the_api_token_count():
+    import argparse
+
+    from ds4f.api import DEFAULT_GEN
+    from ds4f.cli import runs
+
+    parser = argparse.ArgumentParser()
+    runs.configure("run", parser)
+    assert parser.parse_args(["MODEL"]).gen is None    # left to the run API: DEFAULT_GEN
+    assert f"(default {DEFAULT_GEN})" in " ".join(parser.format_help().split())
