@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,12 +99,22 @@ class Ds4fCheckpoint(Checkpoint):
             _dontneed(fd, offset, n)
         return n
 
-    def read_expert(self, layer: int, expert: int, buf) -> int:
+    def read_expert(self, layer: int, expert: int, buf, check: bool = False) -> int:
+        """check: compare the record with its crc32 (zlib releases the GIL: I/O threads run it in
+        parallel with the compute) and raise Ds4fError naming the record if it differs."""
         self._check_expert(layer, expert)
         mv = _check_buffer(buf, self.record_nbytes, "read_expert")[: self.record_nbytes]
-        off = int(self.record_offsets[layer * self.geometry.n_experts + expert])
-        return self._direct_read(self._pool_fd, self.io_mode, self._pool_buffered, self.pool_path, mv, off,
-                                 f"(layer {layer}, expert {expert})")
+        index = layer * self.geometry.n_experts + expert
+        off = int(self.record_offsets[index])
+        n = self._direct_read(self._pool_fd, self.io_mode, self._pool_buffered, self.pool_path, mv, off,
+                              f"(layer {layer}, expert {expert})")
+        if check:
+            crc = zlib.crc32(mv[: self.expert_nbytes])
+            if crc != int(self.record_crc32[index]):
+                raise Ds4fError(f"{self.pool_path}: the record of layer {layer}, expert {expert} (at byte {off}) is"
+                                f" corrupt: crc32 {crc:08x}, {POOL_JSON} says {int(self.record_crc32[index]):08x};"
+                                f" `ds4f verify {self.path}` lists every bad record", path=str(self.pool_path))
+        return n
 
     def trunk_layer_nbytes(self, layer: int) -> int:
         self._check_layer(layer)

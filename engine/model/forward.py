@@ -26,6 +26,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from ds4f.engine import kernels
+from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.moe import MoeBuffers, combine, routed_expert, shared_expert
 from ds4f.engine.model.ops import rms_norm
@@ -82,7 +83,18 @@ def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
             shared_expert(w, x, buf.moe)
         else:
             routed_expert(w, weights[rank], x, g.swiglu_limit, buf.moe.ys[rank], buf.moe)
+    check_finite(buf.moe, layer, ids, token_id)
     return ids, weights, combine(buf.moe)
+
+
+def check_finite(buf: MoeBuffers, layer: int, ids: np.ndarray, token_id: int) -> None:
+    """A NaN or Inf in an expert's output poisons everything after it: stop, naming the expert."""
+    if np.isfinite(buf.ys).all() and np.isfinite(buf.shared_out).all():
+        return
+    bad = [r for r in range(len(buf.ys)) if not np.isfinite(buf.ys[r]).all()]
+    who = f"expert {int(ids[bad[0]])}" if bad else "the shared expert"
+    raise Ds4fError(f"layer {layer}: {who} gives a non-finite output (NaN or Inf) for token {token_id}:"
+                    f" its weights are corrupt (an MXFP4 scale byte of 0xFF is NaN)", kind="data")
 
 
 def forward(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
@@ -99,4 +111,8 @@ def forward(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndar
         buf.weights[layer] = weights
         buf.hidden[layer] = h
     final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, buf.x, buf.h64)
-    return kernels.bf16_matvec(source.globals.head, final, out=buf.logits)
+    logits = kernels.bf16_matvec(source.globals.head, final, out=buf.logits)
+    if not np.isfinite(logits).all():
+        raise Ds4fError(f"the head gives non-finite logits (NaN or Inf) for token {token_id}:"
+                        f" the head or final norm weights are corrupt", kind="data")
+    return logits

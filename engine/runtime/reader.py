@@ -59,7 +59,7 @@ class ReadJob(_Job):
     def run(self) -> None:
         t0 = time.perf_counter()
         try:
-            n = self.reader.checkpoint.read_expert(self.layer, self.expert, self.buf)
+            n = self.reader.checkpoint.read_expert(self.layer, self.expert, self.buf, check=True)
             self.reader.expert_stats.add(n, time.perf_counter() - t0)
         except BaseException as exc:  # handed to the compute thread, which re-raises it
             self.slot.error = exc

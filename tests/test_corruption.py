@@ -1,0 +1,58 @@
+"""Corrupt weights never give a "done" run: a pool record that fails its crc32, or an expert whose
+scales decode to NaN, fails the run with a message naming the layer and expert, and no files."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ds4f.engine.checkpoint import open_checkpoint
+from ds4f.engine.checkpoint.safetensors_index import load_official_index
+from ds4f.engine.runs import RunConfig, start_run
+
+
+def _first_hash_expert(model) -> int:
+    """An expert the first token (bos) certainly reads: layer 0 routes by its hash table."""
+    with open_checkpoint(model) as ck:
+        return int(ck.layer_tensors(0)["gate.tid2eid"][ck.geometry.bos_token_id][0])
+
+
+def _failed_run(model, out):
+    run = start_run(RunConfig(model=str(model), gen=3, probe_floor=False, dump_path=str(out / "state.bin")))
+    assert run.wait(60), "run did not finish"
+    assert run.state == "failed", f"a corrupt checkpoint gave a {run.state} run"
+    assert list(out.glob("*")) == [], "a failed run left files behind"
+    return run
+
+
+def test_a_corrupt_pool_record_fails_the_run_naming_it(tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    e = _first_hash_expert(broken)
+    g = open_checkpoint(broken).geometry
+    offset = json.loads((broken / "pool-mxfp4.json").read_text())["records"][e][0]  # layer 0: index e
+    with open(broken / "pool-mxfp4.bin", "r+b") as f:
+        f.seek(offset + g.expert_nbytes // 2)
+        byte = f.read(1)
+        f.seek(offset + g.expert_nbytes // 2)
+        f.write(bytes([byte[0] ^ 0x01]))   # one flipped bit in the weights
+    (tmp_path / "out").mkdir()
+    run = _failed_run(broken, tmp_path / "out")
+    assert "corrupt" in run.error and "crc32" in run.error and f"layer 0, expert {e}" in run.error, run.error
+    assert "pool-mxfp4.bin" in run.error
+
+
+@pytest.mark.parametrize("part", ["w2.scale", "w1.scale"])
+def test_a_nan_scale_fails_the_run_naming_the_expert(tiny_official, tmp_path, part):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_official, broken)
+    e = _first_hash_expert(broken)
+    tensors, _files = load_official_index(broken)
+    t = tensors[f"layers.0.ffn.experts.{e}.{part}"]
+    with open(t.file, "r+b") as f:
+        f.seek(t.offset)
+        f.write(b"\xff")                  # E8M0 255 is NaN: a whole block of 32 weights becomes NaN
+    (tmp_path / "out").mkdir()
+    run = _failed_run(broken, tmp_path / "out")
+    assert f"layer 0: expert {e}" in run.error and "non-finite" in run.error, run.error
