@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History
-from ds4f.server.app import MAX_GEN, MAX_PROMPT, ServerOptions, is_loopback, make_server, read_token_file
+from ds4f.api import MAX_GEN, MAX_PROMPT, Ds4fError, History
+from ds4f.server.app import ServerOptions, is_loopback, make_server, read_token_file
 
 BUSY_GEN = 20_000
 TOKEN = "k3Y-for-the-ds4f-tests_0123456789"
@@ -135,7 +134,7 @@ def srv(start) -> Srv:
 
 def run_dir_files(view: dict) -> list[str]:
     """Files in the run's directory under the data dir (the default dump location)."""
-    from ds4f.engine.config import user_data_dir
+    from ds4f.api import user_data_dir
 
     d = user_data_dir() / "runs" / view["id"]
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
@@ -191,7 +190,7 @@ def test_post_run_reports_sha256_of_the_state_file(srv, serve_config):
     assert status["last_report"]["summary"]["tokens"] == 8
 
 
-def test_prototype_get_run_with_query_parameters(srv):
+def test_get_run_alias_with_query_parameters(srv):
     r = srv.get("/run?gen=3&preset=minimal&threads=1&backend=scalar&prompt=0,3")
     assert r.status == 202, r.body
     view = srv.wait_state(r.json()["id"])
@@ -199,7 +198,7 @@ def test_prototype_get_run_with_query_parameters(srv):
     assert view["report"]["prompt"] == [0, 3]
     assert view["report"]["config"]["preset"] == "minimal"
     assert view["report"]["summary"]["tokens"] == 4
-    # the bare prototype form: defaults for everything else
+    # the bare form: defaults for everything else
     r = srv.get("/run?gen=2")
     assert r.status == 202, r.body
     assert srv.wait_state(r.json()["id"])["state"] == "done"
@@ -235,6 +234,41 @@ def test_busy_gets_429_with_retry_after_and_delete_cancels(srv):
     assert r.status == 202, r.body
     assert srv.wait_state(r.json()["id"])["state"] == "done"
     assert srv.request("DELETE", f"/runs/{r.json()['id']}").status == 409
+
+
+def test_a_second_run_reuses_the_loaded_engine(srv):
+    first = srv.wait_state(srv.post_run(gen=3, prompt=[0, 5]).json()["id"])
+    second = srv.wait_state(srv.post_run(gen=3, prompt=[0, 5]).json()["id"])
+    assert first["state"] == second["state"] == "done", (first, second)
+    assert any("engine loaded" in e for e in first["live"]["events"]), first["live"]["events"]
+    assert any("engine reused" in e for e in second["live"]["events"]), second["live"]["events"]
+    assert srv.service.engines.loads == 1
+    assert second["state_sha256"] == first["state_sha256"]     # each run on the kept engine starts afresh
+
+
+def test_an_injected_start_run_is_given_the_engine_host_only_if_it_takes_one(tiny_model, serve_config):
+    from ds4f.api import start_run
+
+    seen = []
+
+    def plain(config, history=None):                        # no engines parameter: each run loads its own
+        seen.append("plain")
+        return start_run(config, history=history)
+
+    def hosted(config, history=None, engines=None):
+        seen.append(engines)
+        return start_run(config, history=history, engines=engines)
+
+    for fn in (plain, hosted):
+        srv = Srv(make_server(ServerOptions(model=str(tiny_model), config_path=str(serve_config), host="127.0.0.1",
+                                            port=0, access_log=False), start_run=fn))
+        try:
+            r = srv.post_run(gen=2)
+            assert r.status == 202, r.body
+            assert srv.wait_state(r.json()["id"])["state"] == "done"
+        finally:
+            srv.close()
+    assert seen[0] == "plain" and seen[1] is srv.service.engines and srv.service.engines.loads == 1
 
 
 def test_runs_are_recorded_in_the_history_and_served_after_a_restart(start, serve_config, tmp_path):
@@ -508,9 +542,9 @@ def test_bad_run_parameters_get_400_naming_them(srv, body, param):
 
 
 def test_unavailable_backend_is_a_400_from_the_run_api(srv):
-    from ds4f.engine import kernels
+    from ds4f.api import available_backends
 
-    missing = [b for b in ("avx2", "avx512", "neon") if b not in kernels.available_backends()]
+    missing = [b for b in ("avx2", "avx512", "neon") if b not in available_backends()]
     if not missing:
         pytest.skip("every backend is available here")
     r = srv.post_run(gen=2, backend=missing[0])
@@ -669,8 +703,13 @@ def test_bad_requests_do_not_harm_a_run_in_progress(start):
     assert srv.request("DELETE", f"/runs/{run_id}").status == 200
 
 
+def _threads_besides_the_engine() -> int:
+    """Live threads, leaving out the I/O threads of the engine the server keeps loaded between runs."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith("ds4f-io-"))
+
+
 def test_a_burst_of_concurrent_requests_leaves_the_server_healthy(srv):
-    baseline = threading.active_count()
+    baseline = _threads_besides_the_engine()
 
     def call(i: int) -> tuple[str, int]:
         if i % 7 == 3:
@@ -703,7 +742,7 @@ def test_a_burst_of_concurrent_requests_leaves_the_server_healthy(srv):
     assert r.status == 202
     assert srv.wait_state(r.json()["id"])["state"] == "done"
     deadline = time.monotonic() + 10
-    while threading.active_count() > baseline + 1:         # the handler threads went away
+    while _threads_besides_the_engine() > baseline + 1:    # the handler threads went away
         assert time.monotonic() < deadline, threading.enumerate()
         time.sleep(0.05)
 
