@@ -23,7 +23,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("a", help="state dump A (state.bin)")
         parser.add_argument("b", help="state dump B")
         parser.add_argument("--json", action="store_true", help="print the diff as JSON")
-        parser.epilog = "exit codes: 0 identical, 1 low-bit, 3 routing divergence, 4 drift, 2 error"
+        parser.epilog = ("exit codes: 0 identical, 1 low-bit, 3 routing divergence, 4 drift,"
+                         " 5 same prefix with different lengths, 2 error")
     elif name == "probe-disk":
         parser.add_argument("path", help="checkpoint directory whose expert pool to read")
         parser.add_argument("--io-threads", type=int, default=None, help="queue depth (default: ds4f.toml's)")

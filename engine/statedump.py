@@ -34,7 +34,7 @@ BACKEND_BY_CODE = {v: k for k, v in BACKEND_CODES.items()}
 # with identical routing are "low-bit" (SIMD lane order) rather than "drift"
 LOW_BIT_TOLERANCE = 1e-4
 
-CLASS_EXIT_CODES = {"identical": 0, "low-bit": 1, "routing": 3, "drift": 4}
+CLASS_EXIT_CODES = {"identical": 0, "low-bit": 1, "routing": 3, "drift": 4, "prefix": 5}
 
 
 def record_dtype(n_layers: int, top_k: int, hidden: int) -> np.dtype:
@@ -128,7 +128,7 @@ def read_state(path: str | os.PathLike) -> State:
 
 @dataclass
 class StateDiff:
-    cls: str                        # identical | low-bit | routing | drift
+    cls: str                        # identical | low-bit | routing | drift | prefix (same prefix, lengths differ)
     token: int | None               # first divergent token (routing), else None
     layer: int | None               # first divergent layer (routing), else None
     layer_max_abs: list[float]      # per layer, over the compared tokens
@@ -151,7 +151,11 @@ class StateDiff:
         if self.cls == "low-bit":
             return f"low-bit: same tokens and routing, hidden states within {worst:.2e} relative (tolerance {LOW_BIT_TOLERANCE:g})"
         if self.cls == "drift":
+            if self.detail:
+                return f"drift: {self.detail}"
             return f"drift: same routing, but hidden states differ by up to {worst:.2e} relative (tolerance {LOW_BIT_TOLERANCE:g})"
+        if self.cls == "prefix":
+            return f"same prefix, lengths differ: {self.detail}"
         return f"routing divergence at token {self.token}, layer {self.layer}" + (f": {self.detail}" if self.detail else "")
 
     def to_dict(self) -> dict:
@@ -198,10 +202,18 @@ def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> S
                 mabs, mrel = errors(t)
                 return StateDiff("routing", t, layer, mabs, mrel, n_tokens=n,
                                  detail=f"experts {sorted(ea.tolist())} vs {sorted(eb.tolist())}", **common)
-    if len(ra) != len(rb):
-        mabs, mrel = errors(n)
-        return StateDiff("routing", n, 0, mabs, mrel, n_tokens=n,
-                         detail=f"runs have {len(ra)} and {len(rb)} tokens", **common)
     mabs, mrel = errors(n)
-    cls = "low-bit" if max(mrel, default=0.0) <= LOW_BIT_TOLERANCE else "drift"
-    return StateDiff(cls, None, None, mabs, mrel, n_tokens=n, **common)
+    finite = [bool(np.isfinite(s.records["hidden"][:n]).all()) for s in (sa, sb)]
+    if not all(finite):
+        which = " and ".join(str(s.path) for s, ok in zip((sa, sb), finite) if not ok)
+        return StateDiff("drift", None, None, mabs, mrel, n_tokens=n,
+                         detail=f"non-finite hidden states (NaN or Inf) in {which}", **common)
+    within = max(mrel, default=0.0) <= LOW_BIT_TOLERANCE
+    if len(ra) != len(rb):
+        same = "bit-identical" if within and max(mabs, default=0.0) == 0.0 else (
+            f"within {max(mrel, default=0.0):.2e} relative" if within else None)
+        if same is not None:
+            return StateDiff("prefix", None, None, mabs, mrel, n_tokens=n,
+                             detail=f"the first {n} tokens have the same routing and states {same};"
+                                    f" the runs have {len(ra)} and {len(rb)} tokens", **common)
+    return StateDiff("low-bit" if within else "drift", None, None, mabs, mrel, n_tokens=n, **common)

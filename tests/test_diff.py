@@ -1,0 +1,65 @@
+"""ds4f diff on real dumps: a run that is a prefix of another, and states with NaN in them."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from ds4f.engine.runs import RunConfig, start_run
+from ds4f.engine.statedump import CLASS_EXIT_CODES, StateWriter, diff_states, read_state
+
+
+def _run(model, tmp_path, name, gen):
+    run = start_run(RunConfig(model=str(model), gen=gen, prompt=(0, 17), backend="scalar", probe_floor=False,
+                              dump_path=str(tmp_path / f"{name}.bin")))
+    assert run.wait(120) and run.state == "done", run.error
+    return run.dump_path
+
+
+def _rewrite(src, dst, n=None, poison=None):
+    """A copy of dump `src` with its first n records, hidden[poison] set to NaN if given."""
+    s = read_state(src)
+    recs = s.records[:n] if n is not None else s.records
+    w = StateWriter(dst, s.header["geometry"], s.header["prompt"], len(recs))
+    for i, r in enumerate(recs):
+        hidden = r["hidden"].copy()
+        if poison is not None and i == poison[0]:
+            hidden[poison[1], poison[2]] = np.nan
+        w.write(int(r["token"]), int(r["next"]), s.backends[i], r["ids"], r["weights"], hidden)
+    w.finish()
+    return dst
+
+
+def test_a_shorter_run_with_the_same_prefix_is_not_a_routing_divergence(tiny_model, tmp_path):
+    short, long = _run(tiny_model, tmp_path, "short", 3), _run(tiny_model, tmp_path, "long", 5)
+    for a, b in ((short, long), (long, short)):
+        d = diff_states(a, b)
+        assert d.cls == "prefix", d.summary()
+        assert d.summary().startswith("same prefix, lengths differ")
+        assert "bit-identical" in d.summary(), d.summary()
+        assert ("4 and 6 tokens" if a == short else "6 and 4 tokens") in d.summary(), d.summary()
+    cli = subprocess.run([sys.executable, "-m", "ds4f.cli", "diff", str(short), str(long)], capture_output=True,
+                         text=True)
+    assert cli.returncode == CLASS_EXIT_CODES["prefix"], cli.stdout + cli.stderr
+    assert cli.stdout.startswith("same prefix, lengths differ"), cli.stdout
+
+
+def test_a_prefix_whose_states_drift_is_drift(tiny_model, tmp_path):
+    long = _run(tiny_model, tmp_path, "long", 5)
+    s = read_state(long)
+    w = StateWriter(tmp_path / "moved.bin", s.header["geometry"], s.header["prompt"], 2)
+    for i in range(2):
+        r = s.records[i]
+        w.write(int(r["token"]), int(r["next"]), s.backends[i], r["ids"], r["weights"], r["hidden"] * 1.5)
+    w.finish()
+    assert diff_states(long, tmp_path / "moved.bin").cls == "drift"
+
+
+def test_a_state_with_nan_is_never_low_bit(tiny_model, tmp_path):
+    base = _run(tiny_model, tmp_path, "base", 3)
+    for where in ((0, 0, 0), (2, 3, 7)):   # the first or a later token and layer
+        bad = _rewrite(base, tmp_path / f"nan{where[0]}.bin", poison=where)
+        for a, b in ((base, bad), (bad, base)):
+            d = diff_states(a, b)
+            assert d.cls == "drift" and "non-finite" in d.summary(), d.summary()
