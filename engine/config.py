@@ -6,6 +6,7 @@ so it only needs the keys it changes. Every problem names the file and the key.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,6 +25,12 @@ from ds4f.engine.kernels import BACKENDS
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
+# The limits of a run, the same for every front end.
+DEFAULT_GEN = 8            # tokens to generate when a front end is not told
+MAX_GEN = 100_000          # tokens per run
+MAX_PROMPT = 4096          # prompt token ids per run
+MAX_THREADS = 256          # kernel or I/O threads
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.I)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -37,9 +44,14 @@ class Budget:
     fraction: float | None = None
 
     def resolve(self, whole: int) -> int:
+        """Bytes, at most `whole` (a budget above the whole it divides would only cost memory)."""
         if self.fraction is not None:
             return int(self.fraction * whole)
-        return int(self.nbytes or 0)
+        return min(int(self.nbytes or 0), whole)
+
+    def exceeds(self, whole: int) -> bool:
+        """A byte size larger than the whole: resolve() clamps it, and the caller says so."""
+        return self.fraction is None and int(self.nbytes or 0) > whole
 
     def __str__(self) -> str:
         if self.fraction is not None:
@@ -51,12 +63,15 @@ def parse_budget(value, where: str) -> Budget:
     """'25%' / 0.25 (fraction of the pool) or '4 GiB' / '512MiB' / a byte count."""
     if isinstance(value, bool):
         raise Ds4fError(f"{where}: expected a size like '4 GiB' or a fraction like '25%', got {value!r}")
-    if isinstance(value, (int, float)):
-        if 0 <= value <= 1 and isinstance(value, float):
-            return Budget(fraction=float(value))
-        if value < 0:
-            raise Ds4fError(f"{where}: a size cannot be negative ({value})")
-        return Budget(nbytes=int(value))
+    if isinstance(value, float):
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise Ds4fError(f"{where}: a bare number is a fraction of the pool between 0 and 1, got {value!r};"
+                            f" write a size with its unit ('4 GiB') or a percentage ('25%')")
+        return Budget(fraction=value)
+    if isinstance(value, int):
+        if value <= 0:
+            raise Ds4fError(f"{where}: a size in bytes must be positive, got {value}")
+        return Budget(nbytes=value)
     if isinstance(value, str):
         text = value.strip()
         if text.endswith("%"):
@@ -64,12 +79,17 @@ def parse_budget(value, where: str) -> Budget:
                 pct = float(text[:-1])
             except ValueError:
                 raise Ds4fError(f"{where}: {value!r} is not a percentage") from None
-            if not 0 <= pct <= 100:
-                raise Ds4fError(f"{where}: {value!r} must be between 0% and 100%")
+            if not 0 < pct <= 100:
+                raise Ds4fError(f"{where}: {value!r} must be more than 0% and at most 100%")
             return Budget(fraction=pct / 100)
         m = _SIZE_RE.match(text)
+        if m and m.group(2) is None:
+            raise Ds4fError(f"{where}: {value!r} has no unit: write '{text} GiB', '{text} MiB' or a percentage")
         if m:
-            return Budget(nbytes=int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()]))
+            nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if nbytes <= 0:
+                raise Ds4fError(f"{where}: {value!r} is no room at all")
+            return Budget(nbytes=nbytes)
     raise Ds4fError(f"{where}: expected a size like '4 GiB' or a fraction like '25%', got {value!r}")
 
 
@@ -228,8 +248,8 @@ def _preset(name: str, body: dict, source: str) -> Preset:
     if policy not in ONLINE_POLICIES:
         raise Ds4fError(f"{where}.policy: unknown policy {policy!r} (known: {', '.join(ONLINE_POLICIES)})")
     for key in ("io_threads", "kernel_threads"):
-        if key in body and body[key] < 0:
-            raise Ds4fError(f"{where}.{key}: must be >= 0, got {body[key]}")
+        if key in body and not 0 <= body[key] <= MAX_THREADS:
+            raise Ds4fError(f"{where}.{key}: must be between 0 (the [engine] default) and {MAX_THREADS}, got {body[key]}")
     return Preset(name=name, pinned_layers=pinned, cache=parse_budget(body.get("cache", "25%"), f"{where}.cache"),
                   policy=policy, io_threads=body.get("io_threads") or None,
                   kernel_threads=body.get("kernel_threads") or None, prefetch=bool(body.get("prefetch", False)))
@@ -243,9 +263,11 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
     if path is not None:
         source = str(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise Ds4fError(f"{path}: not UTF-8 text (byte {exc.start}); a TOML file is UTF-8", path=path) from None
         except OSError as exc:
-            raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
+            raise Ds4fError(f"{path}: cannot read: {exc.strerror}", path=path) from None
         raw = _merge(raw, _parse_toml(text, source), source)
     eng, con = raw["engine"], raw["console"]
     presets = {name: _preset(name, body, source) for name, body in raw.get("presets", {}).items()}
@@ -255,11 +277,12 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
         raise Ds4fError(f"{source}: engine.backend: unknown backend {eng['backend']!r} (known: {', '.join(BACKEND_NAMES)})")
     if eng["preset"] not in presets:
         raise Ds4fError(f"{source}: engine.preset: no preset named {eng['preset']!r} (have: {', '.join(presets)})")
-    if eng["io_threads"] < 1:
-        raise Ds4fError(f"{source}: engine.io_threads: must be >= 1, got {eng['io_threads']}")
-    if eng["kernel_threads"] < 0:
-        raise Ds4fError(f"{source}: engine.kernel_threads: must be >= 0, got {eng['kernel_threads']}")
-    if not 0.05 <= float(con["refresh_s"]) <= 60:
+    if not 1 <= eng["io_threads"] <= MAX_THREADS:
+        raise Ds4fError(f"{source}: engine.io_threads: must be between 1 and {MAX_THREADS}, got {eng['io_threads']}")
+    if not 0 <= eng["kernel_threads"] <= MAX_THREADS:
+        raise Ds4fError(f"{source}: engine.kernel_threads: must be between 0 (all cores) and {MAX_THREADS},"
+                        f" got {eng['kernel_threads']}")
+    if not 0.05 <= float(con["refresh_s"]) <= 60:  # (also false for NaN)
         raise Ds4fError(f"{source}: console.refresh_s: must be between 0.05 and 60 seconds, got {con['refresh_s']}")
     model_path = raw["model"]["path"]
     if model_path and path is not None and not os.path.isabs(os.path.expanduser(model_path)):

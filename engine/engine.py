@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4f.engine import kernels
-from ds4f.engine.config import Preset
+from ds4f.engine.config import Preset, format_bytes
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights
 from ds4f.engine.runtime.expert_cache import ExpertCache
@@ -72,6 +72,10 @@ class Engine:
             for layer in range(g.n_layers)}
 
         self.pool_bytes = g.n_layers * g.n_experts * checkpoint.slot_nbytes
+        self.notes: list[str] = []   # settings the engine had to adjust, for the run's event log
+        if preset.cache.exceeds(self.pool_bytes):
+            self.notes.append(f"cache {preset.cache} is more than the whole expert pool"
+                              f" ({format_bytes(self.pool_bytes)}): the cache holds the pool, no more")
         self.cache = ExpertCache(preset.cache.resolve(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
                                  preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k, n_experts=g.n_experts)
         self.reader = Reader(checkpoint, io_threads)

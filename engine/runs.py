@@ -26,7 +26,8 @@ import psutil
 
 from ds4f.engine import kernels
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import BACKEND_NAMES, Preset, load_config, user_data_dir
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, MAX_THREADS, Preset,
+                               load_config, user_data_dir)
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.snapshot import Snapshot, TokenRecord, disk_occupancy
@@ -34,11 +35,6 @@ from ds4f.engine.statedump import StateWriter
 
 REPORT_SCHEMA = "ds4f.report/1"
 
-# The limits of a run, the same for every front end.
-DEFAULT_GEN = 8            # tokens to generate when a front end is not told
-MAX_GEN = 100_000          # tokens per run
-MAX_PROMPT = 4096          # prompt token ids per run
-MAX_THREADS = 256          # kernel or I/O threads
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
 END_STATES = ("done", "cancelled", "failed")
 _active_lock = threading.Lock()
@@ -134,8 +130,10 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     global _active
     cfg = load_config(config.config_path)
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
-    if not isinstance(config.gen, int) or config.gen < 1:
-        raise Ds4fError(f"gen: must be a positive number of tokens, got {config.gen!r}", param="gen")
+    if isinstance(config.gen, bool) or not isinstance(config.gen, int) or not 1 <= config.gen <= MAX_GEN:
+        raise Ds4fError(f"gen: must be a number of tokens from 1 to {MAX_GEN}, got {config.gen!r}", param="gen")
+    if config.prompt is not None and len(config.prompt) > MAX_PROMPT:
+        raise Ds4fError(f"prompt: at most {MAX_PROMPT} token ids, got {len(config.prompt)}", param="prompt")
     if config.backend is None:
         config = replace(config, backend=cfg.backend)
     if config.backend not in BACKEND_NAMES:
@@ -146,8 +144,8 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
                         f"(available: {', '.join(kernels.available_backends())})", param="backend")
     for name in ("io_threads", "kernel_threads"):
         value = getattr(config, name)
-        if value is not None and (not isinstance(value, int) or value < 1 or value > 256):
-            raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}", param=name)
+        if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_THREADS):
+            raise Ds4fError(f"{name}: must be between 1 and {MAX_THREADS}, got {value!r}", param=name)
     if not config.model:
         raise Ds4fError("model: no checkpoint path given", param="model")
     checkpoint = open_checkpoint(config.model)
@@ -249,8 +247,8 @@ class Run:
                 raise Ds4fError(f"backend: {backend} is not available here (available: {', '.join(kernels.available_backends())})",
                                 param="backend")
         for name, value in (("kernel_threads", kernel_threads), ("io_threads", io_threads)):
-            if value is not None and (not isinstance(value, int) or not 1 <= value <= 256):
-                raise Ds4fError(f"{name}: must be between 1 and 256, got {value!r}", param=name)
+            if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_THREADS):
+                raise Ds4fError(f"{name}: must be between 1 and {MAX_THREADS}, got {value!r}", param=name)
         with self._lock:
             for name, value in (("backend", backend), ("kernel_threads", kernel_threads), ("io_threads", io_threads)):
                 if value is not None:
@@ -339,6 +337,8 @@ class Run:
                 self._log(f"engine {how} in {time.perf_counter() - t0:.2f} s")
             else:
                 eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
+            for note in eng.notes:
+                self._log(note)
             session = eng.new_session()
             with self._lock:
                 self._engine, self._session_nbytes = eng, session.nbytes

@@ -63,8 +63,53 @@ def test_missing_explicit_config(tmp_path):
 
 def test_budget_forms():
     assert parse_budget("25%", "k").resolve(400) == 100
-    assert parse_budget("1.5 GiB", "k").resolve(0) == int(1.5 * 2**30)
+    assert parse_budget("1.5 GiB", "k").resolve(2**40) == int(1.5 * 2**30)
     assert parse_budget("512MiB", "k").nbytes == 512 * 2**20
     assert parse_budget(0.5, "k").fraction == 0.5
     with pytest.raises(Ds4fError, match="k"):
         parse_budget("-3 GiB", "k")
+
+
+@pytest.mark.parametrize("value, words", [
+    ("'0.25'", ["no unit", "0.25 GiB"]),          # a bare number in a string is not 0 bytes
+    ("1.5", ["fraction", "between 0 and 1"]),       # nor 1 byte
+    ("nan", ["fraction"]),
+    ("inf", ["fraction"]),
+    ("0", ["positive"]),
+    ("'0%'", ["more than 0%"]),
+    ("'0 GiB'", ["no room"]),
+])
+def test_cache_sizes_need_a_unit_and_a_sane_value(tmp_path, value, words):
+    path = tmp_path / "ds4f.toml"
+    path.write_text(f"[presets.x]\ncache = {value}\n")
+    with pytest.raises(Ds4fError) as err:
+        load_config(path)
+    assert "presets.x.cache" in str(err.value) and str(path) in str(err.value)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[engine]\nio_threads = 10000\n", "engine.io_threads"),
+    ("[engine]\nkernel_threads = 10000\n", "engine.kernel_threads"),
+    ("[presets.x]\nio_threads = 10000\n", "presets.x.io_threads"),
+    ("[console]\nrefresh_s = nan\n", "console.refresh_s"),
+])
+def test_thread_counts_and_periods_are_bounded(tmp_path, text, key):
+    path = tmp_path / "ds4f.toml"
+    path.write_text(text)
+    with pytest.raises(Ds4fError, match=key.replace(".", r"\.")):
+        load_config(path)
+
+
+def test_a_config_that_is_not_utf8_is_a_clear_error(tmp_path):
+    path = tmp_path / "ds4f.toml"
+    path.write_bytes(b"[engine]\npreset = '\xff\xfe'\n")
+    with pytest.raises(Ds4fError, match="not UTF-8"):
+        load_config(path)
+
+
+def test_a_budget_is_capped_at_its_whole():
+    b = parse_budget("1 TiB", "k")
+    assert b.exceeds(2**30) and b.resolve(2**30) == 2**30
+    assert not parse_budget("25%", "k").exceeds(2**30)

@@ -258,3 +258,14 @@ def test_cli_run_and_diff_exit_codes(tiny_model, tmp_path):
     missing = ds4f("run", str(tmp_path / "nope"), "--gen", "2")
     assert missing.returncode == 2 and "nope" in missing.stderr and "Traceback" not in missing.stderr
     assert b.returncode == 0
+
+
+def test_a_cache_bigger_than_the_pool_is_clamped_and_said(tiny_model, tmp_path):
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text('[presets.huge]\npinned_layers = "all"\ncache = "1 TiB"\n')
+    run = _run(tiny_model, tmp_path, "huge", gen=2, preset="huge", config_path=str(cfg))
+    with open_checkpoint(tiny_model) as ck:
+        g = ck.geometry
+        pool = g.n_layers * g.n_experts * ck.slot_nbytes
+    assert run.report["cache"]["capacity_bytes"] <= pool
+    assert any("more than the whole expert pool" in e for e in run.report["events"])
