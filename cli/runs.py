@@ -36,7 +36,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                                  "console (key-to-action latency and bytes per refresh during a run)")
         parser.add_argument("model", nargs="?", help="checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("--gen", type=int, default=None, help="tokens per run")
-        parser.add_argument("--preset", default="laptop")
+        parser.add_argument("--preset", default=None, help="bench engine, bench cache: preset (default laptop)")
         parser.add_argument("--config", help="ds4f.toml to use")
         parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
         parser.add_argument("--backend", default=None,
@@ -168,6 +168,7 @@ def _probe(args) -> int:
 def _bench(args) -> int:
     if args.what == "console":
         return _bench_console(args)
+    args.preset = args.preset or "laptop"
     if args.what == "engine":
         from ds4f.api import bench_engine
 
@@ -181,48 +182,36 @@ def _bench(args) -> int:
 
 
 def _bench_console(args) -> int:
+    from ds4f.api import ensure_synthetic, open_checkpoint
     from ds4f.console.bench import bench_console
 
-    if args.backend is not None:
-        raise Ds4fError("--backend: bench console measures the console, not the kernels; --backend is for bench cache")
-    results = bench_console(model=args.model, gen=args.gen, preset=args.preset, config_path=args.config)
-    _print_figures(f"ds4f console — {args.preset} preset", results)
+    for flag, value in (("--gen", args.gen), ("--preset", args.preset), ("--config", args.config),
+                        ("--backend", args.backend)):
+        if value is not None:
+            raise Ds4fError(f"{flag}: bench console drives the console's own run of MODEL; "
+                            f"{flag} is for bench engine and bench cache")
+    model = args.model or str(ensure_synthetic("bench"))
+    open_checkpoint(model).close()   # a bad checkpoint is named here, not as a console error screen
+    print(f"bench console: {model}, keys and refreshes timed while the console's run decodes", file=sys.stderr)
+    r = bench_console(model)
+    print(f"terminal       {r['terminal']} · refresh every {r['refresh_s']:g} s")
+    print(f"key to action  median {_fmt(_ms(r['key_latency_median_s']), '.1f', ' ms')} · "
+          f"max {_fmt(_ms(r['key_latency_max_s']), '.1f', ' ms')} over {r['keys']} keys "
+          f"({r['tokens_during_keys']} tokens decoded meanwhile)")
+    if r["bytes_per_refresh"] is None:
+        print("bytes/refresh  — (no pseudo-terminals here)")
+    else:
+        print(f"bytes/refresh  {r['bytes_per_refresh']:.0f} B over {r['refreshes']} refreshes of a live run · "
+              f"first screen {r['first_screen_bytes']} B")
     if args.json:
-        _write_json(args.json, results)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1)
+                f.write("\n")
+        except OSError as exc:
+            raise Ds4fError(f"--json: cannot write {args.json}: {exc.strerror}") from None
     return 0
 
 
-def _flatten(results: dict, prefix: str = "") -> list[tuple[str, object]]:
-    rows: list[tuple[str, object]] = []
-    for key, value in results.items():
-        if isinstance(value, dict):
-            rows += _flatten(value, f"{prefix}{key} ")
-        else:
-            rows.append((f"{prefix}{key}", value))
-    return rows
-
-
-def _print_figures(title: str, results: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("figure", justify="left")
-    table.add_column("value", justify="right")
-    for name, value in _flatten(results):
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        elif isinstance(value, (list, tuple)):
-            value = ", ".join(str(v) for v in value)
-        table.add_row(name.replace("_", " "), "—" if value is None else str(value))
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
-
-
-def _write_json(path: str, results: dict) -> None:
-    try:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-            f.write("\n")
-    except OSError as exc:
-        raise Ds4fError(f"--json: cannot write {path}: {exc.strerror}") from None
-    print(f"wrote {path}", file=sys.stderr)
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
