@@ -5,8 +5,10 @@
 The app polls the live run's Snapshot on a timer (not a message per token), so a busy run
 costs the SSH link one screen diff per refresh period and keys stay responsive. Long
 blocking calls (making the demo model, opening a checkpoint, diffing dumps) run in thread
-workers. The console never opens checkpoint files or calls kernels: it calls the engine's
-load_config, ensure_demo_model, start_run / Run, History and diff_states.
+workers. The screens turn keys into messages (DashboardScreen.StartRun, HistoryScreen.OpenDiff,
+...) that the app's on_<screen>_<message> handlers act on. The console never opens checkpoint
+files or calls kernels: it uses the engine only through ds4f.api (load_config,
+ensure_demo_model, start_run / Run with one EngineHost for the session, History, diff_states).
 """
 from __future__ import annotations
 
@@ -17,37 +19,25 @@ from pathlib import Path
 from typing import Callable
 
 from textual import work
-from textual.css.query import NoMatches
 from textual.app import App
+from textual.css.query import NoMatches
 
-from ds4f.engine.config import Config, load_config, user_cache_dir
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History, RunRecord
+from ds4f.api import (DEFAULT_GEN, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
+                      ensure_demo_model, load_config, user_cache_dir)
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
 from .bindings import APP_BINDINGS
 from .commands import ActionCommands
-from .controller import Controller, default_start_run, next_refresh
-from .screens import (DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen)
+from .controller import Controller, default_start_run, next_refresh, simd_scalar_pair
+from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen
 
-
-def _default_diff(a, b):
-    from ds4f.engine.statedump import diff_states
-
-    return diff_states(a, b)
-
-
-def _default_demo(progress=None):
-    from ds4f.engine.checkpoint.demo import ensure_demo_model
-
-    return ensure_demo_model(progress=progress)
+NO_PAIR = ("Needs a finished SIMD run and a scalar run of the same model and length: "
+           "k switches the kernels, r runs.")
 
 
 def _default_validate(path: str) -> None:
-    """Open and close the checkpoint with the engine's own validation (names the bad file)."""
-    from ds4f.engine.checkpoint import open_checkpoint
-
-    open_checkpoint(path).close()
+    """Open and check the checkpoint with the engine's own validation (its errors name the bad file)."""
+    checkpoint_summary(path)
 
 
 def builtin_config_path() -> Path:
@@ -76,8 +66,8 @@ class Ds4fConsole(App):
         self._config_given = config
         self._history_given = history
         self._start_run_fn = start_run or default_start_run
-        self._demo_factory = demo_factory or _default_demo
-        self._diff_fn = diff_fn or _default_diff
+        self._demo_factory = demo_factory or ensure_demo_model
+        self._diff_fn = diff_fn or diff_states
         self._validate = _default_validate if validate_model in (None, True) else (validate_model or None)
         self._snapshot_source = snapshot_source
         self._refresh_arg = refresh_s
@@ -91,6 +81,7 @@ class Ds4fConsole(App):
         self._booted = False
         self._starting = False
         self._seen_state: dict[str, str] = {}
+        self.engines = EngineHost()  # one loaded engine, reused by every run of this session
         for t in THEMES:
             self.register_theme(t)
         self.theme = theme or DEFAULT_THEME
@@ -100,7 +91,11 @@ class Ds4fConsole(App):
         return dict(LEVEL_VARIABLE_DEFAULTS)
 
     def get_default_screen(self) -> DashboardScreen:
-        return DashboardScreen()
+        try:
+            snap = self.current_snapshot()  # None, unless a snapshot source was given
+        except Exception:
+            snap = None
+        return DashboardScreen(refresh_s=self.refresh_s, snapshot=snap)
 
     @property
     def dashboard(self) -> DashboardScreen:
@@ -110,6 +105,14 @@ class Ds4fConsole(App):
         """A line in the dashboard's event log (dropped while starting up or shutting down)."""
         if self.screen_stack and isinstance(self.screen_stack[0], DashboardScreen):
             self.screen_stack[0].log_line(text, style)
+
+    def _tell_dashboard(self) -> DashboardScreen:
+        """Tell the dashboard the settings its status line shows, and return it."""
+        dash = self.dashboard
+        dash.next_run = self.controller.next_run() if self.controller is not None else None
+        dash.refresh_s = self.refresh_s
+        dash.frozen = self.frozen
+        return dash
 
     def on_mount(self) -> None:
         self.theme_changed_signal.subscribe(self, self._theme_changed)
@@ -155,7 +158,8 @@ class Ds4fConsole(App):
         try:
             self.controller = Controller(config, self.history, model=model,
                                          preset=self._preset_arg if self._preset_arg and not use_demo else "",
-                                         gen=self._gen_arg or 16, start_run=self._start_run_fn,
+                                         gen=self._gen_arg or DEFAULT_GEN, start_run=self._start_run_fn,
+                                         engines=self.engines,
                                          config_path=self._config_path if not use_demo else None)
         except Ds4fError as exc:
             self.show_error("The preset could not be used", str(exc))
@@ -246,14 +250,10 @@ class Ds4fConsole(App):
             return
         if snap is not None:
             self._transitions(snap)
-        dash = self.dashboard
-        if not (dash.is_current or force):
+        if not (self.dashboard.is_current or force):
             return
         try:
-            if self.frozen:  # the figures stay as they were; the status line says so
-                dash._status(dash.shown)
-            else:
-                dash.show(snap)
+            self._tell_dashboard().show(snap)  # frozen: the status line alone
         except NoMatches:  # the app is shutting down and the panels are gone
             pass
 
@@ -271,20 +271,23 @@ class Ds4fConsole(App):
             self.notify(snap.error or "the run failed", title=f"run {snap.run_id} failed", severity="error",
                         timeout=10)
 
-    def change_refresh(self, step: int) -> None:
-        self.refresh_s = next_refresh(self.refresh_s, step)
+    # -- the dashboard's keys --------------------------------------------------------------
+    def on_dashboard_screen_shown(self, _message: DashboardScreen.Shown) -> None:
+        self.tick(force=True)
+
+    def on_dashboard_screen_step_refresh_period(self, message: DashboardScreen.StepRefreshPeriod) -> None:
+        self.refresh_s = next_refresh(self.refresh_s, message.step)
         self._start_timer()
         self.log_event(f"· refresh period {self.refresh_s:g} s", "italic")
         self.tick(force=True)
 
-    def toggle_freeze(self) -> None:
+    def on_dashboard_screen_toggle_freeze(self, _message: DashboardScreen.ToggleFreeze) -> None:
         self.frozen = not self.frozen
         self.log_event("· display frozen (space resumes; the run goes on)" if self.frozen
-                                else "· display live again", "italic")
+                       else "· display live again", "italic")
         self.tick(force=True)
 
-    # -- run control ----------------------------------------------------------------------
-    def start_run(self) -> None:
+    def on_dashboard_screen_start_run(self, _message: DashboardScreen.StartRun) -> None:
         ctl = self.controller
         if ctl is None:
             return
@@ -293,10 +296,57 @@ class Ds4fConsole(App):
             return
         self._starting = True
         self.log_event(f"· starting: {ctl.model}, preset {ctl.preset}, {ctl.gen} tokens, "
-                                f"{ctl.next_backend()}, k{ctl.effective_kernel_threads()} "
-                                f"io{ctl.effective_io_threads()}", "italic")
+                       f"{ctl.next_backend()}, k{ctl.effective_kernel_threads()} "
+                       f"io{ctl.effective_io_threads()}", "italic")
         self._start_worker(ctl)
 
+    def on_dashboard_screen_stop_run(self, _message: DashboardScreen.StopRun) -> None:
+        ctl = self.controller
+        if ctl is not None and ctl.stop():
+            self.log_event("· stop requested: the run ends at the next token", "italic")
+        else:
+            self.notify("No live run to stop.")
+
+    def on_dashboard_screen_cycle_preset(self, _message: DashboardScreen.CyclePreset) -> None:
+        self._change_setting(lambda c: c.cycle_preset())
+
+    def on_dashboard_screen_step_io_threads(self, message: DashboardScreen.StepIoThreads) -> None:
+        self._change_setting(lambda c: c.adjust_io_threads(message.delta))
+
+    def on_dashboard_screen_step_kernel_threads(self, message: DashboardScreen.StepKernelThreads) -> None:
+        self._change_setting(lambda c: c.adjust_kernel_threads(message.delta))
+
+    def on_dashboard_screen_toggle_kernels(self, _message: DashboardScreen.ToggleKernels) -> None:
+        self._change_setting(lambda c: c.toggle_backend())
+
+    def on_dashboard_screen_set_token_count(self, message: DashboardScreen.SetTokenCount) -> None:
+        self._change_setting(lambda c: c.set_gen(message.tokens))
+
+    def on_dashboard_screen_open_history(self, _message: DashboardScreen.OpenHistory) -> None:
+        ctl = self.controller
+        if ctl is None or ctl.history is None:
+            self.notify("No run history is open.", severity="warning")
+            return
+        self.push_screen(HistoryScreen(lambda: ctl.runs(500)))
+
+    def on_dashboard_screen_diff_last_two(self, _message: DashboardScreen.DiffLastTwo) -> None:
+        pair = self.controller.last_two() if self.controller else None
+        if pair is None:
+            self.notify("Two finished runs are needed: r runs one.", severity="warning")
+            return
+        self._open_diff(*pair)
+
+    def on_dashboard_screen_compare_simd_scalar(self, _message: DashboardScreen.CompareSimdScalar) -> None:
+        self._open_pair(self.controller.simd_scalar_pair() if self.controller else None)
+
+    # -- the history's keys -----------------------------------------------------------------
+    def on_history_screen_open_diff(self, message: HistoryScreen.OpenDiff) -> None:
+        self._open_diff(message.a, message.b)
+
+    def on_history_screen_compare_simd_scalar(self, message: HistoryScreen.CompareSimdScalar) -> None:
+        self._open_pair(simd_scalar_pair(message.records))
+
+    # -- run control ----------------------------------------------------------------------
     @work(thread=True, group="start", exit_on_error=False)
     def _start_worker(self, ctl: Controller) -> None:
         try:
@@ -319,58 +369,45 @@ class Ds4fConsole(App):
         if model and model in message:
             self.show_error("The checkpoint could not be opened", message, can_go_back=True)
 
-    def stop_run(self) -> None:
-        ctl = self.controller
-        if ctl is not None and ctl.stop():
-            self.log_event("· stop requested: the run ends at the next token", "italic")
-        else:
-            self.notify("No live run to stop.")
-
-    def settings_action(self, fn) -> None:
+    def _change_setting(self, change: Callable[[Controller], str]) -> None:
+        """Apply a settings key to the controller; its note goes to the event log."""
         ctl = self.controller
         if ctl is None:
             return
         try:
-            fn(ctl)
+            note = change(ctl)
         except Ds4fError as exc:
             self.notify(str(exc), severity="error")
             return
-        dash = self.dashboard
-        dash.sync_notes(ctl.notes)
-        dash._status(self.current_snapshot())
+        self.log_event(f"· {note}", "italic")
+        self._tell_dashboard().show_status(self.current_snapshot())
 
-    # -- history and diffs ------------------------------------------------------------------
-    def open_history(self) -> None:
-        if self.controller is None or self.controller.history is None:
-            self.notify("No run history is open.", severity="warning")
-            return
-        self.push_screen(HistoryScreen())
+    def _stop_live_run(self) -> None:
+        """Stop a live run and give it a few seconds to end (it ends at its next token)."""
+        ctl = self.controller
+        if ctl is not None and ctl.live:
+            ctl.stop()
+            ctl.run.wait(5.0)
 
-    def open_diff(self, a: RunRecord, b: RunRecord, diff=None) -> None:
-        self.push_screen(DiffScreen(a, b, diff=diff, diff_fn=self._diff_fn))
+    # -- diffs ----------------------------------------------------------------------------
+    def _open_diff(self, a: RunRecord, b: RunRecord) -> None:
+        self.push_screen(DiffScreen(a, b, diff_fn=self._diff_fn))
 
-    def diff_last(self) -> None:
-        pair = self.controller.last_two() if self.controller else None
+    def _open_pair(self, pair: tuple[RunRecord, RunRecord] | None) -> None:
         if pair is None:
-            self.notify("Two finished runs are needed: r runs one.", severity="warning")
+            self.notify(NO_PAIR, severity="warning", timeout=8)
             return
-        self.open_diff(*pair)
-
-    def notify_no_pair(self) -> None:
-        self.notify("Needs a finished SIMD run and a scalar run of the same model and length: "
-                    "k switches the kernels, r runs.", severity="warning", timeout=8)
-
-    def compare_simd_scalar(self) -> None:
-        pair = self.controller.simd_scalar_pair() if self.controller else None
-        if pair is None:
-            self.notify_no_pair()
-            return
-        self.open_diff(*pair)
+        self._open_diff(*pair)
 
     # -- app-wide actions ----------------------------------------------------------------
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            ctl = self.controller
+            self.push_screen(HelpScreen(files=[
+                ("config", self.config.source if self.config else "—"),
+                ("history", str(ctl.history.path) if ctl and ctl.history else "—"),
+                ("model", (ctl.model or "—") if ctl else "—"),
+            ]))
 
     def action_cycle_theme(self) -> None:
         self.theme = next_theme(self.theme)
@@ -385,11 +422,15 @@ class Ds4fConsole(App):
             self.log_event(f"· theme {theme.name}", "italic")
 
     async def action_quit(self) -> None:
-        ctl = self.controller
-        if ctl is not None and ctl.live:
-            ctl.stop()
-            ctl.run.wait(5.0)
+        self._stop_live_run()
         self.exit()
+
+    def on_unmount(self) -> None:
+        """The app is closing: stop a live run, then release the loaded engine."""
+        self._stop_live_run()
+        ctl = self.controller
+        if ctl is None or ctl.run is None or ctl.run.finished:
+            self.engines.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,11 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", metavar="NAME", help="preset for the first run (p cycles presets)")
     args = parser.parse_args(argv)
     app = Ds4fConsole(config_path=args.config, model=args.model, preset=args.preset)
-    app.run()
-    ctl = app.controller
-    if ctl is not None and ctl.live:  # e.g. ctrl+q: never leave a run thread writing behind us
-        ctl.stop()
-        ctl.run.wait(5.0)
+    app.run()  # a live run is stopped and the engine released as the app unmounts
     return int(app.return_code or 0)
 
 

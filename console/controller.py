@@ -11,43 +11,28 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ds4f.engine.config import Config
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History, RunRecord
-from ds4f.engine.snapshot import Snapshot
+from ds4f import api
+from ds4f.api import Config, Ds4fError, EngineHost, History, RunConfig, RunRecord, Snapshot
 
-LIVE_STATES = ("starting", "running")
 REFRESH_STEPS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
-MAX_IO_THREADS = 64
-MAX_GEN = 100_000
+MAX_IO_THREADS = 64     # where the ] key stops (the engine itself accepts up to api.MAX_THREADS)
 
 
-def available_backends() -> list[str]:
-    try:
-        from ds4f.engine import kernels
-    except ImportError:
-        return ["scalar"]
-    return list(kernels.available_backends())
+def default_start_run(config: RunConfig, history: History | None, engines: EngineHost | None = None):
+    """Start a run through the run API; `engines` keeps the loaded engine for the next run."""
+    return api.start_run(config, history=history, engines=engines)
 
 
-def best_backend() -> str:
-    try:
-        from ds4f.engine import kernels
-    except ImportError:
-        return "scalar"
-    return kernels.best_backend()
+@dataclass(frozen=True)
+class NextRun:
+    """The settings the next run starts with, as the status line and the kernels panel show them."""
 
-
-def default_start_run(config, history):
-    from ds4f.engine.runs import start_run
-
-    return start_run(config, history=history)
-
-
-def make_run_config(**kwargs):
-    from ds4f.engine.runs import RunConfig
-
-    return RunConfig(**kwargs)
+    model: str
+    preset: str
+    gen: int
+    backend: str
+    kernel_threads: int
+    io_threads: int
 
 
 @dataclass
@@ -56,13 +41,14 @@ class Controller:
     history: History | None
     model: str = ""
     preset: str = ""
-    gen: int = 16
+    gen: int = api.DEFAULT_GEN
     io_threads: int | None = None          # None: the preset's / ds4f.toml's
     kernel_threads: int | None = None
     backend: str = "auto"
     config_path: str | None = None         # passed on to the run so it reads the same ds4f.toml
-    start_run: Callable = default_start_run
-    run: object | None = None              # the current or last Run of this session
+    start_run: Callable = default_start_run  # (RunConfig, History | None, EngineHost | None) -> Run
+    engines: EngineHost | None = None      # keeps one loaded engine across this session's runs
+    run: api.Run | None = None             # the current or last Run of this session
     notes: list[str] = field(default_factory=list)   # console-side events (settings changes)
 
     def __post_init__(self) -> None:
@@ -83,25 +69,29 @@ class Controller:
         return self.kernel_threads or self.config.effective_kernel_threads(self.config.get_preset(self.preset))
 
     def next_backend(self) -> str:
-        return best_backend() if self.backend == "auto" else self.backend
+        return api.best_backend() if self.backend == "auto" else self.backend
+
+    def next_run(self) -> NextRun:
+        return NextRun(self.model, self.preset, self.gen, self.next_backend(), self.effective_kernel_threads(),
+                       self.effective_io_threads())
 
     def run_config(self):
         if not self.model:
             raise Ds4fError("no model: give --model PATH, set [model] path in ds4f.toml, or use the demo model")
-        return make_run_config(model=self.model, preset=self.preset, gen=self.gen,
-                               io_threads=self.io_threads, kernel_threads=self.kernel_threads,
-                               backend=self.backend, config_path=self.config_path)
+        return RunConfig(model=self.model, preset=self.preset, gen=self.gen,
+                         io_threads=self.io_threads, kernel_threads=self.kernel_threads,
+                         backend=self.backend, config_path=self.config_path)
 
     # -- the run --------------------------------------------------------------------------
     @property
     def live(self) -> bool:
-        return self.run is not None and self.run.state in LIVE_STATES
+        return self.run is not None and self.run.state in api.LIVE_STATES
 
     def start(self):
         """Start a run with the pending settings (blocking: it opens the checkpoint)."""
         if self.live:
             raise Ds4fError(f"run {self.run.id} is still {self.run.state}; stop it first (s)")
-        run = self.start_run(self.run_config(), self.history)
+        run = self.start_run(self.run_config(), self.history, self.engines)
         self.run = run
         return run
 
@@ -141,17 +131,17 @@ class Controller:
         """SIMD <-> scalar: live at the next token, and for the next run."""
         current = self.run.snapshot().backend if self.live else self.next_backend()
         if current == "scalar":
-            target = best_backend()
+            target = api.best_backend()
             if target == "scalar":
-                raise Ds4fError(f"no SIMD backend on this CPU (available: {', '.join(available_backends())})")
+                raise Ds4fError(f"no SIMD backend on this CPU (available: {', '.join(api.available_backends())})")
         else:
             target = "scalar"
         self.backend = target
         return self._note(self._apply_live(f"kernels {current} → {target}", backend=target))
 
     def set_gen(self, n: int) -> str:
-        if not isinstance(n, int) or not 1 <= n <= MAX_GEN:
-            raise Ds4fError(f"token count: must be between 1 and {MAX_GEN}, got {n!r}")
+        if not isinstance(n, int) or not 1 <= n <= api.MAX_GEN:
+            raise Ds4fError(f"token count: must be between 1 and {api.MAX_GEN}, got {n!r}")
         self.gen = n
         return self._note(f"token count {n}" + (" (next run)" if self.live else ""))
 

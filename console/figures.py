@@ -7,10 +7,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ds4f.engine.config import format_bytes
-from ds4f.engine.snapshot import Snapshot, TokenRecord
+from ds4f.api import Snapshot, TokenRecord, format_bytes
 
 DASH = "—"
+STATE_MARK = {"starting": "◌", "running": "●", "done": "✓", "cancelled": "■", "failed": "✗"}
+
+
+def state_mark(state: str) -> str:
+    """A run's state as its one-character mark (? for a state the console does not know)."""
+    return STATE_MARK.get(state, "?")
+
+
+def model_name(path: str) -> str:
+    """The checkpoint's directory name, which is what tells models apart in a status line."""
+    if not path:
+        return "(no model)"
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return name or path
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -105,21 +118,18 @@ class Switch:
         return f"{self.what} {self.before}→{self.after} at token {self.token}"
 
 
-def switches(tokens: tuple[TokenRecord, ...]) -> list[Switch]:
-    """Where the backend or a thread count changed during the run, token by token."""
+def run_switches(snap: Snapshot) -> list[Switch]:
+    """Every live switch of the run, from its settings at the start and at each change
+    (Snapshot.switches: the whole run, where Snapshot.tokens holds only the recent tokens)."""
     out: list[Switch] = []
-    for prev, cur in zip(tokens, tokens[1:]):
-        if cur.backend != prev.backend:
-            out.append(Switch(cur.index, "backend", prev.backend, cur.backend))
-        if cur.kernel_threads != prev.kernel_threads:
-            out.append(Switch(cur.index, "kernel threads", str(prev.kernel_threads), str(cur.kernel_threads)))
-        if cur.io_threads != prev.io_threads:
-            out.append(Switch(cur.index, "io threads", str(prev.io_threads), str(cur.io_threads)))
+    for (_, b0, k0, i0), (token, b1, k1, i1) in zip(snap.switches, snap.switches[1:]):
+        if b1 != b0:
+            out.append(Switch(token, "backend", b0, b1))
+        if k1 != k0:
+            out.append(Switch(token, "kernel threads", str(k0), str(k1)))
+        if i1 != i0:
+            out.append(Switch(token, "io threads", str(i0), str(i1)))
     return out
-
-
-def backend_switches(tokens: tuple[TokenRecord, ...]) -> list[Switch]:
-    return [s for s in switches(tokens) if s.what == "backend"]
 
 
 def progress_text(snap: Snapshot) -> str:

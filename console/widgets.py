@@ -4,11 +4,10 @@ and the wrapping key bar. They draw what they are given; the screens decide what
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from rich.style import Style
 from rich.text import Text
-from textual.binding import Binding
 from textual.containers import Vertical
 from textual.geometry import Size
 from textual.events import Resize
@@ -344,10 +343,3 @@ class KeyBar(_Styled):
                 text.append(" " + label, label_st)
         return text
 
-
-def key_label(binding: Binding, app) -> str:
-    return app.get_key_display(binding)
-
-
-def join_items(items: Iterable[str], sep: str = " · ") -> str:
-    return sep.join(i for i in items if i)

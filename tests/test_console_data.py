@@ -54,6 +54,9 @@ def fixed_snapshot(state: str = "running", tokens_done: int = 24, gen: int = 32)
                 "01:55:11 token 14: backend avx2 -> scalar"),
         prefetch={"issued": 310, "useful": 214, "late": 61, "wasted": 92, "cancelled": 4},
         optimum_hit_rate=0.861 if state == "done" else None,
+        disk_busy_fraction=0.87, mean_read_depth=5.2,  # as the tokens' disk_busy_s and disk_depth_s say
+        switches=tuple((t.index, t.backend, t.kernel_threads, t.io_threads) for i, t in enumerate(toks)
+                       if i == 0 or t.backend != toks[i - 1].backend),
     )
 
 

@@ -9,7 +9,6 @@ import asyncio
 import functools
 import os
 import shutil
-import statistics
 import time
 
 import pytest
@@ -144,6 +143,22 @@ async def test_stop_cancels(tiny_model, history_path):
     recs = History(history_path).list_runs()
     assert [r.state for r in recs] == ["cancelled"], "one run only, recorded as cancelled"
     assert recs[0].state_path is None
+
+
+@async_test
+async def test_the_engine_stays_loaded_between_runs(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        first = await run_to_end(pilot)
+        await pilot.press("right_square_bracket")  # threads are per run: the engine is still reused
+        second = await run_to_end(pilot)
+        assert any(" engine loaded in " in e for e in first.snapshot().events)
+        assert any(" engine reused in " in e for e in second.snapshot().events)
+        assert app.engines.loads == 1
+        assert "engine reused in" in log_text(app)
+        await pilot.press("q")
+    assert second.state == "done"
 
 
 # ------------------------------------------------------------------------------ settings keys
@@ -496,40 +511,35 @@ async def test_quit_stops_a_live_run(tiny_model, history_path):
 
 
 @async_test
-async def test_keys_stay_responsive_during_a_run(tiny_model, history_path):
-    """From the key arriving at the app to its action running, while a run decodes."""
+async def test_every_key_acts_during_a_run(tiny_model, history_path):
+    """Keys typed faster than the refresh period while a run decodes each do what they say.
+    (How long a key takes is measured by ds4f.console.bench.bench_console, not asserted here.)"""
     from textual import events
 
     app = make_app(tiny_model, history_path, refresh_s=0.25, gen=100_000)
-    stamps: list[float] = []
-    change_refresh = app.change_refresh
-
-    def timed(step):
-        stamps.append(time.perf_counter())
-        change_refresh(step)
-
-    app.change_refresh = timed
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         await pilot.press("r")
         await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 20,
                        60, "a busy run")
-        latencies = []
-        for i in range(30):
+        tokens_before = app.controller.run.snapshot().tokens_done
+        for i in range(30):  # a burst, delivered as the terminal driver delivers keys
             key, char = ("plus", "+") if i % 2 == 0 else ("minus", "-")
-            n = len(stamps)
             event = events.Key(key, char)
             event.set_sender(app)
-            t0 = time.perf_counter()
-            app._driver.send_message(event)  # as the terminal driver delivers a key
-            await wait_for(pilot, lambda: len(stamps) > n, 5, "the key")
-            latencies.append(stamps[-1] - t0)
-            await pilot.pause(0.03)
-        assert app.controller.run.state == "running"
+            app.post_message(event)
+
+        def period_lines() -> list[str]:
+            return [line for line in log_text(app).splitlines() if line.startswith("· refresh period")]
+
+        await wait_for(pilot, lambda: len(period_lines()) >= 30, 60, "every key's action")
+        await pilot.pause(0.3)
+        assert period_lines() == ["· refresh period 0.5 s", "· refresh period 0.25 s"] * 15
+        assert app.refresh_s == 0.25
+        run = app.controller.run
+        assert run.state == "running" and run.snapshot().tokens_done > tokens_before, "the run went on meanwhile"
         await pilot.press("s")
-        app.controller.run.wait(30)
-    assert statistics.median(latencies) < 0.05, latencies
-    assert max(latencies) < 0.1, latencies
+        run.wait(30)
 
 
 # ------------------------------------------------------------------------------ palette and footer

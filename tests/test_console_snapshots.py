@@ -44,8 +44,9 @@ def make_app(tmp_path, snap="running", theme=None, diff="low-bit") -> Ds4fConsol
     history = fixed_history(tmp_path / "history.sqlite3")
     snapshot = None if snap is None else fixed_snapshot(snap)
     # fixed settings, so the status line does not depend on this machine's CPU (best backend, cores)
+    # nor on the engine's default token count
     config = dataclasses.replace(builtin_config(), backend="avx2", kernel_threads=16, io_threads=8)
-    return Ds4fConsole(config=config, history=history, model=MODEL, validate_model=False,
+    return Ds4fConsole(config=config, history=history, model=MODEL, validate_model=False, gen=16,
                        snapshot_source=lambda: snapshot, diff_fn=lambda a, b: fixed_diff(diff), theme=theme)
 
 

@@ -1,4 +1,6 @@
 """The console's plain-Python parts: thresholds, figures, the controller's settings logic."""
+import dataclasses
+
 import pytest
 
 from ds4f.console import figures as F
@@ -34,9 +36,14 @@ def test_series_and_switches():
     toks = fixed_tokens(24, switch_at=14)
     assert len(F.token_seconds(toks)) == 24
     assert all(0 <= r <= 1 for r in F.token_hit_rates(toks))
-    sw = F.backend_switches(toks)
-    assert len(sw) == 1 and sw[0].token == 14 and str(sw[0]) == "backend avx2→scalar at token 14"
     snap = fixed_snapshot()
+    sw = F.run_switches(snap)
+    assert len(sw) == 1 and sw[0].token == 14 and str(sw[0]) == "backend avx2→scalar at token 14"
+    # a switch long before the recent tokens the snapshot holds is still the run's
+    late = dataclasses.replace(snap, tokens=snap.tokens[-3:],
+                               switches=snap.switches + ((22, "scalar", 8, 8),))
+    assert [str(s) for s in F.run_switches(late)] == ["backend avx2→scalar at token 14",
+                                                       "kernel threads 16→8 at token 22"]
     rates = F.layer_hit_rates(snap)
     assert len(rates) == 43 and all(0 < r < 1 for r in rates)
 
