@@ -1,28 +1,28 @@
 """The console in a real pseudo-terminal: what it costs an SSH link.
 
 The dashboard is fed a fixed Snapshot (unchanging) or one whose progress moves every poll;
-we count the bytes the app writes to the terminal once it has drawn its first screen.
+we count the bytes the app writes to the terminal per refresh, once it has drawn its first
+screen. The waits are counted in refreshes (the child reports each one), not in seconds.
 """
 from __future__ import annotations
 
-import os
-import select
-import struct
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-pty = pytest.importorskip("pty")
-fcntl = pytest.importorskip("fcntl")
-termios = pytest.importorskip("termios")
+pytest.importorskip("pty")
+pytest.importorskip("fcntl")
+pytest.importorskip("termios")
+
+from ds4f.console.bench import count_refresh_bytes
 
 APP = """
 import dataclasses, itertools, os, sys, tempfile
 sys.path.insert(0, {tests!r})
 from test_console_data import MODEL, builtin_config, fixed_history, fixed_snapshot
 from ds4f.console.app import Ds4fConsole
+from ds4f.console.bench import reporting_source
 snap = fixed_snapshot()
 count = itertools.count()
 def source():
@@ -32,49 +32,39 @@ def source():
     return snap
 history = fixed_history(os.path.join(tempfile.mkdtemp(), "h.sqlite3"))
 Ds4fConsole(config=builtin_config(), history=history, model=MODEL, validate_model=False,
-            snapshot_source=source, refresh_s=1.0, theme="ds4f-dark").run()
+            snapshot_source=reporting_source(source), refresh_s=1.0, theme="ds4f-dark").run()
 """
 
+# Polls before the counting starts: the first frame's, the start-up ones, then timer refreshes
+# enough for the first screen to be complete.
+SETTLE = 5
 
-def _bytes_written(mode: str, settle: float, window: float) -> int:
+
+def _bytes_per_refresh(mode: str, refreshes: int) -> dict:
     script = APP.format(tests=str(Path(__file__).parent))
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: an 80x24 terminal running the console
-        os.environ["TERM"] = "xterm-256color"
-        os.environ.pop("NO_COLOR", None)
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-        os.execv(sys.executable, [sys.executable, "-c", script, mode])
-
-    def drain(seconds: float) -> int:
-        n, end = 0, time.monotonic() + seconds
-        while time.monotonic() < end:
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if ready:
-                try:
-                    n += len(os.read(fd, 65536))
-                except OSError:
-                    break
-        return n
-
-    try:
-        first = drain(settle)
-        assert first > 2000, "the console drew its first screen"
-        return drain(window)
-    finally:
-        os.write(fd, b"q")
-        drain(0.5)
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        os.close(fd)
+    out = count_refresh_bytes([sys.executable, "-c", script, mode], settle=SETTLE, refreshes=refreshes,
+                              size=(80, 24))
+    assert out["first_screen_bytes"] > 2000, "the console drew its first screen"
+    return out
 
 
 def test_an_unchanging_dashboard_sends_nothing():
-    assert _bytes_written("idle", settle=4.0, window=3.0) == 0
+    assert _bytes_per_refresh("idle", refreshes=3)["refresh_bytes"] == 0
 
 
 def test_a_moving_run_costs_about_a_kilobyte_per_refresh():
-    n = _bytes_written("moving", settle=4.0, window=5.0)
-    assert 0 < n < 5 * 3000, f"{n} bytes in 5 s at a 1 s refresh"
+    out = _bytes_per_refresh("moving", refreshes=5)
+    assert 0 < out["bytes_per_refresh"] < 3000, out
+
+
+def test_bench_console_measures_a_live_run(tiny_model):
+    from ds4f.console.bench import bench_console
+
+    out = bench_console(str(tiny_model), keys=6, refreshes=3, refresh_s=0.25, warm_tokens=5)
+    assert out["keys"] == 6 and len(out["key_latency_s"]) == 6
+    assert all(x > 0 for x in out["key_latency_s"])
+    assert out["key_latency_max_s"] >= out["key_latency_median_s"] > 0
+    assert out["tokens_during_keys"] > 0, "the keys were timed while the run decoded"
+    assert out["refreshes"] == 3 and out["refresh_bytes"] > 0, "a live run redraws"
+    assert out["bytes_per_refresh"] == out["refresh_bytes"] / 3 and out["first_screen_bytes"] > 2000
+    assert out["terminal"] == "80x24"
