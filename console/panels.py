@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Digits, Static
 
-from ds4f.api import Snapshot
+from ds4f.api import LIVE_STATES, Snapshot
 
 from . import figures as F
 from .controller import NextRun
@@ -224,7 +224,7 @@ class ProgressPanel(DashboardPanel):
         meter.set(snap.tokens_done / snap.gen if snap.gen else 0.0,
                   "critical" if snap.state == "failed" else None, "", f"{snap.tokens_done}/{snap.gen}")
         rt = Text()
-        if snap.state in ("starting", "running"):
+        if snap.state in LIVE_STATES:
             rt.append(f"ETA {F.fmt_seconds(snap.eta_s)} · ")
         rt.append(f"elapsed {F.fmt_seconds(snap.elapsed_s)}")
         if snap.stall_s_per_token is not None:

@@ -86,7 +86,7 @@ class DashboardScreen(Screen):
     def __init__(self, refresh_s: float = 1.0, snapshot: Snapshot | None = None) -> None:
         """`snapshot`: what the panels show from the first frame (None: no run yet)."""
         super().__init__(id="dashboard")
-        # What the status line shows besides the run; the app sets these when they change.
+        # What the status line shows besides the run; the app sets these before each refresh.
         self.next_run: NextRun | None = None
         self.refresh_s = refresh_s
         self.frozen = False
