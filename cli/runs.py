@@ -97,7 +97,7 @@ def _run(args) -> int:
     _print_tokens(run, shown)
     if run.state != "done":
         raise Ds4fError(run.error or f"run ended {run.state}")
-    s = run.report["summary"]
+    s = run.summary_report["summary"]
     snap = run.snapshot()
     print(f"s/token        {_fmt(s['s_per_token'], '.3f')} warm (median) · {_fmt(s['s_first_token'], '.3f')} first token (cold)")
     print(f"GB/token       {_fmt(s['gb_per_token'], '.3f')} warm · {_fmt(s['gb_first_token'], '.3f')} first token")
@@ -119,20 +119,23 @@ def _run(args) -> int:
         print(f"prefetch       {pf['issued']} issued · {pf['useful']} useful ({pf['late']} late) · "
               f"{pf['wasted']} wasted · {pf['cancelled']} cancelled")
     print(f"memory         RSS {s['rss_bytes'] / 2**30:.2f} GiB of {s['rss_budget_bytes'] / 2**30:.2f} GiB budget · {snap.io_mode}")
-    print(f"kernels        {', '.join(sorted(set(run.report['backend_by_token'])))} · {snap.kernel_threads} kernel threads · {snap.io_threads} I/O threads")
-    print(f"generated      {run.report['generated']}")
-    print(f"state          {run.report['state_path']} sha256 {run.report['state_sha256']}")
+    print(f"kernels        {', '.join(sorted(set(run.summary_report['backend_by_token'])))} · {snap.kernel_threads} kernel threads · {snap.io_threads} I/O threads")
+    print(f"generated      {run.summary_report['generated']}")
+    print(f"state          {run.summary_report['state_path']} sha256 {run.summary_report['state_sha256']}")
     print(f"report         {run.report_path}")
     return 0
 
 
 def _print_tokens(run, shown: int) -> int:
+    """Print the tokens from index `shown` on that the snapshot still holds; the next index to show."""
     snap = run.snapshot()
-    for t in snap.tokens[shown:]:
+    if snap.tokens and snap.tokens[0].index > shown:
+        print(f"({snap.tokens[0].index - shown} tokens not shown)", file=sys.stderr)
+    for t in (t for t in snap.tokens if t.index >= shown):
         hr = t.hits / (t.hits + t.misses) if t.hits + t.misses else 0.0
         print(f"token {t.index + 1:>4}/{snap.gen}  id {t.token_id:>6} -> {t.next_token_id:>6}  {t.seconds:7.3f} s  "
               f"{t.bytes_read / 1e9:6.3f} GB  hits {hr:6.1%}  stall {t.stall_s:6.3f} s  {t.backend}", file=sys.stderr)
-    return len(snap.tokens)
+    return snap.tokens[-1].index + 1 if snap.tokens else shown
 
 
 def _diff(args) -> int:

@@ -90,9 +90,12 @@ class RunRecord:
 
     @property
     def tokens_done(self) -> int:
-        if self.report and isinstance(self.report.get("tokens"), list):
+        if not self.report:
+            return 0
+        if isinstance(self.report.get("tokens"), list):
             return len(self.report["tokens"])
-        return 0
+        summary = self.report.get("summary")
+        return int(summary.get("tokens") or 0) if isinstance(summary, dict) else 0
 
     @property
     def backends(self) -> tuple[str, ...]:

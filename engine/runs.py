@@ -12,10 +12,10 @@ process-wide settings of the native library.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import secrets
-import statistics
 import threading
 import time
 import traceback
@@ -30,11 +30,14 @@ from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT,
                                load_config, user_data_dir)
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.snapshot import Snapshot, TokenRecord, disk_occupancy
-from ds4f.engine.statedump import StateWriter
+from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord
+from ds4f.engine.statedump import StateWriter, read_routing
 
 REPORT_SCHEMA = "ds4f.report/1"
 
+BELADY_MAX_REQUESTS = 4_000_000   # the optimum's replay holds 8 bytes per request (and a dict of slots)
+MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
+SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
 END_STATES = ("done", "cancelled", "failed")
 _active_lock = threading.Lock()
@@ -198,13 +201,12 @@ class Run:
         self._state = "starting"
         self._error: str | None = None
         self._report: dict | None = None
-        self._events: list[str] = []
-        self._tokens: list[TokenRecord] = []
-        self._generated: list[int] = []
+        self._events: collections.deque[str] = collections.deque(maxlen=MAX_EVENTS)
+        self._n_events = 0
+        self._log_tokens = TokenLog(self.n_steps)    # every token's figures, sized up front
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
         self._session_nbytes = 0                     # the session's buffers, counted as resident
-        self._routing: list = []                     # expert ids per token, for the optimum's replay
         self._optimum: float | None = None
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
         self._rss_at_end = 0
@@ -227,6 +229,19 @@ class Run:
 
     @property
     def report(self) -> dict | None:
+        """The whole report of a done run, its per-token records included (read from report.json,
+        so a long run's records are not held in memory); summary_report is the same without them."""
+        if self._report is None:
+            return None
+        try:
+            with open(self.report_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):   # moved or deleted since: what is still in memory
+            return dict(self._report)
+
+    @property
+    def summary_report(self) -> dict | None:
+        """The report without its per-token records (cheap: kept in memory)."""
         return self._report
 
     @property
@@ -255,29 +270,34 @@ class Run:
                     self._pending[name] = value
 
     def snapshot(self) -> Snapshot:
+        log = self._log_tokens
         with self._lock:
-            tokens = tuple(self._tokens)
-            events = tuple(self._events[-200:])
+            tokens = tuple(log.recent)
+            events = tuple(self._events)[-SNAPSHOT_EVENTS:]
             state, error = self._state, self._error
             backend = self._backend
             kt, it = self.kernel_threads, self.io_threads
+            done = log.count
+            rows = log.rows[:done].copy()
+            s_tok = log.median_seconds()
+            disk_busy, read_depth = log.occupancy()
+            switches = tuple(log.switches)
         eng = self._engine
         fig = eng.figures(self._session_nbytes) if eng is not None else self._final_figures
-        warm = tokens[1:] or tokens
-        s_tok = statistics.median(t.seconds for t in warm) if warm else None
-        gb_tok = sum(t.bytes_read for t in warm) / len(warm) / 1e9 if warm else None
+        warm = rows[1:] if done > 1 else rows
+        gb_tok = float(warm["bytes_read"].sum()) / len(warm) / 1e9 if done else None
         eff = gb_tok / s_tok if gb_tok is not None and s_tok else None
         floor = self._floor.gbps if self._floor else None
-        hits = sum(t.hits for t in tokens)
-        misses = sum(t.misses for t in tokens)
+        hits = int(rows["hits"].sum())
+        misses = int(rows["misses"].sum())
         elapsed = (self.finished_at or time.time()) - self.started_at
-        remaining = self.n_steps - len(tokens)
+        remaining = self.n_steps - done
         rss = self._rss_at_end if self.finished_at is not None else self._rss_now()
         return Snapshot(
             run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
-            gen=self.n_steps, tokens_done=len(tokens), backend=backend, kernel_threads=kt, io_threads=it,
+            gen=self.n_steps, tokens_done=done, backend=backend, kernel_threads=kt, io_threads=it,
             io_mode=self.checkpoint.io_mode, policy=self.preset.policy,
-            s_per_token=s_tok, s_first_token=tokens[0].seconds if tokens else None,
+            s_per_token=s_tok, s_first_token=float(rows["seconds"][0]) if done else None,
             gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
             io_efficiency=eff / floor if eff is not None and floor else None,
             hit_rate=hits / (hits + misses) if hits + misses else None,
@@ -285,12 +305,13 @@ class Run:
             layer_evictions=fig.layer_evictions if fig else (),
             cache_bytes=fig.cache_used_bytes if fig else 0,
             budget_bytes=fig.cache_capacity_bytes if fig else 0,
-            rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes if fig else 0,
+            rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes + log.nbytes if fig else 0,
             read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
-            stall_s_per_token=sum(t.stall_s for t in tokens) / len(tokens) if tokens else None,
+            stall_s_per_token=float(rows["stall_s"].sum()) / done if done else None,
             elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
             tokens=tokens, events=events, prefetch=fig.prefetch if fig else {},
-            optimum_hit_rate=self._optimum)
+            optimum_hit_rate=self._optimum, disk_busy_fraction=disk_busy, mean_read_depth=read_depth,
+            switches=switches)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:
@@ -302,6 +323,7 @@ class Run:
     def _log(self, message: str) -> None:
         with self._lock:
             self._events.append(f"{time.strftime('%H:%M:%S')} {message}")
+            self._n_events += 1
 
     def _apply_switches(self, eng: Engine, step: int) -> None:
         with self._lock:
@@ -360,26 +382,24 @@ class Run:
                 res = session.step(token)
                 seconds = time.perf_counter() - t0
                 writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden)
-                self._routing.append(res.ids.copy())
                 record = TokenRecord(index=step, token_id=token, next_token_id=res.next_token, seconds=seconds,
                                      bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
                                      stall_s=res.stall_s, backend=eng.backend,
                                      kernel_threads=eng.kernel_threads, io_threads=eng.io_threads,
                                      disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s)
                 with self._lock:
-                    self._tokens.append(record)
+                    self._log_tokens.add(record)
                 if self.on_token is not None:
                     self.on_token(record)
                 if step + 1 < len(self.prompt):
                     token = self.prompt[step + 1]
                 else:
                     token = res.next_token
-                    self._generated.append(token)
             if self._cancel.is_set():
                 writer.abort()
                 writer = None
                 self._finish("cancelled")
-                self._log(f"cancelled after {len(self._tokens)} tokens; no files written")
+                self._log(f"cancelled after {self._log_tokens.count} tokens; no files written")
                 return
             sha = writer.finish()
             writer = None
@@ -417,10 +437,7 @@ class Run:
         if state == "done":
             self._optimum = self._optimum_hit_rate()
             report = self._build_report(sha)
-            self.report_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.report_path.with_name(self.report_path.name + ".partial")
-            tmp.write_text(json.dumps(report, indent=1))
-            os.replace(tmp, self.report_path)
+            self._write_report(report)
             s = report["summary"]
             self._log(f"done: {s['s_per_token']:.3f} s/token warm, hit rate {s['hit_rate']:.1%}, sha256 {sha[:12]}")
         with self._lock:
@@ -444,9 +461,15 @@ class Run:
         from ds4f.engine.config import Budget
 
         fig = self._engine.figures(self._session_nbytes) if self._engine is not None else self._final_figures
-        if not self._routing or fig is None:
+        if not self._log_tokens.count or fig is None:
             return None
-        trace = Trace(self.checkpoint.geometry, np.stack(self._routing), np.zeros(len(self._routing), np.int32))
+        g = self.checkpoint.geometry
+        if self._log_tokens.count * g.n_layers * g.top_k > BELADY_MAX_REQUESTS:
+            self._log(f"Belady's optimum not computed: more than {BELADY_MAX_REQUESTS:,} expert requests")
+            return None
+        # the routing trace is in the state dump: read back, not kept in memory during the run
+        ids = read_routing(self.dump_path)
+        trace = Trace(g, ids, np.zeros(len(ids), np.int32))
         try:
             return replay(trace, Budget(nbytes=fig.cache_capacity_bytes), "belady").hit_rate
         except Ds4fError:
@@ -458,12 +481,25 @@ class Run:
                  io_threads=self.io_threads, kernel_threads=self.kernel_threads, backend_requested=self.config.backend)
         return d
 
+    def _write_report(self, report: dict) -> None:
+        """report.json: `report` plus the per-token records, written one token at a time."""
+        self.report_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.report_path.with_name(self.report_path.name + ".partial")
+        head = json.dumps(report, indent=1)
+        with open(tmp, "w") as f:
+            f.write(head[:head.rindex("}")].rstrip() + ',\n "tokens": [')
+            for i in range(self._log_tokens.count):
+                f.write(("\n  " if i == 0 else ",\n  ") + json.dumps(asdict(self._log_tokens.record(i))))
+            f.write("\n ]\n}\n")
+        os.replace(tmp, self.report_path)
+
     def _build_report(self, sha: str | None) -> dict:
         snap = self.snapshot()
         fig = self._engine.figures(self._session_nbytes)
-        tokens = [asdict(t) for t in snap.tokens]
-        cold = snap.tokens[0] if snap.tokens else None
-        disk_busy, read_depth = disk_occupancy(snap.tokens)
+        log = self._log_tokens
+        rows = log.rows[:log.count]
+        cold = log.record(0) if log.count else None
+        disk_busy, read_depth = snap.disk_busy_fraction, snap.mean_read_depth
         summary = {
             "tokens": snap.tokens_done, "s_per_token": snap.s_per_token, "s_first_token": snap.s_first_token,
             "gb_per_token": snap.gb_per_token, "gb_first_token": cold.bytes_read / 1e9 if cold else None,
@@ -488,7 +524,9 @@ class Run:
             "summary": summary,
             "layers": [{"layer": i, "hits": h, "misses": m, "evictions": e}
                        for i, (h, m, e) in enumerate(zip(snap.layer_hits, snap.layer_misses, snap.layer_evictions))],
-            "backend_by_token": [t.backend for t in snap.tokens],
-            "tokens": tokens, "prompt": list(self.prompt), "generated": list(self._generated),
-            "events": list(snap.events), "state_path": str(self.dump_path), "state_sha256": sha,
+            "backend_by_token": log.backends(),
+            "prompt": list(self.prompt),
+            "generated": [int(t) for t in rows["next_token_id"][len(self.prompt) - 1:]],
+            "events": list(self._events), "events_dropped": self._n_events - len(self._events),
+            "state_path": str(self.dump_path), "state_sha256": sha,
         }

@@ -5,7 +5,11 @@ into the engine for anything else. Units are in the field names or comments.
 """
 from __future__ import annotations
 
+import collections
+
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,14 @@ class Snapshot:
     stall_s_per_token: float | None # mean time compute waited for misses
     elapsed_s: float
     eta_s: float | None
-    tokens: tuple[TokenRecord, ...] = ()
+    tokens: tuple[TokenRecord, ...] = ()   # the most recent tokens (at most TokenLog.RECENT), oldest first
     events: tuple[str, ...] = ()    # human-readable log lines (switches, errors, milestones)
     prefetch: dict = field(default_factory=dict)  # issued/useful/late/wasted/cancelled (empty: prefetch off)
     optimum_hit_rate: float | None = None  # Belady on this run's trace at the same budget (when done)
+    disk_busy_fraction: float | None = None  # warm tokens: share of the time with a read in flight
+    mean_read_depth: float | None = None     # warm tokens: mean number of reads in flight
+    switches: tuple[tuple[int, str, int, int], ...] = ()  # (token, backend, kernel threads, I/O threads)
+                                                          # at the run's start and at every change
 
 
 def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tuple[float | None, float | None]:
@@ -73,3 +81,64 @@ def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tup
     if not seconds:
         return None, None
     return sum(t.disk_busy_s for t in warm) / seconds, sum(t.disk_depth_s for t in warm) / seconds
+
+
+# One token's figures in a fixed-size record: a run keeps all of them in one array sized up front.
+TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds", "<f8"), ("bytes_read", "<i8"),
+                        ("hits", "<i4"), ("misses", "<i4"), ("stall_s", "<f8"), ("backend", "u1"),
+                        ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
+                        ("disk_depth_s", "<f8")])
+_BACKENDS = ("scalar", "avx2", "avx512", "neon")
+
+
+class TokenLog:
+    """A run's per-token figures in memory bounded from the start: one fixed-size row per planned
+    token (TOKEN_DTYPE, allocated when the run starts and counted in its memory budget), and the
+    last RECENT tokens as TokenRecords for snapshots. Not thread-safe: the run holds its lock."""
+
+    RECENT = 256
+
+    def __init__(self, n_tokens: int) -> None:
+        self.rows = np.zeros(n_tokens, TOKEN_DTYPE)
+        self.count = 0
+        self.recent: collections.deque[TokenRecord] = collections.deque(maxlen=self.RECENT)
+        self.switches: list[tuple[int, str, int, int]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    def add(self, t: TokenRecord) -> None:
+        row = self.rows[self.count]
+        for name in TOKEN_DTYPE.names:
+            row[name] = _BACKENDS.index(t.backend) if name == "backend" else getattr(t, name)
+        last = self.switches[-1] if self.switches else None
+        if last is None or last[1:] != (t.backend, t.kernel_threads, t.io_threads):
+            self.switches.append((t.index, t.backend, t.kernel_threads, t.io_threads))
+        self.count += 1
+        self.recent.append(t)
+
+    def record(self, i: int) -> TokenRecord:
+        row = self.rows[i]
+        kw = {name: (_BACKENDS[int(row[name])] if name == "backend" else row[name].item()) for name in TOKEN_DTYPE.names}
+        return TokenRecord(index=i, **kw)
+
+    def backends(self) -> list[str]:
+        return [_BACKENDS[int(b)] for b in self.rows["backend"][:self.count]]
+
+    def warm(self) -> np.ndarray:
+        """The rows of the warm tokens: all but the first (the first alone, if it is the only one)."""
+        done = self.rows[:self.count]
+        return done[1:] if self.count > 1 else done
+
+    def median_seconds(self) -> float | None:
+        warm = self.warm()
+        return float(np.median(warm["seconds"])) if len(warm) else None
+
+    def occupancy(self) -> tuple[float | None, float | None]:
+        """(share of the warm tokens' time with a read in flight, mean number of reads in flight)."""
+        warm = self.warm()
+        seconds = float(warm["seconds"].sum())
+        if not seconds:
+            return None, None
+        return float(warm["disk_busy_s"].sum()) / seconds, float(warm["disk_depth_s"].sum()) / seconds

@@ -217,3 +217,37 @@ def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> S
                              detail=f"the first {n} tokens have the same routing and states {same};"
                                     f" the runs have {len(ra)} and {len(rb)} tokens", **common)
     return StateDiff("low-bit" if within else "drift", None, None, mabs, mrel, n_tokens=n, **common)
+
+
+def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray:
+    """Just the expert ids of a dump (int32 [tokens, n_layers, top_k]), read a chunk of records at a
+    time: memory for the ids, not for the hidden states (read_state holds the whole file)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != MAGIC:
+                raise Ds4fError(f"{path}: not a ds4f state dump (bad magic)")
+            version, hlen = struct.unpack("<II", head[8:16])
+            if version != VERSION:
+                raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}")
+            try:
+                header = json.loads(f.read(hlen))
+                g = header["geometry"]
+                n = int(header["n_tokens"])
+                dtype = record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
+            ids = np.empty((n, g["num_hidden_layers"], g["num_experts_per_tok"]), np.int32)
+            for start in range(0, n, chunk_tokens):
+                count = min(chunk_tokens, n - start)
+                data = f.read(count * dtype.itemsize)
+                if len(data) != count * dtype.itemsize:
+                    raise Ds4fError(f"{path}: truncated state dump: record {start + len(data) // dtype.itemsize}"
+                                    f" of {n} is missing")
+                ids[start:start + count] = np.frombuffer(data, dtype=dtype)["ids"]
+    except FileNotFoundError:
+        raise Ds4fError(f"{path}: state dump not found") from None
+    except OSError as exc:
+        raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
+    return ids

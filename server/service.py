@@ -215,7 +215,7 @@ class Service:
     def state_file(self, run_id: str) -> tuple[Path, str | None]:
         run = self._find(run_id)
         if run is not None:
-            state, report = run.state, run.report
+            state, report = run.state, run.summary_report
         else:
             rec = self.history.get(run_id)
             if rec is None:
@@ -240,7 +240,7 @@ class Service:
             out.append({"id": run.id, "state": snap.state, "source": "server", "started_at": run.started_at,
                         "finished_at": run.finished_at, "preset": snap.preset, "gen": snap.gen,
                         "tokens_done": snap.tokens_done, "s_per_token": snap.s_per_token,
-                        "state_sha256": (run.report or {}).get("state_sha256")})
+                        "state_sha256": (run.summary_report or {}).get("state_sha256")})
         for rec in self.history.list_runs(limit=limit):
             if rec.run_id in seen:
                 continue
@@ -255,8 +255,8 @@ class Service:
     def status(self) -> dict:
         run = self._current
         snap = run.snapshot() if run is not None else None
-        if run is not None and snap.state == "done" and run.report:
-            self._note_report(run.id, run.report)
+        if run is not None and snap.state == "done" and run.summary_report:
+            self._note_report(run.id, run.summary_report)
         preset = self.cfg.get_preset(self.preset)
         return {
             "server": {"version": __version__, "busy": self.busy, "closing": self._closing,

@@ -4,19 +4,26 @@ exist only in the lab, as bounds for the online policies.
 """
 from __future__ import annotations
 
+import numpy as np
+
 
 class Belady:
     """Clairvoyant eviction over a known request sequence (one key per request, in order)."""
 
     name = "belady"
 
-    def __init__(self, sequence: list) -> None:
-        inf = len(sequence) + 1
-        self._next = [inf] * len(sequence)
-        last: dict = {}
-        for i in range(len(sequence) - 1, -1, -1):
-            self._next[i] = last.get(sequence[i], inf)
-            last[sequence[i]] = i
+    def __init__(self, sequence) -> None:
+        """sequence: the keys in request order, as integer codes (an int array) or any hashables."""
+        codes = np.asarray(sequence) if isinstance(sequence, np.ndarray) else _codes(sequence)
+        n = len(codes)
+        # next use of each request's key: sort stably by key, then each position's successor in
+        # its key's run is its next use (n + 1: never again). 8 bytes per request, no Python objects.
+        order = np.argsort(codes, kind="stable")
+        nxt = np.full(n, n + 1, dtype=np.int64)
+        if n > 1:
+            same = codes[order[1:]] == codes[order[:-1]]
+            nxt[order[:-1][same]] = order[1:][same]
+        self._next = nxt
         self._pos = 0
         self._resident_next: dict = {}
 
@@ -24,7 +31,7 @@ class Belady:
         pass
 
     def _seen(self, key) -> None:
-        self._resident_next[key] = self._next[self._pos]
+        self._resident_next[key] = int(self._next[self._pos])
         self._pos += 1
 
     touch = _seen
@@ -77,3 +84,9 @@ class HorizonBelady(Belady):
         return super().victim(protected)
 
 
+
+
+def _codes(sequence) -> np.ndarray:
+    """Integer codes for a sequence of hashable keys (equal keys, equal codes)."""
+    index: dict = {}
+    return np.fromiter((index.setdefault(k, len(index)) for k in sequence), dtype=np.int64, count=len(sequence))

@@ -36,10 +36,13 @@ class Trace:
         g = self.geometry
         return g.n_layers * g.n_experts * self.slot_nbytes
 
-    def request_sequence(self) -> list[tuple[int, int]]:
-        """Every (layer, expert) request in the engine's order (runtime.schedule), rank order."""
-        order = token_request_order(self.geometry.n_layers, self.geometry.n_hash_layers)
-        return [(layer, int(e)) for t in range(len(self.ids)) for layer in order for e in self.ids[t, layer]]
+    def request_sequence(self) -> np.ndarray:
+        """Every request's key as a code layer * n_experts + expert, int64, in the engine's order
+        (runtime.schedule), rank order within a layer: 8 bytes per request."""
+        g = self.geometry
+        order = token_request_order(g.n_layers, g.n_hash_layers)
+        ids = self.ids[:, order, :].astype(np.int64)
+        return (ids + (np.asarray(order, np.int64) * g.n_experts)[None, :, None]).reshape(-1)
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
