@@ -72,7 +72,7 @@ def render_metrics(snapshot, server: dict) -> str:
     """The exposition for one Snapshot (or None before the first run) plus server counters.
 
     `server` holds: busy (bool), runs_started, busy_rejections, requests (dict code -> count),
-    backend (the best available backend), model (path).
+    gen (the tokens the current or last run generates, as requested; None without a run).
     """
     ex = Exposition()
     ex.add("ds4f_up", "gauge", "1 while the ds4f server answers.", 1)
@@ -90,8 +90,12 @@ def render_metrics(snapshot, server: dict) -> str:
             "io_mode": s.io_mode, "policy": s.policy})
     ex.add("ds4f_run_active", "gauge", "1 while the current run is starting or running.",
            s.state in ("starting", "running"))
-    ex.add("ds4f_tokens_done", "gauge", "Tokens decoded so far by the current or last run.", s.tokens_done)
-    ex.add("ds4f_tokens_requested", "gauge", "Tokens the current or last run will decode (prompt + generated).", s.gen)
+    ex.add("ds4f_tokens_done", "gauge", "Decode steps done so far by the current or last run (of ds4f_run_steps).",
+           s.tokens_done)
+    ex.add("ds4f_run_gen_tokens", "gauge", "Tokens the current or last run generates, as requested (its gen).",
+           server.get("gen"))
+    ex.add("ds4f_run_steps", "gauge", "Decode steps of the current or last run: the prompt's tokens after the "
+           "first plus the tokens it generates.", s.gen)
     ex.add("ds4f_seconds_per_token", "gauge", "Median wall time per warm token (all but the first), seconds.",
            s.s_per_token)
     ex.add("ds4f_first_token_seconds", "gauge", "Wall time of the cold first token, seconds.", s.s_first_token)

@@ -4,10 +4,16 @@
     POST   /runs              start a run (JSON body); 202 + id, 429 + Retry-After while busy
     GET    /run?gen=N         the same with query parameters, a compatibility alias of POST /runs
     GET    /runs              recent runs (this server's and the history's)
-    GET    /runs/{id}         state, live figures, and when done the report with its state sha256
+    GET    /runs/{id}         state, live figures, and when done the summary report with its state sha256
     DELETE /runs/{id}         cancel
-    GET    /runs/{id}/state   the state dump (state.bin)
+    GET    /runs/{id}/report  the whole report of a done run, per-token records included
+    GET    /runs/{id}/state   the state dump (state.bin), checked to be that run's before it is sent
     GET    /metrics           live figures in the Prometheus text format
+
+`gen` is the number of tokens a run generates and `steps` its decode steps (the prompt's
+tokens after the first plus gen), in every answer. Requests that start or cancel a run (every
+method but GET, and GET /run) are refused with 403 when an Origin or Referer header names
+another site (see ds4f.server.transport).
 
 Parameters are parsed here: a query string holds text and a JSON body typed values, and each
 must be of the right type (a whole number, a list of token ids...). Whether a value is in
@@ -26,7 +32,7 @@ from ds4f.api import BACKEND_NAMES, MAX_GEN, MAX_PROMPT, Ds4fError
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .service import RunParams
-from .transport import FileResponse, HttpError, Request, Response, bad, json_response
+from .transport import FileResponse, HttpError, Request, Response, bad, changes_state, json_response
 
 RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt")
 MAX_LIST_LIMIT = 200
@@ -174,7 +180,8 @@ def list_runs(req: Request) -> Response:
         limit = whole_number("limit", params["limit"], from_query=True)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise bad("limit", f"must be between 1 and {MAX_LIST_LIMIT}, got {limit}")
-    return json_response(200, {"runs": req.service.list_runs(limit)})
+    runs, history_error = req.service.list_runs(limit)
+    return json_response(200, {"runs": runs, "history_error": history_error})
 
 
 def _start(req: Request, raw: dict, from_query: bool) -> Response:
@@ -202,6 +209,7 @@ def start_json(req: Request) -> Response:
     return _start(req, parse_json_body(body), from_query=False)
 
 
+@changes_state
 def start_query(req: Request) -> Response:
     req.no_body()
     return _start(req, parse_query(req.query), from_query=True)
@@ -220,19 +228,19 @@ def cancel_run(req: Request, id: str) -> Response:
     return json_response(code, view)
 
 
+def get_report(req: Request, id: str) -> Response:
+    req.no_body()
+    _check_id(id)
+    return json_response(200, req.service.full_report(id))
+
+
 def download_state(req: Request, id: str) -> FileResponse:
     req.no_body()
     _check_id(id)
-    path, sha = req.service.state_file(id)
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise HttpError(410, f"run {id}: cannot open the state dump: {exc.strerror}") from None
-    headers = {"Content-Disposition": f'attachment; filename="{id}-state.bin"'}
-    if sha:
-        headers["ETag"] = f'"{sha}"'
-        headers["X-Ds4f-State-Sha256"] = sha
-    return FileResponse(f, "application/octet-stream", headers)
+    f, sha = req.service.open_state(id)
+    headers = {"Content-Disposition": f'attachment; filename="{id}-state.bin"', "ETag": f'"{sha}"',
+               "X-Ds4f-State-Sha256": sha}
+    return FileResponse(f, "application/octet-stream", headers, sha256=sha)
 
 
 ROUTES = (
@@ -241,5 +249,6 @@ ROUTES = (
     (re.compile(r"^/runs$"), {"GET": list_runs, "POST": start_json}),
     (re.compile(r"^/run$"), {"GET": start_query}),
     (re.compile(r"^/runs/(?P<id>[^/]+)$"), {"GET": get_run, "DELETE": cancel_run}),
+    (re.compile(r"^/runs/(?P<id>[^/]+)/report$"), {"GET": get_report}),
     (re.compile(r"^/runs/(?P<id>[^/]+)/state$"), {"GET": download_state}),
 )

@@ -1,8 +1,9 @@
 """HTTP plumbing of `ds4f serve`, on the standard library's http.server.
 
 What is here knows HTTP and nothing of runs: the options of the listener, bearer-token
-authorization, the Host and cross-site checks that keep web pages out, body size limits,
-socket timeouts, a cap on concurrent connections, and answers as JSON (errors included).
+authorization, the Host, Origin, Referer and cross-site checks that keep web pages out, body
+size limits, socket timeouts, a cap on concurrent connections, and answers as JSON (errors
+included).
 
 A route is a function `(request, **path_groups) -> Response`; the server is given a table of
 them (see ds4f.server.routes) and an object with `count_response(status)` that is told the
@@ -10,6 +11,7 @@ status of every answer (the Service, for /metrics).
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -37,6 +39,7 @@ MAX_BODY_BYTES = 64 * 1024          # POST bodies; larger ones get 413
 MIN_TOKEN_CHARS = 16
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")   # RFC 6750 b64token
 _LENGTH_RE = re.compile(r"[0-9]{1,20}")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass
@@ -110,10 +113,16 @@ def json_response(status: int, obj, headers: dict | None = None) -> Response:
 
 @dataclass
 class FileResponse:
-    """An open file sent as 200 with its size as Content-Length; the transport closes it."""
+    """An open file sent as 200 with its size as Content-Length; the transport closes it.
+
+    sha256: what the file's bytes must hash to. The last chunk is held back until the bytes sent
+    before it and it hash to that; if they do not (the file changed while being sent), the
+    connection is closed short of Content-Length, so the client never gets a whole body that is
+    not the one named."""
     file: BinaryIO
     content_type: str = "application/octet-stream"
     headers: dict = field(default_factory=dict)
+    sha256: str | None = None
 
 
 # -- tokens and hosts ----------------------------------------------------------------------------
@@ -146,9 +155,39 @@ def read_token_file(path: str | os.PathLike) -> str:
     return token
 
 
+def _url_endpoint(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an absolute http(s) URL, the port from the scheme when it names
+    none; None for anything else ("null", a relative or malformed URL, user info)."""
+    try:
+        parts = urlsplit(url.strip())
+        scheme = parts.scheme.lower()
+        if scheme not in _DEFAULT_PORTS or not parts.hostname or parts.username is not None:
+            return None
+        port = parts.port
+    except ValueError:
+        return None
+    return scheme, parts.hostname.lower(), _DEFAULT_PORTS[scheme] if port is None else port
+
+
+def _authority_endpoint(authority: str, scheme: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of a Host header's value, the port from `scheme` when it names none."""
+    endpoint = _url_endpoint(f"{scheme}://{authority.strip()}")
+    if endpoint is None or any(c in authority for c in "/?#"):
+        return None
+    return endpoint
+
+
 # -- requests ------------------------------------------------------------------------------------
 Route = Callable[..., "Response | FileResponse"]
 Routes = tuple[tuple[re.Pattern, dict[str, Route]], ...]    # path pattern -> {method: route}
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")   # methods that change nothing, unless a route says otherwise
+
+
+def changes_state(route: Route) -> Route:
+    """Mark a route of a safe method that changes state (a GET that starts a run): it gets the
+    Origin and Referer checks that every other method gets."""
+    route.changes_state = True
+    return route
 
 
 class Request:
@@ -225,15 +264,28 @@ class Handler(BaseHTTPRequestHandler):
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
+            digest = hashlib.sha256() if answer.sha256 else None
+            held = b""          # with a digest to check: the last chunk read, not sent yet
             remaining = size
             while remaining > 0:
                 chunk = f.read(min(1 << 20, remaining))
                 if not chunk:
                     break
-                self.wfile.write(chunk)
                 remaining -= len(chunk)
-            if remaining:   # the file shrank under us: the client sees a short body, not a lie
+                if digest is None:
+                    self.wfile.write(chunk)
+                    continue
+                digest.update(chunk)
+                if held:
+                    self.wfile.write(held)
+                held = chunk
+            if digest is not None and not remaining and digest.hexdigest() == answer.sha256:
+                self.wfile.write(held)
+            elif digest is not None or remaining:
+                # the file shrank or changed under us: the client sees a short body, not a lie
                 self.close_connection = True
+                sys.stderr.write(f"ds4f serve: {self.path}: the file changed while it was sent; "
+                                 f"the connection was closed before the end of the body\n")
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
@@ -280,6 +332,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._authorize()
             self._check_browser_origin()
+            if method not in SAFE_METHODS:
+                self._check_same_origin()
             url = urlsplit(self.path)
             path = unquote(url.path)
             for pattern, methods in self.server.routes:
@@ -289,7 +343,10 @@ class Handler(BaseHTTPRequestHandler):
                 if method not in methods:
                     raise HttpError(405, f"{method} is not allowed on {path} (allowed: {', '.join(methods)})",
                                     headers={"Allow": ", ".join(methods)})
-                answer = methods[method](Request(self, method, path, url.query), **m.groupdict())
+                route = methods[method]
+                if getattr(route, "changes_state", False):
+                    self._check_same_origin()
+                answer = route(Request(self, method, path, url.query), **m.groupdict())
                 if isinstance(answer, FileResponse):
                     self._send_file(answer)
                 else:
@@ -329,6 +386,38 @@ class Handler(BaseHTTPRequestHandler):
                                      f"only to localhost, 127.0.0.1 and [::1]")
         if self.headers.get("Sec-Fetch-Site", "").strip().lower() in ("cross-site", "same-site"):
             raise HttpError(403, "cross-site browser requests are refused")
+
+    def _check_same_origin(self) -> None:
+        """For requests that change state: an Origin or Referer header, when sent, must name this
+        server, i.e. the host and port the request was addressed to (its Host header) or the
+        address the server listens on. A page elsewhere that makes the browser send a request
+        here (a form, an <img>, fetch without CORS) is refused; clients that send neither header
+        (curl, scripts), or send it empty, are not concerned."""
+        for header in ("Origin", "Referer"):
+            value = (self.headers.get(header) or "").strip()
+            if value and not self._names_this_server(value):
+                raise HttpError(403, f"{header}: {value[:80]!r} is not this server ({self._own_address()}); a "
+                                     f"request that changes state is refused from a web page of another site",
+                                param=header)
+
+    def _own_address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+    def _names_this_server(self, url: str) -> bool:
+        """Does the URL (an Origin or a Referer) name this server's host and port?"""
+        origin = _url_endpoint(url)
+        if origin is None:
+            return False   # "null" (a sandboxed page, a file), or not a URL: nothing to vouch for it
+        _scheme, name, port = origin
+        own_host, own_port = self.server.server_address[:2]
+        own_host = str(own_host).lower()
+        if port == own_port and (name == own_host or (name == "localhost" and own_host in ("127.0.0.1", "::1"))):
+            return True
+        addressed = self.headers.get("Host")
+        if addressed is None:
+            return False
+        return _authority_endpoint(addressed, origin[0]) == origin
 
     def _authorize(self) -> None:
         token = self.server.options.token

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -304,6 +305,194 @@ def test_runs_are_recorded_in_the_history_and_served_after_a_restart(start, serv
     assert second.get("/status").json()["last_report"]["run_id"] == run_id
 
 
+def test_gen_is_the_tokens_to_generate_and_steps_the_decode_steps_in_every_answer(srv):
+    """A 3-token prompt and gen 4: 2 prompt tokens after the first + 4 = 6 decode steps."""
+    r = srv.post_run(gen=4, prompt=[0, 5, 9])
+    assert r.status == 202, r.body
+    assert (r.json()["gen"], r.json()["steps"]) == (4, 6)
+    run_id = r.json()["id"]
+    view = srv.wait_state(run_id)
+    assert view["state"] == "done", view
+    assert (view["gen"], view["steps"]) == (4, 6)
+    assert (view["live"]["gen"], view["live"]["steps"], view["live"]["tokens_done"]) == (4, 6, 6)
+    assert view["config"]["gen"] == 4 and view["report"]["config"]["gen"] == 4
+    assert view["report"]["summary"]["tokens"] == 6
+    run = srv.get("/status").json()["run"]
+    assert (run["run_id"], run["gen"], run["steps"], run["tokens_done"]) == (run_id, 4, 6, 6)
+    (listed,) = [x for x in srv.get("/runs").json()["runs"] if x["id"] == run_id]
+    assert (listed["source"], listed["gen"], listed["steps"], listed["tokens_done"]) == ("server", 4, 6, 6)
+    fams = parse_prometheus(srv.get("/metrics").body.decode())
+    value = lambda name: fams[name]["samples"][0][1]   # noqa: E731
+    assert (value("ds4f_run_gen_tokens"), value("ds4f_run_steps"), value("ds4f_tokens_done")) == (4, 6, 6)
+
+    # the same run once another has replaced it in memory: served from the history
+    other = srv.post_run(gen=2).json()["id"]
+    assert srv.wait_state(other)["state"] == "done"
+    old = srv.get(f"/runs/{run_id}").json()
+    assert old["source"] == "history" and (old["gen"], old["steps"], old["config"]["gen"]) == (4, 6, 4)
+    (listed,) = [x for x in srv.get("/runs").json()["runs"] if x["id"] == run_id]
+    assert (listed["source"], listed["gen"], listed["steps"], listed["tokens_done"]) == ("history", 4, 6, 6)
+
+    # a live run: gen as requested, steps with the prompt
+    busy = srv.post_run(gen=BUSY_GEN, prompt=[0, 5, 9]).json()["id"]
+    live = srv.wait_tokens(busy, 2)
+    assert (live["gen"], live["steps"], live["live"]["gen"], live["live"]["steps"]) == (BUSY_GEN, BUSY_GEN + 2) * 2
+    run = srv.get("/status").json()["run"]
+    assert (run["gen"], run["steps"]) == (BUSY_GEN, BUSY_GEN + 2)
+    refused = srv.post_run(gen=2)
+    assert refused.status == 429 and f"of {BUSY_GEN + 2})" in refused.json()["error"]
+    assert srv.request("DELETE", f"/runs/{busy}").status == 200
+
+
+def test_polling_answers_never_read_the_report_file(srv, monkeypatch):
+    run_id = srv.post_run(gen=5, prompt=[0, 5]).json()["id"]
+    srv.wait_state(run_id)
+    run = srv.service.current_run
+    reads = []
+    whole = type(run).report
+    monkeypatch.setattr(type(run), "report", property(lambda self: reads.append(self.id) or whole.fget(self)))
+
+    for _ in range(3):
+        view = srv.get(f"/runs/{run_id}").json()
+        assert view["state"] == "done" and view["report"]["summary"]["tokens"] == 6
+        assert "tokens" not in view["report"] and view["links"]["report"] == f"/runs/{run_id}/report"
+        assert srv.get("/status").json()["last_report"]["run_id"] == run_id
+        assert srv.get("/runs").status == 200 and srv.get("/metrics").status == 200
+    assert srv.request("DELETE", f"/runs/{run_id}").status == 409
+    assert srv.get(f"/runs/{run_id}/state").status == 200
+    assert reads == []
+
+    full = srv.get(f"/runs/{run_id}/report")
+    assert full.status == 200 and reads == [run_id]
+    report = full.json()
+    assert len(report["tokens"]) == 6 and report["summary"] == view["report"]["summary"]
+    assert report["state_sha256"] == view["state_sha256"]
+
+    # a run served from the history: the whole report from its file too
+    assert srv.wait_state(srv.post_run(gen=2).json()["id"])["state"] == "done"
+    again = srv.get(f"/runs/{run_id}/report").json()
+    assert again["run_id"] == run_id and len(again["tokens"]) == 6
+    # no report before a run is done, nor for a cancelled one
+    busy = srv.post_run(gen=BUSY_GEN).json()["id"]
+    srv.wait_tokens(busy, 1)
+    assert srv.get(f"/runs/{busy}/report").status == 409
+    assert srv.request("DELETE", f"/runs/{busy}").status == 200
+    assert srv.get(f"/runs/{busy}/report").status == 409
+    assert srv.get("/runs/20990101-000000-abcd/report").status == 404
+
+
+def _state_refused(srv, run_id: str, path: Path) -> None:
+    r = srv.get(f"/runs/{run_id}/state")
+    assert r.status == 409, (r.status, r.headers)
+    err = r.json()["error"]
+    assert str(path) in err and "replaced" in err, err
+
+
+def test_a_state_dump_changed_after_its_run_is_not_served(srv, monkeypatch):
+    a = srv.wait_state(srv.post_run(gen=3, prompt=[0, 5]).json()["id"])
+    b = srv.wait_state(srv.post_run(gen=5, prompt=[0, 9]).json()["id"])   # the current run; a is the history's
+    path_a, path_b = Path(a["report"]["state_path"]), Path(b["report"]["state_path"])
+    bytes_a, bytes_b = path_a.read_bytes(), path_b.read_bytes()
+    assert a["state_sha256"] != b["state_sha256"]
+    assert hashlib.sha256(srv.get(f"/runs/{a['id']}/state").body).hexdigest() == a["state_sha256"]
+
+    # another run's dump copied over it (in place), or renamed over it
+    shutil.copyfile(path_b, path_a)
+    _state_refused(srv, a["id"], path_a)
+    path_a.write_bytes(bytes_a)
+    assert hashlib.sha256(srv.get(f"/runs/{a['id']}/state").body).hexdigest() == a["state_sha256"]
+    shutil.copyfile(path_b, path_a.with_name("other.bin"))
+    os.replace(path_a.with_name("other.bin"), path_a)
+    _state_refused(srv, a["id"], path_a)
+    # the same size, one byte different
+    path_a.write_bytes(bytes_a[:-1] + bytes([bytes_a[-1] ^ 1]))
+    _state_refused(srv, a["id"], path_a)
+    # the current run's own dump
+    path_b.write_bytes(bytes_a)
+    _state_refused(srv, b["id"], path_b)
+    path_b.write_bytes(bytes_b)
+    dump = srv.get(f"/runs/{b['id']}/state")
+    assert dump.status == 200 and hashlib.sha256(dump.body).hexdigest() == b["state_sha256"]
+
+    # changed after it was checked and before it was sent: the body stops short of its length
+    path_a.write_bytes(bytes_a)
+    checked = srv.service.open_state
+
+    def open_then_change(run_id):
+        answer = checked(run_id)
+        path_a.write_bytes(bytes_a[:-1] + bytes([bytes_a[-1] ^ 1]))   # in place: the open file sees it
+        return answer
+
+    monkeypatch.setattr(srv.service, "open_state", open_then_change)
+    with pytest.raises(http.client.IncompleteRead):
+        srv.get(f"/runs/{a['id']}/state")
+    monkeypatch.undo()
+    assert srv.get("/status").status == 200
+
+
+@pytest.mark.parametrize("how", ["directory-removed", "read-only"])
+def test_a_run_whose_history_record_fails_still_ends(tiny_model, tmp_path, capsys, how):
+    from ds4f.api import start_run as api_start_run
+
+    hist_dir = tmp_path / "hist"
+    hist = hist_dir / "history.sqlite3"
+    config = tmp_path / "ds4f.toml"
+    config.write_text('[engine]\nkernel_threads = 1\nprobe_floor = false\n\n'f'[history]\npath = "{hist}"\n')
+    broken = threading.Event()
+
+    def break_history() -> None:
+        if broken.is_set():
+            return
+        if how == "directory-removed":
+            shutil.rmtree(hist_dir)
+        else:
+            hist.chmod(0o444)
+        broken.set()
+
+    def start_run(config, history=None, engines=None):   # the history breaks while the run decodes
+        return api_start_run(config, history=history, engines=engines,
+                             on_token=lambda rec: break_history() if rec.index == 1 else None)
+
+    srv = Srv(make_server(ServerOptions(model=str(tiny_model), config_path=str(config), host="127.0.0.1", port=0,
+                                        access_log=False), start_run=start_run))
+    try:
+        if how == "read-only":
+            hist.chmod(0o444)
+            writable = os.access(hist, os.W_OK)
+            hist.chmod(0o644)
+            if writable:
+                pytest.skip("a read-only file stays writable for this user (root)")
+        run_id = srv.post_run(gen=6).json()["id"]
+        view = srv.wait_state(run_id)
+        assert broken.is_set()
+        assert view["state"] == "done" and view["error"] is None, view
+        assert view["history_error"], view
+        assert any("could not record the run in the history" in e for e in view["live"]["events"])
+        assert f"run {run_id} ended done but is not in the run history" in capsys.readouterr().err
+
+        status = srv.get("/status").json()
+        assert status["engine"] == {"state": "idle", "current_run": run_id}
+        assert status["server"]["busy"] is False and status["run"]["state"] == "done"
+        assert status["server"]["history_error"] == view["history_error"]
+        listed = srv.get("/runs").json()
+        assert [(x["id"], x["state"]) for x in listed["runs"] if x["id"] == run_id] == [(run_id, "done")]
+        assert (listed["history_error"] is not None) == (how == "directory-removed")
+        info = parse_prometheus(srv.get("/metrics").body.decode())["ds4f_run_info"]["samples"][0][0]
+        assert info["state"] == "done"
+        assert srv.request("DELETE", f"/runs/{run_id}").status == 409
+        assert srv.get(f"/runs/{run_id}/state").status == 200
+        if how == "directory-removed":
+            r = srv.get("/runs/20990101-000000-abcd")
+            assert r.status == 503 and "history" in r.json()["error"]
+        nxt = srv.post_run(gen=2)                             # and the server takes the next run
+        assert nxt.status == 202, nxt.body
+        assert srv.wait_state(nxt.json()["id"])["state"] == "done"
+    finally:
+        srv.close()
+        if hist.exists():
+            hist.chmod(0o644)
+
+
 # -- /metrics -------------------------------------------------------------------------------------
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\\\|\\"|\\n)*)"')
@@ -438,6 +627,57 @@ def test_web_pages_cannot_drive_a_loopback_server(srv):
         assert r.status == 403, site
     assert srv.get("/status", headers={"Sec-Fetch-Site": "none"}).status == 200
     assert srv.service.runs_started == 1
+
+
+def test_a_foreign_origin_or_referer_cannot_start_or_cancel_runs(srv):
+    port = srv.port
+    other = port - 1 if port > 1024 else port + 1
+    foreign = [("Origin", "http://evil.example"), ("Origin", f"http://evil.example:{port}"),
+               ("Origin", f"http://127.0.0.1:{other}"), ("Origin", f"http://localhost:{other}"),
+               ("Origin", f"http://127.0.0.2:{port}"), ("Origin", f"http://[::1]:{port}"), ("Origin", "null"),
+               ("Origin", "garbage"), ("Referer", "http://evil.example/page.html"),
+               ("Referer", f"http://127.0.0.1:{other}/"), ("Referer", f"http://127.0.0.1:{port}@evil.example/"),
+               ("Referer", "/relative")]
+
+    def refused(r, header):
+        assert r.status == 403, (header, r.status, r.body)
+        err = r.json()
+        assert err["parameter"] == header and err["error"].startswith(f"{header}: "), err
+
+    for header, value in foreign:
+        refused(srv.post_run(gen=2, _headers={header: value}), header)
+        refused(srv.get("/run?gen=2", headers={header: value}), header)
+        # a foreign Origin beside a Referer of our own (and the other way round) is still refused
+        own = f"http://127.0.0.1:{port}" + ("/" if header == "Origin" else "")
+        refused(srv.post_run(gen=2, _headers={header: value, ("Referer" if header == "Origin" else "Origin"): own}),
+                header)
+    assert srv.service.runs_started == 0
+
+    run_id = srv.post_run(gen=BUSY_GEN).json()["id"]          # neither header: curl, scripts
+    srv.wait_tokens(run_id, 2)
+    for header, value in foreign[:3] + foreign[-4:]:
+        for method in ("DELETE", "PATCH", "PUT", "POST"):
+            refused(srv.request(method, f"/runs/{run_id}", headers={header: value}), header)
+    # reading is not acting: a page may not read the answers (no CORS headers), and nothing changes
+    assert srv.get("/status", headers={"Origin": "http://evil.example"}).status == 200
+    assert srv.get(f"/runs/{run_id}", headers={"Referer": "http://evil.example/"}).json()["state"] == "running"
+
+    # this server's own address, or the Host the request was addressed to
+    d = srv.request("DELETE", f"/runs/{run_id}", headers={"Origin": f"http://127.0.0.1:{port}"})
+    assert d.status == 200 and d.json()["state"] == "cancelled", d.body
+    srv.service.current_run.wait(10)
+    own = [{"Origin": f"http://localhost:{port}"}, {"Referer": f"http://127.0.0.1:{port}/status"},
+           {"Origin": f"http://127.0.0.1:{port}", "Referer": f"http://localhost:{port}/x?y=1"},
+           {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+           {"Host": "[::1]", "Origin": "http://[::1]"}]
+    for headers in own:
+        r = srv.get("/run?gen=2", headers=headers)
+        assert r.status == 202, (headers, r.body)
+        assert srv.wait_state(r.json()["id"])["state"] == "done"
+    r = srv.post_run(gen=2, _headers={"Origin": f"http://127.0.0.1:{port}"})
+    assert r.status == 202, r.body
+    assert srv.wait_state(r.json()["id"])["state"] == "done"
+    assert srv.service.runs_started == 2 + len(own)
 
 
 # -- the token ------------------------------------------------------------------------------------
