@@ -23,7 +23,6 @@ POOL_FORMAT, TRUNK_FORMAT, LAYOUT_VERSION = "ds4f-pool-mxfp4", "ds4f-trunk", 1
 OFFSETS_HEADER = "# ds4f-trunk-offsets 1"
 CONFIG_NAME = "config.json"
 PROMPTS_NAME = "prompts.json"
-GLOBAL_NAMES = ("embed.weight", "head.weight", "norm.weight")
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

@@ -39,12 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, GLOBAL_NAMES, LAYOUT_VERSION, OFFSETS_HEADER, POOL_BIN,
+from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, OFFSETS_HEADER, POOL_BIN,
                                          POOL_FORMAT, POOL_JSON, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON, TRUNK_OFFSETS,
                                          Checkpoint, _address, _check_buffer, _dontneed, _open_direct, _views,
                                          align_up, expert_layout, moe_short_tensors, official_name)
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import pread_exact, read_json
+from ds4f.engine.checkpoint.tensors import global_tensors
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
@@ -252,6 +253,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
                             f" but the file has {tsize} bytes")
     layout.regions = regions
     tensors: dict[str, dict] = {}
+    spans: list[tuple[int, int, str]] = []    # (start, end, name) of every tensor entry
     for t in trunk.get("tensors") or []:
         try:
             name, dtype, shape, off, nb = t["name"], t["dtype"], [int(x) for x in t["shape"]], t["offset"], t["nbytes"]
@@ -261,12 +263,25 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
         except (KeyError, TypeError, ValueError):
             problems.append(f"{trunk_json}: bad tensor entry {str(t)[:120]}")
             continue
-        if math.prod(shape) * itemsize != nb:
-            problems.append(f"{trunk_json}: {name}: {nb} bytes for {dtype} {shape}")
-        if check_sizes and tsize is not None and off + nb > tsize:
-            problems.append(f"{trunk_path}: truncated: {name} ends at {off + nb} but the file has {tsize} bytes")
+        size = math.prod(shape) * itemsize    # what a reader of this entry reads
+        if size != nb:
+            problems.append(f"{trunk_json}: {name}: nbytes {nb} disagrees with its dtype {dtype} and shape {shape}"
+                            f" ({size} bytes)")
+        end = off + max(nb, size)
+        if check_sizes and tsize is not None and end > tsize:
+            problems.append(f"{trunk_path}: truncated: {name} ends at {end} but the file has {tsize} bytes")
+        if name in tensors:
+            problems.append(f"{trunk_json}: {name}: listed twice (at offsets {tensors[name]['offset']} and {off})")
+        region = regions.get(t.get("region")) if isinstance(t.get("region"), str) else None
+        if region is not None and not str(t["region"]).startswith("layer.") and not (
+                region[0] <= off and end <= region[0] + region[1]):
+            problems.append(f"{trunk_json}: {name}: bytes {off}..{end} lie outside its region"
+                            f" {t['region']} ({region[0]}..{region[0] + region[1]})")
         tensors[name] = t
+        spans.append((off, end, name))
     layout.tensors = tensors
+    problems += _overlaps(trunk_json, "tensors", spans)
+    problems += _overlaps(trunk_json, "regions", [(o, o + n, name) for name, (o, n) in regions.items()])
     layer_layout = {}
     for L in range(g.n_layers):
         reg = regions.get(f"layer.{L}")
@@ -288,9 +303,13 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
                 continue
             lay.append((short, dtype, tuple(shape), t["offset"] - reg[0]))
         layer_layout[L] = lay
-    for name in GLOBAL_NAMES:
-        if name not in tensors:
-            problems.append(f"{trunk_json}: no tensor {name}")
+    for plan in global_tensors(g):
+        t = tensors.get(plan.name)
+        if t is None:
+            problems.append(f"{trunk_json}: no tensor {plan.name}")
+        elif t["dtype"] != plan.dtype or list(t["shape"]) != list(plan.shape):
+            problems.append(f"{trunk_json}: {plan.name}: {t['dtype']} {list(t['shape'])}, expected {plan.dtype}"
+                            f" {list(plan.shape)} for the geometry in {cfg_path.name}")
     layout.layer_layout = layer_layout
     # trunk.offsets must agree with trunk.json's regions
     off_path = root / TRUNK_OFFSETS
@@ -301,6 +320,21 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
     except Ds4fError as exc:
         problems.append(str(exc))
     return layout, problems
+
+
+def _overlaps(where: Path, what: str, spans: list[tuple[int, int, str]], limit: int = 20) -> list[str]:
+    """Problems for every span of `spans` (start, end, name) that begins before an earlier one ends."""
+    out = []
+    end_max, last = -1, ""
+    for start, end, name in sorted(s for s in spans if s[1] > s[0]):
+        if start < end_max:
+            out.append(f"{where}: {what} {last} and {name} overlap: {name} starts at byte {start},"
+                       f" before {last} ends at {end_max}")
+        if end > end_max:
+            end_max, last = end, name
+    if len(out) > limit:
+        out = out[:limit] + [f"{where}: ... and {len(out) - limit} more overlapping {what}"]
+    return out
 
 
 def read_trunk_offsets(path: Path) -> dict[str, tuple[int, int]]:

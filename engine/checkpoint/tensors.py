@@ -50,7 +50,11 @@ def official_tensors(g: Geometry) -> list[TensorPlan]:
             for part, shape in g.expert_parts().items():
                 w, kind = part.split(".")
                 out.append(TensorPlan(p + f"ffn.experts.{e}.{part}", "I8" if kind == "weight" else "F8_E8M0", shape))
-    out += [TensorPlan("embed.weight", "BF16", (g.vocab, g.hidden)),
+    return out + global_tensors(g)
+
+
+def global_tensors(g: Geometry) -> list[TensorPlan]:
+    """The tensors outside the layers the engine reads: embedding, head, final norm."""
+    return [TensorPlan("embed.weight", "BF16", (g.vocab, g.hidden)),
             TensorPlan("head.weight", "BF16", (g.vocab, g.hidden)),
             TensorPlan("norm.weight", "BF16", (g.hidden,))]
-    return out

@@ -3,9 +3,14 @@
 ds4f layout: JSON structure and versions, geometry against config.json, sizes, every
 offset inside its file and 4 KiB-aligned, record overlap, tensor dtypes and shapes, the
 trunk.offsets table, then every record read back (one at a time, page cache dropped):
-crc32, zero padding, NaN scale bytes (0xFF); tid2eid ids in range.
+crc32, zero padding, NaN scale bytes (0xFF); tid2eid ids in range. trunk.json's own lies
+(an entry whose nbytes disagrees with its dtype and shape, or whose dtype and shape disagree
+with the geometry; tensors or regions that overlap) come from load_ds4f_layout.
 Official release: index and shard headers, every tensor the geometry needs with its
-official dtype and shape, NaN scale bytes in every expert, tid2eid ids in range.
+official dtype and shape, NaN scale bytes in every expert and in every FP8 weight's scale
+tiles (`*.scale` of an F8_E4M3 weight), tid2eid ids in range.
+Both: a hash layer's tid2eid row (one token) naming the same expert twice.
+Every problem names the file and, where there is one, the tensor.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from ds4f.engine.checkpoint.base import _views, aligned_buffer
 from ds4f.engine.checkpoint.layout import load_ds4f_layout
 from ds4f.engine.checkpoint.official import check_official_tensors
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.checkpoint.formats import E8M0_NAN
+from ds4f.engine.checkpoint.formats import E8M0_NAN, st_numpy_dtype
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import read_json, load_official_index
@@ -133,24 +138,39 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
         return problems
     names = [f"layers.{L}.ffn.experts.{e}.{p}" for L in range(g.n_layers) for e in range(g.n_experts)
              for p in ("w1.scale", "w3.scale", "w2.scale")]
-    total = sum(tensors[n].nbytes for n in names)
-    nan_total, nan_where = 0, []
+    fp8_scales = _fp8_scale_names(tensors)
+    total = sum(tensors[n].nbytes for n in names) + sum(tensors[n].nbytes for n in fp8_scales)
+    nan_total, nan_where, fp8_nan, fp8_problems = 0, [], 0, []
     fds: dict[Path, int] = {}
+
+    def read(n: str) -> bytes | None:
+        t = tensors[n]
+        fd = fds.get(t.file)
+        if fd is None:
+            fd = fds[t.file] = os.open(t.file, os.O_RDONLY)
+        data = os.pread(fd, t.nbytes, t.offset)
+        if len(data) < t.nbytes:
+            problems.append(f"{t.file}: truncated: short read of {n}")
+            return None
+        return data
+
     try:
         with Progress(progress, total, "verify") as bar:
             for n in names:
-                t = tensors[n]
-                fd = fds.get(t.file)
-                if fd is None:
-                    fd = fds[t.file] = os.open(t.file, os.O_RDONLY)
-                data = os.pread(fd, t.nbytes, t.offset)
-                if len(data) < t.nbytes:
-                    problems.append(f"{t.file}: truncated: short read of {n}")
-                    continue
-                c = data.count(bytes([E8M0_NAN]))
+                t, data = tensors[n], read(n)
+                c = data.count(bytes([E8M0_NAN])) if data is not None else 0
                 if c:
                     nan_total += c
-                    nan_where.append(f"{n}: {c}")
+                    nan_where.append(f"{t.file.name}: {n}: {c}")
+                bar.advance(t.nbytes)
+            for n in fp8_scales:
+                t, data = tensors[n], read(n)
+                c = _nan_scales(data, t.dtype) if data is not None else 0
+                if c:
+                    fp8_nan += c
+                    what = "NaN scale bytes (0xFF)" if t.dtype in ("F8_E8M0", "U8") else "NaN scales"
+                    fp8_problems.append(f"{t.file}: {n}: {c} {what} in the FP8 scale tiles of"
+                                        f" {n[:-len('.scale')]}.weight")
                 bar.advance(t.nbytes)
         for L in range(g.n_hash_layers):
             t = tensors[f"layers.{L}.ffn.gate.tid2eid"]
@@ -161,20 +181,47 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
         for fd in fds.values():
             os.close(fd)
     info.update(records=g.n_layers * g.n_experts, records_checked=g.n_layers * g.n_experts,
-                bytes_checked=total, nan_scale_bytes=nan_total)
+                bytes_checked=total, nan_scale_bytes=nan_total + fp8_nan)
     if nan_total:
         problems.append(f"{root}: {nan_total} NaN scale bytes (0xFF) in expert scales: "
                         + "; ".join(nan_where[:10]) + (" ..." if len(nan_where) > 10 else ""))
+    problems += _capped(fp8_problems, "FP8 scale tensors with NaN scales")
     return problems
 
 
+def _fp8_scale_names(tensors: dict) -> list[str]:
+    """The `*.scale` tensors of the release's F8_E4M3 weights, in name order."""
+    out = []
+    for name, t in tensors.items():
+        if name.endswith(".weight") and t.dtype == "F8_E4M3":
+            scale = name[: -len(".weight")] + ".scale"
+            if scale in tensors:
+                out.append(scale)
+    return sorted(out)
+
+
+def _nan_scales(data: bytes, dtype: str) -> int:
+    """NaN scales in a scale tensor's bytes: E8M0 0xFF, or a float NaN."""
+    if dtype in ("F32", "BF16", "F16"):
+        return int(np.count_nonzero(np.isnan(np.frombuffer(data, dtype=st_numpy_dtype(dtype)).astype(np.float32))))
+    return data.count(bytes([E8M0_NAN]))
+
+
 def _tid2eid_problems(arr, g: Geometry, what: str) -> list[str]:
+    """Ids out of range, and rows (one token's experts) naming the same expert twice."""
     if arr is None:
         return []
+    out = []
     bad = (arr < 0) | (arr >= g.n_experts)
     if bad.any():
-        return [f"{what}: {int(bad.sum())} expert ids outside 0..{g.n_experts - 1}"]
-    return []
+        out.append(f"{what}: {int(bad.sum())} expert ids outside 0..{g.n_experts - 1}")
+    srt = np.sort(np.asarray(arr).reshape(len(arr), -1), axis=1)
+    dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+    if len(dup):
+        first = ", ".join(f"token {int(t)}: {np.asarray(arr[t]).tolist()}" for t in dup[:5])
+        out.append(f"{what}: {len(dup)} token{'s' if len(dup) != 1 else ''} routed to the same expert twice"
+                   f" (duplicate expert ids in a row): {first}" + (" ..." if len(dup) > 5 else ""))
+    return out
 
 
 def _capped(items: list[str], what: str) -> list[str]:

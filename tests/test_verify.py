@@ -1,0 +1,159 @@
+"""`ds4f verify` catches what `ds4f run` would trip on, in corrupted copies of the tiny checkpoints,
+and names the file, the tensor and the problem: trunk.json entries whose dtype or shape disagree
+with their bytes or the geometry, overlapping tensors, a token routed to one expert twice by a
+hash layer's tid2eid, and NaN FP8 scales."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4f.engine.checkpoint import open_checkpoint
+from ds4f.engine.checkpoint.formats import E8M0_NAN
+from ds4f.engine.checkpoint.verify import verify_checkpoint
+from ds4f.engine.errors import Ds4fError
+
+
+def copy_ck(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "ck"))
+
+
+def edit_trunk(root: Path, edit) -> None:
+    doc = json.loads((root / "trunk.json").read_text())
+    edit({t["name"]: t for t in doc["tensors"]})
+    (root / "trunk.json").write_text(json.dumps(doc))
+
+
+def cli_verify(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds4f.cli", "verify", str(root)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def expect(root: Path, *patterns: str, opens: bool = False) -> list[str]:
+    """verify lists a problem matching every pattern (also the CLI, exit 1); open refuses it too if `opens`."""
+    problems = verify_checkpoint(root)
+    hit = [p for p in problems if all(re.search(pat, p) for pat in patterns)]
+    assert hit, problems
+    out = cli_verify(root)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert any(all(re.search(pat, line) for pat in patterns) for line in out.stderr.splitlines()), out.stderr
+    if opens:
+        with pytest.raises(Ds4fError):
+            open_checkpoint(root).close()
+    return hit
+
+
+def test_the_tiny_checkpoints_are_clean(tiny_official, tiny_model):
+    assert verify_checkpoint(tiny_official) == [] and verify_checkpoint(tiny_model) == []
+
+
+# ---- trunk.json lies -----------------------------------------------------------------------------
+def test_a_dtype_that_disagrees_with_the_geometry(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    edit_trunk(root, lambda t: t["norm.weight"].update(dtype="F16"))   # same size, wrong numbers
+    expect(root, r"trunk\.json: norm\.weight: F16 \[\d+\], expected BF16", opens=True)
+
+
+def test_a_shape_that_disagrees_with_the_geometry(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    with open_checkpoint(root) as ck:
+        g = ck.geometry
+
+    def lie(t):
+        t["embed.weight"]["shape"] = [g.hidden, g.vocab]                     # the same bytes, transposed
+        t["layers.1.ffn.gate.weight"]["shape"] = [g.hidden, g.n_experts]
+    edit_trunk(root, lie)
+    expect(root, r"trunk\.json: embed\.weight: BF16 \[%d, %d\], expected BF16 \[%d, %d\]"
+           % (g.hidden, g.vocab, g.vocab, g.hidden), opens=True)
+    expect(root, r"trunk\.json: layers\.1\.ffn\.gate\.weight: BF16 \[%d, %d\], expected" % (g.hidden, g.n_experts))
+
+
+def test_a_shape_that_disagrees_with_the_bytes(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    edit_trunk(root, lambda t: t["layers.2.ffn.shared_experts.w2.weight"].update(
+        shape=[2 * s for s in t["layers.2.ffn.shared_experts.w2.weight"]["shape"]]))
+    hit = expect(root, r"trunk\.json: layers\.2\.ffn\.shared_experts\.w2\.weight: nbytes \d+ disagrees with its"
+                       r" dtype BF16 and shape", opens=True)
+    assert len(hit) == 1
+
+
+def test_overlapping_tensors(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+
+    def overlap(t):
+        t["layers.0.ffn_norm.weight"]["offset"] = t["layers.0.attn_norm.weight"]["offset"] + 64
+        t["head.weight"]["offset"] = t["embed.weight"]["offset"] + 128
+    edit_trunk(root, overlap)
+    expect(root, r"trunk\.json: tensors layers\.0\.attn_norm\.weight and layers\.0\.ffn_norm\.weight overlap",
+           opens=True)
+    expect(root, r"trunk\.json: tensors embed\.weight and head\.weight overlap: head\.weight starts at byte \d+")
+
+
+# ---- tid2eid ---------------------------------------------------------------------------------------
+def _duplicate_a_row(path: Path, offset: int, top_k: int, token: int) -> list[int]:
+    with open(path, "r+b") as f:
+        f.seek(offset + token * top_k * 8)
+        row = np.frombuffer(f.read(top_k * 8), "<i8").copy()
+        row[-1] = row[0]
+        f.seek(offset + token * top_k * 8)
+        f.write(row.tobytes())
+    return row.tolist()
+
+
+def test_duplicate_expert_ids_in_a_tid2eid_row_ds4f(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    tensors = json.loads((root / "trunk.json").read_text())["tensors"]
+    entry = next(t for t in tensors if t["name"] == "layers.0.ffn.gate.tid2eid")
+    top_k = entry["shape"][1]
+    row = _duplicate_a_row(root / "trunk.bin", entry["offset"], top_k, token=37)
+    hit = expect(root, r"trunk\.bin: layers\.0\.ffn\.gate\.tid2eid: 1 token routed to the same expert twice",
+                 re.escape(f"token 37: {row}"))
+    assert len(hit) == 1
+
+
+def test_duplicate_expert_ids_in_a_tid2eid_row_official(tiny_official, tmp_path):
+    root = copy_ck(tiny_official, tmp_path)
+    name = "layers.0.ffn.gate.tid2eid"
+    with open_checkpoint(root) as ck:
+        t = ck.tensors[name]
+    for token in (3, 200):
+        _duplicate_a_row(t.file, t.offset, t.shape[1], token)
+    expect(root, rf"{re.escape(t.file.name)}: {re.escape(name)}: 2 tokens routed to the same expert twice",
+           r"token 3: .*token 200: ")
+
+
+# ---- NaN FP8 scales ----------------------------------------------------------------------------------
+def _poke(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_nan_scales_in_an_fp8_weight_official(tiny_official, tmp_path):
+    root = copy_ck(tiny_official, tmp_path)
+    name = "layers.2.ffn.shared_experts.w1.scale"
+    with open_checkpoint(root) as ck:
+        t = ck.tensors[name]
+        assert ck.tensors["layers.2.ffn.shared_experts.w1.weight"].dtype == "F8_E4M3"
+    _poke(t.file, t.offset, bytes([E8M0_NAN, E8M0_NAN]))
+    info: dict = {}
+    problems = verify_checkpoint(root, info=info)
+    assert info["nan_scale_bytes"] == 2
+    expect(root, rf"{re.escape(str(t.file))}: {re.escape(name)}: 2 NaN scale bytes \(0xFF\) in the FP8 scale"
+                 r" tiles of layers\.2\.ffn\.shared_experts\.w1\.weight")
+    assert len(problems) == 1, problems
+
+
+def test_nan_scales_in_an_expert_official_name_the_shard(tiny_official, tmp_path):
+    root = copy_ck(tiny_official, tmp_path)
+    name = "layers.3.ffn.experts.5.w2.scale"
+    with open_checkpoint(root) as ck:
+        t = ck.tensors[name]
+    _poke(t.file, t.offset + 1, bytes([E8M0_NAN]))
+    expect(root, r"1 NaN scale bytes \(0xFF\) in expert scales", rf"{re.escape(t.file.name)}: {re.escape(name)}: 1")
