@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
@@ -83,6 +84,10 @@ def _run(args) -> int:
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
                        backend="scalar" if args.no_simd else args.backend, dump_path=args.dump_state,
                        report_path=args.json, config_path=args.config, probe_floor=False if args.no_probe else None)
+    try:
+        signal.signal(signal.SIGTERM, _cancel_on_sigterm)   # `kill` stops the run as Ctrl-C does: no files left
+    except ValueError:   # not the main thread (called in-process): signals are not ours to handle
+        pass
     run = start_run(config, history=history)
     print(f"run {run.id}: {args.model} · preset {run.preset.describe()} · {run.n_steps} tokens", file=sys.stderr)
     shown = 0
@@ -124,6 +129,11 @@ def _run(args) -> int:
     print(f"state          {run.summary_report['state_path']} sha256 {run.summary_report['state_sha256']}")
     print(f"report         {run.report_path}")
     return 0
+
+
+def _cancel_on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the first one cancels; the cancel then runs to its end
+    raise KeyboardInterrupt
 
 
 def _print_tokens(run, shown: int) -> int:

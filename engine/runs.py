@@ -5,8 +5,11 @@
     run.switch(backend="scalar", kernel_threads=1, io_threads=8)   # lands at the next token
     run.cancel(); run.wait(); run.state; run.error; run.report
 
-A run executes in a background thread. It writes state.bin and report.json under temporary
-names and renames them when complete; a cancelled or failed run leaves no partial files.
+A run executes in a background thread. It writes state.bin and report.json as a pair (the
+report carries the state's sha256) under temporary names and commits them when complete, the
+report first (see ds4f.engine.statedump); a cancelled or failed run leaves no files, and a run
+cleans what a killed one left in its place. A write error (no space, no permission) fails the
+run with a message naming the file.
 Only one run is active per process at a time: the kernel backend and thread count are
 process-wide settings of the native library.
 """
@@ -31,7 +34,7 @@ from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT,
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord
-from ds4f.engine.statedump import StateWriter, read_routing
+from ds4f.engine.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
 
 REPORT_SCHEMA = "ds4f.report/1"
 
@@ -348,6 +351,14 @@ class Run:
         writer = None
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
+            # first, so an unwritable or busy place fails the run before the engine loads
+            writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
+                                 report_path=self.report_path)
+            notes = writer.notes
+            if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
+                notes += sweep_run_dirs(self.dump_path.parent.parent, keep=self.dump_path.parent)
+            for note in notes:
+                self._log(note)
             if self.engines is not None:
                 t0 = time.perf_counter()
                 loads = self.engines.loads
@@ -372,7 +383,6 @@ class Run:
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
-            writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps)
             token = self.prompt[0]
             for step in range(self.n_steps):
                 if self._cancel.is_set():
@@ -401,9 +411,9 @@ class Run:
                 self._finish("cancelled")
                 self._log(f"cancelled after {self._log_tokens.count} tokens; no files written")
                 return
-            sha = writer.finish()
+            sha = writer.close()
+            self._finish("done", sha=sha, writer=writer)
             writer = None
-            self._finish("done", sha=sha)
         except Ds4fError as exc:
             self._fail(str(exc), writer)
         except Exception as exc:  # never a silently dead thread: the error is the run's
@@ -430,14 +440,18 @@ class Run:
         self._log(f"error: {message}")
         self._finish("failed")
 
-    def _finish(self, state: str, sha: str | None = None) -> None:
+    def _finish(self, state: str, sha: str | None = None, writer: StateWriter | None = None) -> None:
+        """End the run in `state`; a done run's report is written and committed with its state
+        dump (`writer`, closed) before the run says it is done."""
         self._rss_at_end = self._rss_now()  # what the run held; the engine's memory goes after this
         self.finished_at = time.time()
         report = None
         if state == "done":
-            self._optimum = self._optimum_hit_rate()
+            self._optimum = self._optimum_hit_rate(writer.tmp)
             report = self._build_report(sha)
-            self._write_report(report)
+            report["state_nbytes"] = writer.nbytes
+            self._write_report(report, writer.report_tmp)
+            writer.commit()
             s = report["summary"]
             self._log(f"done: {s['s_per_token']:.3f} s/token warm, hit rate {s['hit_rate']:.1%}, sha256 {sha[:12]}")
         with self._lock:
@@ -452,7 +466,7 @@ class Run:
             except Exception as exc:  # the run itself succeeded; say what went wrong with the record
                 self._log(f"could not record the run in the history: {exc}")
 
-    def _optimum_hit_rate(self) -> float | None:
+    def _optimum_hit_rate(self, state_file: Path) -> float | None:
         """Belady's hit rate on this run's own trace with the same cache: the regret's yardstick."""
         import numpy as np
 
@@ -468,7 +482,7 @@ class Run:
             self._log(f"Belady's optimum not computed: more than {BELADY_MAX_REQUESTS:,} expert requests")
             return None
         # the routing trace is in the state dump: read back, not kept in memory during the run
-        ids = read_routing(self.dump_path)
+        ids = read_routing(state_file)
         trace = Trace(g, ids, np.zeros(len(ids), np.int32))
         try:
             return replay(trace, Budget(nbytes=fig.cache_capacity_bytes), "belady").hit_rate
@@ -481,17 +495,22 @@ class Run:
                  io_threads=self.io_threads, kernel_threads=self.kernel_threads, backend_requested=self.config.backend)
         return d
 
-    def _write_report(self, report: dict) -> None:
-        """report.json: `report` plus the per-token records, written one token at a time."""
-        self.report_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.report_path.with_name(self.report_path.name + ".partial")
+    def _write_report(self, report: dict, tmp: Path) -> None:
+        """`report` plus the per-token records, written one token at a time to `tmp` (the report's
+        .partial, flushed to disk; StateWriter.commit renames it). A write error is a Ds4fError
+        naming the report, and leaves no `tmp`."""
         head = json.dumps(report, indent=1)
-        with open(tmp, "w") as f:
-            f.write(head[:head.rindex("}")].rstrip() + ',\n "tokens": [')
-            for i in range(self._log_tokens.count):
-                f.write(("\n  " if i == 0 else ",\n  ") + json.dumps(asdict(self._log_tokens.record(i))))
-            f.write("\n ]\n}\n")
-        os.replace(tmp, self.report_path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(head[:head.rindex("}")].rstrip() + ',\n "tokens": [')
+                for i in range(self._log_tokens.count):
+                    f.write(("\n  " if i == 0 else ",\n  ") + json.dumps(asdict(self._log_tokens.record(i))))
+                f.write("\n ]\n}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise write_error(self.report_path, exc) from None
 
     def _build_report(self, sha: str | None) -> dict:
         snap = self.snapshot()

@@ -7,7 +7,18 @@ Layout (little-endian):
         i32 expert_ids[n_layers, top_k], f32 weights[n_layers, top_k], f32 hidden[n_layers, hidden]
 The header holds only what determines the numbers (format, geometry, prompt, token count),
 never thread counts, paths or times, so equal math gives equal bytes (the determinism
-invariant). The file is written under a temporary name and renamed when complete.
+invariant).
+
+A run's artifacts are a pair, state.bin and report.json, the report carrying the state's
+sha256 (`state_sha256`) and size (`state_nbytes`). Both are written as `<name>.partial`, then
+committed in this order: the report renamed into place, then the state. Whatever point a
+process is killed at, the files under the final names are one of: the previous pair (or
+nothing), a new report beside an old or missing state (its sha256 does not match: not a
+finished run), or the new pair. A new state never stands beside an old report. Readers
+(read_state, diff, the server) treat a pair whose sha256 does not match as not done
+(`pair_problem`). While writing, the writer holds an exclusive lock on `state.bin.partial`;
+the next writer in the same place removes what a killed one left (`*.partial`, a half-committed
+pair) unless that lock shows its writer is still alive.
 
 Diff classes: identical (same bytes); low-bit (same tokens and routing, hidden states within
 tolerance); routing (the first token and layer whose selected experts differ); drift (same
@@ -15,16 +26,23 @@ routing, hidden states beyond tolerance).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ds4f.engine.errors import Ds4fError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock, leftovers are still removed
+    fcntl = None
 
 MAGIC = b"DS4FSTAT"
 VERSION = 1
@@ -43,13 +61,149 @@ def record_dtype(n_layers: int, top_k: int, hidden: int) -> np.dtype:
                      ("hidden", "<f4", (n_layers, hidden))])
 
 
-class StateWriter:
-    """Streams records to `path`.partial, hashing as it goes; finish() renames into place."""
+PARTIAL = ".partial"
+HASH_CHUNK = 1 << 20
 
-    def __init__(self, path: str | os.PathLike, geometry: dict, prompt: list[int], n_tokens: int) -> None:
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where `path` is written before it is committed: `<path>.partial`."""
+    path = Path(path)
+    return path.with_name(path.name + PARTIAL)
+
+
+def write_error(path: str | os.PathLike, exc: OSError, what: str = "write") -> Ds4fError:
+    """An OSError of writing `path` as a Ds4fError that names the path and the cause."""
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        why = "no space left on device" if exc.errno == errno.ENOSPC else "no space left (disk quota exceeded)"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        why = "permission denied"
+    elif exc.errno == errno.EROFS:
+        why = "read-only file system"
+    else:
+        why = exc.strerror or str(exc)
+    where = exc.filename if isinstance(exc.filename, str) else str(path)
+    return Ds4fError(f"{where}: cannot {what}: {why}", path=str(path))
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def report_paths_for(state_path: str | os.PathLike) -> list[Path]:
+    """Where a run's report sits next to its state dump: `a.bin` -> `a.report.json`, and
+    `state.bin` -> `report.json` in the same directory (a run's own directory)."""
+    p = Path(state_path)
+    out = [p.with_name(p.stem + ".report.json")]
+    if p.name == "state.bin":
+        out.append(p.with_name("report.json"))
+    return out
+
+
+def _load_report(path: Path) -> dict | None:
+    """The report at `path` if it is a ds4f report naming a state sha256, else None."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("ds4f.report/"):
+        return None
+    if not isinstance(doc.get("state_sha256"), str) or not isinstance(doc.get("state_path"), str):
+        return None
+    return doc
+
+
+def _claims(report: dict, state_path: Path) -> bool:
+    """Does `report` name `state_path` as its state? By file name: the reports looked at sit next
+    to the dump (report_paths_for) or are given by the caller, and a run's directory may move."""
+    return Path(report["state_path"]).name == state_path.name
+
+
+def pair_problem(state_path: str | os.PathLike, sha256: str | None = None,
+                 report_path: str | os.PathLike | None = None) -> str | None:
+    """Why the state dump at `state_path` is not a finished run's (None when it is, or when no
+    report claims it). A report claims it when `report_path` is given, or one of report_paths_for
+    names it; it is finished when the file's sha256 equals the report's `state_sha256`.
+    `sha256`, if given, is the file's hash already computed."""
+    state_path = Path(state_path)
+    candidates = [Path(report_path)] if report_path is not None else report_paths_for(state_path)
+    for rp in candidates:
+        doc = _load_report(rp)
+        if doc is None or not _claims(doc, state_path):
+            continue
+        want = doc["state_sha256"]
+        if not state_path.is_file():
+            return f"{state_path}: missing, but its report {rp} says the run is done (an interrupted commit)"
+        nbytes = doc.get("state_nbytes")
+        if sha256 is None and isinstance(nbytes, int) and state_path.stat().st_size != nbytes:
+            return (f"{state_path}: {state_path.stat().st_size} bytes, but its report {rp} says {nbytes}:"
+                    f" not a finished run's pair (an interrupted commit, or one of the two was replaced)")
+        got = sha256 or file_sha256(state_path)
+        if got != want:
+            return (f"{state_path}: sha256 {got[:16]}…, but its report {rp} says {want[:16]}…:"
+                    f" not a finished run's pair (an interrupted commit, or one of the two was replaced)")
+    return None
+
+
+def check_state_file(path: str | os.PathLike, sha256: str | None) -> str | None:
+    """Why the state dump at `path` is not the one whose sha256 a report or the history names
+    (None when it is): a reader serving a done run's dump checks it first."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path}: the state dump is gone"
+    if sha256:
+        got = file_sha256(path)
+        if got != sha256:
+            return (f"{path}: sha256 {got[:16]}…, the run's report says {sha256[:16]}…: the dump was replaced"
+                    f" or its run was interrupted while committing; not this run's state")
+    return None
+
+
+class StateWriter:
+    """Streams records to `path`.partial, hashing as it goes.
+
+    finish() closes it and renames it into place (a dump on its own). A run's pair goes:
+    close() (flushed and fsynced, still `.partial`; returns the sha256), the report written
+    to `report_path`.partial, then commit() (the report renamed into place, then the state).
+    abort() removes both partial files. Every write error is a Ds4fError naming the file.
+
+    With `report_path`, the writer first cleans the place: what a killed writer left there
+    (`*.partial` of both, a report that claims the state dump but whose sha256 does not match
+    it, with that dump) is removed; `notes` says what went. A place whose `.partial` is locked
+    by a live writer is refused."""
+
+    def __init__(self, path: str | os.PathLike, geometry: dict, prompt: list[int], n_tokens: int,
+                 report_path: str | os.PathLike | None = None) -> None:
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".partial")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = partial_path(self.path)
+        self.report_path = Path(report_path) if report_path is not None else None
+        self.report_tmp = partial_path(self.report_path) if self.report_path is not None else None
+        self.notes: list[str] = []
+        self.sha256: str | None = None
+        self.nbytes = 0
+        self._f = None
+        for d in {self.path.parent, *([self.report_path.parent] if self.report_path is not None else [])}:
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise write_error(d, exc, "create the directory") from None
         g = geometry
         self.dtype = record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
         header = json.dumps({"format": "ds4f.state", "version": VERSION, "geometry": geometry,
@@ -57,13 +211,46 @@ class StateWriter:
         header += b" " * (-(len(header) + 16) % 8)
         self._rec = np.zeros(1, self.dtype)
         self._sha = hashlib.sha256()
-        self._f = open(self.tmp, "wb")
-        self._write(MAGIC + struct.pack("<II", VERSION, len(header)) + header)
+        self._open_locked()
+        try:
+            if self.report_path is not None:
+                self.notes = clean_leftovers(self.path, self.report_path)
+            self._write(MAGIC + struct.pack("<II", VERSION, len(header)) + header)
+        except OSError as exc:
+            self.abort()
+            raise write_error(self.path, exc, "clean up") from None
+        except BaseException:
+            self.abort()
+            raise
         self.n_written = 0
 
+    def _open_locked(self) -> None:
+        """Open `.partial` without truncating, take its lock (or refuse: a live writer has it), then truncate."""
+        try:
+            fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise write_error(self.tmp, exc) from None
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise Ds4fError(f"{self.path}: another run is writing here right now ({self.tmp} is locked)",
+                                path=str(self.path), kind="busy") from None
+        try:
+            os.ftruncate(fd, 0)
+        except OSError as exc:
+            os.close(fd)
+            raise write_error(self.tmp, exc) from None
+        self._f = os.fdopen(fd, "wb")
+
     def _write(self, data: bytes) -> None:
-        self._f.write(data)
+        try:
+            self._f.write(data)
+        except OSError as exc:
+            raise write_error(self.tmp, exc) from None
         self._sha.update(data)
+        self.nbytes += len(data)
 
     def write(self, token: int, next_token: int, backend: str, ids, weights, hidden) -> None:
         rec = self._rec[0]
@@ -72,15 +259,126 @@ class StateWriter:
         self._write(self._rec.tobytes())
         self.n_written += 1
 
+    def close(self) -> str:
+        """Flush and fsync `.partial`; the sha256 of the file. The file stays open, and locked,
+        until commit() or abort(): a sweeper never takes a finished but uncommitted dump for a leftover."""
+        if self.sha256 is None:
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError as exc:
+                raise write_error(self.tmp, exc) from None
+            self.sha256 = self._sha.hexdigest()
+        return self.sha256
+
+    def _release(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def commit(self) -> None:
+        """Rename the written report (if any) into place, then the state dump."""
+        if self.report_path is not None:
+            try:
+                os.replace(self.report_tmp, self.report_path)
+            except OSError as exc:
+                raise write_error(self.report_path, exc, "commit") from None
+        try:
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            if self.report_path is not None:  # a report whose state never landed is not left behind
+                self.report_path.unlink(missing_ok=True)
+            raise write_error(self.path, exc, "commit") from None
+        self._release()
+        for d in {self.path.parent, *([self.report_path.parent] if self.report_path is not None else [])}:
+            _fsync_dir(d)
+
     def finish(self) -> str:
-        """Close, rename into place, and return the sha256 of the file."""
-        self._f.close()
-        os.replace(self.tmp, self.path)
-        return self._sha.hexdigest()
+        """Close, rename into place, and return the sha256 of the file (a dump without a report)."""
+        sha = self.close()
+        self.commit()
+        return sha
 
     def abort(self) -> None:
-        self._f.close()
-        self.tmp.unlink(missing_ok=True)
+        """Remove what this writer wrote under temporary names (never committed files), then let go of the lock."""
+        for p in (self.tmp, self.report_tmp):
+            if p is not None:
+                try:
+                    p.unlink(missing_ok=True)
+                except OSError:
+                    pass
+        self._release()
+
+
+def clean_leftovers(state_path: str | os.PathLike, report_path: str | os.PathLike) -> list[str]:
+    """Remove what a killed writer left in this place: the report's `.partial`, and a report
+    claiming `state_path` whose sha256 does not match it (with that state dump). The caller
+    holds the lock on the state's `.partial` (and has emptied it). What was removed, as notes."""
+    state_path, report_path = Path(state_path), Path(report_path)
+    notes = []
+    rtmp = partial_path(report_path)
+    if rtmp.exists():
+        rtmp.unlink(missing_ok=True)
+        notes.append(f"removed {rtmp}, left by an interrupted run")
+    if report_path.is_file():
+        problem = pair_problem(state_path, report_path=report_path)
+        if problem is not None:
+            report_path.unlink(missing_ok=True)
+            gone = [str(report_path)]
+            if state_path.is_file():
+                state_path.unlink(missing_ok=True)
+                gone.append(str(state_path))
+            notes.append(f"removed {' and '.join(gone)}, a pair an interrupted run left half-committed")
+    return notes
+
+
+def sweep_run_dirs(runs_dir: str | os.PathLike, keep: str | os.PathLike | None = None,
+                   min_age_s: float = 60.0) -> list[str]:
+    """Remove what killed runs left in the per-run directories under `runs_dir` (a run's default
+    place, one directory per run, never reused): the `.partial` files, a report.json whose
+    state.bin never landed, and then the directory if nothing else is in it. A directory whose
+    state.bin.partial a live writer holds locked, or was touched in the last min_age_s, is left
+    alone, as is `keep`. What was removed, as notes."""
+    notes = []
+    try:
+        dirs = [d for d in Path(runs_dir).iterdir() if d.is_dir()]
+    except OSError:
+        return notes
+    for d in dirs:
+        if keep is not None and d == Path(keep):
+            continue
+        tmp = d / ("state.bin" + PARTIAL)
+        try:
+            if time.time() - tmp.stat().st_mtime < min_age_s:
+                continue
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue
+            gone = [p for p in d.iterdir() if p.name.endswith(PARTIAL)]
+            if (d / "report.json").is_file() and not (d / "state.bin").exists():
+                gone.append(d / "report.json")
+            for p in gone:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        try:
+            d.rmdir()
+            notes.append(f"removed {d}, what a killed run left")
+        except OSError:
+            notes.append(f"removed {', '.join(p.name for p in gone)} from {d}, left by a killed run")
+    return notes
 
 
 @dataclass
@@ -99,7 +397,9 @@ class State:
         return [BACKEND_BY_CODE.get(int(b), "?") for b in self.records["backend"]]
 
 
-def read_state(path: str | os.PathLike) -> State:
+def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
+    """The dump at `path`. check_report: refuse a dump whose run's report (next to it, see
+    pair_problem) names another sha256: a run interrupted while committing, not a finished one."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -123,7 +423,12 @@ def read_state(path: str | os.PathLike) -> State:
         raise Ds4fError(f"{path}: truncated or padded state dump: {len(body)} bytes of records, "
                         f"expected {header.get('n_tokens')} x {dtype.itemsize}")
     records = np.frombuffer(body, dtype=dtype)
-    return State(path, header, records, hashlib.sha256(data).hexdigest())
+    sha = hashlib.sha256(data).hexdigest()
+    if check_report:
+        problem = pair_problem(path, sha256=sha)
+        if problem is not None:
+            raise Ds4fError(problem, path=str(path))
+    return State(path, header, records, sha)
 
 
 @dataclass

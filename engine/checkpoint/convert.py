@@ -4,7 +4,8 @@ Streaming with bounded memory: one expert record, one layer's MoE trunk, or one 
 of a big tensor at a time (at most ~64 MiB plus a layer region), whatever the model's size.
 Expert bytes are copied unchanged; FP8 trunk tensors become bf16, checked exact.
 Everything is written into a hidden sibling directory and renamed into place at the end,
-so an interrupted conversion never leaves something that looks like a checkpoint.
+so an interrupted conversion never leaves something that looks like a checkpoint; the next
+conversion to the same place removes the hidden directories a killed one left.
 """
 from __future__ import annotations
 

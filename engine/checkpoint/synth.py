@@ -298,6 +298,7 @@ def _fresh_dir(out: Path, force: bool) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise Ds4fError(f"{out.parent}: cannot create: {exc.strerror or exc}") from None
+    _remove_leftovers(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -306,6 +307,44 @@ def _fresh_dir(out: Path, force: bool) -> Path:
     except OSError as exc:
         raise Ds4fError(f"{out.parent}: cannot write: {exc.strerror or exc}") from None
     return tmp
+
+
+def _leftover_pid(path: Path, out: Path) -> int | None:
+    """The writer's pid if `path` is one of `out`'s temporary siblings (.NAME.partial-PID, .NAME.old-PID)."""
+    for kind in (".partial-", ".old-"):
+        prefix = f".{out.name}{kind}"
+        if path.name.startswith(prefix) and path.name[len(prefix):].isdigit():
+            return int(path.name[len(prefix):])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process
+        return True
+    return True
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary siblings of `out` that a killed writer left (its pid is gone)."""
+    try:
+        siblings = list(out.parent.iterdir())
+    except OSError:
+        return
+    for p in siblings:
+        pid = _leftover_pid(p, out)
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                p.unlink()
+            except OSError:
+                pass
 
 
 def _commit_dir(tmp: Path, out: Path) -> None:
