@@ -164,6 +164,7 @@ def test_a_run_in_the_default_place_sweeps_what_killed_runs_left(tiny_model, tmp
     from ds4f.engine.config import user_data_dir
 
     runs = user_data_dir() / "runs"
+    before = set(runs.iterdir()) if runs.is_dir() else set()
     err = tmp_path / "stderr.txt"
     with open(err, "w") as ef:
         proc = subprocess.Popen(cli("run", tiny_model, "--gen", "20000", "--no-probe"), stdout=subprocess.DEVNULL,
@@ -173,7 +174,7 @@ def test_a_run_in_the_default_place_sweeps_what_killed_runs_left(tiny_model, tmp
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
-    killed = runs / err.read_text().split()[1].rstrip(":")
+    (killed,) = set(runs.iterdir()) - before
     assert (killed / "state.bin.partial").exists()
     half = runs / "19990101-000000-half"       # killed between the report's rename and the state's
     half.mkdir(parents=True)
