@@ -18,7 +18,7 @@ from ds4f.engine.checkpoint import detect_kind, open_checkpoint
 from ds4f.engine.config import (BACKEND_NAMES, Budget, Config, Preset, format_bytes, load_config, parse_budget,
                                 user_cache_dir, user_config_path, user_data_dir)
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History, RunRecord, hash_groups
+from ds4f.engine.history import History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, run_files
 from ds4f.engine.kernels import BACKENDS, available_backends, best_backend
 from ds4f.engine.runs import (DEFAULT_GEN, END_STATES, LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, EngineHost, Run,
                               RunConfig, active_run, start_run)
@@ -54,6 +54,8 @@ __all__ = [
     "ONLINE_POLICIES", "DEFAULT_POLICY",
     "bench_engine", "bench_cache", "run_kernel_bench", "check_kernel_targets", "KERNEL_NAMES",
     "BACKENDS", "probe_floor", "cached_floor", "FLOOR_CAVEAT",
+    # pruning the run history
+    "PrunePlan", "plan_prune", "prune_runs", "run_files",
 ]
 
 def checkpoint_summary(path: str) -> dict:

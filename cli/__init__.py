@@ -26,11 +26,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ds4f.cli.serve", "serve the engine over HTTP"),
     "replay": ("ds4f.cli.cache", "replay a routing trace through a cache policy"),
     "trace": ("ds4f.cli.cache", "export a run's routing trace"),
+    "history": ("ds4f.cli.history", "list, show and prune the recorded runs"),
 }
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("ds4f")
+    except Exception:  # not installed as a distribution (run from a source tree)
+        from ds4f import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4f", description="ds4f: disk-streaming DeepSeek-V4-Flash")
+    parser.add_argument("--version", action="version", version=f"ds4f {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

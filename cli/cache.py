@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ds4f.api import Ds4fError
+from ds4f.cli.output import Column, Table, add_output_option, human_stream, print_tables
 
 DEFAULT_SWEEP = "5%,10%,15%,20%,25%,30%,40%,50%,60%,75%"
 
@@ -20,6 +21,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="BUDGETS",
                             help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP.replace('%', '%%')})")
         parser.add_argument("--plot", metavar="PNG", help="with --sweep: save hit rate against budget (needs matplotlib)")
+        add_output_option(parser)
     elif name == "trace":
         sub = parser.add_subparsers(dest="action", required=True)
         export = sub.add_parser("export", help="write a run's routing trace compactly (.npz)")
@@ -64,13 +66,28 @@ def _replay(args) -> int:
     policies = _policies(args.policy)
     budgets = [b.strip() for b in (args.sweep or args.cache).split(",") if b.strip()]
     g = trace.geometry
+    if args.plot and not args.sweep:
+        raise Ds4fError("--plot needs --sweep")
+    out = human_stream(args)
     print(f"{args.trace}: {len(trace.ids)} tokens, {g.n_layers} layers x {g.n_experts} experts, top-{g.top_k}, "
-          f"pool {trace.pool_bytes / 2**30:.2f} GiB in {trace.slot_nbytes / 2**20:.2f} MiB records")
+          f"pool {trace.pool_bytes / 2**30:.2f} GiB in {trace.slot_nbytes / 2**20:.2f} MiB records", file=out)
     results = sweep([trace], budgets, policies)
-    print(format_table(results, budgets, policies))
+    if args.output == "text":
+        print(format_table(results, budgets, policies))
+    else:
+        print_tables([sweep_table(results, budgets, policies)], args.output)
     if args.plot:
-        if not args.sweep:
-            raise Ds4fError("--plot needs --sweep")
         plot_sweep(results, budgets, policies, args.plot, title=str(args.trace))
-        print(f"plot: {args.plot}")
+        print(f"plot: {args.plot}", file=out)
     return 0
+
+
+def sweep_table(results, budgets: list[str], policies: list[str]) -> Table:
+    """The sweep as a table: a row per budget, its size in GiB, the hit rate of each policy
+    (empty where the budget cannot hold one token's experts)."""
+    table = Table("sweep", [Column("budget", align="left"), Column("budget_gib", "GiB", ".2f"),
+                            *(Column(p, spec=".1%") for p in policies)])
+    for b in budgets:
+        gib = next((results[b, p].budget_bytes for p in policies if results[b, p].budget_bytes), 0) / 2**30
+        table.add(b, gib, *(results[b, p].hit_rate for p in policies))
+    return table

@@ -8,14 +8,11 @@ import time
 from pathlib import Path
 
 from ds4f.api import Ds4fError
+from ds4f.cli.output import disk_size
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def _dir_size(p: Path) -> int:
@@ -31,7 +28,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                             help="named geometry (default: tiny); any field can be overridden below")
         parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
         parser.add_argument("--shard-mib", type=float, default=512, help="maximum shard size in MiB (default 512)")
-        parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+        parser.add_argument("--force", action="store_true",
+                            help="replace OUT if it is a checkpoint directory (either form); anything else is refused")
         grp = parser.add_argument_group("geometry overrides")
         for f in dataclasses.fields(Geometry):
             typ = float if f.type in ("float", float) else int
@@ -40,7 +38,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     elif name == "convert":
         parser.add_argument("src", type=Path, help="official checkpoint directory (safetensors shards + index)")
         parser.add_argument("dst", type=Path, help="output directory for the ds4f layout")
-        parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+        parser.add_argument("--force", action="store_true",
+                            help="replace DST if it is a ds4f layout directory (pool-mxfp4.json in it); "
+                                 "anything else, SRC and directories holding SRC are refused")
     elif name == "verify":
         parser.add_argument("path", type=Path, help="checkpoint directory (either form)")
     else:  # pragma: no cover - the registry only maps these three names here
@@ -63,14 +63,33 @@ def _synth(args) -> int:
         raise Ds4fError(f"--geometry {args.geometry} with overrides: {str(exc).removeprefix('geometry: ')}") from None
     if args.shard_mib <= 0:
         raise Ds4fError(f"--shard-mib must be positive, got {args.shard_mib}")
+    if args.force:
+        _check_replaceable(args.out)
     t0 = time.perf_counter()
     out = synth_checkpoint(args.out, g, seed=args.seed, progress=True, shard_bytes=int(args.shard_mib * 2 ** 20),
                            force=args.force)
     dt = time.perf_counter() - t0
     print(f"wrote {out} ({args.geometry}{' + overrides' if overrides else ''}, seed {args.seed}):"
-          f" {_human(_dir_size(out))} in {dt:.1f} s; {g.n_layers} layers x {g.n_experts} experts of"
-          f" {_human(g.expert_nbytes)}")
+          f" {disk_size(_dir_size(out))} in {dt:.1f} s; {g.n_layers} layers x {g.n_experts} experts of"
+          f" {_mib(g.expert_nbytes)}")
     return 0
+
+
+def _check_replaceable(out: Path) -> None:
+    """synth --force replaces only a checkpoint (either form) or an empty directory."""
+    from ds4f.api import detect_kind
+
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    try:
+        if not out.is_dir():
+            raise Ds4fError("not a directory")
+        detect_kind(out)
+    except Ds4fError:
+        raise Ds4fError(f"{out}: --force replaces only a checkpoint directory; this is not one, "
+                        f"so it is left as it is") from None
 
 
 def _convert(args) -> int:
@@ -78,8 +97,10 @@ def _convert(args) -> int:
 
     t0 = time.perf_counter()
     out = convert_checkpoint(args.src, args.dst, progress=True, force=args.force)
+    src = args.src if args.src.is_dir() else args.src.parent   # SRC may name a file of the checkpoint
     dt = time.perf_counter() - t0
-    print(f"wrote {out} (ds4f layout): {_human(_dir_size(out))} in {dt:.1f} s")
+    print(f"wrote {out} (ds4f layout): {disk_size(_dir_size(out))} from {disk_size(_dir_size(src))} of "
+          f"official shards in {dt:.1f} s")
     return 0
 
 
@@ -97,6 +118,6 @@ def _verify(args) -> int:
         return 1
     g = info.get("geometry")
     print(f"{info['path']}: OK ({info['kind']}; {g.n_layers} layers x {g.n_experts} experts;"
-          f" {info.get('records_checked', 0)} records, {_human(info.get('bytes_checked', 0))} checked;"
+          f" {info.get('records_checked', 0)} records, {disk_size(info.get('bytes_checked', 0))} checked;"
           f" {info.get('nan_scale_bytes', 0)} NaN scale bytes) in {dt:.1f} s")
     return 0

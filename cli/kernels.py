@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from ds4f.api import Ds4fError
+from ds4f.cli.output import (Column, Table, add_json_option, add_output_option, check_streams, human_stream,
+                             print_tables, write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per case, median reported (default 5)")
-    parser.add_argument("--json", metavar="PATH", help="write one record per (kernel, shape, backend, threads)")
+    add_json_option(parser, "one record per (kernel, shape, backend, threads)")
+    add_output_option(parser)
     parser.add_argument(
         "--backends", help="comma-separated subset of the available backends (scalar is always measured)"
     )
-    parser.add_argument("--threads", help="comma-separated thread counts (default: 1 and all cores)")
+    parser.add_argument("-t", "--threads", help="comma-separated thread counts (default: 1 and all cores)")
     parser.add_argument("--kernels", help="comma-separated subset of decode,matvec,bf16_matvec,experts")
 
 
@@ -35,6 +37,7 @@ def _fmt(v: float | None, spec: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from ds4f import api
 
+    check_streams(args)
     if args.repeat < 1:
         raise Ds4fError("--repeat must be at least 1")
     backends = _list(args.backends, "backends")
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 120)  # the table needs ~110 columns
+    out = human_stream(args)
+    console = Console(file=out, width=None if out.isatty() else 120)  # the table needs ~110 columns
     err = Console(stderr=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with err.status("benchmarking") as status:
@@ -79,21 +83,22 @@ def run(args: argparse.Namespace) -> int:
             _fmt(r.speedup_vs_scalar, ".1f"), _fmt(r.speedup_vs_numpy, ".0f"), _fmt(r.speedup_vs_1thread, ".2f"),
         )  # fmt: skip
     console.print(table)
-
-    best = api.best_backend()
-    if backends and best not in backends:
-        best = max(backends, key=api.BACKENDS.index)
-    if best != "scalar":
-        console.print(f"targets, backend {best}, worst shape:")
-        for desc, got, target, met in api.check_kernel_targets(records, best):
-            console.print(f"  {'met ' if met else 'MISS'}  {desc}: {got:.2f} (target >= {target:g})")
-
+    if args.output != "text":
+        print_tables([_table(records)], args.output)
     if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump([r.to_dict() for r in records], f, indent=1)
-                f.write("\n")
-        except OSError as exc:
-            raise Ds4fError(f"--json: cannot write {args.json}: {exc.strerror}") from None
-        print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
+        write_json([r.to_dict() for r in records], args.json)
+        if args.json != "-":
+            print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
     return 0
+
+
+def _table(records) -> Table:
+    t = Table("kernels", [Column("kernel", align="left"), Column("shape", align="left"),
+                          Column("backend", align="left"), Column("threads", "thr"),
+                          Column("median_ms", "median ms", ".2f"), Column("gb_per_s", "GB/s", ".2f"),
+                          Column("gweights_per_s", "Gw/s", ".2f"), Column("x_scalar", "×scalar", ".1f"),
+                          Column("x_numpy", "×numpy", ".0f"), Column("x_1thread", "×1T", ".2f")])
+    for r in records:
+        t.add(r.kernel, r.shape, r.backend, r.threads if r.threads else "numpy", r.median_s * 1e3, r.gb_per_s,
+              r.gweights_per_s, r.speedup_vs_scalar, r.speedup_vs_numpy, r.speedup_vs_1thread)
+    return t

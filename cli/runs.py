@@ -2,23 +2,37 @@
 
 All of them go through ds4f.api (the run API, the probe, the benchmarks), like the console and
 the server do; `bench console` measures the console itself (ds4f.console.bench).
+MODEL defaults to ds4f.toml's [model] path, else the demo model (made on first use, announced,
+with progress bars); the benches default to the bench checkpoint, made the same way.
 """
 from __future__ import annotations
 
 import argparse
+import builtins
+import functools
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
+from ds4f.cli.output import (Cell, Column, Label, Table, add_json_option, add_output_option, check_streams, human_stream,
+                             print_tables, write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "run":
-        parser.add_argument("model", help="checkpoint directory (official shards or ds4f layout)")
+        _model_options(parser, "checkpoint directory, official shards or ds4f layout "
+                               "(default: ds4f.toml's [model] path, else the demo model)")
         _run_options(parser)
-        parser.add_argument("--dump-state", metavar="PATH", help="write the state dump here")
-        parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
+        parser.add_argument("--dump-state", metavar="PATH",
+                            help="write the state dump here (default: a new directory under the data directory); "
+                                 "the report goes next to it (a.bin -> a.report.json) unless --json names a file")
+        parser.add_argument("--json", metavar="PATH",
+                            help="write the JSON report here ('-': to stdout, the other output then goes to stderr)")
+        parser.add_argument("--force", action="store_true",
+                            help="overwrite an existing state dump or report (without it, ds4f run refuses)")
         parser.add_argument("--history", action="store_true", help="record the run in the history database")
     elif name == "diff":
         parser.add_argument("a", help="state dump A (state.bin)")
@@ -27,7 +41,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.epilog = ("exit codes: 0 identical, 1 low-bit, 3 routing divergence, 4 drift,"
                          " 5 same prefix with different lengths, 2 error")
     elif name == "probe-disk":
-        parser.add_argument("path", help="checkpoint directory whose expert pool to read")
+        _model_options(parser, "checkpoint directory whose expert pool to read "
+                               "(default: ds4f.toml's [model] path, else the demo model)")
         parser.add_argument("--io-threads", type=int, default=None, help="queue depth (default: ds4f.toml's)")
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
@@ -35,23 +50,72 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("what", choices=["engine", "cache", "console"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                                  "console (key-to-action latency and bytes per refresh during a run)")
-        parser.add_argument("model", nargs="?", help="checkpoint (default: the bench geometry, made on demand)")
-        parser.add_argument("--gen", type=int, default=None, help="tokens per run")
+        _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
+        parser.add_argument("-n", "--gen", type=int, default=None,
+                            help="tokens to generate per run (default: bench engine 8, bench cache 24)")
         parser.add_argument("--preset", default=None, help="bench engine, bench cache: preset (default laptop)")
         parser.add_argument("--config", help="ds4f.toml to use")
-        parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+        add_json_option(parser)
+        add_output_option(parser)
         parser.add_argument("--backend", default=None,
-                            help="bench cache: kernel backend of the prefetch runs (default: ds4f.toml's); "
+                            help="bench cache: kernel backend of the prefetch runs (default: ds4f.toml's "
+                                 "engine.backend; with auto, DS4F_KERNELS if set); "
                                  "scalar shows what prefetch does when the disk has idle time")
+
+
+def _model_options(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
+    parser.add_argument("-m", "--model", dest="model_option", metavar="MODEL", help="the same as the MODEL argument")
+
+
+def _model_arg(args) -> str | None:
+    """MODEL, given as the argument or with -m; None when neither is."""
+    if args.model and args.model_option and args.model != args.model_option:
+        raise Ds4fError(f"-m {args.model_option} and MODEL {args.model}: give the model once")
+    return args.model or args.model_option
+
+
+def _default_model(args, config_path: str | None) -> str:
+    """MODEL, else ds4f.toml's [model] path, else the demo model (made on first use, with bars)."""
+    from ds4f.api import ensure_demo_model, load_config
+
+    model = _model_arg(args)
+    if model:
+        return model
+    cfg = load_config(config_path)
+    if cfg.model_path:
+        return cfg.model_path
+    return str(ensure_demo_model(progress=True, announce=_announce))
+
+
+def _announce(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _backend(explicit: str | None, config_path: str | None) -> str | None:
+    """The backend asked for: `explicit`; else ds4f.toml's engine.backend unless it is auto;
+    else DS4F_KERNELS when it names a backend this machine has; else None (the run API's auto).
+    kernels.py already warned about a DS4F_KERNELS it cannot use."""
+    from ds4f.api import available_backends, load_config
+
+    if explicit is not None:
+        return explicit
+    configured = load_config(config_path).backend
+    if configured != "auto":
+        return configured
+    env = os.environ.get("DS4F_KERNELS", "").strip()
+    return env if env in available_backends() else None
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="preset from ds4f.toml (default: engine.preset)")
-    parser.add_argument("--gen", type=int, default=None, help=f"tokens to generate (default {DEFAULT_GEN})")
-    parser.add_argument("--prompt", default=None, help="comma-separated prompt token ids (default: bos)")
-    parser.add_argument("--threads", type=int, default=None, help="kernel threads")
+    parser.add_argument("-n", "--gen", type=int, default=None, help=f"tokens to generate (default {DEFAULT_GEN})")
+    parser.add_argument("-p", "--prompt", default=None, help="comma-separated prompt token ids (default: bos)")
+    parser.add_argument("-t", "--threads", type=int, default=None, help="kernel threads")
     parser.add_argument("--io-threads", type=int, default=None, help="expert-read threads")
-    parser.add_argument("--backend", default=None, help="auto | scalar | avx2 | avx512 | neon (default: ds4f.toml's)")
+    parser.add_argument("--backend", default=None,
+                        help="auto | scalar | avx2 | avx512 | neon (default: ds4f.toml's engine.backend; "
+                             "with auto, DS4F_KERNELS if set)")
     parser.add_argument("--no-simd", action="store_true", help="scalar kernels (same as --backend scalar)")
     parser.add_argument("--no-probe", action="store_true", help="skip the NVMe floor probe")
     parser.add_argument("--config", help="ds4f.toml to use")
@@ -74,22 +138,57 @@ def _fmt(value, spec: str, unit: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{unit}"
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
+
+
+def _output_paths(dump: str | None, report: str | None, force: bool) -> tuple[str | None, str | None]:
+    """The state dump and report paths, absolute (so the history records where they are),
+    refused before the run if they are one file, a directory, or exist without `force`."""
+    if dump is None and report is None:
+        return None, None   # a new directory under the data directory
+    dump_p = Path(dump).expanduser().absolute() if dump else None
+    report_p = Path(report).expanduser().absolute() if report else None
+    effective = report_p or (dump_p.with_name(dump_p.stem + ".report.json") if dump_p else None)
+    named = {"--dump-state": dump_p, "--json" if report_p else "the report (next to --dump-state)": effective}
+    if dump_p is not None and effective is not None and _same_file(dump_p, effective):
+        raise Ds4fError(f"--dump-state {dump} and --json {report}: the same file, so the report would overwrite "
+                        f"the state dump; give them different paths")
+    for option, path in named.items():
+        if path is None:
+            continue
+        if path.is_dir():
+            raise Ds4fError(f"{option}: {path} is a directory; give a file path")
+        if (path.exists() or path.is_symlink()) and not force:
+            raise Ds4fError(f"{option}: {path} already exists; pass --force to overwrite it", path=str(path))
+    return (str(dump_p) if dump_p else None), (str(report_p) if report_p else None)
+
+
 def _run(args) -> int:
     from ds4f.api import History, RunConfig, load_config, start_run
 
+    check_streams(args)
     cfg = load_config(args.config)
+    to_stdout = args.json == "-"
+    dump, report = _output_paths(args.dump_state, None if to_stdout else args.json, args.force)
+    model = _default_model(args, args.config)
     history = History(cfg.history_path) if args.history else None
-    config = RunConfig(model=args.model, preset=args.preset or cfg.preset,
+    config = RunConfig(model=model, preset=args.preset or cfg.preset,
                        gen=DEFAULT_GEN if args.gen is None else args.gen,
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
-                       backend="scalar" if args.no_simd else args.backend, dump_path=args.dump_state,
-                       report_path=args.json, config_path=args.config, probe_floor=False if args.no_probe else None)
+                       backend=_backend("scalar" if args.no_simd else args.backend, args.config), dump_path=dump,
+                       report_path=report, config_path=args.config, probe_floor=False if args.no_probe else None)
     try:
         signal.signal(signal.SIGTERM, _cancel_on_sigterm)   # `kill` stops the run as Ctrl-C does: no files left
     except ValueError:   # not the main thread (called in-process): signals are not ours to handle
         pass
     run = start_run(config, history=history)
-    print(f"run {run.id}: {args.model} · preset {run.preset.describe()} · {run.n_steps} tokens", file=sys.stderr)
+    print(f"run {run.id}: {model} · preset {run.preset.describe()} · {run.n_steps} tokens", file=sys.stderr)
     shown = 0
     try:
         while not run.wait(0.05):
@@ -104,7 +203,23 @@ def _run(args) -> int:
         raise Ds4fError(run.error or f"run ended {run.state}")
     s = run.summary_report["summary"]
     snap = run.snapshot()
-    print(f"s/token        {_fmt(s['s_per_token'], '.3f')} warm (median) · {_fmt(s['s_first_token'], '.3f')} first token (cold)")
+    out = human_stream(args)
+    _print_summary(run, s, snap, out)
+    if to_stdout:
+        write_json(run.report, "-")
+    return 0
+
+
+def _per_second(seconds: float | None) -> float | None:
+    return 1.0 / seconds if seconds else None
+
+
+def _print_summary(run, s: dict, snap, out) -> None:
+    print = functools.partial(builtins.print, file=out)   # stderr when stdout carries the JSON
+
+    print(f"s/token        {_fmt(s['s_per_token'], '.3f')} warm (median) · "
+          f"{_fmt(_per_second(s['s_per_token']), '.2f')} tokens/s · "
+          f"{_fmt(s['s_first_token'], '.3f')} first token (cold)")
     print(f"GB/token       {_fmt(s['gb_per_token'], '.3f')} warm · {_fmt(s['gb_first_token'], '.3f')} first token")
     print(f"effective read {_fmt(s['eff_read_gbps'], '.2f', ' GB/s')} · floor {_fmt(s['floor_gbps'], '.2f', ' GB/s')} · "
           f"I/O efficiency {_fmt(s['io_efficiency'], '.2f')}")
@@ -128,7 +243,6 @@ def _run(args) -> int:
     print(f"generated      {run.summary_report['generated']}")
     print(f"state          {run.summary_report['state_path']} sha256 {run.summary_report['state_sha256']}")
     print(f"report         {run.report_path}")
-    return 0
 
 
 def _cancel_on_sigterm(signum, frame) -> None:
@@ -171,7 +285,7 @@ def _probe(args) -> int:
     threads = args.io_threads or load_config(args.config).io_threads
     if threads < 1 or args.seconds <= 0:
         raise Ds4fError("--io-threads and --seconds must be positive")
-    with open_checkpoint(args.path) as ck:
+    with open_checkpoint(_default_model(args, args.config)) as ck:
         r = probe_floor(ck, threads, args.seconds)
     print(f"NVMe floor {r.gbps:.2f} GB/s: {r.reads} random reads of {r.record_nbytes / 2**20:.2f} MiB records "
           f"in {r.seconds:.2f} s at queue depth {r.io_threads} ({r.io_mode})")
@@ -179,23 +293,163 @@ def _probe(args) -> int:
 
 
 def _bench(args) -> int:
+    check_streams(args)
     if args.what == "console":
         return _bench_console(args)
     args.preset = args.preset or "laptop"
+    model = _model_arg(args)
     if args.what == "engine":
         from ds4f.api import bench_engine
 
         if args.backend is not None:
             raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
                             "--backend is for bench cache")
-        return bench_engine(args)
+        r = bench_engine(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+        _show(args, [_engine_table(r)], lambda out: _print_bench_engine(r, out), r)
+        return 0
     from ds4f.api import bench_cache
 
-    return bench_cache(args)
+    r = bench_cache(model, args.preset, args.gen, args.config, _backend(args.backend, args.config),
+                    log=_announce, progress=True)
+    _show(args, _cache_tables(r), lambda out: _print_bench_cache(r, out), r)
+    return 0
+
+
+def _show(args, tables: list, print_text, result) -> None:
+    """The human text (stdout, or stderr when stdout has tables or JSON), the tables in -o's
+    format on stdout, and the result as JSON where --json says."""
+    print_text(human_stream(args))
+    if args.output != "text":
+        print_tables(tables, args.output)
+    if args.json:
+        write_json(result, args.json)
+
+
+_ENGINE_ROWS = (   # summary key, label, format
+    ("s_per_token", "s/token (warm, median)", ".3f"),
+    ("tokens_per_s", "tokens/s (warm)", ".2f"),
+    ("s_first_token", "s/token (first, cold)", ".3f"),
+    ("gb_per_token", "GB/token (warm)", ".3f"),
+    ("eff_read_gbps", "effective read GB/s", ".2f"),
+    ("floor_gbps", "NVMe floor GB/s", ".2f"),
+    ("io_efficiency", "I/O efficiency", ".2f"),
+    ("hit_rate", "hit rate", ".1%"),
+    ("stall_s_per_token", "stall s/token", ".3f"),
+    ("read_latency_ms", "read latency ms", ".1f"),
+)
+
+
+def _engine_table(r: dict) -> Table:
+    best = r["backend"]
+    t = Table("engine", [Column("metric", "", align="left"), Column(best), Column("scalar")],
+              title=f"{best} against scalar, {r['gen']} tokens generated each")
+    for key, label, spec in _ENGINE_ROWS:
+        values = [_per_second(summary["s_per_token"]) if key == "tokens_per_s" else summary[key]
+                  for summary in (r["simd"], r["scalar"])]
+        t.add(Label(key, label), *(Cell(v, spec) for v in values))
+    return t
+
+
+def _print_bench_engine(r: dict, out) -> None:
+    print = functools.partial(builtins.print, file=out)
+    best, s = r["backend"], r["simd"]
+    print()
+    print(_engine_table(r).text())
+    ratio = r["scalar_over_simd"]
+    if ratio:
+        print(f"\nscalar / {best} s/token: {ratio:.2f}x (the same prompt and {r['gen']} generated tokens on each)")
+    print(f"io mode: {r['io_mode']} · cache {r['cache']['capacity_bytes'] / 2**30:.2f} GiB "
+          f"({r['cache']['slots']} slots) · pinned layers {r['pinned_layers']}/{r['n_layers']}")
+    eff = s["io_efficiency"]
+    if eff is not None and eff > 1.05:
+        from ds4f.api import FLOOR_CAVEAT
+
+        print(FLOOR_CAVEAT)
+
+
+def _sweep_cells(r: dict) -> dict:
+    return {(c["budget"], c["policy"]): _SweepCell(c) for c in r["cells"]}
+
+
+def _cache_tables(r: dict) -> list:
+    from ds4f.cli.cache import sweep_table
+
+    sweep = sweep_table(_sweep_cells(r), r["budgets"], r["policies"])
+    sweep.title = "hit rate by policy and budget (all traces)"
+    tables = [sweep]
+    if r["belady_foresight"]:
+        fore = Table("foresight", [Column("tokens_ahead", "tokens ahead"), Column("hit_rate", "hit rate", ".1%")],
+                     title=f"belady seeing N tokens ahead at {r['laptop_budget']} (then evicting as {r['default_policy']})")
+        for n, rate in r["belady_foresight"].items():
+            fore.add(int(n), rate)
+        tables.append(fore)
+    pf = r["prefetch"]
+    pre = Table("prefetch", [Column("metric", align="left"), Column("off", spec=".4f"), Column("on", spec=".4f")],
+                title=f"prefetch off and on ({r['preset']} preset, {r['backend']} kernels, warm tokens)")
+    pre.add(Label("stall_s_per_token", "stall s/token"), r["stall_off"], r["stall_on"])
+    pre.add(Label("s_per_token", "s/token (median)"), r["s_per_token_off"], r["s_per_token_on"])
+    pre.add(Label("tokens_per_s", "tokens/s"), _per_second(r["s_per_token_off"]), _per_second(r["s_per_token_on"]))
+    pre.add(Label("disk_busy_fraction", "disk busy share"), r["disk_busy"]["off"], r["disk_busy"]["on"])
+    pre.add(Label("mean_read_depth", "mean reads in flight"), r["mean_read_depth"]["off"], r["mean_read_depth"]["on"])
+    pre.add(Label("gb_per_token", "GB/token"), r["gb_per_token"]["off"], r["gb_per_token"]["on"])
+    for key in ("issued", "useful", "late", "wasted", "cancelled"):
+        pre.add(Label(f"prefetch_{key}", f"prefetches {key}"), None, pf.get(key, 0))
+    tables.append(pre)
+    return tables
+
+
+def _print_bench_cache(r: dict, out) -> None:
+    from ds4f.api import format_table
+
+    print = functools.partial(builtins.print, file=out)
+    default, budget = r["default_policy"], r["laptop_budget"]
+    print("\nhit rate by policy and budget (all traces):")
+    print(format_table(_sweep_cells(r), r["budgets"], r["policies"]))
+    below = r["below_lru"]
+    print(f"\n{default} >= lru at every budget: " + ("yes" if not below else "no, below at " + ", ".join(below)))
+    if r["gap_to_belady"] is not None:
+        print(f"{default} against belady at the {r['preset']} budget ({budget}): {r['default_hit_rate']:.1%} against "
+              f"{r['belady_hit_rate']:.1%}, {r['gap_to_belady']:.1%} below the optimum")
+        rates = {int(n): v for n, v in r["belady_foresight"].items()}
+        enough = [n for n, v in rates.items() if v is not None and (r["belady_hit_rate"] - v) / r["belady_hit_rate"] <= 0.10]
+        print(f"  foresight: belady seeing N tokens ahead (then evicting as {default}): "
+              + ", ".join(f"N={n} {_fmt(v, '.1%')}" for n, v in rates.items())
+              + (f"; within 10% of the optimum needs N >= {enough[0]} tokens of exact future routing"
+                 if enough else "; none of these is within 10%"))
+    pf = r["prefetch"]
+    print(f"\nprefetch ({r['preset']} preset, policy {r['policy']}, {r['backend']} kernels, warm tokens):")
+    print(f"  stall s/token   off {r['stall_off']:.4f}   on {r['stall_on']:.4f}   drop {r['stall_drop']:.1%}")
+    print(f"  s/token median  off {r['s_per_token_off']:.4f}   on {r['s_per_token_on']:.4f}   "
+          f"(tokens/s off {_fmt(_per_second(r['s_per_token_off']), '.2f')}, "
+          f"on {_fmt(_per_second(r['s_per_token_on']), '.2f')})")
+    print(f"  prefetches: {pf.get('issued', 0)} issued, {pf.get('useful', 0)} useful, {pf.get('late', 0)} late, "
+          f"{pf.get('wasted', 0)} wasted, {pf.get('cancelled', 0)} cancelled unread; "
+          f"wasted per useful {_fmt(r['wasted_per_useful'], '.2f')}")
+    busy, depth, gbt = r["disk_busy"], r["mean_read_depth"], r["gb_per_token"]
+    print(f"  disk: a read in flight {busy['off']:.0%} of the time off, {busy['on']:.0%} on; mean reads in flight "
+          f"{depth['off']:.2f} off, {depth['on']:.2f} on (of {r['io_threads']}); GB/token {gbt['off']:.3f} off, "
+          f"{gbt['on']:.3f} on")
+    if busy["off"] > 0.8:
+        print(f"  read-bound: with prefetch off the disk is already busy {busy['off']:.0%} of each token, so an early "
+              f"read mostly displaces a demand read; prefetch can only win the idle {1 - busy['off']:.0%} and the "
+              f"shallow-queue time, minus its wasted reads")
+
+
+class _SweepCell:
+    """What format_table reads of a sweep cell, from the bench's JSON-ready dict."""
+
+    def __init__(self, c: dict):
+        self.hit_rate, self.budget_bytes = c["hit_rate"], c["budget_bytes"]
+
+
+def _bench_model(args) -> str:
+    from ds4f.api import ensure_synthetic
+
+    return _model_arg(args) or str(ensure_synthetic("bench", progress=True, announce=_announce))
 
 
 def _bench_console(args) -> int:
-    from ds4f.api import ensure_synthetic, open_checkpoint
+    from ds4f.api import open_checkpoint
     from ds4f.console.bench import bench_console
 
     for flag, value in (("--gen", args.gen), ("--preset", args.preset), ("--config", args.config),
@@ -203,26 +457,31 @@ def _bench_console(args) -> int:
         if value is not None:
             raise Ds4fError(f"{flag}: bench console drives the console's own run of MODEL; "
                             f"{flag} is for bench engine and bench cache")
-    model = args.model or str(ensure_synthetic("bench"))
+    model = _bench_model(args)
     open_checkpoint(model).close()   # a bad checkpoint is named here, not as a console error screen
     print(f"bench console: {model}, keys and refreshes timed while the console's run decodes", file=sys.stderr)
     r = bench_console(model)
-    print(f"terminal       {r['terminal']} · refresh every {r['refresh_s']:g} s")
-    print(f"key to action  median {_fmt(_ms(r['key_latency_median_s']), '.1f', ' ms')} · "
-          f"max {_fmt(_ms(r['key_latency_max_s']), '.1f', ' ms')} over {r['keys']} keys "
-          f"({r['tokens_during_keys']} tokens decoded meanwhile)")
-    if r["bytes_per_refresh"] is None:
-        print("bytes/refresh  — (no pseudo-terminals here)")
-    else:
-        print(f"bytes/refresh  {r['bytes_per_refresh']:.0f} B over {r['refreshes']} refreshes of a live run · "
-              f"first screen {r['first_screen_bytes']} B")
-    if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(r, f, indent=1)
-                f.write("\n")
-        except OSError as exc:
-            raise Ds4fError(f"--json: cannot write {args.json}: {exc.strerror}") from None
+    table = Table("console", [Column("metric", align="left"), Column("value"), Column("unit", align="left")])
+    table.add(Label("key_latency_median_ms", "key to action, median"), _ms(r["key_latency_median_s"]), "ms")
+    table.add(Label("key_latency_max_ms", "key to action, max"), _ms(r["key_latency_max_s"]), "ms")
+    table.add(Label("keys", "keys"), r["keys"], "")
+    table.add(Label("bytes_per_refresh", "bytes per refresh"), r["bytes_per_refresh"], "B")
+    table.add(Label("refreshes", "refreshes"), r["refreshes"], "")
+    table.add(Label("first_screen_bytes", "first screen"), r["first_screen_bytes"], "B")
+
+    def text(out) -> None:
+        print = functools.partial(builtins.print, file=out)
+        print(f"terminal       {r['terminal']} · refresh every {r['refresh_s']:g} s")
+        print(f"key to action  median {_fmt(_ms(r['key_latency_median_s']), '.1f', ' ms')} · "
+              f"max {_fmt(_ms(r['key_latency_max_s']), '.1f', ' ms')} over {r['keys']} keys "
+              f"({r['tokens_during_keys']} tokens decoded meanwhile)")
+        if r["bytes_per_refresh"] is None:
+            print("bytes/refresh  — (no pseudo-terminals here)")
+        else:
+            print(f"bytes/refresh  {r['bytes_per_refresh']:.0f} B over {r['refreshes']} refreshes of a live run · "
+                  f"first screen {r['first_screen_bytes']} B")
+
+    _show(args, [table], text, r)
     return 0
 
 

@@ -273,6 +273,11 @@ class History:
     def count(self) -> int:
         return int(self._run(lambda c: c.execute("SELECT COUNT(*) FROM runs").fetchone()[0]))
 
+    def delete(self, run_id: str) -> bool:
+        """Remove one run's record (not its files: see prune_runs); False if there was none."""
+        return bool(self._run(lambda c: c.execute("DELETE FROM runs WHERE run_id = ?", (run_id,)).rowcount,
+                              write=True))
+
     def get_setting(self, key: str, default: Any = None) -> Any:
         row = self._run(lambda c: c.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone())
         if row is None:
@@ -286,6 +291,142 @@ class History:
         text = _dumps(value)
         self._run(lambda c: c.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", (key, text)),
                   write=True)
+
+
+def run_files(record: RunRecord) -> list[Path]:
+    """Where the run API put a run's state dump and report: the recorded state path, and the
+    report named in its config, else the one next to the dump (a.bin -> a.report.json, or
+    report.json beside a run directory's state.bin). Whether they exist is not checked."""
+    files: list[Path] = []
+    if record.state_path:
+        state = Path(record.state_path)
+        files.append(state)
+        report = record.config.get("report_path")
+        if report:
+            files.append(Path(report))
+        elif record.config.get("dump_path"):
+            files.append(state.with_name(state.stem + ".report.json"))
+        else:
+            files.append(state.with_name("report.json"))
+    elif record.config.get("report_path"):
+        files.append(Path(record.config["report_path"]))
+    return files
+
+
+def _entry(path: Path) -> Path:
+    """The directory entry `path` names: its parent resolved, its own name kept (a symlink stays the link)."""
+    path = Path(path).expanduser()
+    return path.parent.resolve() / path.name
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """True if the directory entry `path` lies below `root` (symlinks in its parents resolved)."""
+    entry, root = _entry(path), Path(root).expanduser().resolve()
+    return entry != root and root in entry.parents
+
+
+@dataclass
+class PrunePlan:
+    """What prune_runs removes: `runs` (newest first), the `files` they own inside the data
+    directory, and the run directories left empty; `kept` names the files they mention that
+    stay, each with the reason."""
+
+    runs: list[RunRecord]
+    files: list[Path]
+    nbytes: int
+    dirs: list[Path]
+    kept: list[tuple[Path, str]]
+    data_dir: Path
+
+
+def plan_prune(history: "History", data_dir: str | os.PathLike, keep: int | None = None,
+               older_than_s: float | None = None, now: float | None = None) -> PrunePlan:
+    """The runs to prune and the files they own.
+
+    A run is pruned when every rule given says so: it is not one of the newest `keep`, and it
+    started more than `older_than_s` seconds before `now`. At least one rule is needed. Only
+    files inside `data_dir` are owned: a dump the user put elsewhere (--dump-state) stays, as
+    does any file a kept run also names, and the history database itself."""
+    if keep is None and older_than_s is None:
+        raise Ds4fError("prune: give --keep N or --older-than DAYS (or both)")
+    if keep is not None and keep < 0:
+        raise Ds4fError(f"--keep: must be 0 or more, got {keep}")
+    if older_than_s is not None and not older_than_s >= 0:
+        raise Ds4fError(f"--older-than: must be 0 or more days, got {older_than_s / 86400:g}")
+    now = time.time() if now is None else now
+    data_dir = Path(data_dir).expanduser()
+    records = history.list_runs(limit=max(history.count(), 1))
+    doomed = []
+    for i, r in enumerate(records):
+        if keep is not None and i < keep:
+            continue
+        if older_than_s is not None and r.started_at > now - older_than_s:
+            continue
+        doomed.append(r)
+    gone = {r.run_id for r in doomed}
+    kept_files = {_entry(f) for r in records if r.run_id not in gone for f in run_files(r)
+                  if f.expanduser().is_absolute()}
+    protected = {_entry(history.path), *(_entry(Path(f"{history.path}{s}")) for s in ("-wal", "-shm", "-journal"))}
+    files, kept, dirs, seen = [], [], [], set()
+    nbytes = 0
+    for r in doomed:
+        for f in run_files(r):
+            if not f.expanduser().is_absolute():
+                kept.append((f, "a relative path: where the run started is not recorded"))
+                continue
+            entry = _entry(f)
+            if entry in seen or not (entry.is_symlink() or entry.exists()):
+                continue
+            seen.add(entry)
+            if not is_inside(entry, data_dir):
+                kept.append((entry, "outside the data directory"))
+            elif entry in protected:
+                kept.append((entry, "the history database"))
+            elif entry in kept_files:
+                kept.append((entry, "also a kept run's"))
+            elif entry.is_dir() and not entry.is_symlink():
+                kept.append((entry, "a directory, not a run's file"))
+            else:
+                files.append(entry)
+                nbytes += entry.lstat().st_size
+        run_dir = _entry(data_dir / "runs" / r.run_id)
+        if run_dir.is_dir() and not run_dir.is_symlink() and is_inside(run_dir, data_dir):
+            dirs.append(run_dir)
+    return PrunePlan(runs=doomed, files=files, nbytes=nbytes, dirs=dirs, kept=kept, data_dir=data_dir)
+
+
+def prune_runs(history: "History", plan: PrunePlan) -> tuple[int, int, list[str]]:
+    """Carry out a plan: each run's files, then its record, then its directory if now empty.
+    A run whose file cannot be removed keeps its record (a later prune retries).
+    Returns (runs removed, files removed, problems)."""
+    problems: list[str] = []
+    n_runs = n_files = 0
+    planned = set(plan.files)
+    for r in plan.runs:
+        ok = True
+        for f in run_files(r):
+            if not f.expanduser().is_absolute():
+                continue
+            entry = _entry(f)
+            if entry not in planned:
+                continue
+            planned.discard(entry)
+            try:
+                entry.unlink()
+                n_files += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                problems.append(f"{entry}: cannot remove: {exc.strerror}")
+                ok = False
+        if ok and history.delete(r.run_id):
+            n_runs += 1
+    for d in plan.dirs:
+        try:
+            d.rmdir()   # only when empty: anything else in it is not the run's to lose
+        except OSError:
+            pass
+    return n_runs, n_files, problems
 
 
 class _NoLock:

@@ -588,3 +588,70 @@ def test_progress_callback(tmp_path):
     calls.clear()
     assert verify_checkpoint(tmp_path / "d", progress=lambda d, t, label: calls.append((d, t, label))) == []
     assert calls and calls[-1][0] == calls[-1][1]
+
+
+# ---- --force replaces only what the command makes ------------------------------------------------
+def test_convert_force_replaces_only_a_ds4f_layout(tiny_official, tmp_path):
+    src = copy_ck(tiny_official, tmp_path, "src")
+    out = convert_checkpoint(src, tmp_path / "out", progress=False)
+    before = (out / "pool-mxfp4.json").read_bytes()
+    (out / "stale").write_text("from the last conversion")
+    assert convert_checkpoint(src, out, progress=False, force=True) == out   # a layout: replaced
+    assert (out / "pool-mxfp4.json").read_bytes() == before and not (out / "stale").exists()
+
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "notes.txt").write_text("mine")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine too")
+    for dst, why in ((src, "must differ from the source"), (tmp_path, "holds the source"),
+                     (src / ".." / "src", "must differ from the source"),
+                     (files, "replaces only a ds4f layout directory"),
+                     (a_file, "replaces only a ds4f layout directory"),
+                     (copy_ck(tiny_official, tmp_path, "other-official"), "replaces only a ds4f layout directory")):
+        with pytest.raises(Ds4fError, match=why):
+            convert_checkpoint(src, dst, progress=False, force=True)
+    assert (files / "notes.txt").read_text() == "mine" and a_file.read_text() == "mine too"
+    assert (src / "model.safetensors.index.json").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert convert_checkpoint(src, empty, progress=False, force=True) == empty   # nothing there to lose
+
+    out = run_cli("convert", src, files, "--force")
+    assert out.returncode == 2 and "left as it is" in out.stderr and "Traceback" not in out.stderr
+    assert (files / "notes.txt").read_text() == "mine"
+
+
+def test_synth_force_replaces_only_a_checkpoint(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    out = run_cli("synth", mine, "--force")
+    assert out.returncode == 2 and "replaces only a checkpoint directory" in out.stderr
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    ck = tmp_path / "ck"
+    assert run_cli("synth", ck).returncode == 0
+    again = run_cli("synth", ck, "--force", "--seed", "1")
+    assert again.returncode == 0, again.stderr
+
+
+def test_cli_sizes_on_disk_agree_with_the_bars(tmp_path):
+    """The bars count bytes in powers of 1000 (rich's DownloadColumn): the summaries give sizes on
+    disk in the same units; an expert's record is memory, in MiB."""
+    import re
+
+    out = run_cli("synth", tmp_path / "s")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"[\d.]+/[\d.]+ MB", out.stderr), out.stderr            # the bar
+    m = re.search(r": ([\d.]+) (kB|MB|GB) in [\d.]+ s; 4 layers x 16 experts of ([\d.]+) MiB", out.stdout)
+    assert m, out.stdout
+    size = sum(f.stat().st_size for f in (tmp_path / "s").iterdir())
+    assert float(m.group(1)) == pytest.approx(size / {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(2)], abs=0.01)
+    assert float(m.group(3)) == pytest.approx(TINY.expert_nbytes / 2**20, abs=0.01)
+    conv = run_cli("convert", tmp_path / "s", tmp_path / "d")
+    assert conv.returncode == 0 and re.search(r"\(ds4f layout\): [\d.]+ MB from [\d.]+ MB of official shards in",
+                                              conv.stdout), conv.stdout
+    ver = run_cli("verify", tmp_path / "d")
+    assert ver.returncode == 0 and re.search(r"records, [\d.]+ MB checked", ver.stdout), ver.stdout
+    for text in (out.stdout, conv.stdout, ver.stdout):
+        assert "GiB" not in text and "KiB" not in text

@@ -48,3 +48,26 @@ def test_run_defaults_to_the_api_token_count():
     runs.configure("run", parser)
     assert parser.parse_args(["MODEL"]).gen is None    # left to the run API: DEFAULT_GEN
     assert f"(default {DEFAULT_GEN})" in " ".join(parser.format_help().split())
+
+
+def test_short_options_are_llama_cpps():
+    import argparse
+
+    from ds4f.cli import runs
+
+    parser = argparse.ArgumentParser()
+    runs.configure("run", parser)
+    a = parser.parse_args(["-m", "M", "-n", "3", "-t", "2", "-p", "0,5"])
+    assert (a.model_option, a.gen, a.threads, a.prompt) == ("M", 3, 2, "0,5")
+    parser = argparse.ArgumentParser()
+    runs.configure("bench", parser)
+    b = parser.parse_args(["engine", "-m", "M", "-n", "4", "-o", "csv"])
+    assert (b.model_option, b.gen, b.output) == ("M", 4, "csv")
+
+
+def test_version_and_output_options_in_help():
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "--help"], capture_output=True, text=True)
+    assert "--version" in out.stdout
+    for cmd in (["bench", "engine"], ["bench-kernels"], ["replay"], ["history", "list"]):
+        out = subprocess.run([sys.executable, "-m", "ds4f.cli", *cmd, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "-o {text,md,csv,json}" in out.stdout, (cmd, out.stdout)

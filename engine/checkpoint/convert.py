@@ -42,8 +42,7 @@ def convert_checkpoint(src: Path | str, dst: Path | str, progress: ProgressArg =
     if kind != "official":
         raise Ds4fError(f"{root}: already in the ds4f layout; convert reads the official safetensors release")
     dst = Path(dst)
-    if dst.resolve() == root.resolve():
-        raise Ds4fError(f"{dst}: the destination must differ from the source")
+    _check_destination(root, dst, force)
     with OfficialCheckpoint(root) as ck:
         tmp = _fresh_dir(dst, force)
         try:
@@ -53,6 +52,25 @@ def convert_checkpoint(src: Path | str, dst: Path | str, progress: ProgressArg =
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return dst
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Refuse a destination whose replacement would lose data: the source itself, a directory
+    holding the source, and with `force` anything but a ds4f layout directory (POOL_JSON in it)
+    or an empty directory. Without `force`, an existing non-empty destination is refused later."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s:
+        raise Ds4fError(f"{dst}: the destination must differ from the source")
+    if d in s.parents:
+        raise Ds4fError(f"{dst}: holds the source {src}; the ds4f layout goes in a directory of its own")
+    if not force or not (dst.exists() or dst.is_symlink()):
+        return
+    if dst.is_dir() and not any(dst.iterdir()):
+        return
+    if not dst.is_dir() or not (dst / POOL_JSON).is_file():
+        what = f"a directory without {POOL_JSON}" if dst.is_dir() else "not a directory"
+        raise Ds4fError(f"{dst}: --force replaces only a ds4f layout directory ({POOL_JSON} in it); "
+                        f"this is {what}, so it is left as it is")
 
 
 def _plan_trunk(ck: OfficialCheckpoint):

@@ -1,10 +1,15 @@
 """The out-of-the-box demo model: a synthetic checkpoint made once in the user's cache directory.
 
     path = ensure_demo_model(progress=callback)   # callback(done, total, label)
+    path = ensure_synthetic("bench", progress=True, announce=print)   # the CLI: a message, then bars
 
 The first call synthesises the `demo` geometry in the official format, converts it to the
 ds4f layout and renames the result into place as <cache>/demo-ds4f; the official shards are
-removed afterwards to save space. Later calls return the existing directory at once. A crash
+removed afterwards to save space. `announce(message)` is called once before a build starts
+(build_message: what is made, where, and the disk it needs); `progress` is a callback on one
+0..1000 scale, True for the synth and convert steps' own bars on stderr, or None/False for
+nothing. A build that would not fit on the disk is refused before it starts. Later calls
+return the existing directory at once, announcing nothing. A crash
 or ^C never leaves a half model that looks whole: the work happens in a hidden sibling
 directory and only a finished, marked conversion is renamed into place. A file lock keeps two
 consoles started together from building it twice.
@@ -29,6 +34,7 @@ MARKER = "ds4f-demo.json"       # written last, inside the converted checkpoint
 LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
 
 ProgressCallback = Callable[[int, int, str], None]
+Announce = Callable[[str], None]
 
 
 def _marker(geometry: str, seed: int) -> dict:
@@ -44,6 +50,55 @@ def is_complete(path: Path, geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED
     if marker != _marker(geometry, seed):
         return False
     return all((path / name).is_file() for name in LAYOUT_FILES)
+
+
+def build_sizes(geometry: str) -> tuple[int, int]:
+    """(bytes of the official shards synth writes, about the bytes of the converted layout):
+    the totals the synth and convert bars count, and what the disk holds during a build."""
+    from ds4f.engine.checkpoint.base import align_up
+    from ds4f.engine.checkpoint.tensors import official_tensors
+    from ds4f.engine.model.geometry import get_geometry
+
+    g = get_geometry(geometry)
+    tensors = official_tensors(g)
+    official = sum(t.nbytes for t in tensors)
+    trunk = sum(t.nbytes * (2 if t.dtype == "F8_E4M3" else 1) for t in tensors
+                if ".experts." not in t.name and not t.name.endswith(".scale"))
+    converted = g.n_layers * g.n_experts * align_up(g.expert_nbytes) + trunk
+    return official, converted
+
+
+def disk_size(n: float) -> str:
+    """Bytes on disk in decimal units (kB, MB, GB: powers of 1000), as the progress bars count them."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def build_message(geometry: str, out: Path) -> str:
+    """What announce() is told before a build: the model, where it goes, and the disk it takes
+    (in GB of 1e9 bytes, the unit of the synth and convert bars)."""
+    from ds4f.engine.model.geometry import get_geometry
+
+    g = get_geometry(geometry)
+    official, converted = build_sizes(geometry)
+    what = "the demo model" if geometry == DEMO_GEOMETRY else f"the {geometry} checkpoint"
+    return (f"making {what} in {out} (once; later runs reuse it): {g.n_layers} layers x {g.n_experts} experts, "
+            f"synthesised in the official format ({disk_size(official)}), then converted to the ds4f layout "
+            f"({disk_size(converted)}); {disk_size(official + converted)} of disk while it builds")
+
+
+def _check_room(root: Path, geometry: str) -> None:
+    official, converted = build_sizes(geometry)
+    need = official + converted
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return
+    if free < need:
+        raise Ds4fError(f"{root}: {disk_size(free)} free, but making the {geometry} model needs "
+                        f"{disk_size(need)} while it builds")
 
 
 class _Stage:
@@ -90,8 +145,9 @@ class _BuildLock:
         return False
 
 
-def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | os.PathLike | None = None,
-                      geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED, dirname: str = DEMO_DIRNAME) -> Path:
+def ensure_demo_model(progress: ProgressCallback | bool | None = None, *, root: str | os.PathLike | None = None,
+                      geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED, dirname: str = DEMO_DIRNAME,
+                      announce: Announce | None = None) -> Path:
     """The demo checkpoint's directory, made on first use (see the module docstring)."""
     from ds4f.engine.checkpoint.convert import convert_checkpoint
     from ds4f.engine.checkpoint.synth import synth_checkpoint
@@ -109,17 +165,24 @@ def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | o
             return out
         for stale in root.glob(f".{dirname}.build-*"):  # left by a crash: we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
+        _check_room(root, geometry)
+        if announce is not None:
+            announce(build_message(geometry, out))
+        callback = progress if callable(progress) else None
+        bars = progress is True   # synth's and convert's own bars; None and False: none
         work = root / f".{dirname}.build-{os.getpid()}-{int(time.time())}"
         work.mkdir()
         try:
             official = work / "official"
             converted = work / "ds4f"
-            synth_checkpoint(official, geometry, seed=seed, progress=_Stage(progress, 0.0, 0.5, "synthesising"))
-            convert_checkpoint(official, converted, progress=_Stage(progress, 0.5, 0.98, "converting"))
+            synth_checkpoint(official, geometry, seed=seed,
+                             progress=_Stage(callback, 0.0, 0.5, "synthesising") if callback else bars)
+            convert_checkpoint(official, converted,
+                               progress=_Stage(callback, 0.5, 0.98, "converting") if callback else bars)
             shutil.rmtree(official, ignore_errors=True)  # the official shards are not needed once converted
             (converted / MARKER).write_text(json.dumps(_marker(geometry, seed)) + "\n")
-            if progress is not None:
-                progress(990, 1000, "moving into place")
+            if callback is not None:
+                callback(990, 1000, "moving into place")
             if out.exists() or out.is_symlink():
                 old = root / f".{dirname}.build-old-{os.getpid()}"
                 os.rename(out, old)
@@ -129,14 +192,15 @@ def ensure_demo_model(progress: ProgressCallback | None = None, *, root: str | o
             raise Ds4fError(f"{work}: cannot make the demo model: {exc.strerror or exc}") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    if progress is not None:
+    if callable(progress):
         progress(1000, 1000, "ready")
     return out
 
 
-def ensure_synthetic(geometry: str, progress: ProgressCallback | None = None) -> Path:
+def ensure_synthetic(geometry: str, progress: ProgressCallback | bool | None = None, *,
+                     announce: Announce | None = None, root: str | os.PathLike | None = None) -> Path:
     """A converted synthetic checkpoint of a named geometry (e.g. the `bench` model of the
     benchmarks) in the cache directory, made once, like the demo model."""
     if geometry == DEMO_GEOMETRY:
-        return ensure_demo_model(progress)
-    return ensure_demo_model(progress, geometry=geometry, dirname=f"{geometry}-ds4f")
+        return ensure_demo_model(progress, announce=announce, root=root)
+    return ensure_demo_model(progress, geometry=geometry, dirname=f"{geometry}-ds4f", announce=announce, root=root)
