@@ -33,12 +33,15 @@ from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT,
                                load_config, user_data_dir)
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord
+from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
 from ds4f.engine.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
 
 REPORT_SCHEMA = "ds4f.report/1"
 
-BELADY_MAX_REQUESTS = 4_000_000   # the optimum's replay holds 8 bytes per request (and a dict of slots)
+REPLAY_TOKENS = 32    # a done run's I/O efficiency replays the reads of its last REPLAY_TOKENS warm tokens
+BELADY_MAX_REQUESTS = 4_000_000   # above this many expert requests a run skips Belady's optimum
+BELADY_BYTES_PER_REQUEST = 24     # the routing read back (int32), its int64 codes, the next uses (int32),
+                                  # and numpy's temporaries on the way
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
 SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
@@ -207,10 +210,15 @@ class Run:
         self._events: collections.deque[str] = collections.deque(maxlen=MAX_EVENTS)
         self._n_events = 0
         self._log_tokens = TokenLog(self.n_steps)    # every token's figures, sized up front
+        g = checkpoint.geometry
+        requests = self.n_steps * g.n_layers * g.top_k
+        # what the end of the run holds for a moment: the routing read back and Belady's next uses
+        self._finish_bytes = requests * BELADY_BYTES_PER_REQUEST if requests <= BELADY_MAX_REQUESTS else 0
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
         self._session_nbytes = 0                     # the session's buffers, counted as resident
         self._optimum: float | None = None
+        self._replay: dict | None = None             # the replay of the run's last reads (when done)
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
         self._rss_at_end = 0
         self._floor = None
@@ -296,25 +304,34 @@ class Run:
         elapsed = (self.finished_at or time.time()) - self.started_at
         remaining = self.n_steps - done
         rss = self._rss_at_end if self.finished_at is not None else self._rss_now()
+        requests = hits + misses
+        useful = (fig.prefetch or {}).get("useful", 0) if fig else 0
+        own = (hits - useful) / requests if requests else None
+        vm = psutil.virtual_memory()
         return Snapshot(
             run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
             gen=self.n_steps, tokens_done=done, backend=backend, kernel_threads=kt, io_threads=it,
             io_mode=self.checkpoint.io_mode, policy=self.preset.policy,
             s_per_token=s_tok, s_first_token=float(rows["seconds"][0]) if done else None,
             gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
-            io_efficiency=eff / floor if eff is not None and floor else None,
+            io_efficiency=self._replay["efficiency"] if self._replay else None,
             hit_rate=hits / (hits + misses) if hits + misses else None,
             layer_hits=fig.layer_hits if fig else (), layer_misses=fig.layer_misses if fig else (),
             layer_evictions=fig.layer_evictions if fig else (),
             cache_bytes=fig.cache_used_bytes if fig else 0,
             budget_bytes=fig.cache_capacity_bytes if fig else 0,
-            rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes + log.nbytes if fig else 0,
+            rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes + self._run_bytes if fig else 0,
             read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
             stall_s_per_token=float(rows["stall_s"].sum()) / done if done else None,
             elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
             tokens=tokens, events=events, prefetch=fig.prefetch if fig else {},
             optimum_hit_rate=self._optimum, disk_busy_fraction=disk_busy, mean_read_depth=read_depth,
-            switches=switches)
+            switches=switches, policy_hit_rate=own, prefetch_hit_share=(hits / requests - own) if own is not None else None,
+            regret_pp=(self._optimum - own) * 100 if own is not None and self._optimum is not None else None,
+            bound=bound_of(disk_busy), floor_ratio=eff / floor if eff is not None and floor else None,
+            floor_age_s=time.time() - self._floor.measured_at if self._floor and self._floor.measured_at else None,
+            ram_bytes=vm.total, ram_available_bytes=vm.available,
+            plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:
@@ -396,7 +413,7 @@ class Run:
                                      bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
                                      stall_s=res.stall_s, backend=eng.backend,
                                      kernel_threads=eng.kernel_threads, io_threads=eng.io_threads,
-                                     disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s)
+                                     disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s, reads=res.reads)
                 with self._lock:
                     self._log_tokens.add(record)
                 if self.on_token is not None:
@@ -448,6 +465,7 @@ class Run:
         report = None
         if state == "done":
             self._optimum = self._optimum_hit_rate(writer.tmp)
+            self._replay = self._replay_reads()
             report = self._build_report(sha)
             report["state_nbytes"] = writer.nbytes
             self._write_report(report, writer.report_tmp)
@@ -489,6 +507,39 @@ class Run:
         except Ds4fError:
             return None
 
+    @property
+    def _run_bytes(self) -> int:
+        """The run's own memory beyond the engine: its token log and what its end needs."""
+        return self._log_tokens.nbytes + self._finish_bytes
+
+    def _replay_reads(self) -> dict | None:
+        """Replay the reads of the last warm tokens (same records, order and queue depth, no
+        compute) into the idle engine's cache slots; efficiency = replay time / the time those
+        tokens had a read in flight. Only when the run measures the disk (probe)."""
+        eng, log = self._engine, self._log_tokens
+        if not self.probe or eng is None or log.count < 2:
+            return None
+        k = min(REPLAY_TOKENS, log.count - 1)
+        rows = log.rows[log.count - k:log.count]
+        n, busy = int(rows["reads"].sum()), float(rows["disk_busy_s"].sum())
+        reads = eng.reader.recent_reads(n) if n else None
+        if not reads or busy <= 0:
+            return None
+        from ds4f.engine.bench.probe import replay_reads
+
+        threads = int(rows["io_threads"][-1])
+        slots = [eng.cache.pool[i] for i in range(threads)] if threads <= eng.cache.n_slots else None
+        try:
+            r = replay_reads(eng.ckpt, reads, threads, expert_bufs=slots, trunk_bufs=eng.streamer.trunk_buffers)
+        except Ds4fError as exc:
+            self._log(f"disk replay failed: {exc}")
+            return None
+        eff = r.seconds / busy
+        self._log(f"disk replay of the last {k} tokens' {n} reads: {r.seconds:.3f} s against {busy:.3f} s"
+                  f" with reads in flight during the run: I/O efficiency {eff:.2f}")
+        return {"tokens": k, "reads": n, "nbytes": r.nbytes, "replay_s": r.seconds, "run_busy_s": busy,
+                "efficiency": eff, "io_threads": threads, "io_mode": r.io_mode}
+
     def config_dict(self) -> dict:
         d = asdict(self.config)
         d.update(preset=self.preset.name, prompt=list(self.prompt), preset_detail=self.preset.describe(),
@@ -528,6 +579,9 @@ class Run:
             "stall_s_per_token": snap.stall_s_per_token, "rss_bytes": snap.rss_bytes,
             "rss_budget_bytes": snap.rss_budget_bytes, "wall_s": snap.elapsed_s,
             "prefetch": snap.prefetch or None, "optimum_hit_rate": snap.optimum_hit_rate,
+            "policy_hit_rate": snap.policy_hit_rate, "prefetch_hit_share": snap.prefetch_hit_share,
+            "regret_pp": snap.regret_pp, "bound": snap.bound, "floor_ratio": snap.floor_ratio,
+            "disk_replay": self._replay, "ram_bytes": snap.ram_bytes, "plan_bytes": snap.plan_bytes,
             # warm tokens: the share of time the disk had a read in flight, and the mean number in flight
             "disk_busy_fraction": disk_busy, "mean_read_depth": read_depth,
         }

@@ -24,6 +24,7 @@ class StepResult:
     stall_s: float
     disk_busy_s: float       # time in this step with at least one read in flight
     disk_depth_s: float      # time integral of reads in flight (/ step time = mean queue depth)
+    reads: int = 0           # reads started during the step (experts, prefetch guesses, trunk layers)
 
 
 class Session:
@@ -63,6 +64,7 @@ class Session:
         bytes0 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
         busy0, depth0 = reader.occupancy.totals()
         stall0 = source.stall_s
+        reads0 = reader.started_reads
         logits = self.eval(token_id)
         next_token = int(np.argmax(logits))
         bytes1 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
@@ -72,4 +74,5 @@ class Session:
                           hits=sum(c.hits for c in cache.layers) - hits0,
                           misses=sum(c.misses for c in cache.layers) - misses0,
                           bytes_read=bytes1 - bytes0, stall_s=source.stall_s - stall0,
-                          disk_busy_s=busy1 - busy0, disk_depth_s=depth1 - depth0)
+                          disk_busy_s=busy1 - busy0, disk_depth_s=depth1 - depth0,
+                          reads=reader.started_reads - reads0)

@@ -29,6 +29,7 @@ class TokenRecord:
     io_threads: int
     disk_busy_s: float = 0.0    # time with at least one read in flight (prefetch can use only the rest)
     disk_depth_s: float = 0.0   # time integral of reads in flight; / seconds = mean queue depth
+    reads: int = 0              # reads started during the token (experts, prefetch guesses, trunk layers)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class Snapshot:
     gb_per_token: float | None      # mean disk GB (1e9 B) read per token
     eff_read_gbps: float | None     # gb_per_token / s_per_token
     floor_gbps: float | None        # NVMe floor from the engine's probe (None: not measured)
-    io_efficiency: float | None     # eff_read_gbps / floor_gbps
+    io_efficiency: float | None     # the disk's own time for the run's reads (a replay: same records,
+                                    # order and queue depth, no compute) / the time the run had reads
+                                    # in flight; about 1 at most; None until the run is done
     hit_rate: float | None          # cumulative hits / routed requests
     layer_hits: tuple[int, ...]     # per layer, cumulative
     layer_misses: tuple[int, ...]
@@ -71,6 +74,17 @@ class Snapshot:
     mean_read_depth: float | None = None     # warm tokens: mean number of reads in flight
     switches: tuple[tuple[int, str, int, int], ...] = ()  # (token, backend, kernel threads, I/O threads)
                                                           # at the run's start and at every change
+    # hit rates on one yardstick: the policy's own hits (without prefetch's help) beside Belady's
+    # on the same requests; prefetch's contribution apart; regret in percentage points
+    policy_hit_rate: float | None = None      # (hits - hits on prefetched experts) / requests
+    prefetch_hit_share: float | None = None   # hit_rate - policy_hit_rate
+    regret_pp: float | None = None            # (Belady - policy) x 100, when the run is done
+    bound: str | None = None        # "disk" (a read in flight most of the time) or "compute"
+    floor_ratio: float | None = None          # eff_read_gbps / floor_gbps (a lower bound's yardstick)
+    floor_age_s: float | None = None          # age of the floor measurement
+    ram_bytes: int = 0                        # the machine's RAM
+    ram_available_bytes: int = 0              # what the machine can still give (psutil "available")
+    plan_bytes: int = 0                       # what the preset plans for the engine and the run
 
 
 def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tuple[float | None, float | None]:
@@ -83,11 +97,20 @@ def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tup
     return sum(t.disk_busy_s for t in warm) / seconds, sum(t.disk_depth_s for t in warm) / seconds
 
 
+DISK_BOUND_BUSY = 0.8   # a run whose disk has a read in flight this share of the time is disk-bound
+
+
+def bound_of(disk_busy_fraction: float | None) -> str | None:
+    if disk_busy_fraction is None:
+        return None
+    return "disk" if disk_busy_fraction >= DISK_BOUND_BUSY else "compute"
+
+
 # One token's figures in a fixed-size record: a run keeps all of them in one array sized up front.
 TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds", "<f8"), ("bytes_read", "<i8"),
                         ("hits", "<i4"), ("misses", "<i4"), ("stall_s", "<f8"), ("backend", "u1"),
                         ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
-                        ("disk_depth_s", "<f8")])
+                        ("disk_depth_s", "<f8"), ("reads", "<i4")])
 _BACKENDS = ("scalar", "avx2", "avx512", "neon")
 
 

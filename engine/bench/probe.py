@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ class FloorResult:
     io_threads: int
     io_mode: str
     record_nbytes: int
+    measured_at: float = 0.0   # time.time() of the measurement
 
 
 def probe_floor(checkpoint, io_threads: int = 4, seconds: float = 2.0, max_reads: int = 4096,
@@ -66,7 +68,8 @@ def probe_floor(checkpoint, io_threads: int = 4, seconds: float = 2.0, max_reads
         t.join()
     elapsed = time.perf_counter() - t0
     return FloorResult(gbps=totals[1] / elapsed / 1e9, reads=totals[0], nbytes=totals[1], seconds=elapsed,
-                       io_threads=io_threads, io_mode=checkpoint.io_mode, record_nbytes=checkpoint.slot_nbytes)
+                       io_threads=io_threads, io_mode=checkpoint.io_mode, record_nbytes=checkpoint.slot_nbytes,
+                       measured_at=time.time())
 
 
 def _cache_key(checkpoint, io_threads: int) -> str:
@@ -92,13 +95,87 @@ def cached_floor(checkpoint, io_threads: int, seconds: float = 2.0, max_age_s: f
     entry = known.get(key)
     if isinstance(entry, dict) and time.time() - entry.get("measured_at", 0) < max_age_s:
         try:
-            return FloorResult(**entry["result"])
+            return FloorResult(**{"measured_at": entry["measured_at"], **entry["result"]})
         except (TypeError, KeyError):
             pass
+    return refresh_floor(checkpoint, io_threads, seconds, known)
+
+
+def refresh_floor(checkpoint, io_threads: int, seconds: float = 2.0, known: dict | None = None) -> FloorResult:
+    """Measure the floor now and remember it for cached_floor (what `ds4f probe-disk` does)."""
+    store = user_cache_dir() / "floor.json"
+    key = _cache_key(checkpoint, io_threads)
+    if known is None:
+        try:
+            known = json.loads(store.read_text())
+        except (OSError, ValueError):
+            known = {}
     result = probe_floor(checkpoint, io_threads, seconds)
-    known[key] = {"measured_at": time.time(), "result": asdict(result)}
+    known[key] = {"measured_at": result.measured_at, "result": asdict(result)}
     store.parent.mkdir(parents=True, exist_ok=True)
     tmp = store.with_suffix(".tmp")
     tmp.write_text(json.dumps(known, indent=1))
     os.replace(tmp, store)
     return result
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    seconds: float         # wall time of the replay
+    reads: int
+    nbytes: int
+    io_threads: int
+    io_mode: str
+
+
+def replay_reads(checkpoint, reads: list[tuple[str, int, int]], io_threads: int,
+                 expert_bufs: list | None = None, trunk_bufs: list | None = None) -> ReplayResult:
+    """Read `reads` (("expert", layer, expert) or ("trunk", layer, -1)) again in the same order at
+    the same queue depth, with the engine's read path (direct I/O where the layout allows) and no
+    compute: the time the disk itself needs for a run's reads.
+    expert_bufs: one aligned buffer per thread to read into (an idle engine's cache slots, say), so
+    the replay costs no memory; trunk_bufs: buffers the trunk reads share (a run keeps two, so at
+    most two trunk reads are in flight, as in the run). By default each thread allocates its own."""
+    shared_trunk: queue.Queue | None = None
+    if trunk_bufs:
+        shared_trunk = queue.Queue()
+        for b in trunk_bufs:
+            shared_trunk.put(b)
+    lock = threading.Lock()
+    next_i = [0]
+    nbytes = [0]
+
+    def worker(i: int) -> None:
+        expert_buf = expert_bufs[i] if expert_bufs else warm_buffer(checkpoint.slot_nbytes)
+        trunk_buf = None
+        while True:
+            with lock:
+                i = next_i[0]
+                if i >= len(reads):
+                    return
+                next_i[0] += 1
+            kind, layer, expert = reads[i]
+            if kind == "expert":
+                n = checkpoint.read_expert(layer, expert, expert_buf)
+            elif shared_trunk is not None:
+                buf = shared_trunk.get()
+                try:
+                    checkpoint.read_trunk_layer(layer, buf)
+                finally:
+                    shared_trunk.put(buf)
+                n = checkpoint.trunk_layer_nbytes(layer)
+            else:
+                if trunk_buf is None:
+                    trunk_buf = warm_buffer(checkpoint.trunk_layer_buf_nbytes)
+                checkpoint.read_trunk_layer(layer, trunk_buf)
+                n = checkpoint.trunk_layer_nbytes(layer)
+            with lock:
+                nbytes[0] += n
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,), name=f"ds4f-replay-{i}") for i in range(io_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ReplayResult(time.perf_counter() - t0, len(reads), nbytes[0], io_threads, checkpoint.io_mode)

@@ -15,15 +15,7 @@ class Belady:
     def __init__(self, sequence) -> None:
         """sequence: the keys in request order, as integer codes (an int array) or any hashables."""
         codes = np.asarray(sequence) if isinstance(sequence, np.ndarray) else _codes(sequence)
-        n = len(codes)
-        # next use of each request's key: sort stably by key, then each position's successor in
-        # its key's run is its next use (n + 1: never again). 8 bytes per request, no Python objects.
-        order = np.argsort(codes, kind="stable")
-        nxt = np.full(n, n + 1, dtype=np.int64)
-        if n > 1:
-            same = codes[order[1:]] == codes[order[:-1]]
-            nxt[order[:-1][same]] = order[1:][same]
-        self._next = nxt
+        self._next = next_uses(codes)
         self._pos = 0
         self._resident_next: dict = {}
 
@@ -90,3 +82,17 @@ def _codes(sequence) -> np.ndarray:
     """Integer codes for a sequence of hashable keys (equal keys, equal codes)."""
     index: dict = {}
     return np.fromiter((index.setdefault(k, len(index)) for k in sequence), dtype=np.int64, count=len(sequence))
+
+
+def next_uses(codes: np.ndarray) -> np.ndarray:
+    """For each request, the position of the next request for the same key (len + 1: never):
+    one backward pass, 4 bytes per request plus one slot per distinct key."""
+    n = len(codes)
+    never = n + 1
+    nxt = np.empty(n, dtype=np.int64 if never >= 2**31 else np.int32)
+    last = np.full(int(codes.max()) + 1 if n else 0, never, dtype=nxt.dtype)
+    for i in range(n - 1, -1, -1):
+        c = codes[i]
+        nxt[i] = last[c]
+        last[c] = i
+    return nxt

@@ -38,6 +38,7 @@ class _Job:
             if self.started or self.cancelled:
                 return
             self.started = True
+        self.reader.note_start(self)
         self.reader.occupancy.began()
         try:
             self.run()
@@ -169,6 +170,9 @@ class Reader:
         self.checkpoint = checkpoint
         self.expert_stats = ReadStats()
         self.trunk_stats = ReadStats()
+        self._trace_lock = threading.Lock()
+        self.trace: collections.deque = collections.deque(maxlen=self.TRACE_READS)
+        self.started_reads = 0
         self._guesses: collections.deque = collections.deque()
         self._lane_cv = threading.Condition()
         self._closing = False
@@ -180,10 +184,30 @@ class Reader:
         self._lane = threading.Thread(target=self._prefetch_lane, name="ds4f-io-prefetch", daemon=True)
         self._lane.start()
 
+    # The most recent reads, in the order they started: ("expert", layer, expert) or ("trunk", layer, -1).
+    # A run's disk figures replay them (same records, order and queue depth, no compute).
+    TRACE_READS = 1 << 16
+
+    def note_start(self, job: "_Job") -> None:
+        entry = ("expert", job.layer, job.expert) if isinstance(job, ReadJob) else ("trunk", job.layer, -1)
+        with self._trace_lock:
+            self.trace.append(entry)
+            self.started_reads += 1
+
+    def recent_reads(self, n: int) -> list[tuple[str, int, int]] | None:
+        """The last n reads started, oldest first; None if the trace no longer holds n."""
+        with self._trace_lock:
+            if n > len(self.trace):
+                return None
+            return list(self.trace)[len(self.trace) - n:]
+
     def reset_stats(self) -> None:
         """Zero the read counters and the occupancy (a new run on the same reader)."""
         self.expert_stats = ReadStats()
         self.trunk_stats = ReadStats()
+        with self._trace_lock:
+            self.trace.clear()
+            self.started_reads = 0
         with self.occupancy.lock:
             self.occupancy.busy_s = self.occupancy.depth_s = 0.0
 

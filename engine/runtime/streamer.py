@@ -68,6 +68,11 @@ class Streamer:
         self._trunk_next: TrunkJob | None = None
 
     @property
+    def trunk_buffers(self) -> list:
+        """The two read-ahead buffers of the unpinned trunk layers (empty if all are pinned)."""
+        return list(self._trunk_bufs)
+
+    @property
     def buffer_nbytes(self) -> int:
         return sum(b.nbytes for b in self._trunk_bufs)
 

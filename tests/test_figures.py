@@ -1,0 +1,93 @@
+"""The figures a run reports agree with each other, and the memory budget holds when measured
+from outside the process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ds4f.engine.runs import RunConfig, start_run
+from ds4f.engine.snapshot import DISK_BOUND_BUSY
+
+
+def _run(model, tmp_path, name, **kw):
+    kw.setdefault("probe_floor", False)
+    run = start_run(RunConfig(model=str(model), dump_path=str(tmp_path / f"{name}.bin"), **kw))
+    assert run.wait(120), "run did not finish"
+    assert run.state == "done", run.error
+    return run
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_hit_rates_share_one_yardstick(tiny_model, tmp_path, prefetch):
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text(f'[presets.p]\npinned_layers = "50%"\ncache = "25%"\nprefetch = {str(prefetch).lower()}\n')
+    run = _run(tiny_model, tmp_path, "y", gen=12, preset="p", config_path=str(cfg))
+    s = run.summary_report["summary"]
+    requests = s["hits"] + s["misses"]
+    useful = (s["prefetch"] or {}).get("useful", 0)
+    assert s["policy_hit_rate"] == pytest.approx((s["hits"] - useful) / requests)
+    assert s["policy_hit_rate"] + s["prefetch_hit_share"] == pytest.approx(s["hit_rate"])
+    assert s["regret_pp"] == pytest.approx((s["optimum_hit_rate"] - s["policy_hit_rate"]) * 100)
+    if not prefetch:
+        # the same requests through the same cache: clairvoyance can only do better
+        assert s["prefetch_hit_share"] == 0 and s["regret_pp"] >= 0
+    snap = run.snapshot()
+    assert snap.regret_pp == pytest.approx(s["regret_pp"])
+
+
+def test_a_done_run_replays_its_own_reads_for_its_io_efficiency(tiny_model, tmp_path):
+    run = _run(tiny_model, tmp_path, "replay", gen=8, preset="minimal", probe_floor=True)
+    r = run.summary_report
+    replay = r["summary"]["disk_replay"]
+    tokens = run.report["tokens"]
+    last = tokens[-replay["tokens"]:]
+    assert replay["tokens"] == min(32, len(tokens) - 1)
+    assert replay["reads"] == sum(t["reads"] for t in last) > 0
+    assert replay["run_busy_s"] == pytest.approx(sum(t["disk_busy_s"] for t in last))
+    assert r["summary"]["io_efficiency"] == pytest.approx(replay["replay_s"] / replay["run_busy_s"])
+    # nothing pinned: every token reads every trunk layer, and the replay reads them too
+    assert replay["nbytes"] >= replay["tokens"] * sum(1 for _ in range(r["geometry"]["num_hidden_layers"]))
+    assert any("disk replay" in e for e in r["events"])
+    # the floor's ratio is reported apart, as the lower bound it is
+    s = r["summary"]
+    assert s["floor_ratio"] == pytest.approx(s["eff_read_gbps"] / s["floor_gbps"])
+    assert run.snapshot().floor_age_s is not None and run.snapshot().floor_age_s >= 0
+
+
+def test_bound_follows_the_disk_occupancy(tiny_model, tmp_path):
+    run = _run(tiny_model, tmp_path, "b", gen=6)
+    s = run.summary_report["summary"]
+    assert s["bound"] == ("disk" if s["disk_busy_fraction"] >= DISK_BOUND_BUSY else "compute")
+    snap = run.snapshot()
+    assert snap.ram_bytes == psutil.virtual_memory().total
+    assert snap.plan_bytes >= run.summary_report["cache"]["capacity_bytes"]
+    assert snap.rss_budget_bytes > snap.plan_bytes
+
+
+def test_the_memory_budget_holds_measured_from_outside(tiny_model, tmp_path):
+    """Peak RSS of a long `ds4f run`, sampled from this process, within the budget its report states."""
+    report = tmp_path / "r.json"
+    err = open(tmp_path / "stderr.txt", "w")   # a file, not a pipe: 3000 progress lines would fill a pipe
+    proc = subprocess.Popen([sys.executable, "-m", "ds4f.cli", "run", str(tiny_model), "--gen", "3000",
+                             "--no-probe", "--dump-state", str(tmp_path / "s.bin"), "--json", str(report)],
+                            stdout=subprocess.DEVNULL, stderr=err)
+    watched = psutil.Process(proc.pid)
+    peak, samples = 0, 0
+    while proc.poll() is None:
+        try:
+            peak = max(peak, watched.memory_info().rss)
+            samples += 1
+        except psutil.Error:
+            break
+        time.sleep(0.005)
+    err.close()
+    assert proc.wait(300) == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+    summary = json.loads(report.read_text())["summary"]
+    assert samples > 10
+    assert peak <= summary["rss_budget_bytes"], (
+        f"peak RSS {peak / 2**20:.1f} MiB over the budget {summary['rss_budget_bytes'] / 2**20:.1f} MiB")
