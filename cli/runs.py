@@ -92,21 +92,6 @@ def _announce(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _backend(explicit: str | None, config_path: str | None) -> str | None:
-    """The backend asked for: `explicit`; else ds4f.toml's engine.backend unless it is auto;
-    else DS4F_KERNELS when it names a backend this machine has; else None (the run API's auto).
-    kernels.py already warned about a DS4F_KERNELS it cannot use."""
-    from ds4f.api import available_backends, load_config
-
-    if explicit is not None:
-        return explicit
-    configured = load_config(config_path).backend
-    if configured != "auto":
-        return configured
-    env = os.environ.get("DS4F_KERNELS", "").strip()
-    return env if env in available_backends() else None
-
-
 def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="preset from ds4f.toml (default: engine.preset)")
     parser.add_argument("-n", "--gen", type=int, default=None, help=f"tokens to generate (default {DEFAULT_GEN})")
@@ -181,7 +166,7 @@ def _run(args) -> int:
     config = RunConfig(model=model, preset=args.preset or cfg.preset,
                        gen=DEFAULT_GEN if args.gen is None else args.gen,
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
-                       backend=_backend("scalar" if args.no_simd else args.backend, args.config), dump_path=dump,
+                       backend="scalar" if args.no_simd else args.backend, dump_path=dump,
                        report_path=report, config_path=args.config, probe_floor=False if args.no_probe else None)
     try:
         signal.signal(signal.SIGTERM, _cancel_on_sigterm)   # `kill` stops the run as Ctrl-C does: no files left
@@ -309,7 +294,7 @@ def _bench(args) -> int:
         return 0
     from ds4f.api import bench_cache
 
-    r = bench_cache(model, args.preset, args.gen, args.config, _backend(args.backend, args.config),
+    r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
                     log=_announce, progress=True)
     _show(args, _cache_tables(r), lambda out: _print_bench_cache(r, out), r)
     return 0

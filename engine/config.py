@@ -139,6 +139,16 @@ class Config:
     history_path: str                    # resolved, never empty
     presets: dict[str, Preset] = field(default_factory=dict)
 
+    def default_backend(self) -> str:
+        """The backend a run gets when it names none: engine.backend unless it is auto; else
+        DS4F_KERNELS when it names a backend this machine has; else auto (the best here)."""
+        if self.backend != "auto":
+            return self.backend
+        from ds4f.engine.kernels import available_backends
+
+        env = os.environ.get("DS4F_KERNELS", "").strip()
+        return env if env in available_backends() else "auto"
+
     def get_preset(self, name: str | None = None) -> Preset:
         name = name or self.preset
         if name not in self.presets:

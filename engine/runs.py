@@ -144,7 +144,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     if config.prompt is not None and len(config.prompt) > MAX_PROMPT:
         raise Ds4fError(f"prompt: at most {MAX_PROMPT} token ids, got {len(config.prompt)}", param="prompt")
     if config.backend is None:
-        config = replace(config, backend=cfg.backend)
+        config = replace(config, backend=cfg.default_backend())
     if config.backend not in BACKEND_NAMES:
         raise Ds4fError(f"backend: unknown backend {config.backend!r} (known: {', '.join(BACKEND_NAMES)})",
                         param="backend")

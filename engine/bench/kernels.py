@@ -23,16 +23,6 @@ SHAPES = ((2048, 4096), (4096, 2048))  # w1/w3 (inter x hidden) and w2 (hidden x
 HIDDEN, INTER, N_EXPERTS = 4096, 2048, 6
 KERNELS = ("decode", "matvec", "bf16_matvec", "experts")
 
-# Speed targets of the kernels (single thread unless said otherwise), checked on the best backend.
-TARGETS = (
-    ("decode", "speedup_vs_scalar", 15.0),
-    ("matvec", "speedup_vs_scalar", 10.0),
-    ("matvec", "speedup_vs_numpy", 50.0),
-    ("matvec", "gweights_per_s", 15.0),
-    ("bf16_matvec", "speedup_vs_scalar", 6.0),
-)
-EXPERTS_2T_TARGET = 1.7
-
 
 @dataclass
 class Record:
@@ -194,17 +184,3 @@ def run_bench(
         K.set_backend(saved[0])
         K.set_threads(saved[1])
     return records
-
-
-def check_targets(records: list[Record], backend: str) -> list[tuple[str, float, float, bool]]:
-    """(description, measured, target, met) for the issue's targets, worst shape counted."""
-    out = []
-    for kernel, field, target in TARGETS:
-        vals = [getattr(r, field) for r in records if r.kernel == kernel and r.backend == backend and r.threads == 1]
-        vals = [v for v in vals if v is not None]
-        if vals:
-            out.append((f"{kernel} 1 thread {field}", min(vals), target, min(vals) >= target))
-    two = [r.speedup_vs_1thread for r in records if r.kernel == "experts" and r.backend == backend and r.threads == 2]
-    if two:
-        out.append(("experts 2 threads vs 1 thread", two[0], EXPERTS_2T_TARGET, two[0] >= EXPERTS_2T_TARGET))
-    return out
