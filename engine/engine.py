@@ -33,6 +33,8 @@ class EngineFigures:
     prefetch: dict
     pinned_layers: tuple[int, ...]
     resident_bytes: int           # what the engine keeps in RAM: pinned trunk, globals, routers, cache, buffers
+    checks: int = 0               # expert records checked against their crc32 (the ds4f layout)
+    check_s: float = 0.0          # I/O-thread time those checks took
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Engine:
         session_nbytes: the buffers of the session computing on the engine, counted as resident."""
         ck, cache = self.ckpt, self.cache
         reads, _nbytes, latency = self.reader.expert_stats.totals()
+        checks, _checked, check_s = self.reader.check_stats.totals()
         routers = sum(r.nbytes for layer, r in self.routers.items() if layer not in self.pinned)
         resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self.globals.nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
@@ -97,6 +100,7 @@ class Engine:
             layer_evictions=tuple(c.evictions for c in cache.layers), cache_used_bytes=cache.used_bytes,
             cache_capacity_bytes=cache.capacity_bytes, cache_budget_bytes=cache.budget_bytes, slots=cache.n_slots,
             slot_nbytes=cache.slot_nbytes, expert_reads=reads, read_latency_s=latency,
+            checks=checks, check_s=check_s,
             prefetch=dict(self.streamer.prefetch_counts) if self.streamer.prefetch else {},
             pinned_layers=tuple(sorted(self.pinned)), resident_bytes=resident)
 

@@ -331,7 +331,8 @@ class Run:
             bound=bound_of(disk_busy), floor_ratio=eff / floor if eff is not None and floor else None,
             floor_age_s=time.time() - self._floor.measured_at if self._floor and self._floor.measured_at else None,
             ram_bytes=vm.total, ram_available_bytes=vm.available,
-            plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0)
+            plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
+            check_s_per_token=fig.check_s / done if fig and done else None)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:
@@ -582,6 +583,7 @@ class Run:
             "policy_hit_rate": snap.policy_hit_rate, "prefetch_hit_share": snap.prefetch_hit_share,
             "regret_pp": snap.regret_pp, "bound": snap.bound, "floor_ratio": snap.floor_ratio,
             "disk_replay": self._replay, "ram_bytes": snap.ram_bytes, "plan_bytes": snap.plan_bytes,
+            "check_s_per_token": snap.check_s_per_token,
             # warm tokens: the share of time the disk had a read in flight, and the mean number in flight
             "disk_busy_fraction": disk_busy, "mean_read_depth": read_depth,
         }

@@ -85,6 +85,7 @@ class Snapshot:
     ram_bytes: int = 0                        # the machine's RAM
     ram_available_bytes: int = 0              # what the machine can still give (psutil "available")
     plan_bytes: int = 0                       # what the preset plans for the engine and the run
+    check_s_per_token: float | None = None    # I/O-thread seconds per token checking records' crc32
 
 
 def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tuple[float | None, float | None]:

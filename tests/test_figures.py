@@ -91,3 +91,12 @@ def test_the_memory_budget_holds_measured_from_outside(tiny_model, tmp_path):
     assert samples > 10
     assert peak <= summary["rss_budget_bytes"], (
         f"peak RSS {peak / 2**20:.1f} MiB over the budget {summary['rss_budget_bytes'] / 2**20:.1f} MiB")
+
+
+def test_the_crc32_checks_are_counted_where_there_are_checksums(tiny_model, tiny_official, tmp_path):
+    """The ds4f layout's records are checked as they are read, and what it costs is reported;
+    the official shards carry no checksums, so nothing is checked or counted."""
+    converted = _run(tiny_model, tmp_path, "c", gen=4, preset="minimal")
+    official = _run(tiny_official, tmp_path, "o", gen=4, preset="minimal")
+    assert converted.summary_report["summary"]["check_s_per_token"] > 0
+    assert official.summary_report["summary"]["check_s_per_token"] == 0

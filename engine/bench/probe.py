@@ -20,7 +20,7 @@ from ds4f.engine.config import user_cache_dir
 from ds4f.engine.runtime.memory import warm_buffer
 
 
-FLOOR_CAVEAT = ("note: efficiency above 1 means the run read faster than the probe's uniformly random reads: "
+FLOOR_CAVEAT = ("note: read / floor above 1 means the run read faster than the probe's uniformly random reads: "
                 "something below O_DIRECT (a host or controller cache) favours the experts the run re-reads; "
                 "the floor is then a lower bound, not this disk's limit")
 

@@ -101,21 +101,29 @@ class Ds4fCheckpoint(Checkpoint):
         return n
 
     def read_expert(self, layer: int, expert: int, buf, check: bool = False) -> int:
-        """check: compare the record with its crc32 (zlib releases the GIL: I/O threads run it in
-        parallel with the compute) and raise Ds4fError naming the record if it differs."""
+        """check: compare the record with its crc32 (see check_expert)."""
         self._check_expert(layer, expert)
         mv = _check_buffer(buf, self.record_nbytes, "read_expert")[: self.record_nbytes]
-        index = layer * self.geometry.n_experts + expert
-        off = int(self.record_offsets[index])
+        off = int(self.record_offsets[layer * self.geometry.n_experts + expert])
         n = self._direct_read(self._pool_fd, self.io_mode, self._pool_buffered, self.pool_path, mv, off,
                               f"(layer {layer}, expert {expert})")
         if check:
-            crc = zlib.crc32(mv[: self.expert_nbytes])
-            if crc != int(self.record_crc32[index]):
-                raise Ds4fError(f"{self.pool_path}: the record of layer {layer}, expert {expert} (at byte {off}) is"
-                                f" corrupt: crc32 {crc:08x}, {POOL_JSON} says {int(self.record_crc32[index]):08x};"
-                                f" `ds4f verify {self.path}` lists every bad record", path=str(self.pool_path))
+            self.check_expert(layer, expert, buf)
         return n
+
+    def check_expert(self, layer: int, expert: int, buf) -> bool:
+        """Compare a record just read into buf with its crc32 (zlib releases the GIL, so the I/O
+        threads check in parallel with the compute); raise Ds4fError naming the record if it differs.
+        True: checked."""
+        index = layer * self.geometry.n_experts + expert
+        mv = _check_buffer(buf, self.expert_nbytes, "check_expert")
+        crc = zlib.crc32(mv[: self.expert_nbytes])
+        if crc != int(self.record_crc32[index]):
+            raise Ds4fError(f"{self.pool_path}: the record of layer {layer}, expert {expert} (at byte"
+                            f" {int(self.record_offsets[index])}) is corrupt: crc32 {crc:08x}, {POOL_JSON} says"
+                            f" {int(self.record_crc32[index]):08x}; `ds4f verify {self.path}` lists every bad record",
+                            path=str(self.pool_path))
+        return True
 
     def trunk_layer_nbytes(self, layer: int) -> int:
         self._check_layer(layer)
