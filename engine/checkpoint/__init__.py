@@ -8,26 +8,7 @@
     ck.expert_extents(layer, e)     # byte ranges on disk: ds4f one, official two
     ck.read_expert(layer, e, buf)   # into a 4096-aligned slot, canonical layout, thread-safe
 
-The ds4f layout (written by ds4f.engine.checkpoint.convert):
-
-pool-mxfp4.bin   one record per (layer, expert), index layer * n_experts + expert, each
-                 at a 4 KiB-aligned offset and padded with zeros to `record_nbytes`
-                 (a multiple of 4 KiB): [w1.weight | w3.weight | w2.weight | w1.scale |
-                 w3.scale | w2.scale], the official bytes unchanged. A miss is one O_DIRECT pread.
-pool-mxfp4.json  {"format": "ds4f-pool-mxfp4", "version": 1, "geometry": config, "file",
-                 "alignment", "expert_nbytes", "record_nbytes", "parts": {name: {offset,
-                 shape}}, "records": [[offset, crc32], ...]}; crc32 (zlib) of the record's
-                 expert_nbytes bytes.
-trunk.bin        per layer, a 4 KiB-aligned region with that layer's MoE trunk (norms,
-                 gate weight, bias or tid2eid, shared expert in bf16), then a region with
-                 the layer's other tensors (attention etc., real release only), then one
-                 global region (embed, head, final norm, anything else).
-trunk.offsets    text: a "# ds4f-trunk-offsets 1" line, then one line per region:
-                 "<region> <offset> <nbytes>" with region "layer.N", "extra.N" or "global".
-trunk.json       {"format": "ds4f-trunk", "version": 1, "geometry", "file", "alignment",
-                 "regions": [{name, offset, nbytes}], "tensors": [{name, short, layer,
-                 region, dtype, shape, offset, nbytes}]}; official names, FP8 now BF16.
-config.json      copied from the release.
+The ds4f layout (its files and their format) is described in ds4f.engine.checkpoint.layout.
 """
 from __future__ import annotations
 

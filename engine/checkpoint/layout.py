@@ -1,13 +1,5 @@
 """The ds4f layout: one aligned record per (layer, expert), so a miss is one direct read.
 
-    ck = open_checkpoint(path)      # official shards (read in place) or the ds4f layout
-    ck.geometry, ck.kind, ck.io_mode
-    ck.layer_tensors(layer)         # MoE trunk of a layer, short names, bf16/f32/i64 arrays
-    ck.read_trunk_layer(layer, buf) # the same as views into `buf`, one read (ds4f layout)
-    ck.global_tensor("embed.weight")
-    ck.expert_extents(layer, e)     # byte ranges on disk: ds4f one, official two
-    ck.read_expert(layer, e, buf)   # into a 4096-aligned slot, canonical layout, thread-safe
-
 The ds4f layout (written by ds4f.engine.checkpoint.convert):
 
 pool-mxfp4.bin   one record per (layer, expert), index layer * n_experts + expert, each
