@@ -49,8 +49,9 @@ class Ds4fConsole(App):
     CSS_PATH = str(stylesheet_path("console.tcss"))
     BINDINGS = APP_BINDINGS
     COMMANDS = App.COMMANDS | {ActionCommands}
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
+    # below 80x24 (widgets.MIN_SIZE) the screens show a SizeNotice instead of a squeezed layout
+    HORIZONTAL_BREAKPOINTS = [(0, "-too-narrow"), (80, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-too-short"), (24, "-short"), (36, "-tall")]
 
     def __init__(self, config_path: str | None = None, model: str | None = None, preset: str | None = None,
                  *, gen: int | None = None, config: Config | None = None, history: History | None = None,
@@ -327,7 +328,7 @@ class Ds4fConsole(App):
         if ctl is None or ctl.history is None:
             self.notify("No run history is open.", severity="warning")
             return
-        self.push_screen(HistoryScreen(lambda: ctl.runs(500)))
+        self.push_screen(HistoryScreen(lambda: ctl.runs(500), known_tokens=ctl.tokens_of))
 
     def on_dashboard_screen_diff_last_two(self, _message: DashboardScreen.DiffLastTwo) -> None:
         pair = self.controller.last_two() if self.controller else None

@@ -3,7 +3,8 @@ screen and the command palette are all made from these lists.
 
 Conventions borrowed where they exist: q quits and ? helps (htop, btop, k9s); + and - change
 the update period (btop); space freezes the display; ctrl+p or : opens the command palette
-(k9s uses : for its command line); escape goes back (k9s); [ ] and { } step a number down/up.
+(k9s uses : for its command line;
+the palette lists these actions only, not a focused widget's scroll keys); escape goes back (k9s); [ ] and { } step a number down/up.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ APP_BINDINGS = [
     Binding("question_mark,f1", "help", "help", tooltip="Show every key of every screen"),
     Binding("t", "cycle_theme", "theme", tooltip="Cycle the colour theme: dark, light, high contrast (remembered)"),
     Binding("q", "quit", "quit", tooltip="Quit ds4f-console (a live run is stopped first)"),
+    # Textual adds its own ctrl+p only when no binding opens the palette, so both keys are here;
+    # ctrl+p takes priority (it works with an input focused), : does not (an input can take it)
+    Binding("ctrl+p", "command_palette", "commands", show=False, priority=True,
+            tooltip="Open the command palette: every action of the screen by name"),
     Binding("colon", "command_palette", "commands", show=False, tooltip="Open the command palette (k9s style)"),
 ]
 
@@ -91,3 +96,20 @@ KEY_NAMES = {
 
 def keys_of(binding: Binding) -> str:
     return " ".join(KEY_NAMES.get(k.strip(), k.strip()) for k in binding.key.split(","))
+
+
+def by_action(bindings: list[Binding]) -> list[tuple[str, str, Binding]]:
+    """(action, every key for it, its first binding) in order: one row per action for the help."""
+    rows: dict[str, tuple[list[str], Binding]] = {}
+    for b in bindings:
+        rows.setdefault(b.action, ([], b))[0].append(keys_of(b))
+    return [(action, " or ".join(keys), b) for action, (keys, b) in rows.items()]
+
+
+# (action, key) of every binding above: the command palette lists these and nothing else (not
+# the scroll and cursor keys of whatever widget has focus)
+OWN_KEYS: dict[tuple[str, str], Binding] = {
+    (b.action, k.strip()): b
+    for bindings in (APP_BINDINGS, DASHBOARD_BINDINGS, HISTORY_BINDINGS, DIFF_BINDINGS)
+    for b in bindings for k in b.key.split(",")
+}

@@ -1,7 +1,8 @@
 """The command palette provider: every key action of the screen the palette was opened on.
 
-It is built from the screen's active bindings (see bindings.py), so a key and its palette
-entry can never drift apart. The palette shows each action's key next to its name.
+It is built from the screen's active bindings that are the console's own (bindings.OWN_KEYS),
+so a key and its palette entry can never drift apart, and a focused widget's scroll and cursor
+keys stay out. The palette shows each action's keys next to its name.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from functools import partial
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from .bindings import TITLES, keys_of
+from .bindings import OWN_KEYS, TITLES, keys_of
 
 SKIP_ACTIONS = {"command_palette"}
 
@@ -23,10 +24,12 @@ class ActionCommands(Provider):
             active = screen.active_bindings
         except Exception:
             return entries
-        for _key, (node, binding, _enabled, _tooltip) in active.items():
-            if binding.action in seen or binding.action in SKIP_ACTIONS:
+        for key, (node, binding, _enabled, _tooltip) in active.items():
+            own = OWN_KEYS.get((binding.action, key))
+            if own is None or binding.action in seen or binding.action in SKIP_ACTIONS:
                 continue
             seen.add(binding.action)
+            binding = own
             name = TITLES.get(binding.action) or binding.description or binding.action
             title = f"{name[:1].upper()}{name[1:]}  ({keys_of(binding)})"
             help_text = binding.tooltip or name

@@ -50,6 +50,9 @@ class Controller:
     engines: EngineHost | None = None      # keeps one loaded engine across this session's runs
     run: api.Run | None = None             # the current or last Run of this session
     notes: list[str] = field(default_factory=list)   # console-side events (settings changes)
+    # tokens decoded by this session's earlier runs, by run id: the history has no count for a
+    # cancelled or failed run (no report), but the console saw it
+    seen_tokens: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.preset = self.preset or self.config.preset
@@ -92,8 +95,22 @@ class Controller:
         if self.live:
             raise Ds4fError(f"run {self.run.id} is still {self.run.state}; stop it first (s)")
         run = self.start_run(self.run_config(), self.history, self.engines)
+        self._remember(self.run)
         self.run = run
         return run
+
+    def _remember(self, run) -> None:
+        if run is not None:
+            try:
+                self.seen_tokens[run.id] = run.snapshot().tokens_done
+            except Exception:  # a run that cannot say is simply not remembered
+                pass
+
+    def tokens_of(self, run_id: str) -> int | None:
+        """Tokens a run of this session decoded, as the console saw it (None: not this session's)."""
+        if self.run is not None and self.run.id == run_id:
+            self._remember(self.run)
+        return self.seen_tokens.get(run_id)
 
     def stop(self) -> bool:
         if not self.live:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ds4f.api import Snapshot, TokenRecord, format_bytes
+from ds4f.api import RunRecord, Snapshot, TokenRecord, format_bytes
 
 DASH = "—"
 STATE_MARK = {"starting": "◌", "running": "●", "done": "✓", "cancelled": "■", "failed": "✗"}
@@ -73,6 +73,41 @@ def fmt_bytes(n: int | float | None) -> str:
     return DASH if n is None else format_bytes(n)
 
 
+def fmt_size(n: int | float | None) -> str:
+    """A size in binary units, short for tight panels: '6.2 GiB', '22.0 GiB', '101 GiB', '512 MiB'."""
+    if n is None:
+        return DASH
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(v) < 1000 or unit == "TiB":
+            break
+        v /= 1024
+    if unit == "B":
+        return f"{v:.0f} B"
+    return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.1f} {unit}"
+
+
+def fmt_pts(pp: float | None) -> str:
+    """Percentage points: '14.0 pts'."""
+    return DASH if pp is None else f"{pp:.1f} pts"
+
+
+def fmt_age(s: float | None) -> str:
+    """How old a measurement is: 'just now', '40 s old', '3 min old', '5 h old', '2 d old'."""
+    if s is None:
+        return "age unknown"
+    s = max(0.0, s)
+    if s < 5:
+        return "just now"
+    if s < 90:
+        return f"{s:.0f} s old"
+    if s < 90 * 60:
+        return f"{s / 60:.0f} min old"
+    if s < 36 * 3600:
+        return f"{s / 3600:.0f} h old"
+    return f"{s / 86400:.0f} d old"
+
+
 def fmt_when(ts: float) -> str:
     """Local date and time of a run, compact: '11-30 01:55'."""
     return time.strftime("%m-%d %H:%M", time.localtime(ts))
@@ -117,6 +152,12 @@ class Switch:
     def __str__(self) -> str:
         return f"{self.what} {self.before}→{self.after} at token {self.token}"
 
+    @property
+    def short(self) -> str:
+        """For a narrow panel: 'avx2→scalar @14', 'k16→8 @22', 'io8→9 @30' (@: the token it landed at)."""
+        unit = {"kernel threads": "k", "io threads": "io"}.get(self.what, "")
+        return f"{unit}{self.before}→{self.after} @{self.token}"
+
 
 def run_switches(snap: Snapshot) -> list[Switch]:
     """Every live switch of the run, from its settings at the start and at each change
@@ -134,3 +175,56 @@ def run_switches(snap: Snapshot) -> list[Switch]:
 
 def progress_text(snap: Snapshot) -> str:
     return f"{snap.tokens_done}/{snap.gen} tokens"
+
+
+def switches_text(switches: list[Switch], width: int = 0, lines: int = 0, keep: int = 12) -> str:
+    """Every live switch of a run in short form, newest first, after '⇄ ': at most `keep`, and
+    when `width` x `lines` (0: unknown) cannot hold them all, as many of the newest as fit and
+    '+N earlier' for the rest. '' when the run has not switched."""
+    if not switches:
+        return ""
+    items = [s.short for s in reversed(switches)]
+
+    def packed(n: int) -> list[str] | None:
+        """The first n items and a '+k earlier' note, wrapped at ' · ' into lines; None if too tall."""
+        words = items[:n] + ([f"+{len(items) - n} earlier"] if n < len(items) else [])
+        out = ["⇄ " + words[0]]
+        for w in words[1:]:
+            if width and len(out[-1]) + 3 + len(w) > width:
+                out[-1] += " ·"
+                out.append(w)
+            else:
+                out[-1] += " · " + w
+        if width and any(len(line) > width for line in out) and n > 1:
+            return None
+        return out if not lines or len(out) <= lines or n == 1 else None
+
+    for n in range(min(keep, len(items)), 0, -1):
+        out = packed(n)
+        if out is not None:
+            return "\n".join(out)
+    return "\n".join(packed(1) or [])
+
+
+def record_tokens(r: RunRecord, known: int | None = None) -> int | None:
+    """How many tokens a recorded run decoded. A done run's report says; a cancelled or failed
+    run has no report, so: a count the engine put in its record's config or summary if any, else
+    what this console saw of the run (`known`, for this session's runs), else None (unknown)."""
+    if r.report:
+        return r.tokens_done
+    for where, keys in ((r.summary, ("tokens_done", "tokens")), (r.config, ("tokens_done",))):
+        for key in keys:
+            v = where.get(key) if isinstance(where, dict) else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return known
+
+
+def record_tokens_text(r: RunRecord, known: int | None = None) -> str:
+    """The history's token column: '16' for a done run; '412/1000' (decoded of planned) for a
+    cancelled or failed one, '?/1000' when the record does not say."""
+    n = record_tokens(r, known)
+    if r.state == "done":
+        return DASH if n is None else str(n)
+    gen = r.gen
+    return f"{'?' if n is None else n}/{gen if gen is not None else '?'}"

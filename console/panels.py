@@ -10,13 +10,15 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal
+from textual.events import Resize
 from textual.widgets import Digits, Static
 
 from ds4f.api import LIVE_STATES, Snapshot
 
 from . import figures as F
 from .controller import NextRun
-from .thresholds import HIT_RATE, hit_rate_level, io_efficiency_level, rss_level, state_level
+from .thresholds import (FINE, HIT_RATE, WARNING, hit_rate_level, io_efficiency_level, ram_level, rss_level,
+                         state_level, worst)
 from .widgets import EventLog, LayerStrip, Meter, Panel, Plot
 
 
@@ -73,8 +75,10 @@ class SpeedPanel(DashboardPanel):
 
 
 class ReadRatePanel(DashboardPanel):
-    """Effective read GB/s against the NVMe floor (drawn as a line), with the I/O efficiency's
-    level in the border."""
+    """Effective read GB/s against the NVMe floor (drawn as a line): the floor's ratio as the
+    lower bound it is, the floor's age, and what bounds the run. A compute-bound run says so at
+    a calm level; a disk-bound one is judged by its I/O efficiency (a replay of its own reads)
+    once known, else shows the disk's busy share."""
 
     def __init__(self) -> None:
         super().__init__("read GB/s · NVMe floor", id="p-io")
@@ -86,29 +90,62 @@ class ReadRatePanel(DashboardPanel):
     def update(self, snap: Snapshot | None) -> None:
         if snap is None:
             self.query_one("#io-plot", Plot).set_data([])
-            self.put("#io-text", Text("effective read — GB/s\nfloor — · efficiency —", style="dim"))
+            self.put("#io-text", Text("effective read — GB/s\nfloor —", style="dim"))
             self.set_level(None)
             return
         io = Text()
         io.append(f"{F.fmt_gbps(snap.eff_read_gbps)} GB/s", "bold")
-        io.append(f" of {F.fmt_gbps(snap.floor_gbps)} floor" if snap.floor_gbps else " · floor not measured")
-        if snap.disk_busy_fraction:  # the share of time a read was in flight: prefetch can use only the rest
-            io.append(f" · busy {F.fmt_pct(snap.disk_busy_fraction, 0)}")
+        if snap.floor_ratio is not None:
+            # the effective rate counts compute time too, so its ratio to the floor is a lower bound
+            io.append(f": at least {F.fmt_pct(snap.floor_ratio, 0)} of floor")
+        io.append("\n")
+        io.append_text(bound_text(snap))
+        if snap.floor_gbps:
+            io.append(f"\nfloor {F.fmt_gbps(snap.floor_gbps)} GB/s, {F.fmt_age(snap.floor_age_s)}")
+        else:
+            io.append("\nfloor not measured", "dim")
         gbt = F.DASH if snap.gb_per_token is None else f"{snap.gb_per_token:.3g}"
         io.append(f"\n{gbt} GB/tok · {snap.io_mode}")
         if snap.read_latency_ms is not None:
             io.append(f" · {snap.read_latency_ms:.2g} ms/read")
         if snap.prefetch:
             pf = snap.prefetch
-            io.append(f"\nprefetch {pf.get('useful', 0)}/{pf.get('issued', 0)} used · {pf.get('wasted', 0)} wasted", "dim")
+            io.append(f"\nprefetch {pf.get('useful', 0)}/{pf.get('issued', 0)} used, {pf.get('wasted', 0)} wasted", "dim")
         self.put("#io-text", io)
         self.query_one("#io-plot", Plot).set_data(F.token_gbps(snap.tokens), floor=snap.floor_gbps)
-        self.set_level(io_efficiency_level(snap.io_efficiency),
-                       f"eff {F.fmt_pct(snap.io_efficiency, 0)}" if snap.io_efficiency is not None else None)
+        self.set_level(*io_level(snap))
+
+
+def bound_text(snap: Snapshot) -> Text:
+    """What bounds the run, in words: 'compute-bound, disk busy 52%' (calm), 'disk-bound, I/O
+    efficiency 75%' (a replay of the run's reads, when done), 'disk-bound, disk busy 87%'."""
+    busy = F.fmt_pct(snap.disk_busy_fraction, 0)
+    if snap.bound == "compute":
+        return Text(f"compute-bound, disk busy {busy}")
+    if snap.bound == "disk":
+        if snap.io_efficiency is not None:
+            return Text(f"disk-bound, I/O efficiency {F.fmt_pct(snap.io_efficiency, 0)}")
+        return Text(f"disk-bound, disk busy {busy}")
+    return Text("disk busy —", style="dim")
+
+
+def io_level(snap: Snapshot) -> tuple[str | None, str | None]:
+    """The read panel's (level, note). A compute-bound run is fine as far as the disk goes
+    (whatever its efficiency, the disk is not what it waits for); a disk-bound one is judged
+    by its I/O efficiency once the replay has measured it."""
+    if snap.bound == "compute":
+        return FINE, "compute-bound"
+    if snap.bound == "disk":
+        if snap.io_efficiency is not None:
+            return io_efficiency_level(snap.io_efficiency), f"disk-bound · eff {F.fmt_pct(snap.io_efficiency, 0)}"
+        return None, "disk-bound"
+    return None, None
 
 
 class HitRatePanel(DashboardPanel):
-    """Expert-cache hit rate: the run's, its history, and a strip with one cell per layer."""
+    """Expert-cache hit rate on one yardstick: the policy's own hits (without prefetch's help)
+    beside Belady's on the same requests, prefetch's contribution apart, the regret in
+    percentage points; the per-token history and a strip with one cell per layer."""
 
     def __init__(self) -> None:
         super().__init__("cache hit rate", id="p-hits")
@@ -125,61 +162,122 @@ class HitRatePanel(DashboardPanel):
             self.query_one("#hits-strip", LayerStrip).set_rates([])
             self.set_level(None)
             return
-        hits, misses = sum(snap.layer_hits), sum(snap.layer_misses)
-        ht = Text()
-        ht.append(F.fmt_pct(snap.hit_rate), "bold")
-        ht.append(f" · {hits:,} hits · {misses:,} misses")
-        if snap.optimum_hit_rate is not None and hits + misses:  # Belady on this run's trace, when done
-            # regret: points of hit rate the policy left to the optimum (hits prefetch made are not the policy's)
-            own = (hits - snap.prefetch.get("useful", 0)) / (hits + misses)
-            ht.append(f"\n{snap.policy} · Belady {F.fmt_pct(snap.optimum_hit_rate)}, "
-                      f"regret {100 * (snap.optimum_hit_rate - own):.1f}", "dim")
-        else:
-            ht.append(f"\npolicy {snap.policy}", "dim")
-        self.put("#hits-text", ht)
+        self.put("#hits-text", hits_text(snap))
         self.query_one("#hits-plot", Plot).set_data(F.token_hit_rates(snap.tokens), maximum=1.0)
         self.query_one("#hits-strip", LayerStrip).set_rates(F.layer_hit_rates(snap))
-        self.set_level(hit_rate_level(snap.hit_rate))
+        own = snap.policy_hit_rate if snap.policy_hit_rate is not None else snap.hit_rate
+        self.set_level(hit_rate_level(own))
+
+
+def hits_text(snap: Snapshot) -> Text:
+    """'lru 72.1% · Belady 86.1%' / 'regret 14.0 pts · +6.4 pts prefetch' / the request counts.
+    The policy's own rate is the one beside Belady's: the prefetch-inclusive rate is not
+    comparable with it (Belady has no prefetch), so prefetch's share is shown apart."""
+    t = Text()
+    t.append(f"{snap.policy} {F.fmt_pct(snap.policy_hit_rate)}", "bold")
+    if snap.optimum_hit_rate is not None:
+        t.append(f" · Belady {F.fmt_pct(snap.optimum_hit_rate)}", "bold")
+    elif snap.state in LIVE_STATES:
+        t.append(" · Belady when done", "dim")
+    else:
+        t.append(" · no Belady", "dim")
+    t.append("\n")
+    parts: list[str] = []
+    if snap.regret_pp is not None:
+        parts.append(f"regret {F.fmt_pts(snap.regret_pp)}")
+    if not snap.prefetch:
+        parts.append("prefetch off")
+    elif snap.prefetch_hit_share is not None:
+        parts.append(f"+{F.fmt_pts(100 * snap.prefetch_hit_share)} prefetch")
+    t.append(" · ".join(parts))
+    requests = sum(snap.layer_hits) + sum(snap.layer_misses)
+    t.append(f"\n{requests:,} requests · {sum(snap.layer_misses):,} misses", "dim")
+    return t
 
 
 class MemoryPanel(DashboardPanel):
-    """RSS against the preset's budget, and the expert cache's size against its own."""
+    """RSS against the plan (the process before the run plus what the preset plans), and the
+    machine's RAM with what it can still give, apart; the expert cache against its budget.
+    Warns when RSS exceeds the plan, when the RAM still free gets low, and when a live run's
+    plan needs more than the machine has free: before the box runs out."""
 
     def __init__(self) -> None:
         super().__init__("memory", id="p-mem")
 
     def compose(self) -> ComposeResult:
         yield Meter(id="rss-meter")
+        yield Meter(id="ram-meter")
         yield Static(id="mem-text")
 
     def update(self, snap: Snapshot | None) -> None:
-        meter = self.query_one("#rss-meter", Meter)
+        rss_meter = self.query_one("#rss-meter", Meter)
+        ram_meter = self.query_one("#ram-meter", Meter)
         if snap is None:
-            meter.set(None, None, "RSS", F.DASH)
+            rss_meter.set(None, None, "RSS", F.DASH)
+            ram_meter.set(None, None, "RAM", F.DASH)
             self.put("#mem-text", Text("expert cache —", style="dim"))
             self.set_level(None)
             return
-        level = rss_level(snap.rss_bytes, snap.rss_budget_bytes)
-        frac = snap.rss_bytes / snap.rss_budget_bytes if snap.rss_budget_bytes else None
-        meter.set(frac, level, "RSS", f"{F.fmt_bytes(snap.rss_bytes)} / {F.fmt_bytes(snap.rss_budget_bytes)}"
-                  if snap.rss_budget_bytes else F.fmt_bytes(snap.rss_bytes))
-        self.put("#mem-text", f"expert cache {F.fmt_bytes(snap.cache_bytes)} / {F.fmt_bytes(snap.budget_bytes)}"
-                 if snap.budget_bytes else "expert cache —")
-        self.set_level(level, F.fmt_pct(frac, 0) if frac is not None else None)
+        rss_lv = rss_level(snap.rss_bytes, snap.rss_budget_bytes)
+        plan = snap.rss_budget_bytes
+        rss_meter.set(snap.rss_bytes / plan if plan else None, rss_lv, "RSS",
+                      f"{F.fmt_size(snap.rss_bytes)} · plan {F.fmt_size(plan)}" if plan else F.fmt_size(snap.rss_bytes))
+        ram_lv = ram_level(snap.ram_available_bytes, snap.ram_bytes)
+        if snap.ram_bytes:
+            used = 1 - snap.ram_available_bytes / snap.ram_bytes
+            ram_meter.set(used, ram_lv, "RAM",
+                          f"{F.fmt_size(snap.ram_bytes)}, {F.fmt_size(snap.ram_available_bytes)} free")
+        else:
+            ram_meter.set(None, None, "RAM", F.DASH)
+        mt = Text()
+        if plan and snap.plan_bytes:
+            mt.append(f"= process {F.fmt_size(plan - snap.plan_bytes)} + preset {F.fmt_size(snap.plan_bytes)}\n")
+        mt.append(f"expert cache {F.fmt_size(snap.cache_bytes)} / {F.fmt_size(snap.budget_bytes)}"
+                  if snap.budget_bytes else "expert cache —")
+        self.put("#mem-text", mt)
+        self.set_level(*memory_level(snap))
+
+
+def memory_level(snap: Snapshot) -> tuple[str | None, str | None]:
+    """The memory panel's (level, note): the worst of RSS against the plan, the RAM still free,
+    and (while the run is live) whether what the plan has yet to take fits in what is free."""
+    plan = snap.rss_budget_bytes
+    rss_lv = rss_level(snap.rss_bytes, plan)
+    ram_lv = ram_level(snap.ram_available_bytes, snap.ram_bytes)
+    to_come = plan - snap.rss_bytes if plan and snap.state in LIVE_STATES else 0
+    short = WARNING if snap.ram_bytes and to_come > snap.ram_available_bytes else None
+    level = worst(rss_lv, ram_lv, short)
+    if level is None:
+        return None, None
+    if ram_lv == level and ram_lv != FINE:
+        note = f"{F.fmt_pct(snap.ram_available_bytes / snap.ram_bytes, 0)} RAM free"
+    elif short == level and rss_lv != level:
+        note = "plan > free RAM"
+    elif plan:
+        note = f"{F.fmt_pct(snap.rss_bytes / plan, 0)} of plan"
+    else:
+        note = None
+    return level, note
 
 
 class KernelsPanel(DashboardPanel):
-    """Kernel backend and thread counts, and the last live switch with the token it landed at.
-    With no run yet, what the next run will use (`next_run`, set by the dashboard)."""
+    """Kernel backend and thread counts, and every live switch of the run with the token it
+    landed at (newest first; the oldest give way when there are many). With no run yet, what
+    the next run will use (`next_run`, set by the dashboard)."""
 
     def __init__(self) -> None:
         super().__init__("kernels", id="p-kern")
         self.next_run: NextRun | None = None
+        self._snap: Snapshot | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="kern-text")
 
+    def on_resize(self, _event: Resize) -> None:
+        self.update(self._snap)  # what fits of the switches changes with the size
+
     def update(self, snap: Snapshot | None) -> None:
+        self._snap = snap
         kt = Text()
         if snap is None:
             nxt = self.next_run
@@ -192,10 +290,17 @@ class KernelsPanel(DashboardPanel):
             kt.append(f" · {snap.kernel_threads} kernel · {snap.io_threads} I/O threads")
             sw = F.run_switches(snap)
             if sw:
-                kt.append(f"\n⇄ {sw[-1]}", "bold")
+                # as many of the newest as the panel holds below the first line (its size is 0x0
+                # before the first layout: then the first KEEP_SWITCHES)
+                room = self.content_region
+                kt.append("\n" + F.switches_text(sw, room.width, room.height - 1 if room.height > 1 else 0,
+                                                  KEEP_SWITCHES), "bold")
             else:
                 kt.append("\nno switch this run", "dim")
         self.put("#kern-text", kt)
+
+
+KEEP_SWITCHES = 12  # the kernels panel lists at most this many switches (newest first), then a count
 
 
 class ProgressPanel(DashboardPanel):

@@ -343,3 +343,25 @@ class KeyBar(_Styled):
                 text.append(" " + label, label_st)
         return text
 
+
+
+MIN_SIZE = (80, 24)  # the smallest terminal the console is laid out for
+
+
+class SizeNotice(Widget):
+    """Over a screen smaller than MIN_SIZE (the app's -too-narrow / -too-short breakpoint classes
+    make the stylesheet show it): the terminal's size and what the console needs. Keys still
+    work underneath (q quits)."""
+
+    DEFAULT_CSS = """
+    SizeNotice { display: none; }
+    """
+
+    def render(self) -> Text:
+        w, h = self.app.size
+        need_w, need_h = MIN_SIZE
+        t = Text()
+        t.append("terminal too small", "bold")
+        t.append(f"\n{w}×{h}: ds4f-console needs at least {need_w}×{need_h}")
+        t.append("\nenlarge the window, or press q to quit")
+        return t

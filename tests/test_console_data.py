@@ -5,6 +5,7 @@ Nothing here reads the clock, the disk layout or the engine, so the screenshots 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -36,35 +37,52 @@ def fixed_tokens(n: int = 24, switch_at: int | None = 14) -> tuple[TokenRecord, 
     return tuple(out)
 
 
-def fixed_snapshot(state: str = "running", tokens_done: int = 24, gen: int = 32) -> Snapshot:
+def fixed_snapshot(state: str = "running", tokens_done: int = 24, gen: int = 32, **changes) -> Snapshot:
+    """A run of the server preset on a 128 GiB box; `changes` replace fields (e.g. bound="disk")."""
     toks = fixed_tokens(tokens_done)
     layers = 43
     layer_hits = tuple(600 + (l * 97) % 500 for l in range(layers))
     layer_misses = tuple(200 + (l * 61) % 700 for l in range(layers))
-    return Snapshot(
+    hits, misses = sum(layer_hits), sum(layer_misses)
+    useful = 3_761                              # hits on experts prefetch brought in
+    done = state == "done"
+    policy = (hits - useful) / (hits + misses)
+    optimum = 0.703 if done else None
+    snap = Snapshot(
         run_id="20261130-015508-a1b2", state=state, error=None, model=MODEL, preset="server", gen=gen,
         tokens_done=tokens_done, backend=toks[-1].backend, kernel_threads=16, io_threads=8, io_mode="O_DIRECT",
         policy="lru", s_per_token=0.19, s_first_token=0.82, gb_per_token=0.37, eff_read_gbps=1.95,
-        floor_gbps=2.6, io_efficiency=0.75, hit_rate=0.785, layer_hits=layer_hits, layer_misses=layer_misses,
+        floor_gbps=2.6, io_efficiency=0.75 if done else None, hit_rate=hits / (hits + misses),
+        layer_hits=layer_hits, layer_misses=layer_misses,
         layer_evictions=tuple(0 for _ in range(layers)), cache_bytes=int(61.2 * GiB), budget_bytes=int(96 * GiB),
         rss_bytes=int(101.5 * GiB), rss_budget_bytes=int(120 * GiB), read_latency_ms=3.1,
         stall_s_per_token=0.012, elapsed_s=7.9, eta_s=1.52 if state == "running" else None, tokens=toks,
         events=("01:55:08 run 20261130-015508-a1b2: /srv/models/ds4f-mxfp4, preset server: pinned all, cache 75%, lru, 32 tokens",
                 "01:55:08 NVMe floor 2.60 GB/s (O_DIRECT, queue depth 8)",
                 "01:55:11 token 14: backend avx2 -> scalar"),
-        prefetch={"issued": 310, "useful": 214, "late": 61, "wasted": 92, "cancelled": 4},
-        optimum_hit_rate=0.861 if state == "done" else None,
+        prefetch={"issued": 5_210, "useful": useful, "late": 269, "wasted": 1_180, "cancelled": 4},
+        optimum_hit_rate=optimum,
         disk_busy_fraction=0.87, mean_read_depth=5.2,  # as the tokens' disk_busy_s and disk_depth_s say
         switches=tuple((t.index, t.backend, t.kernel_threads, t.io_threads) for i, t in enumerate(toks)
                        if i == 0 or t.backend != toks[i - 1].backend),
+        policy_hit_rate=policy, prefetch_hit_share=hits / (hits + misses) - policy,
+        regret_pp=(optimum - policy) * 100 if optimum is not None else None,
+        bound="disk",                           # busy 87% >= 80%
+        floor_ratio=1.95 / 2.6, floor_age_s=185.0,
+        ram_bytes=128 * GiB, ram_available_bytes=int(22.4 * GiB),
+        plan_bytes=int(118.6 * GiB),            # rss_budget_bytes - the process before the run (1.4 GiB)
     )
+    return dataclasses.replace(snap, **changes) if changes else snap
 
 
 def _report(backend: str, sha: str, spt: float, n: int = 16, switch: int | None = None) -> dict:
     backends = [backend if switch is None or i < switch else "scalar" for i in range(n)]
     return {"state_sha256": sha, "backend_by_token": backends, "tokens": [{"index": i} for i in range(n)],
+            "policy": "lru",
             "summary": {"s_per_token": spt, "s_first_token": 0.8, "eff_read_gbps": 1.9, "hit_rate": 0.78,
-                        "gb_per_token": 0.37}}
+                        "gb_per_token": 0.37, "policy_hit_rate": 0.712, "prefetch_hit_share": 0.068,
+                        "optimum_hit_rate": 0.853, "regret_pp": 14.1, "bound": "disk",
+                        "prefetch": {"issued": 300, "useful": 174}}}
 
 
 SHA_SIMD = "5f1c0a9e3b7d2c4e6a8b0d1f3e5c7a9b1d3f5e7c9a0b2d4f6e8a1c3e5b7d9f0a"
@@ -125,6 +143,19 @@ def fixed_diff(cls: str = "low-bit") -> FixedDiff:
 def test_fixed_snapshot_is_consistent():
     s = fixed_snapshot()
     assert len(s.tokens) == s.tokens_done and len(s.layer_hits) == 43
+    # the fields the engine derives, derived as the engine does (engine/runs.py, Run.snapshot)
+    from ds4f.engine.snapshot import bound_of
+
+    for s in (fixed_snapshot("running"), fixed_snapshot("done")):
+        requests = sum(s.layer_hits) + sum(s.layer_misses)
+        assert abs(s.policy_hit_rate - (sum(s.layer_hits) - s.prefetch["useful"]) / requests) < 1e-12
+        assert abs(s.policy_hit_rate + s.prefetch_hit_share - s.hit_rate) < 1e-12
+        assert s.bound == bound_of(s.disk_busy_fraction)
+        assert abs(s.floor_ratio - s.eff_read_gbps / s.floor_gbps) < 1e-12
+        assert s.plan_bytes < s.rss_budget_bytes <= s.ram_bytes and s.ram_available_bytes < s.ram_bytes
+    done = fixed_snapshot("done")
+    assert abs(done.regret_pp - 100 * (done.optimum_hit_rate - done.policy_hit_rate)) < 1e-9
+    assert fixed_snapshot("running").regret_pp is None and fixed_snapshot("running").io_efficiency is None
 
 
 def test_fixed_history(tmp_path):

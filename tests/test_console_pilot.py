@@ -6,6 +6,7 @@ period is shortened so a test sees a run progress. Each test gets its own histor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import shutil
@@ -14,11 +15,13 @@ import time
 import pytest
 from textual.widgets import DataTable, Input, Static
 
+from ds4f.console import figures as F
+from ds4f.console import thresholds as T
 from ds4f.console.app import Ds4fConsole
 from ds4f.console.bindings import APP_BINDINGS, DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS
 from ds4f.console.screens import (DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen,
                                   SetupScreen, TokenCountScreen)
-from ds4f.console.widgets import EventLog, KeyBar, Panel
+from ds4f.console.widgets import EventLog, KeyBar, Meter, Panel, SizeNotice
 from ds4f.engine import kernels
 from ds4f.engine.history import History
 
@@ -114,9 +117,13 @@ async def test_run_starts_progresses_and_finishes(tiny_model, history_path):
         assert "s/token" in text_of(app, "#speed-caption")
         assert str(app.dashboard.query_one("#speed-digits").value) != "-.---"
         assert "done" in log_text(app)
-        # the disk's occupancy, as the report has it
-        busy = run.report["summary"]["disk_busy_fraction"]
-        assert f"busy {busy:.0%}" in text_of(app, "#io-text")
+        # what bounds the run, from the disk's occupancy as the report has it
+        summary = run.report["summary"]
+        busy, io = summary["disk_busy_fraction"], text_of(app, "#io-text")
+        if summary["bound"] == "compute":
+            assert f"compute-bound, disk busy {busy:.0%}" in io
+        else:
+            assert "disk-bound" in io
         assert app.dashboard.query_one("#io-plot").size.height >= 1
     rec = History(history_path).get(run.id)
     assert rec is not None and rec.state == "done" and len(rec.state_sha256) == 64
@@ -198,7 +205,7 @@ async def test_simd_toggle_lands_live_at_a_token(tiny_model, history_path):
         switch = next(i for i, b in enumerate(by_token) if b != by_token[0])
         assert switch >= 5 and by_token[0] == before and set(by_token[switch:]) == {by_token[switch]}
         kern = text_of(app, "#kern-text")
-        assert f"at token {switch}" in kern and by_token[switch] in kern
+        assert f"{by_token[0]}→{by_token[switch]} @{switch}" in kern
         rec = History(history_path).get(run.id)
         assert rec.backend == "mixed"
 
@@ -571,19 +578,221 @@ async def test_every_dashboard_key_is_in_the_footer_and_the_palette(tiny_model, 
                 label = b.group.description if b.group else b.description
                 assert f" {label}" in shown, f"{b.key} missing from the key bar: {shown}"
         assert bar.region.height <= 3 and bar.region.y + bar.region.height == 24
+        app.dashboard.query_one(EventLog).focus()  # its scroll keys are active bindings now
+        await pilot.pause()
         provider = ActionCommands(app.screen)
         actions = {cb.args[0] for _t, _h, cb in provider._entries()}
         assert {b.action for b in DASHBOARD_BINDINGS} <= actions
         assert {"help", "cycle_theme", "quit"} <= actions
-        # choose "cycle preset" through the palette
-        preset = app.controller.preset
+        assert not any(a.startswith(("scroll_", "page_", "cursor_")) for a in actions), \
+            "a focused widget's scroll keys are not the console's commands"
+        assert not [hit async for hit in provider.search("scroll")]
+
+
+@async_test
+async def test_ctrl_p_and_colon_open_the_palette_and_its_input_takes_the_typing(tiny_model, history_path):
+    from textual.command import CommandPalette
+
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await booted(pilot)
+        ctl = app.controller
+        names = ctl.preset_names
+        preset, theme = ctl.preset, app.theme
+        expected = names[(names.index(preset) + 1) % len(names)]
         await pilot.press("ctrl+p")
-        await pilot.pause(0.2)
-        for ch in "cycle preset":
-            await pilot.press("space" if ch == " " else ch)
-        await pilot.pause(0.5)
+        await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), 10, "the palette")
+        search = app.screen.query_one("#--input Input", Input)  # the palette's own input
+        assert search.has_focus
+        # the keys go to the palette's input, not to the dashboard: "cycle preset" holds c, space,
+        # p, r, s and t, which would compare, freeze, cycle the preset, run, stop and change theme
+        await pilot.press(*["space" if ch == " " else ch for ch in "cycle preset"])
+        assert search.value == "cycle preset"
+        assert ctl.preset == preset and ctl.run is None and not app.frozen and app.theme == theme
+        await pilot.pause(0.5)  # the palette searches in the background
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.controller.preset != preset, 10, "the palette command")
+        await wait_for(pilot, lambda: ctl.preset != preset, 10, "the palette command")
+        assert ctl.preset == expected, "exactly one step: the command, not a leaked p"
+        await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen), 10, "the palette to close")
+        assert ctl.run is None and not app.frozen and app.theme == theme
+        # k9s's : opens it too; escape closes it
+        await pilot.press("colon")
+        await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), 10, "the palette")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, DashboardScreen), 10, "the palette to close")
+        # the help lists both keys on one line
+        await pilot.press("question_mark")
+        from rich.console import Console
+
+        console = Console(width=200, record=True, file=open(os.devnull, "w"))
+        for w in app.screen.query(Static):
+            console.print(w.content)
+        assert "ctrl+p or :" in console.export_text()
+
+
+# ------------------------------------------------------------------------------ figures on one yardstick
+async def show(pilot, snap) -> None:
+    """Feed the dashboard one Snapshot (the app's snapshot_source reads `pilot.app.fed`) and let it draw."""
+    pilot.app.fed = snap
+    pilot.app.tick(force=True)
+    await pilot.pause(0.1)
+
+
+def fed_app(history_path) -> Ds4fConsole:
+    app = Ds4fConsole(history=History(history_path), model="/fed", validate_model=False, refresh_s=10.0,
+                      snapshot_source=lambda: getattr(app, "fed", None))
+    return app
+
+
+@async_test
+async def test_cache_read_and_memory_panels_after_a_real_run(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=40)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        run = await run_to_end(pilot)
+        assert run.state == "done", run.error
+        snap = run.snapshot()
+        # cache: the policy's own rate beside Belady's, prefetch's share apart, the regret in points
+        first, second = text_of(app, "#hits-text").splitlines()[:2]
+        assert first.startswith(f"{snap.policy} {F.fmt_pct(snap.policy_hit_rate)}")
+        assert snap.optimum_hit_rate is not None, "Belady's optimum is computed for a short run"
+        assert f"Belady {F.fmt_pct(snap.optimum_hit_rate)}" in first
+        assert f"regret {snap.regret_pp:.1f} pts" in second
+        assert f"+{100 * snap.prefetch_hit_share:.1f} pts prefetch" in second
+        shown = {F.fmt_pct(snap.policy_hit_rate), F.fmt_pct(snap.optimum_hit_rate)}
+        if F.fmt_pct(snap.hit_rate) not in shown:
+            assert F.fmt_pct(snap.hit_rate) not in first, "the prefetch-inclusive rate is not beside Belady's"
+        # read: the floor's ratio as a lower bound, the floor's age, what bounds the run
+        io = text_of(app, "#io-text")
+        assert snap.floor_gbps, "ds4f.toml measures the floor"
+        assert f"at least {F.fmt_pct(snap.floor_ratio, 0)} of floor" in io
+        assert f"floor {F.fmt_gbps(snap.floor_gbps)} GB/s, " in io and ("old" in io or "just now" in io)
+        panel = app.dashboard.query_one("#p-io", Panel)
+        if snap.bound == "compute":
+            assert f"compute-bound, disk busy {F.fmt_pct(snap.disk_busy_fraction, 0)}" in io
+            assert panel.level == "fine" and "compute-bound" in panel.border_subtitle
+        else:
+            assert f"disk-bound, I/O efficiency {F.fmt_pct(snap.io_efficiency, 0)}" in io
+            assert panel.level == T.io_efficiency_level(snap.io_efficiency)
+        # memory: RSS against the plan, and the machine's RAM, apart
+        rss = app.dashboard.query_one("#rss-meter", Meter)
+        assert rss.figures == f"{F.fmt_size(snap.rss_bytes)} · plan {F.fmt_size(snap.rss_budget_bytes)}"
+        ram = app.dashboard.query_one("#ram-meter", Meter)
+        assert ram.figures.startswith(f"{F.fmt_size(snap.ram_bytes)}, ") and ram.figures.endswith(" free")
+
+    # the same run's figures, as other runs and other boxes would have them
+    fed = fed_app(history_path)
+    async with fed.run_test(size=(80, 24)) as pilot:
+        await booted(pilot)
+        io_panel, mem = fed.dashboard.query_one("#p-io", Panel), fed.dashboard.query_one("#p-mem", Panel)
+        # compute-bound with a poor replay: words, at a calm level, not an I/O alarm
+        await show(pilot, dataclasses.replace(snap, bound="compute", disk_busy_fraction=0.52, io_efficiency=0.2))
+        assert "compute-bound, disk busy 52%" in text_of(fed, "#io-text")
+        assert io_panel.level == "fine"
+        # disk-bound: the replay's efficiency when known, judged; else the busy share
+        await show(pilot, dataclasses.replace(snap, bound="disk", disk_busy_fraction=0.93, io_efficiency=0.35))
+        assert "disk-bound, I/O efficiency 35%" in text_of(fed, "#io-text") and io_panel.level == "critical"
+        await show(pilot, dataclasses.replace(snap, bound="disk", disk_busy_fraction=0.93, io_efficiency=None))
+        assert "disk-bound, disk busy 93%" in text_of(fed, "#io-text") and io_panel.level is None
+        # memory: RSS over the plan, then the box running out of RAM
+        roomy = dataclasses.replace(snap, ram_available_bytes=snap.ram_bytes // 2)
+        await show(pilot, roomy)
+        assert mem.level == "fine"
+        await show(pilot, dataclasses.replace(roomy, rss_bytes=int(snap.rss_budget_bytes * 1.05)))
+        assert mem.level == "warning" and "105% of plan" in mem.border_subtitle
+        await show(pilot, dataclasses.replace(snap, ram_available_bytes=int(snap.ram_bytes * 0.08)))
+        assert mem.level == "warning" and "8% RAM free" in mem.border_subtitle
+        await show(pilot, dataclasses.replace(snap, ram_available_bytes=int(snap.ram_bytes * 0.03)))
+        assert mem.level == "critical" and "3% RAM free" in mem.border_subtitle
+        assert fed.dashboard.query_one("#ram-meter", Meter).level == "critical"
+
+
+@async_test
+async def test_every_live_switch_stays_listed(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=100_000)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await booted(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 2,
+                       60, "tokens")
+        run = app.controller.run
+        io0 = run.snapshot().io_threads
+        for i in range(1, 4):  # three switches, each at its own token
+            await pilot.press("right_square_bracket")
+            await wait_for(pilot, lambda: run.snapshot().io_threads == io0 + i, 30, "the switch")
+            done = run.snapshot().tokens_done
+            await wait_for(pilot, lambda: run.snapshot().tokens_done > done + 1, 30, "more tokens")
+        await pilot.press("s")
+        assert run.wait(30)
+        await pilot.pause(0.3)
+        switches = F.run_switches(run.snapshot())
+        assert len(switches) == 3 and len({s.token for s in switches}) == 3
+        newest_first = [s.short for s in reversed(switches)]
+        kern = text_of(app, "#kern-text")
+        assert all(x in kern for x in newest_first), kern
+        assert [kern.index(x) for x in newest_first] == sorted(kern.index(x) for x in newest_first)
+        # at 80x24 the newest first, and a count of the ones that do not fit
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.3)
+        kern = text_of(app, "#kern-text")
+        assert newest_first[0] in kern
+        missing = [x for x in newest_first if x not in kern]
+        assert not missing or f"+{len(missing)} earlier" in kern, kern
+
+
+@async_test
+async def test_cancelled_runs_show_their_token_count_in_the_history(tiny_model, history_path):
+    app = make_app(tiny_model, history_path, gen=100_000)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 3,
+                       60, "a few tokens")
+        await pilot.press("s")
+        run = app.controller.run
+        assert run.wait(30) and run.state == "cancelled"
+        n = run.snapshot().tokens_done
+        await pilot.press("h")
+        assert isinstance(app.screen, HistoryScreen)
+        table = app.screen.query_one(DataTable)
+        assert str(table.get_row_at(0)[6]) == f"{n}/100000", "the count this session saw"
+        assert f"cancelled after {n} of 100000 tokens" in text_of(app, "#run-detail")
+    # a later session has the history's record alone
+    rec = History(history_path).get(run.id)
+    assert F.record_tokens(rec) in (None, n)  # None: the engine records no count for a cancelled run
+    again = make_app(tiny_model, history_path)
+    async with again.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await pilot.press("h")
+        cell = str(again.screen.query_one(DataTable).get_row_at(0)[6])
+        detail = text_of(again, "#run-detail")
+        if F.record_tokens(rec) is None:
+            assert cell == "?/100000" and "no count" in detail, "says what it does not know, not 0"
+        else:
+            assert cell == f"{n}/100000" and f"cancelled after {n} of" in detail
+
+
+@async_test
+async def test_a_terminal_below_80x24_gets_a_notice(tiny_model, history_path):
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(70, 20)) as pilot:
+        await booted(pilot)
+        notice = app.dashboard.query_one(SizeNotice)
+        assert notice.display and notice.region.size == app.screen.region.size
+        said = str(notice.render())
+        assert "too small" in said and "70×20" in said and "80×24" in said
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.2)
+        assert not notice.display
+        assert app.dashboard.query_one("#p-kern").region.height > 0
+        await pilot.resize_terminal(120, 23)  # wide enough, too short
+        await pilot.pause(0.2)
+        assert notice.display and "120×23" in str(notice.render())
+        await pilot.press("h")  # every screen has it; keys still work under it
+        assert isinstance(app.screen, HistoryScreen) and app.screen.query_one(SizeNotice).display
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause(0.2)
+        assert not app.screen.query_one(SizeNotice).display
 
 
 def test_no_color_is_respected(monkeypatch, tiny_model, history_path):

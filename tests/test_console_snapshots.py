@@ -40,9 +40,10 @@ def _snapshot_dir_and_clock(monkeypatch):
     time.tzset()
 
 
-def make_app(tmp_path, snap="running", theme=None, diff="low-bit") -> Ds4fConsole:
+def make_app(tmp_path, snap="running", theme=None, diff="low-bit", **changes) -> Ds4fConsole:
+    """`changes`: Snapshot fields to replace in the fixed snapshot."""
     history = fixed_history(tmp_path / "history.sqlite3")
-    snapshot = None if snap is None else fixed_snapshot(snap)
+    snapshot = None if snap is None else fixed_snapshot(snap, **changes)
     # fixed settings, so the status line does not depend on this machine's CPU (best backend, cores)
     # nor on the engine's default token count
     config = dataclasses.replace(builtin_config(), backend="avx2", kernel_threads=16, io_threads=8)
@@ -56,6 +57,20 @@ def test_dashboard_80x24(snap_compare, tmp_path):
 
 def test_dashboard_160x48(snap_compare, tmp_path):
     assert snap_compare(make_app(tmp_path), terminal_size=(160, 48))
+
+
+def test_dashboard_done_compute_bound_80x24(snap_compare, tmp_path):
+    # Belady and the regret once the run is done; a compute-bound run with a poor replay is calm;
+    # the RAM gets short; three live switches in a panel with room for one
+    app = make_app(tmp_path, snap="done", bound="compute", disk_busy_fraction=0.52, io_efficiency=0.31,
+                   kernel_threads=12, io_threads=10,
+                   ram_available_bytes=9 * 2**30,
+                   switches=((0, "avx2", 16, 8), (14, "scalar", 16, 8), (19, "scalar", 12, 8), (22, "scalar", 12, 10)))
+    assert snap_compare(app, terminal_size=(80, 24))
+
+
+def test_too_small_70x20(snap_compare, tmp_path):
+    assert snap_compare(make_app(tmp_path), terminal_size=(70, 20))
 
 
 def test_dashboard_idle_80x24(snap_compare, tmp_path):

@@ -18,9 +18,15 @@ def test_thresholds():
         ["fine", "fine", "careful", "warning", "critical", None]
     assert [T.io_efficiency_level(x) for x in (0.85, 0.7, 0.5, 0.2)] == ["fine", "careful", "warning", "critical"]
     gib = 2**30
+    # over the plan is a warning at once, 15% over critical
     assert [T.rss_level(int(r * gib), gib) for r in (0.5, 0.99, 1.03, 1.1, 1.2)] == \
-        ["fine", "fine", "careful", "warning", "critical"]
+        ["fine", "fine", "warning", "warning", "critical"]
     assert T.rss_level(5, 0) is None
+    # the RAM the machine can still give: under 20% careful, 10% warning, 5% critical
+    assert [T.ram_level(int(f * 24 * gib), 24 * gib) for f in (0.5, 0.15, 0.08, 0.03)] == \
+        ["fine", "careful", "warning", "critical"]
+    assert T.ram_level(0, 0) is None
+    assert T.worst("fine", None, "warning", "careful") == "warning" and T.worst(None, None) is None
     assert T.state_level("failed") == "critical"
 
 
@@ -30,6 +36,12 @@ def test_formatting():
     assert F.fmt_seconds(0.0123) == "12 ms" and F.fmt_seconds(3.21) == "3.2 s" and F.fmt_seconds(300) == "5m00s"
     assert F.fmt_gbps(2.3) == "2.30" and F.fmt_pct(0.729) == "72.9%"
     assert F.short_path("/a/very/long/path/to/a/model", 12).startswith("…")
+    gib = 2**30
+    assert [F.fmt_size(x) for x in (6.2 * gib, 22.4 * gib, 101.5 * gib, 512 * 2**20, 24 * gib)] == \
+        ["6.2 GiB", "22.4 GiB", "102 GiB", "512 MiB", "24.0 GiB"]
+    assert F.fmt_pts(14.04) == "14.0 pts" and F.fmt_pts(None) == F.DASH
+    assert [F.fmt_age(x) for x in (1, 40, 185, 5 * 3600, 3 * 86400, None)] == \
+        ["just now", "40 s old", "3 min old", "5 h old", "3 d old", "age unknown"]
 
 
 def test_series_and_switches():
@@ -44,6 +56,7 @@ def test_series_and_switches():
                                switches=snap.switches + ((22, "scalar", 8, 8),))
     assert [str(s) for s in F.run_switches(late)] == ["backend avx2→scalar at token 14",
                                                        "kernel threads 16→8 at token 22"]
+    assert [s.short for s in F.run_switches(late)] == ["avx2→scalar @14", "k16→8 @22"]
     rates = F.layer_hit_rates(snap)
     assert len(rates) == 43 and all(0 < r < 1 for r in rates)
 
@@ -130,3 +143,74 @@ def test_simd_scalar_pair(tmp_path):
     assert simd.kind == "simd" and scalar.kind == "scalar" and simd.comparable_with(scalar)
     assert simd.run_id.endswith("77e2")  # the newest SIMD run, not the mixed one
     assert simd_scalar_pair([r for r in h.list_runs() if r.kind != "scalar"]) is None
+
+
+# ------------------------------------------------------------------------------ the panels' words
+from ds4f.console import panels as P  # noqa: E402
+
+
+def test_cache_panel_puts_the_policys_own_rate_beside_belady():
+    done = fixed_snapshot("done")
+    lines = P.hits_text(done).plain.splitlines()
+    assert lines[0] == f"lru {F.fmt_pct(done.policy_hit_rate)} · Belady {F.fmt_pct(done.optimum_hit_rate)}"
+    assert lines[1] == f"regret {done.regret_pp:.1f} pts · +{100 * done.prefetch_hit_share:.1f} pts prefetch"
+    # the prefetch-inclusive rate is not comparable with Belady's: it is nowhere in the panel
+    assert F.fmt_pct(done.hit_rate) not in P.hits_text(done).plain
+    live = P.hits_text(fixed_snapshot("running")).plain
+    assert "Belady when done" in live and "regret" not in live and "pts prefetch" in live
+    off = P.hits_text(dataclasses.replace(done, prefetch={}, prefetch_hit_share=0.0)).plain
+    assert "prefetch off" in off
+
+
+def test_read_panel_says_what_bounds_the_run():
+    disk = fixed_snapshot("running")                    # disk-bound, busy 87%, no replay yet
+    assert P.bound_text(disk).plain == "disk-bound, disk busy 87%" and P.io_level(disk) == (None, "disk-bound")
+    done = fixed_snapshot("done")                       # the replay's efficiency, judged
+    assert P.bound_text(done).plain == "disk-bound, I/O efficiency 75%"
+    assert P.io_level(done) == ("careful", "disk-bound · eff 75%")
+    # compute-bound with a poor replay: calm, and said in words
+    cpu = fixed_snapshot("done", bound="compute", disk_busy_fraction=0.52, io_efficiency=0.3)
+    assert P.bound_text(cpu).plain == "compute-bound, disk busy 52%"
+    assert P.io_level(cpu) == ("fine", "compute-bound")
+
+
+def test_memory_levels_warn_before_the_box_runs_out():
+    gib = 2**30
+    snap = fixed_snapshot("running")                    # 102 of 120 GiB planned, 22.4 of 128 GiB free
+    assert P.memory_level(snap) == ("careful", "17% RAM free")
+    roomy = dataclasses.replace(snap, ram_available_bytes=60 * gib)
+    assert P.memory_level(roomy) == ("fine", "85% of plan")
+    over = dataclasses.replace(roomy, rss_bytes=125 * gib)
+    assert P.memory_level(over) == ("warning", "104% of plan")
+    assert P.memory_level(dataclasses.replace(roomy, rss_bytes=140 * gib))[0] == "critical"
+    low = dataclasses.replace(snap, ram_available_bytes=int(9 * gib))
+    assert P.memory_level(low) == ("warning", "7% RAM free")
+    assert P.memory_level(dataclasses.replace(snap, ram_available_bytes=4 * gib)) == ("critical", "3% RAM free")
+    # what the plan has yet to take (150 - 101.5 GiB) does not fit in the 40 GiB free: warn now
+    short = dataclasses.replace(snap, rss_budget_bytes=150 * gib, ram_available_bytes=40 * gib)
+    assert P.memory_level(short) == ("warning", "plan > free RAM")
+    assert P.memory_level(dataclasses.replace(short, state="done"))[0] == "fine", "a finished run grows no more"
+    assert P.memory_level(dataclasses.replace(snap, rss_budget_bytes=0, ram_bytes=0)) == (None, None)
+
+
+def test_switches_newest_first_as_many_as_fit():
+    sw = [F.Switch(14, "backend", "avx2", "scalar"), F.Switch(20, "kernel threads", "16", "8"),
+          F.Switch(25, "io threads", "8", "12"), F.Switch(31, "backend", "scalar", "avx2")]
+    assert F.switches_text([]) == ""
+    assert F.switches_text(sw) == "⇄ scalar→avx2 @31 · io8→12 @25 · k16→8 @20 · avx2→scalar @14"
+    assert F.switches_text(sw, width=36, lines=2) == "⇄ scalar→avx2 @31 · io8→12 @25 ·\nk16→8 @20 · avx2→scalar @14"
+    assert F.switches_text(sw, width=36, lines=1) == "⇄ scalar→avx2 @31 · +3 earlier"
+    assert F.switches_text(sw, keep=2) == "⇄ scalar→avx2 @31 · io8→12 @25 · +2 earlier"
+
+
+def test_history_token_counts(tmp_path):
+    h = fixed_history(tmp_path / "h.db")
+    by_state = {r.state: r for r in h.list_runs()}
+    done, cancelled = by_state["done"], by_state["cancelled"]
+    assert F.record_tokens(done) == 16 and F.record_tokens_text(done) == "16"
+    # a cancelled run has no report: the count is what the console saw, else unknown
+    assert F.record_tokens(cancelled) is None and F.record_tokens_text(cancelled) == "?/16"
+    assert F.record_tokens_text(cancelled, known=7) == "7/16"
+    # should the engine record the count with the run, that is used
+    h.record("20261130-020000-aaaa", dict(cancelled.config, tokens_done=5), "cancelled")
+    assert F.record_tokens_text(h.get("20261130-020000-aaaa")) == "5/16"

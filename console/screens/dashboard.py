@@ -17,7 +17,7 @@ from ..bindings import DASHBOARD_BINDINGS
 from ..controller import NextRun
 from ..panels import (DashboardPanel, EventsPanel, HitRatePanel, KernelsPanel, MemoryPanel, ProgressPanel,
                       ReadRatePanel, SpeedPanel, StatusLine)
-from ..widgets import KeyBar
+from ..widgets import KeyBar, SizeNotice
 from .modals import TokenCountScreen
 
 
@@ -104,6 +104,7 @@ class DashboardScreen(Screen):
             yield ProgressPanel()
             yield EventsPanel()
         yield KeyBar()
+        yield SizeNotice()
 
     def on_mount(self) -> None:
         self.log_line("ds4f-console ready: r runs, ? lists every key, ctrl+p or : opens the command palette",

@@ -17,7 +17,7 @@ from ds4f.api import LOW_BIT_TOLERANCE, Ds4fError, RunRecord, StateDiff
 
 from .. import figures as F
 from ..bindings import DIFF_BINDINGS
-from ..widgets import KeyBar, Panel, Plot
+from ..widgets import KeyBar, Panel, Plot, SizeNotice
 
 VERDICT = {
     "identical": ("IDENTICAL", "fine", "byte-for-byte the same state dump"),
@@ -59,6 +59,7 @@ class DiffScreen(Screen):
             with Panel("runs side by side", id="p-sides"):
                 yield Static(id="sides")
         yield KeyBar()
+        yield SizeNotice()
 
     def on_mount(self) -> None:
         self._title()

@@ -14,7 +14,7 @@ from ds4f.api import Ds4fError, RunRecord, hash_groups
 
 from .. import figures as F
 from ..bindings import HISTORY_BINDINGS
-from ..widgets import KeyBar
+from ..widgets import KeyBar, SizeNotice
 
 
 def group_letters(records: list[RunRecord]) -> dict[str, str]:
@@ -28,10 +28,31 @@ def group_letters(records: list[RunRecord]) -> dict[str, str]:
     return letters
 
 
+def cache_line(r: RunRecord) -> str:
+    """A run's cache figures on one yardstick: the policy's own hit rate beside Belady's, the
+    regret in points and prefetch's share apart; a record from before those were kept has the
+    prefetch-inclusive rate alone."""
+    s = r.summary
+    own = s.get("policy_hit_rate")
+    if own is None:
+        return f"cache hit {F.fmt_pct(s.get('hit_rate'))}"
+    policy = (r.report or {}).get("policy") or "policy"
+    out = f"cache {policy} {F.fmt_pct(own)}"
+    if s.get("optimum_hit_rate") is not None:
+        out += f" · Belady {F.fmt_pct(s['optimum_hit_rate'])}"
+        if s.get("regret_pp") is not None:
+            out += f" · regret {F.fmt_pts(s['regret_pp'])}"
+    if s.get("prefetch_hit_share") is not None and s.get("prefetch"):
+        out += f" · +{F.fmt_pts(100 * s['prefetch_hit_share'])} prefetch"
+    return out
+
+
 class HistoryScreen(Screen):
     """Every recorded run, newest first; matching state hashes share a letter.
 
-    `load_runs` returns the records to list; it is called again whenever the screen is shown."""
+    `load_runs` returns the records to list; it is called again whenever the screen is shown.
+    `known_tokens(run_id)`: the tokens a run decoded as the console saw it (None: unknown), for
+    the cancelled and failed runs whose record has no report to say."""
 
     BINDINGS = HISTORY_BINDINGS
 
@@ -49,9 +70,11 @@ class HistoryScreen(Screen):
             super().__init__()
             self.records = records
 
-    def __init__(self, load_runs: Callable[[], list[RunRecord]]) -> None:
+    def __init__(self, load_runs: Callable[[], list[RunRecord]],
+                 known_tokens: Callable[[str], int | None] | None = None) -> None:
         super().__init__()
         self.load_runs = load_runs
+        self.known_tokens = known_tokens or (lambda _run_id: None)
         self.records: list[RunRecord] = []
         self.marked: list[str] = []
 
@@ -70,6 +93,7 @@ class HistoryScreen(Screen):
         yield table
         yield Static(id="run-detail")
         yield KeyBar()
+        yield SizeNotice()
 
     def on_mount(self) -> None:
         self.reload()
@@ -106,7 +130,10 @@ class HistoryScreen(Screen):
             sha.append(f" ={letters[r.state_sha256]}", "bold")
         spt = F.fmt_s_per_token(r.s_per_token)
         return [mark, r.run_id[-4:], F.fmt_when(r.started_at), state, r.preset, r.backend or F.DASH,
-                str(r.tokens_done), spt, sha]
+                F.record_tokens_text(r, self._known(r)), spt, sha]
+
+    def _known(self, r: RunRecord) -> int | None:
+        return None if r.report else self.known_tokens(r.run_id)
 
     def _current(self) -> RunRecord | None:
         table = self.query_one("#runs", DataTable)
@@ -130,9 +157,16 @@ class HistoryScreen(Screen):
             out.append(f"model {F.short_path(r.model, 60)}\n")
             out.append(f"preset {r.preset} · gen {c.get('gen', F.DASH)} · kernels {'→'.join(r.backends) or F.DASH}"
                        f" · k{c.get('kernel_threads', '?')} io{c.get('io_threads', '?')}\n")
+            if r.state != "done":
+                n, gen = F.record_tokens(r, self._known(r)), c.get("gen", "?")
+                out.append(f"{r.state} after {n} of {gen} tokens\n" if n is not None else
+                           f"{r.state}: {gen} tokens planned; the history has no count of those decoded\n",
+                           "" if n is not None else "dim")
             if s:
+                bound = f" · {s['bound']}-bound" if s.get("bound") else ""
                 out.append(f"{F.fmt_s_per_token(s.get('s_per_token'))} s/token (first {F.fmt_seconds(s.get('s_first_token'))})"
-                           f" · {F.fmt_gbps(s.get('eff_read_gbps'))} GB/s · hit {F.fmt_pct(s.get('hit_rate'))}\n")
+                           f" · {F.fmt_gbps(s.get('eff_read_gbps'))} GB/s{bound}\n")
+                out.append(cache_line(r) + "\n")
             if r.state_sha256:
                 same = [x.run_id[-4:] for x in self.records if x.state_sha256 == r.state_sha256 and x is not r]
                 out.append(f"sha256 {r.state_sha256}\n")

@@ -12,7 +12,7 @@ from textual.widgets import Input, Label, ProgressBar, Static
 
 from ds4f.api import MAX_GEN
 
-from ..bindings import SCREENS_FOR_HELP, keys_of
+from ..bindings import SCREENS_FOR_HELP, by_action
 
 
 class HelpScreen(ModalScreen[None]):
@@ -35,14 +35,8 @@ class HelpScreen(ModalScreen[None]):
                               title_justify="left", title_style="bold")
                 table.add_column(style="bold", no_wrap=True, width=12)
                 table.add_column()
-                seen = set()
-                for b in bindings:
-                    if b.action in seen:
-                        continue
-                    seen.add(b.action)
-                    table.add_row(keys_of(b), b.tooltip or b.description)
-                if title == "Everywhere":
-                    table.add_row("ctrl+p", "Command palette: every action by name")
+                for _action, keys, b in by_action(bindings):
+                    table.add_row(keys, b.tooltip or b.description)
                 yield Static(table)
             files = Table(box=None, show_header=False, pad_edge=False, expand=True, title="Files",
                           title_justify="left", title_style="bold")
