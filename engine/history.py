@@ -90,8 +90,9 @@ class RunRecord:
 
     @property
     def tokens_done(self) -> int:
-        if not self.report:
-            return 0
+        if not self.report:   # a cancelled or failed run: the count its record's config carries
+            done = self.config.get("tokens_done")
+            return int(done) if isinstance(done, int) else 0
         if isinstance(self.report.get("tokens"), list):
             return len(self.report["tokens"])
         summary = self.report.get("summary")

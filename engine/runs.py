@@ -478,7 +478,9 @@ class Run:
             self._state = state
         if self.history is not None:
             try:
-                self.history.record(run_id=self.id, config=self.config_dict(), state=state, report=report,
+                config = self.config_dict()
+                config["tokens_done"] = self._log_tokens.count   # what a cancelled or failed run got to
+                self.history.record(run_id=self.id, config=config, state=state, report=report,
                                     state_path=str(self.dump_path) if report else None,
                                     state_sha256=sha, error=self._error,
                                     started_at=self.started_at, finished_at=self.finished_at)

@@ -96,3 +96,28 @@ def test_newer_schema_refused(tmp_path):
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(Ds4fError, match="newer"):
         History(path)
+
+
+def test_a_cancelled_run_keeps_its_token_count_in_the_history(tiny_model, tmp_path):
+    from ds4f.engine.history import History
+    from ds4f.engine.runs import RunConfig, start_run
+
+    import threading
+
+    history = History(tmp_path / "h.sqlite3")
+    stop_at = 3
+    started = threading.Event()   # the callback may fire before start_run has returned the run
+    runs = []
+
+    def on_token(record):
+        if record.index + 1 == stop_at:
+            started.wait(30)
+            runs[0].cancel()
+
+    run = start_run(RunConfig(model=str(tiny_model), gen=500, probe_floor=False,
+                              dump_path=str(tmp_path / "s.bin")), history=history, on_token=on_token)
+    runs.append(run)
+    started.set()
+    assert run.wait(120) and run.state == "cancelled"
+    rec = history.get(run.id)
+    assert rec.state == "cancelled" and rec.tokens_done == stop_at
