@@ -162,20 +162,6 @@ def pair_problem(state_path: str | os.PathLike, sha256: str | None = None,
     return None
 
 
-def check_state_file(path: str | os.PathLike, sha256: str | None) -> str | None:
-    """Why the state dump at `path` is not the one whose sha256 a report or the history names
-    (None when it is): a reader serving a done run's dump checks it first."""
-    path = Path(path)
-    if not path.is_file():
-        return f"{path}: the state dump is gone"
-    if sha256:
-        got = file_sha256(path)
-        if got != sha256:
-            return (f"{path}: sha256 {got[:16]}…, the run's report says {sha256[:16]}…: the dump was replaced"
-                    f" or its run was interrupted while committing; not this run's state")
-    return None
-
-
 class StateWriter:
     """Streams records to `path`.partial, hashing as it goes.
 
@@ -397,6 +383,26 @@ class State:
         return [BACKEND_BY_CODE.get(int(b), "?") for b in self.records["backend"]]
 
 
+def _header_length(path: Path, head: bytes) -> int:
+    """The header's length, from a dump's first 16 bytes (magic, version, length)."""
+    if len(head) < 16 or head[:8] != MAGIC:
+        raise Ds4fError(f"{path}: not a ds4f state dump (bad magic)")
+    version, hlen = struct.unpack("<II", head[8:16])
+    if version != VERSION:
+        raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}")
+    return hlen
+
+
+def _parse_header(path: Path, raw: bytes) -> tuple[dict, np.dtype]:
+    """The JSON header and the record dtype it implies."""
+    try:
+        header = json.loads(raw)
+        g = header["geometry"]
+        return header, record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
+
+
 def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
     """The dump at `path`. check_report: refuse a dump whose run's report (next to it, see
     pair_problem) names another sha256: a run interrupted while committing, not a finished one."""
@@ -407,17 +413,8 @@ def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
         raise Ds4fError(f"{path}: state dump not found") from None
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(data) < 16 or data[:8] != MAGIC:
-        raise Ds4fError(f"{path}: not a ds4f state dump (bad magic)")
-    version, hlen = struct.unpack("<II", data[8:16])
-    if version != VERSION:
-        raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}")
-    try:
-        header = json.loads(data[16:16 + hlen])
-        g = header["geometry"]
-        dtype = record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
+    hlen = _header_length(path, data[:16])
+    header, dtype = _parse_header(path, data[16:16 + hlen])
     body = data[16 + hlen:]
     if len(body) != header.get("n_tokens", -1) * dtype.itemsize:
         raise Ds4fError(f"{path}: truncated or padded state dump: {len(body)} bytes of records, "
@@ -530,19 +527,10 @@ def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(16)
-            if len(head) < 16 or head[:8] != MAGIC:
-                raise Ds4fError(f"{path}: not a ds4f state dump (bad magic)")
-            version, hlen = struct.unpack("<II", head[8:16])
-            if version != VERSION:
-                raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}")
-            try:
-                header = json.loads(f.read(hlen))
-                g = header["geometry"]
-                n = int(header["n_tokens"])
-                dtype = record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
+            header, dtype = _parse_header(path, f.read(_header_length(path, f.read(16))))
+            g, n = header["geometry"], header.get("n_tokens")
+            if not isinstance(n, int) or n < 0:
+                raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
             ids = np.empty((n, g["num_hidden_layers"], g["num_experts_per_tok"]), np.int32)
             for start in range(0, n, chunk_tokens):
                 count = min(chunk_tokens, n - start)

@@ -19,7 +19,7 @@ import pytest
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import (StateWriter, check_state_file, pair_problem, partial_path, read_routing,
+from ds4f.engine.statedump import (StateWriter, pair_problem, partial_path, read_routing,
                                    read_state)
 
 KILLS = 15
@@ -130,7 +130,6 @@ def test_a_half_committed_pair_is_not_done_anywhere_and_the_next_run_removes_it(
     assert problem and str(dump) in problem and "not a finished run" in problem
     with pytest.raises(Ds4fError, match="not a finished run"):
         read_state(dump)
-    assert check_state_file(dump, new_sha) is not None and check_state_file(dump, old_sha) is None
     out = subprocess.run(cli("diff", dump, dump), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "not a finished run" in out.stderr and "Traceback" not in out.stderr
     # a stray report .partial too, as a kill during the report's writing leaves
