@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 import platformdirs
 
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.kernels import BACKENDS
+from ds4f.engine.kernels import BACKENDS, available_backends
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
@@ -144,8 +144,6 @@ class Config:
         DS4F_KERNELS when it names a backend this machine has; else auto (the best here)."""
         if self.backend != "auto":
             return self.backend
-        from ds4f.engine.kernels import available_backends
-
         env = os.environ.get("DS4F_KERNELS", "").strip()
         return env if env in available_backends() else "auto"
 

@@ -16,6 +16,7 @@ from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
 from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
+from ds4f.engine.session import Session
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,8 @@ class Engine:
         return self.reader.threads
 
     # -- sessions ---------------------------------------------------------------------------------
-    def new_session(self):
+    def new_session(self) -> Session:
         """A session starting at position 0 on an empty expert cache, with this engine's kernel settings."""
-        from ds4f.engine.session import Session
-
         self.streamer.reset()
         self.kernels.apply()
         return Session(self)

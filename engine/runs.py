@@ -25,14 +25,18 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 from ds4f.engine import kernels
+from ds4f.engine.bench.probe import cached_floor, replay_reads
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, MAX_THREADS, Preset,
+from ds4f.engine.config import (BACKEND_NAMES, Budget, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, MAX_THREADS, Preset,
                                load_config, user_data_dir)
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.errors import Ds4fError
+from ds4f.engine.lab.replay import replay
+from ds4f.engine.lab.trace import Trace
 from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
 from ds4f.engine.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
 
@@ -289,18 +293,16 @@ class Run:
             backend = self._backend
             kt, it = self.kernel_threads, self.io_threads
             done = log.count
-            rows = log.rows[:done].copy()
+            first = log.first
+            gb_tok = log.warm_gb_per_token()
+            hits, misses, stall = log.hits, log.misses, log.stall_s
             s_tok = log.median_seconds()
             disk_busy, read_depth = log.occupancy()
             switches = tuple(log.switches)
         eng = self._engine
         fig = eng.figures(self._session_nbytes) if eng is not None else self._final_figures
-        warm = rows[1:] if done > 1 else rows
-        gb_tok = float(warm["bytes_read"].sum()) / len(warm) / 1e9 if done else None
         eff = gb_tok / s_tok if gb_tok is not None and s_tok else None
         floor = self._floor.gbps if self._floor else None
-        hits = int(rows["hits"].sum())
-        misses = int(rows["misses"].sum())
         elapsed = (self.finished_at or time.time()) - self.started_at
         remaining = self.n_steps - done
         rss = self._rss_at_end if self.finished_at is not None else self._rss_now()
@@ -312,7 +314,7 @@ class Run:
             run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
             gen=self.n_steps, tokens_done=done, backend=backend, kernel_threads=kt, io_threads=it,
             io_mode=self.checkpoint.io_mode, policy=self.preset.policy,
-            s_per_token=s_tok, s_first_token=float(rows["seconds"][0]) if done else None,
+            s_per_token=s_tok, s_first_token=first.seconds if first else None,
             gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
             io_efficiency=self._replay["efficiency"] if self._replay else None,
             hit_rate=hits / (hits + misses) if hits + misses else None,
@@ -322,7 +324,7 @@ class Run:
             budget_bytes=fig.cache_capacity_bytes if fig else 0,
             rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes + self._run_bytes if fig else 0,
             read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
-            stall_s_per_token=float(rows["stall_s"].sum()) / done if done else None,
+            stall_s_per_token=stall / done if done else None,
             elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and state == "running" else None,
             tokens=tokens, events=events, prefetch=fig.prefetch if fig else {},
             optimum_hit_rate=self._optimum, disk_busy_fraction=disk_busy, mean_read_depth=read_depth,
@@ -395,8 +397,6 @@ class Run:
                 self._engine, self._session_nbytes = eng, session.nbytes
                 self._backend = eng.backend
             if self.probe and not self._cancel.is_set():
-                from ds4f.engine.bench.probe import cached_floor
-
                 self._floor = cached_floor(self.checkpoint, self.io_threads)
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
@@ -489,12 +489,6 @@ class Run:
 
     def _optimum_hit_rate(self, state_file: Path) -> float | None:
         """Belady's hit rate on this run's own trace with the same cache: the regret's yardstick."""
-        import numpy as np
-
-        from ds4f.engine.lab.replay import replay
-        from ds4f.engine.lab.trace import Trace
-        from ds4f.engine.config import Budget
-
         fig = self._engine.figures(self._session_nbytes) if self._engine is not None else self._final_figures
         if not self._log_tokens.count or fig is None:
             return None
@@ -528,8 +522,6 @@ class Run:
         reads = eng.reader.recent_reads(n) if n else None
         if not reads or busy <= 0:
             return None
-        from ds4f.engine.bench.probe import replay_reads
-
         threads = int(rows["io_threads"][-1])
         slots = [eng.cache.pool[i] for i in range(threads)] if threads <= eng.cache.n_slots else None
         try:

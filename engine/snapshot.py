@@ -127,10 +127,25 @@ class TokenLog:
         self.count = 0
         self.recent: collections.deque[TokenRecord] = collections.deque(maxlen=self.RECENT)
         self.switches: list[tuple[int, str, int, int]] = []
+        # running totals over all tokens, so a snapshot reads them without scanning the rows
+        self.hits = self.misses = self.bytes_read = 0
+        self.stall_s = 0.0
 
     @property
     def nbytes(self) -> int:
         return self.rows.nbytes
+
+    @property
+    def first(self) -> TokenRecord | None:
+        return self.record(0) if self.count else None
+
+    def warm_gb_per_token(self) -> float | None:
+        """Mean GB (1e9 B) read per warm token (the first token alone, if it is the only one)."""
+        if not self.count:
+            return None
+        if self.count == 1:
+            return self.bytes_read / 1e9
+        return (self.bytes_read - int(self.rows["bytes_read"][0])) / (self.count - 1) / 1e9
 
     def add(self, t: TokenRecord) -> None:
         row = self.rows[self.count]
@@ -141,6 +156,10 @@ class TokenLog:
             self.switches.append((t.index, t.backend, t.kernel_threads, t.io_threads))
         self.count += 1
         self.recent.append(t)
+        self.hits += t.hits
+        self.misses += t.misses
+        self.bytes_read += t.bytes_read
+        self.stall_s += t.stall_s
 
     def record(self, i: int) -> TokenRecord:
         row = self.rows[i]
