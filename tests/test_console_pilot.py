@@ -74,6 +74,14 @@ async def booted(pilot):
     await pilot.pause(0.1)
 
 
+async def start_a_few_tokens(pilot, tokens: int = 3):
+    """Start a run and wait until it has decoded more than `tokens` tokens."""
+    app = pilot.app
+    await pilot.press("r")
+    await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > tokens,
+                   60, "a few tokens")
+
+
 async def run_to_end(pilot, timeout: float = 120.0):
     app = pilot.app
     await pilot.press("r")
@@ -135,9 +143,7 @@ async def test_stop_cancels(tiny_model, history_path):
     app = make_app(tiny_model, history_path, gen=100_000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
-        await pilot.press("r")
-        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 3,
-                       60, "a few tokens")
+        await start_a_few_tokens(pilot)
         await pilot.press("r")  # a second run while one is live is refused, not started
         await pilot.press("s")
         run = app.controller.run
@@ -745,9 +751,7 @@ async def test_cancelled_runs_show_their_token_count_in_the_history(tiny_model, 
     app = make_app(tiny_model, history_path, gen=100_000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
-        await pilot.press("r")
-        await wait_for(pilot, lambda: app.controller.run is not None and app.controller.run.snapshot().tokens_done > 3,
-                       60, "a few tokens")
+        await start_a_few_tokens(pilot)
         await pilot.press("s")
         run = app.controller.run
         assert run.wait(30) and run.state == "cancelled"
