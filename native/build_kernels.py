@@ -20,16 +20,18 @@ SOURCES = [
     "kernels_neon.c",
     "dispatch.c",
     "threadpool.c",
+    "membench.c",
 ]
-HEADERS = ["ds4f_kernels.h", "kernels_internal.h"]
+HEADERS = ["ds4f_kernels.h", "ds4f_membench.h", "kernels_internal.h"]
+PUBLIC_HEADERS = ["ds4f_kernels.h", "ds4f_membench.h"]  # what Python sees (the cdef)
 
 NATIVE_CFLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize")
 
 ffibuilder = FFI()
-with open(os.path.join(HERE, "ds4f_kernels.h")) as f:
-    cdef = "".join(
-        line for line in f if not line.startswith("#") and "DS4F_MAX_EXPERTS" not in line
-    )
+cdef = ""
+for header in PUBLIC_HEADERS:
+    with open(os.path.join(HERE, header)) as f:
+        cdef += "".join(line for line in f if not line.startswith("#") and "DS4F_MAX_EXPERTS" not in line)
 ffibuilder.cdef(cdef + "\n#define DS4F_MAX_EXPERTS 8\n")
 
 if sys.platform == "win32":
@@ -42,7 +44,7 @@ else:
 
 ffibuilder.set_source(
     "ds4f.native._kernels",
-    '#include "ds4f_kernels.h"',
+    "".join(f'#include "{h}"\n' for h in PUBLIC_HEADERS),
     sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=extra,
