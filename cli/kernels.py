@@ -1,4 +1,5 @@
-"""`ds4f bench-kernels [--repeat N] [--json PATH]`: the native kernels on the real expert shapes."""
+"""`ds4f bench-kernels [--repeat N] [--cases hot|cold|all] [--pages huge|normal|both] [--json PATH]`:
+the memory floor, then the native kernels on the real shapes, hot and cold."""
 from __future__ import annotations
 
 import argparse
@@ -9,16 +10,26 @@ from ds4f.api import Ds4fError
 from ds4f.cli.output import (Column, Table, add_json_option, add_output_option, check_streams, human_stream,
                              print_tables, write_json)
 
+CASES = ("hot", "cold", "all")
+PAGES = ("huge", "normal", "both")
+
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per case, median reported (default 5)")
-    add_json_option(parser, "one record per (kernel, shape, backend, threads)")
+    add_json_option(parser, "one record per (kernel, shape, hot/cold, pages, backend, threads)")
     add_output_option(parser)
     parser.add_argument(
         "--backends", help="comma-separated subset of the available backends (scalar is always measured)"
     )
     parser.add_argument("-t", "--threads", help="comma-separated thread counts (default: 1 and all cores)")
-    parser.add_argument("--kernels", help="comma-separated subset of decode,matvec,bf16_matvec,experts")
+    parser.add_argument("--kernels", help="comma-separated subset of memory,decode,matvec,bf16_matvec,experts,"
+                                          "fp8_matvec (memory = the RAM floor the others are divided by)")
+    parser.add_argument("--cases", choices=CASES, default="all",
+                        help="hot (weights reused, in cache), cold (a working set beyond 2x the last-level cache, "
+                             "read from RAM: experts and fp8_matvec) or all (default)")
+    parser.add_argument("--pages", choices=PAGES, default="huge",
+                        help="pages of the floor's and the cold cases' buffers: transparent huge pages "
+                             "(default), normal 4 KiB pages, or both")
 
 
 def _list(arg: str | None, what: str, conv=str) -> list | None:
@@ -32,6 +43,16 @@ def _list(arg: str | None, what: str, conv=str) -> list | None:
 
 def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
+
+
+def _data(r) -> str:
+    if not r.cold:
+        return "hot"
+    return "cold 4K" if r.pages == "normal" else "cold huge"
+
+
+def _size(n: int | None) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,36 +74,31 @@ def run(args: argparse.Namespace) -> int:
             raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(api.KERNEL_NAMES)})")
 
     from rich.console import Console
-    from rich.table import Table
 
     out = human_stream(args)
-    console = Console(file=out, width=None if out.isatty() else 120)  # the table needs ~110 columns
+    console = Console(file=out, width=None if out.isatty() else 132)  # the table needs ~125 columns
     err = Console(stderr=True)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    notes: list[str] = []
     with err.status("benchmarking") as status:
-        records = api.run_kernel_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m))
+        records = api.run_kernel_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m),
+                                       cases=args.cases, pages=args.pages, notes=notes)
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
 
-    table = Table(
-        title=f"ds4f kernels — median of {args.repeat}, {os.cpu_count()} cores, best backend {api.best_backend()}"
-        + ("" if load is None else f", load avg {load:.1f}"),
-        caption="GB/s = weight bytes read/s · Gw/s = G weights/s · ×scalar at the same thread count · "
-        "×numpy = table decode + np.dot (its own BLAS threads) · ×1T = same backend at 1 thread",
-    )
-    for col, just in (("kernel", "left"), ("shape", "left"), ("backend", "left"), ("thr", "right"),
-                      ("median ms", "right"), ("GB/s", "right"), ("Gw/s", "right"), ("×scalar", "right"),
-                      ("×numpy", "right"), ("×1T", "right")):  # fmt: skip
-        table.add_column(col, justify=just)
-    last = None
-    for r in records:
-        if last is not None and (r.kernel, r.shape) != last:
-            table.add_section()
-        last = (r.kernel, r.shape)
-        table.add_row(
-            r.kernel, r.shape, r.backend, str(r.threads) if r.threads else "np",
-            f"{r.median_s * 1e3:.2f}", f"{r.gb_per_s:.2f}", f"{r.gweights_per_s:.2f}",
-            _fmt(r.speedup_vs_scalar, ".1f"), _fmt(r.speedup_vs_numpy, ".0f"), _fmt(r.speedup_vs_1thread, ".2f"),
-        )  # fmt: skip
-    console.print(table)
+    head = f"median of {args.repeat}, {os.cpu_count()} cores, best backend {api.best_backend()}"
+    if load is not None:
+        head += f", load avg {load[0]:.1f} before / {load_after[0]:.1f} after"
+    memory = [r for r in records if r.kernel == "memory"]
+    if memory:
+        console.print(_floor_table(memory, head))
+    rest = [r for r in records if r.kernel != "memory"]
+    if rest:
+        console.print(_kernel_table(rest, head, bool(memory)))
+    ratio = _experts_table(rest)
+    if ratio is not None:
+        console.print(ratio)
+    for line in _working_sets(records) + notes:
+        console.print(line, highlight=False)
     if args.output != "text":
         print_tables([_table(records)], args.output)
     if args.json:
@@ -92,13 +108,112 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_WIDTH = {"scalar": "64-bit", "neon": "128-bit", "avx2": "256-bit", "avx512": "512-bit"}
+
+
+def _floor_table(memory, head: str):
+    from rich.table import Table as RichTable
+
+    threads = sorted({r.threads for r in memory})
+    t = RichTable(title=f"memory floor — one streaming read of {memory[0].shape.removesuffix(' read')}, {head}",
+                  caption="GB/s of plain loads of the backend's width on the kernels' pool, hardware prefetch only; "
+                          "×1T = all cores / 1 thread")
+    for col in ("backend", "loads", "pages"):
+        t.add_column(col)
+    for nt in threads:
+        t.add_column(f"{nt} thr GB/s", justify="right")
+    if len(threads) > 1:
+        t.add_column("×1T", justify="right")
+    rows: dict[tuple[str, str], dict[int, float]] = {}
+    for r in memory:
+        rows.setdefault((r.backend, r.pages or ""), {})[r.threads] = r.gb_per_s
+    for (backend, pages), by_nt in rows.items():
+        cells = [backend, _WIDTH.get(backend, ""), pages] + [_fmt(by_nt.get(nt), ".2f") for nt in threads]
+        if len(threads) > 1:
+            lo, hi = by_nt.get(threads[0]), by_nt.get(threads[-1])
+            cells.append(_fmt(hi / lo if lo and hi else None, ".2f"))
+        t.add_row(*cells)
+    return t
+
+
+def _kernel_table(records, head: str, with_floor: bool):
+    from rich.table import Table as RichTable
+
+    table = RichTable(
+        title=f"ds4f kernels — {head}",
+        caption="hot = the same weights every call (in cache) · cold = a new copy each call from a working set "
+                "beyond 2x the LLC (from RAM), on huge or 4 KiB pages · GB/s = weight bytes read/s · "
+                "Gw/s = G weights/s · of floor = GB/s / the memory floor at the same backend and threads"
+                + ("" if with_floor else " (not measured: add memory to --kernels)")
+                + " · ×scalar at the same thread count · ×numpy = table decode + np.dot (its own BLAS threads) · "
+                "×1T = same backend at 1 thread",
+    )
+    for col, just in (("kernel", "left"), ("shape", "left"), ("data", "left"), ("backend", "left"),
+                      ("thr", "right"), ("median ms", "right"), ("GB/s", "right"), ("Gw/s", "right"),
+                      ("of floor", "right"), ("×scalar", "right"), ("×numpy", "right"),
+                      ("×1T", "right")):  # fmt: skip
+        table.add_column(col, justify=just)
+    last = None
+    for r in records:
+        key = (r.kernel, r.shape, r.cold, r.pages)
+        if last is not None and key != last:
+            table.add_section()
+        last = key
+        table.add_row(
+            r.kernel, r.shape, _data(r), r.backend, str(r.threads) if r.threads else "np",
+            f"{r.median_s * 1e3:.2f}", f"{r.gb_per_s:.2f}", _fmt(r.gweights_per_s, ".2f"),
+            _fmt(r.fraction_of_floor, ".2f"), _fmt(r.speedup_vs_scalar, ".1f"), _fmt(r.speedup_vs_numpy, ".0f"),
+            _fmt(r.speedup_vs_1thread, ".2f"),
+        )  # fmt: skip
+    return table
+
+
+def _experts_table(records):
+    """The 6-expert entry point's Gw/s against hot single-matrix matvecs on the same shapes."""
+    from rich.table import Table as RichTable
+
+    rows = [r for r in records if r.kernel == "experts" and r.vs_hot_matvec is not None]
+    if not rows:
+        return None
+    t = RichTable(title="6 experts against hot matvec",
+                  caption="hot matvec = the hot MXFP4 matvecs of this run in the experts' mix of shapes "
+                          "(2/3 of the weights 2048x4096, 1/3 4096x2048), same backend and threads; "
+                          "ratio = experts Gw/s / hot matvec Gw/s")
+    for col, just in (("backend", "left"), ("thr", "right"), ("data", "left"), ("experts Gw/s", "right"),
+                      ("hot matvec Gw/s", "right"), ("ratio", "right")):
+        t.add_column(col, justify=just)
+    for r in sorted(rows, key=lambda r: (r.backend, r.threads, r.cold, r.pages or "")):
+        t.add_row(r.backend, str(r.threads), _data(r), f"{r.gweights_per_s:.2f}",
+                  f"{r.gweights_per_s / r.vs_hot_matvec:.2f}", f"{r.vs_hot_matvec:.2f}")
+    return t
+
+
+def _working_sets(records) -> list[str]:
+    lines, seen = [], set()
+    for r in records:
+        if not r.cold or (r.kernel, r.pages) in seen or r.working_set_bytes is None:
+            continue
+        seen.add((r.kernel, r.pages))
+        what = "memory floor" if r.kernel == "memory" else f"{r.kernel} cold"
+        huge = ""
+        if r.huge_page_bytes is not None:
+            huge = f", {r.huge_page_bytes / r.working_set_bytes:.0%} of it on transparent huge pages"
+        lines.append(f"{what}: {_size(r.working_set_bytes)} on {r.pages} pages{huge}")
+    return lines
+
+
 def _table(records) -> Table:
     t = Table("kernels", [Column("kernel", align="left"), Column("shape", align="left"),
+                          Column("cold", align="left"), Column("pages", align="left"),
                           Column("backend", align="left"), Column("threads", "thr"),
                           Column("median_ms", "median ms", ".2f"), Column("gb_per_s", "GB/s", ".2f"),
-                          Column("gweights_per_s", "Gw/s", ".2f"), Column("x_scalar", "×scalar", ".1f"),
-                          Column("x_numpy", "×numpy", ".0f"), Column("x_1thread", "×1T", ".2f")])
+                          Column("gweights_per_s", "Gw/s", ".2f"), Column("fraction_of_floor", "of floor", ".2f"),
+                          Column("x_scalar", "×scalar", ".1f"), Column("x_numpy", "×numpy", ".0f"),
+                          Column("x_1thread", "×1T", ".2f"), Column("vs_hot_matvec", "÷ hot matvec", ".2f"),
+                          Column("working_set_bytes", "working set"),
+                          Column("huge_page_bytes", "on huge pages")])
     for r in records:
-        t.add(r.kernel, r.shape, r.backend, r.threads if r.threads else "numpy", r.median_s * 1e3, r.gb_per_s,
-              r.gweights_per_s, r.speedup_vs_scalar, r.speedup_vs_numpy, r.speedup_vs_1thread)
+        t.add(r.kernel, r.shape, r.cold, r.pages, r.backend, r.threads if r.threads else "numpy", r.median_s * 1e3,
+              r.gb_per_s, r.gweights_per_s, r.fraction_of_floor, r.speedup_vs_scalar, r.speedup_vs_numpy,
+              r.speedup_vs_1thread, r.vs_hot_matvec, r.working_set_bytes, r.huge_page_bytes)
     return t
