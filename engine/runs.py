@@ -220,6 +220,7 @@ class Run:
         self._finish_bytes = requests * BELADY_BYTES_PER_REQUEST if requests <= BELADY_MAX_REQUESTS else 0
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
+        self._final_layer_prefetch_hits: tuple[int, ...] = ()   # the streamer's, when the engine is released
         self._session_nbytes = 0                     # the session's buffers, counted as resident
         self._optimum: float | None = None
         self._replay: dict | None = None             # the replay of the run's last reads (when done)
@@ -296,19 +297,27 @@ class Run:
             first = log.first
             gb_tok = log.warm_gb_per_token()
             hits, misses, stall = log.hits, log.misses, log.stall_s
+            prefetched = log.prefetch_hits
             s_tok = log.median_seconds()
             disk_busy, read_depth = log.occupancy()
             switches = tuple(log.switches)
         eng = self._engine
-        fig = eng.figures(self._session_nbytes) if eng is not None else self._final_figures
+        if eng is not None:
+            # read before the cache's figures: a hit is counted by the cache before the streamer
+            # says it was on a prefetched expert, so these never exceed the layer hits read after
+            layer_prefetched = tuple(eng.streamer.prefetch_layer_hits)
+            fig = eng.figures(self._session_nbytes)
+        else:
+            layer_prefetched, fig = self._final_layer_prefetch_hits, self._final_figures
         eff = gb_tok / s_tok if gb_tok is not None and s_tok else None
         floor = self._floor.gbps if self._floor else None
         elapsed = (self.finished_at or time.time()) - self.started_at
         remaining = self.n_steps - done
         rss = self._rss_at_end if self.finished_at is not None else self._rss_now()
         requests = hits + misses
-        useful = (fig.prefetch or {}).get("useful", 0) if fig else 0
-        own = (hits - useful) / requests if requests else None
+        # the tokens' own counts (hits on prefetched experts apart), so that the run's rate is the
+        # sum of its tokens' and never mixes a token in progress with the tokens done
+        own = (hits - prefetched) / requests if requests else None
         vm = psutil.virtual_memory()
         return Snapshot(
             run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
@@ -334,7 +343,8 @@ class Run:
             floor_age_s=time.time() - self._floor.measured_at if self._floor and self._floor.measured_at else None,
             ram_bytes=vm.total, ram_available_bytes=vm.available,
             plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
-            check_s_per_token=fig.check_s / done if fig and done else None)
+            check_s_per_token=fig.check_s / done if fig and done else None,
+            layer_prefetch_hits=layer_prefetched if fig else ())
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:
@@ -414,7 +424,8 @@ class Run:
                                      bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
                                      stall_s=res.stall_s, backend=eng.backend,
                                      kernel_threads=eng.kernel_threads, io_threads=eng.io_threads,
-                                     disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s, reads=res.reads)
+                                     disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s, reads=res.reads,
+                                     prefetch_hits=res.prefetch_hits)
                 with self._lock:
                     self._log_tokens.add(record)
                 if self.on_token is not None:
@@ -439,6 +450,7 @@ class Run:
             self._fail(f"internal error: {type(exc).__name__}: {exc}", writer)
         finally:
             if self._engine is not None:
+                self._final_layer_prefetch_hits = tuple(self._engine.streamer.prefetch_layer_hits)
                 self._final_figures = self._engine.figures(self._session_nbytes)
                 if not self._hosted:
                     self._engine.close()
@@ -570,6 +582,7 @@ class Run:
             "gb_per_token": snap.gb_per_token, "gb_first_token": cold.bytes_read / 1e9 if cold else None,
             "eff_read_gbps": snap.eff_read_gbps, "floor_gbps": snap.floor_gbps, "io_efficiency": snap.io_efficiency,
             "hit_rate": snap.hit_rate, "hits": sum(snap.layer_hits), "misses": sum(snap.layer_misses),
+            "prefetch_hits": log.prefetch_hits,   # of the hits, those on prefetched experts
             "evictions": sum(snap.layer_evictions), "read_latency_ms": snap.read_latency_ms,
             "stall_s_per_token": snap.stall_s_per_token, "rss_bytes": snap.rss_bytes,
             "rss_budget_bytes": snap.rss_budget_bytes, "wall_s": snap.elapsed_s,
@@ -591,8 +604,11 @@ class Run:
                       "slots": fig.slots, "slot_nbytes": fig.slot_nbytes},
             "pinned_layers": list(fig.pinned_layers), "floor": asdict(self._floor) if self._floor else None,
             "summary": summary,
-            "layers": [{"layer": i, "hits": h, "misses": m, "evictions": e}
-                       for i, (h, m, e) in enumerate(zip(snap.layer_hits, snap.layer_misses, snap.layer_evictions))],
+            "layers": [{"layer": i, "hits": h, "misses": m, "evictions": e, "prefetch_hits": p,
+                        "policy_hit_rate": r}
+                       for i, (h, m, e, p, r) in enumerate(zip(snap.layer_hits, snap.layer_misses, snap.layer_evictions,
+                                                               snap.layer_prefetch_hits,
+                                                               snap.layer_policy_hit_rates()))],
             "backend_by_token": log.backends(),
             "prompt": list(self.prompt),
             "generated": [int(t) for t in rows["next_token_id"][len(self.prompt) - 1:]],

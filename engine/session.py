@@ -25,6 +25,8 @@ class StepResult:
     disk_busy_s: float       # time in this step with at least one read in flight
     disk_depth_s: float      # time integral of reads in flight (/ step time = mean queue depth)
     reads: int = 0           # reads started during the step (experts, prefetch guesses, trunk layers)
+    prefetch_hits: int = 0   # of the hits, those on an expert a prefetch guess brought in
+                             # (hits - prefetch_hits: the cache policy's own hits)
 
 
 class Session:
@@ -57,13 +59,15 @@ class Session:
         return ids, weights, y
 
     def step(self, token_id: int) -> StepResult:
-        """eval, the greedy next token, and the token's reads, hits and stall."""
+        """eval, the greedy next token, and the token's reads, hits (those on prefetched experts
+        apart) and stall."""
         cache, reader, source = self.engine.cache, self.engine.reader, self.source
         hits0 = sum(c.hits for c in cache.layers)
         misses0 = sum(c.misses for c in cache.layers)
         bytes0 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
         busy0, depth0 = reader.occupancy.totals()
         stall0 = source.stall_s
+        prefetched0 = sum(source.prefetch_layer_hits)
         reads0 = reader.started_reads
         logits = self.eval(token_id)
         next_token = int(np.argmax(logits))
@@ -75,4 +79,5 @@ class Session:
                           misses=sum(c.misses for c in cache.layers) - misses0,
                           bytes_read=bytes1 - bytes0, stall_s=source.stall_s - stall0,
                           disk_busy_s=busy1 - busy0, disk_depth_s=depth1 - depth0,
-                          reads=reader.started_reads - reads0)
+                          reads=reader.started_reads - reads0,
+                          prefetch_hits=sum(source.prefetch_layer_hits) - prefetched0)

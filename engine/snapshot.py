@@ -21,7 +21,7 @@ class TokenRecord:
     next_token_id: int      # greedy choice produced by this step
     seconds: float          # wall time of this step
     bytes_read: int         # disk bytes this token: expert misses + unpinned trunk layers
-    hits: int               # expert-cache hits this token
+    hits: int               # expert-cache hits this token, prefetch_hits included
     misses: int             # expert-cache misses this token
     stall_s: float          # time the compute waited for misses
     backend: str            # kernel backend used for this token
@@ -30,6 +30,20 @@ class TokenRecord:
     disk_busy_s: float = 0.0    # time with at least one read in flight (prefetch can use only the rest)
     disk_depth_s: float = 0.0   # time integral of reads in flight; / seconds = mean queue depth
     reads: int = 0              # reads started during the token (experts, prefetch guesses, trunk layers)
+    prefetch_hits: int = 0      # of the hits, those on an expert a prefetch guess brought in
+
+    @property
+    def policy_hit_rate(self) -> float | None:
+        """The cache policy's own hit rate this token (hits without prefetch's help / requests):
+        the yardstick Snapshot.policy_hit_rate uses for the whole run."""
+        n = self.hits + self.misses
+        return (self.hits - self.prefetch_hits) / n if n else None
+
+    @property
+    def prefetch_hit_share(self) -> float | None:
+        """What prefetch added to this token's hit rate (hits on its guesses / requests)."""
+        n = self.hits + self.misses
+        return self.prefetch_hits / n if n else None
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,14 @@ class Snapshot:
     ram_available_bytes: int = 0              # what the machine can still give (psutil "available")
     plan_bytes: int = 0                       # what the preset plans for the engine and the run
     check_s_per_token: float | None = None    # I/O-thread seconds per token checking records' crc32
+    layer_prefetch_hits: tuple[int, ...] = () # per layer, cumulative: of layer_hits, those on an expert a
+                                              # prefetch guess brought in (all 0 with prefetch off)
+
+    def layer_policy_hit_rates(self) -> list[float | None]:
+        """Per layer, the policy's own hit rate (hits without prefetch's help / requests), the
+        per-layer view of policy_hit_rate; None for a layer without requests yet."""
+        pf = self.layer_prefetch_hits or (0,) * len(self.layer_hits)
+        return [(h - p) / (h + m) if h + m else None for h, m, p in zip(self.layer_hits, self.layer_misses, pf)]
 
 
 def disk_occupancy(tokens: "tuple[TokenRecord, ...] | list[TokenRecord]") -> tuple[float | None, float | None]:
@@ -111,7 +133,7 @@ def bound_of(disk_busy_fraction: float | None) -> str | None:
 TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds", "<f8"), ("bytes_read", "<i8"),
                         ("hits", "<i4"), ("misses", "<i4"), ("stall_s", "<f8"), ("backend", "u1"),
                         ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
-                        ("disk_depth_s", "<f8"), ("reads", "<i4")])
+                        ("disk_depth_s", "<f8"), ("reads", "<i4"), ("prefetch_hits", "<i4")])
 _BACKENDS = ("scalar", "avx2", "avx512", "neon")
 
 
@@ -129,6 +151,7 @@ class TokenLog:
         self.switches: list[tuple[int, str, int, int]] = []
         # running totals over all tokens, so a snapshot reads them without scanning the rows
         self.hits = self.misses = self.bytes_read = 0
+        self.prefetch_hits = 0     # of the hits, those on prefetched experts: hits - these are the policy's own
         self.stall_s = 0.0
 
     @property
@@ -158,6 +181,7 @@ class TokenLog:
         self.recent.append(t)
         self.hits += t.hits
         self.misses += t.misses
+        self.prefetch_hits += t.prefetch_hits
         self.bytes_read += t.bytes_read
         self.stall_s += t.stall_s
 

@@ -40,6 +40,51 @@ def test_hit_rates_share_one_yardstick(tiny_model, tmp_path, prefetch):
     assert snap.regret_pp == pytest.approx(s["regret_pp"])
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_hits_on_prefetched_experts_are_counted_per_token_and_per_layer(tiny_model, tmp_path, prefetch):
+    # the per-token history and the per-layer strip draw the policy's own hit rate: their counts
+    # of hits on prefetched experts must add up to the run's (the streamer's "useful" guesses)
+    from ds4f.engine.checkpoint import open_checkpoint
+
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text(f'[presets.p]\npinned_layers = "50%"\ncache = "25%"\nprefetch = {str(prefetch).lower()}\n')
+    run = _run(tiny_model, tmp_path, "pf", gen=12, preset="p", config_path=str(cfg))
+    report = run.report
+    s, tokens, layers = report["summary"], report["tokens"], report["layers"]
+    useful = (s["prefetch"] or {}).get("useful", 0)
+    assert len(tokens) == run.n_steps
+    # per token: hits on prefetched experts are some of the token's hits
+    assert all(0 <= t["prefetch_hits"] <= t["hits"] for t in tokens)
+    # the tokens add up to the run: the totals the policy's own rate is computed from
+    hits, misses = sum(t["hits"] for t in tokens), sum(t["misses"] for t in tokens)
+    prefetched = sum(t["prefetch_hits"] for t in tokens)
+    assert (hits, misses) == (s["hits"], s["misses"])
+    assert prefetched == s["prefetch_hits"] == useful
+    assert s["policy_hit_rate"] == pytest.approx((hits - prefetched) / (hits + misses))
+    # per layer: the same count, never more than the layer's hits, none on the hash layers (no guess)
+    with open_checkpoint(tiny_model) as ck:
+        n_hash = ck.geometry.n_hash_layers
+    assert sum(layer["prefetch_hits"] for layer in layers) == useful
+    for layer in layers:
+        h, m, p = layer["hits"], layer["misses"], layer["prefetch_hits"]
+        assert 0 <= p <= h
+        assert layer["policy_hit_rate"] == pytest.approx((h - p) / (h + m))
+        if layer["layer"] < n_hash:
+            assert p == 0
+    if prefetch:
+        assert useful > 0, "prefetch helped on this run (else the test checks nothing)"
+    else:
+        assert prefetched == 0 and all(layer["prefetch_hits"] == 0 for layer in layers)
+        assert s["policy_hit_rate"] == pytest.approx(s["hit_rate"])
+    # the snapshot says the same as the report, token by token and layer by layer
+    snap = run.snapshot()
+    assert [t.prefetch_hits for t in snap.tokens] == [t["prefetch_hits"] for t in tokens][-len(snap.tokens):]
+    assert list(snap.layer_prefetch_hits) == [layer["prefetch_hits"] for layer in layers]
+    assert snap.layer_policy_hit_rates() == pytest.approx([layer["policy_hit_rate"] for layer in layers])
+    own = [t.policy_hit_rate for t in snap.tokens]
+    assert own == pytest.approx([(t["hits"] - t["prefetch_hits"]) / (t["hits"] + t["misses"]) for t in tokens])
+
+
 def test_a_done_run_replays_its_own_reads_for_its_io_efficiency(tiny_model, tmp_path):
     run = _run(tiny_model, tmp_path, "replay", gen=8, preset="minimal", probe_floor=True)
     r = run.summary_report

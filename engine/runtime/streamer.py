@@ -52,6 +52,9 @@ class Streamer:
         # issued = useful + wasted + cancelled; late: useful but still being read when needed;
         # cancelled: dropped before its read started, costing nothing
         self.prefetch_counts = {"issued": 0, "useful": 0, "late": 0, "wasted": 0, "cancelled": 0}
+        # per layer, the cache hits on an expert a guess brought in (they sum to "useful"): the
+        # policy's own hits are the cache's hits less these
+        self.prefetch_layer_hits = [0] * g.n_layers
         self._prefetched: dict[tuple[int, int], object] = {}  # key -> ReadJob, issued and not yet used
         self._trunk_bufs = [warm_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
         self._landed = threading.Event()  # set by an I/O thread whenever a read completes
@@ -81,6 +84,7 @@ class Streamer:
         self.cache.reset()
         self.reader.reset_stats()
         self.prefetch_counts = dict.fromkeys(self.prefetch_counts, 0)
+        self.prefetch_layer_hits = [0] * self.geometry.n_layers
         self._prefetched.clear()
         self.tokens = 0
         self.stall_s = 0.0
@@ -172,6 +176,7 @@ class Streamer:
             elif key in self._prefetched:
                 useful.add(key)
                 self.prefetch_counts["useful"] += 1
+                self.prefetch_layer_hits[layer] += 1
                 if not slot.ready.is_set():
                     self.prefetch_counts["late"] += 1
                     self.reader.promote(self._prefetched[key])
