@@ -215,9 +215,13 @@ def _print_summary(run, s: dict, snap, out) -> None:
     busy = s.get("disk_busy_fraction")
     print(f"disk           {s.get('bound') or '-'}-bound, busy {_fmt(busy, '.0%')} · I/O efficiency "
           f"{_fmt(s['io_efficiency'], '.2f')} (a replay of the run's own reads against its time reading)")
-    print(f"cache          {_fmt(s['hit_rate'], '.1%')} hits ({s['hits']} hits, {s['misses']} misses, {s['evictions']} evictions) · "
-          f"read latency {_fmt(s['read_latency_ms'], '.1f', ' ms')} · stall {_fmt(s['stall_s_per_token'], '.3f', ' s/token')}")
     pf = s.get("prefetch")
+    # the policy's own hit rate first (the one comparable with Belady's), prefetch's share apart
+    share = f" + {s['prefetch_hit_share'] * 100:.1f} pts prefetch" if pf and s.get("prefetch_hit_share") is not None else ""
+    print(f"cache          {run.preset.policy} {_fmt(s.get('policy_hit_rate'), '.1%')} hits on its own{share} "
+          f"({s['hits']} hits, {s.get('prefetch_hits', 0)} of them on prefetched experts, {s['misses']} misses, "
+          f"{s['evictions']} evictions) · "
+          f"read latency {_fmt(s['read_latency_ms'], '.1f', ' ms')} · stall {_fmt(s['stall_s_per_token'], '.3f', ' s/token')}")
     if s.get("optimum_hit_rate") is not None and s.get("policy_hit_rate") is not None:
         print(f"policy         {run.preset.policy} {s['policy_hit_rate']:.1%} on its own · Belady {s['optimum_hit_rate']:.1%}"
               f" on the same requests · regret {s['regret_pp']:.1f} pts · prefetch +{s['prefetch_hit_share'] * 100:.1f} pts")
@@ -243,9 +247,12 @@ def _print_tokens(run, shown: int) -> int:
     if snap.tokens and snap.tokens[0].index > shown:
         print(f"({snap.tokens[0].index - shown} tokens not shown)", file=sys.stderr)
     for t in (t for t in snap.tokens if t.index >= shown):
-        hr = t.hits / (t.hits + t.misses) if t.hits + t.misses else 0.0
+        # the policy's own hits (the yardstick of the summary and the console), prefetch's apart
+        own, share = t.policy_hit_rate or 0.0, t.prefetch_hit_share or 0.0
+        pf = f" +{share * 100:4.1f} pts prefetch" if snap.prefetch else ""
         print(f"token {t.index + 1:>4}/{snap.gen}  id {t.token_id:>6} -> {t.next_token_id:>6}  {t.seconds:7.3f} s  "
-              f"{t.bytes_read / 1e9:6.3f} GB  hits {hr:6.1%}  stall {t.stall_s:6.3f} s  {t.backend}", file=sys.stderr)
+              f"{t.bytes_read / 1e9:6.3f} GB  own hits {own:6.1%}{pf}  stall {t.stall_s:6.3f} s  {t.backend}",
+              file=sys.stderr)
     return snap.tokens[-1].index + 1 if snap.tokens else shown
 
 

@@ -127,19 +127,27 @@ def token_gbps(tokens: tuple[TokenRecord, ...]) -> list[float]:
     return [(t.bytes_read / 1e9) / t.seconds if t.seconds > 0 else 0.0 for t in tokens]
 
 
-def token_hit_rates(tokens: tuple[TokenRecord, ...]) -> list[float]:
-    out = []
-    for t in tokens:
-        n = t.hits + t.misses
-        out.append(t.hits / n if n else 0.0)
-    return out
+def token_policy_hit_rates(tokens: tuple[TokenRecord, ...]) -> list[float]:
+    """Per token, the policy's own hit rate (hits on prefetched experts left out): the yardstick
+    of the cache panel's figure beside Belady's (0 for a token without requests)."""
+    return [t.policy_hit_rate or 0.0 for t in tokens]
 
 
-def layer_hit_rates(snap: Snapshot) -> list[float | None]:
-    out: list[float | None] = []
-    for h, m in zip(snap.layer_hits, snap.layer_misses):
-        out.append(h / (h + m) if h + m else None)
-    return out
+def layer_policy_hit_rates(snap: Snapshot) -> list[float | None]:
+    """Per layer, the policy's own hit rate so far (None: no requests yet)."""
+    return snap.layer_policy_hit_rates()
+
+
+def own_hit_rate_text(summary: dict) -> str:
+    """A report's policy's own hit rate (the yardstick beside Belady's). A report from before it
+    was kept has the hit rate alone: the same without prefetch, else said to include it."""
+    own = summary.get("policy_hit_rate")
+    if own is not None:
+        return fmt_pct(own)
+    rate = summary.get("hit_rate")
+    if rate is None:
+        return DASH
+    return f"{fmt_pct(rate)} with prefetch" if summary.get("prefetch") else fmt_pct(rate)
 
 
 @dataclass(frozen=True)

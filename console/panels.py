@@ -145,7 +145,8 @@ def io_level(snap: Snapshot) -> tuple[str | None, str | None]:
 class HitRatePanel(DashboardPanel):
     """Expert-cache hit rate on one yardstick: the policy's own hits (without prefetch's help)
     beside Belady's on the same requests, prefetch's contribution apart, the regret in
-    percentage points; the per-token history and a strip with one cell per layer."""
+    percentage points; the per-token history and a strip with one cell per layer, both of the
+    policy's own rate too (the yardstick of the figure beside Belady's)."""
 
     def __init__(self) -> None:
         super().__init__("cache hit rate", id="p-hits")
@@ -163,8 +164,8 @@ class HitRatePanel(DashboardPanel):
             self.set_level(None)
             return
         self.put("#hits-text", hits_text(snap))
-        self.query_one("#hits-plot", Plot).set_data(F.token_hit_rates(snap.tokens), maximum=1.0)
-        self.query_one("#hits-strip", LayerStrip).set_rates(F.layer_hit_rates(snap))
+        self.query_one("#hits-plot", Plot).set_data(F.token_policy_hit_rates(snap.tokens), maximum=1.0)
+        self.query_one("#hits-strip", LayerStrip).set_rates(F.layer_policy_hit_rates(snap))
         own = snap.policy_hit_rate if snap.policy_hit_rate is not None else snap.hit_rate
         self.set_level(hit_rate_level(own))
 

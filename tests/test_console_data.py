@@ -30,10 +30,11 @@ def fixed_tokens(n: int = 24, switch_at: int | None = 14) -> tuple[TokenRecord, 
         secs = 0.82 if cold else (0.19 + 0.02 * ((i * 7) % 5) / 4 + (0.35 if backend == "scalar" else 0.0))
         hits = 120 + (i * 13) % 60 if not cold else 10
         misses = 258 - hits
+        prefetched = 0 if cold else 8 + (i * 5) % 9     # of the hits, those on prefetched experts
         out.append(TokenRecord(index=i, token_id=1000 + i, next_token_id=1001 + i, seconds=secs,
                                bytes_read=int(misses * 6.37e6 * (0.22 if not cold else 1.0)), hits=hits,
                                misses=misses, stall_s=0.012, backend=backend, kernel_threads=16, io_threads=8,
-                               disk_busy_s=0.87 * secs, disk_depth_s=5.2 * secs))
+                               disk_busy_s=0.87 * secs, disk_depth_s=5.2 * secs, prefetch_hits=prefetched))
     return tuple(out)
 
 
@@ -45,6 +46,9 @@ def fixed_snapshot(state: str = "running", tokens_done: int = 24, gen: int = 32,
     layer_misses = tuple(200 + (l * 61) % 700 for l in range(layers))
     hits, misses = sum(layer_hits), sum(layer_misses)
     useful = 3_761                              # hits on experts prefetch brought in
+    # per layer: none on the 3 hash layers (nothing to guess), the rest spread unevenly; sums to useful
+    spread = [0, 0, 0] + [64 + (l * 37) % 60 for l in range(3, layers)]
+    layer_prefetch_hits = tuple(spread[:-1]) + (useful - sum(spread[:-1]),)
     done = state == "done"
     policy = (hits - useful) / (hits + misses)
     optimum = 0.703 if done else None
@@ -71,6 +75,7 @@ def fixed_snapshot(state: str = "running", tokens_done: int = 24, gen: int = 32,
         floor_ratio=1.95 / 2.6, floor_age_s=185.0,
         ram_bytes=128 * GiB, ram_available_bytes=int(22.4 * GiB),
         plan_bytes=int(118.6 * GiB),            # rss_budget_bytes - the process before the run (1.4 GiB)
+        layer_prefetch_hits=layer_prefetch_hits,
     )
     return dataclasses.replace(snap, **changes) if changes else snap
 
@@ -149,6 +154,9 @@ def test_fixed_snapshot_is_consistent():
     for s in (fixed_snapshot("running"), fixed_snapshot("done")):
         requests = sum(s.layer_hits) + sum(s.layer_misses)
         assert abs(s.policy_hit_rate - (sum(s.layer_hits) - s.prefetch["useful"]) / requests) < 1e-12
+        assert sum(s.layer_prefetch_hits) == s.prefetch["useful"]
+        assert all(0 <= p <= h for p, h in zip(s.layer_prefetch_hits, s.layer_hits))
+        assert all(0 <= t.prefetch_hits <= t.hits for t in s.tokens)
         assert abs(s.policy_hit_rate + s.prefetch_hit_share - s.hit_rate) < 1e-12
         assert s.bound == bound_of(s.disk_busy_fraction)
         assert abs(s.floor_ratio - s.eff_read_gbps / s.floor_gbps) < 1e-12

@@ -812,3 +812,23 @@ def test_no_color_is_respected(monkeypatch, tiny_model, history_path):
             assert "warning" in str(panel.border_subtitle), "levels are words too, not colour alone"
 
     asyncio.run(go())
+
+
+@async_test
+async def test_the_hit_rate_plot_and_strip_draw_the_policys_own_rate(history_path):
+    from test_console_data import fixed_snapshot
+
+    from ds4f.console.widgets import LayerStrip, Plot
+
+    app = fed_app(history_path)
+    snap = fixed_snapshot("done")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await booted(pilot)
+        await show(pilot, snap)
+        plot, strip = app.dashboard.query_one("#hits-plot", Plot), app.dashboard.query_one("#hits-strip", LayerStrip)
+        own = [(t.hits - t.prefetch_hits) / (t.hits + t.misses) for t in snap.tokens]
+        assert plot.values == pytest.approx(own)
+        assert strip.rates == pytest.approx([(h - p) / (h + m) for h, m, p in
+                                             zip(snap.layer_hits, snap.layer_misses, snap.layer_prefetch_hits)])
+        # the figure beside Belady's is the same yardstick
+        assert text_of(app, "#hits-text").startswith(f"{snap.policy} {F.fmt_pct(snap.policy_hit_rate)}")

@@ -47,7 +47,7 @@ def test_formatting():
 def test_series_and_switches():
     toks = fixed_tokens(24, switch_at=14)
     assert len(F.token_seconds(toks)) == 24
-    assert all(0 <= r <= 1 for r in F.token_hit_rates(toks))
+    assert all(0 <= r <= 1 for r in F.token_policy_hit_rates(toks))
     snap = fixed_snapshot()
     sw = F.run_switches(snap)
     assert len(sw) == 1 and sw[0].token == 14 and str(sw[0]) == "backend avx2→scalar at token 14"
@@ -57,7 +57,7 @@ def test_series_and_switches():
     assert [str(s) for s in F.run_switches(late)] == ["backend avx2→scalar at token 14",
                                                        "kernel threads 16→8 at token 22"]
     assert [s.short for s in F.run_switches(late)] == ["avx2→scalar @14", "k16→8 @22"]
-    rates = F.layer_hit_rates(snap)
+    rates = F.layer_policy_hit_rates(snap)
     assert len(rates) == 43 and all(0 < r < 1 for r in rates)
 
 
@@ -214,3 +214,29 @@ def test_history_token_counts(tmp_path):
     # should the engine record the count with the run, that is used
     h.record("20261130-020000-aaaa", dict(cancelled.config, tokens_done=5), "cancelled")
     assert F.record_tokens_text(h.get("20261130-020000-aaaa")) == "5/16"
+
+
+def test_hit_rate_series_are_the_policys_own():
+    # the per-token history and the per-layer strip share the yardstick of the figure beside
+    # Belady's: hits on prefetched experts left out
+    snap = fixed_snapshot()
+    own = F.token_policy_hit_rates(snap.tokens)
+    assert own == pytest.approx([(t.hits - t.prefetch_hits) / (t.hits + t.misses) for t in snap.tokens])
+    assert any(t.prefetch_hits for t in snap.tokens)
+    assert all(o < t.hits / (t.hits + t.misses) for o, t in zip(own, snap.tokens) if t.prefetch_hits)
+    layers = F.layer_policy_hit_rates(snap)
+    assert layers == pytest.approx([(h - p) / (h + m) for h, m, p in
+                                    zip(snap.layer_hits, snap.layer_misses, snap.layer_prefetch_hits)])
+    # requested over the whole run, the layers' own hits are the run's
+    requests = sum(snap.layer_hits) + sum(snap.layer_misses)
+    assert sum(h - p for h, p in zip(snap.layer_hits, snap.layer_prefetch_hits)) / requests == \
+        pytest.approx(snap.policy_hit_rate)
+    # a snapshot from before the per-layer counts (none given): the cache's hits as they are
+    old = dataclasses.replace(snap, layer_prefetch_hits=())
+    assert F.layer_policy_hit_rates(old) == pytest.approx([h / (h + m) for h, m in zip(snap.layer_hits, snap.layer_misses)])
+    # the diff screen's side by side: the policy's own rate; an old report's rate said to include prefetch
+    assert F.own_hit_rate_text({"policy_hit_rate": 0.712, "hit_rate": 0.78}) == "71.2%"
+    assert F.own_hit_rate_text({"hit_rate": 0.78, "prefetch": {"useful": 3}}) == "78.0% with prefetch"
+    assert F.own_hit_rate_text({"hit_rate": 0.78, "prefetch": None}) == "78.0%"
+    assert F.own_hit_rate_text({}) == F.DASH
+

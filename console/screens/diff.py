@@ -155,7 +155,7 @@ class DiffScreen(Screen):
             f"k{b.config.get('kernel_threads', '?')} io{b.config.get('io_threads', '?')}")
         row("tokens", a.tokens_done, b.tokens_done)
         row("s/token", F.fmt_s_per_token(a.s_per_token), F.fmt_s_per_token(b.s_per_token))
-        row("hit rate", F.fmt_pct(a.summary.get("hit_rate")), F.fmt_pct(b.summary.get("hit_rate")))
+        row("own hits", F.own_hit_rate_text(a.summary), F.own_hit_rate_text(b.summary))
         row("GB/s", F.fmt_gbps(a.summary.get("eff_read_gbps")), F.fmt_gbps(b.summary.get("eff_read_gbps")))
         row("sha256", (a.state_sha256 or F.DASH)[:12], (b.state_sha256 or F.DASH)[:12])
         self.query_one("#sides", Static).update(table)
