@@ -4,10 +4,11 @@ No Textual here: these are plain functions, tested directly.
 """
 from __future__ import annotations
 
+import textwrap
 import time
 from dataclasses import dataclass
 
-from ds4f.api import RunRecord, Snapshot, TokenRecord, format_bytes
+from ds4f.api import LIVE_STATES, RunRecord, Snapshot, TokenRecord, format_bytes
 
 DASH = "—"
 STATE_MARK = {"starting": "◌", "running": "●", "done": "✓", "cancelled": "■", "failed": "✗"}
@@ -183,6 +184,59 @@ def run_switches(snap: Snapshot) -> list[Switch]:
 
 def progress_text(snap: Snapshot) -> str:
     return f"{snap.tokens_done}/{snap.gen} tokens"
+
+
+def pack_lines(groups: list[list[str]], width: int = 0, height: int = 0) -> list[str]:
+    """Items joined by ' · ' into lines: each group on a line of its own (its items wrapped at
+    ' · ' where the group is wider than `width`), or, when that takes more than `height` lines,
+    every item packed as tightly as `width` allows. 0: not known (no limit)."""
+
+    def lay(groups: list[list[str]]) -> list[str]:
+        out: list[str] = []
+        for items in groups:
+            line = ""
+            for item in items:
+                if line and width and len(line) + 3 + len(item) > width:
+                    out.append(line)
+                    line = item
+                else:
+                    line = f"{line} · {item}" if line else item
+            if line:
+                out.append(line)
+        return out
+
+    lines = lay(groups)
+    if height and len(lines) > height:
+        lines = lay([[item for items in groups for item in items]])
+    return lines
+
+
+def clip_text(text: str, width: int = 0, lines: int = 0) -> list[str]:
+    """`text` wrapped at `width` into at most `lines` lines, the last ending in '…' when some
+    is left out (0: not known, no limit)."""
+    out = textwrap.wrap(text, width) if width else [text]
+    if lines and len(out) > lines:
+        out = out[:lines]
+        last = out[-1]
+        out[-1] = (last[:width - 1] if width and len(last) >= width else last).rstrip() + "…"
+    return out
+
+
+def run_lines(snap: Snapshot, width: int = 0, height: int = 0) -> tuple[list[str], list[str]]:
+    """The run panel's lines under its state line, as (figures, error) in `width` x `height`
+    (0: not known): ETA and elapsed time, the stall per token, the preset and the run id, then
+    the error of a failed run in what room is left (one line at least; the event log has all
+    of it). The figures take more than one to a line when the panel is short."""
+    groups: list[list[str]] = [[f"ETA {fmt_seconds(snap.eta_s)}"] if snap.state in LIVE_STATES else []]
+    groups[0].append(f"elapsed {fmt_seconds(snap.elapsed_s)}")
+    if snap.stall_s_per_token is not None:
+        groups.append([f"stall {fmt_seconds(snap.stall_s_per_token)}/token"])
+    groups.append([f"preset {snap.preset}", f"run {snap.run_id}"])
+    need_error = 1 if snap.error else 0
+    lines = pack_lines(groups, width, max(1, height - need_error) if height else 0)
+    if not snap.error:
+        return lines, []
+    return lines, clip_text(snap.error, width, max(1, height - len(lines)) if height else 0)
 
 
 def switches_text(switches: list[Switch], width: int = 0, lines: int = 0, keep: int = 12) -> str:

@@ -305,17 +305,26 @@ KEEP_SWITCHES = 12  # the kernels panel lists at most this many switches (newest
 
 
 class ProgressPanel(DashboardPanel):
-    """The run: its state, tokens done of the total, ETA, elapsed time, stalls and its error."""
+    """The run: its state and tokens done of the total with the progress bar beside them, then
+    ETA, elapsed time, stalls, preset and run id, and a failed run's error. At 80x24 the panel
+    has four lines under its state line: the figures share lines when the panel is short, and
+    the error gets what room is left (the event log has all of it)."""
 
     def __init__(self) -> None:
         super().__init__("run", id="p-run")
+        self._snap: Snapshot | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(id="run-state")
-        yield Meter(id="run-meter")
+        with Horizontal(id="run-top"):
+            yield Static(id="run-state")
+            yield Meter(id="run-meter")
         yield Static(id="run-text")
 
+    def on_resize(self, _event: Resize) -> None:
+        self.update(self._snap)  # how the lines pack depends on the size
+
     def update(self, snap: Snapshot | None) -> None:
+        self._snap = snap
         meter = self.query_one("#run-meter", Meter)
         if snap is None:
             self.put("#run-state", Text("idle: r starts a run", style="dim"))
@@ -328,16 +337,13 @@ class ProgressPanel(DashboardPanel):
         st.append(f"  {F.progress_text(snap)}")
         self.put("#run-state", st)
         meter.set(snap.tokens_done / snap.gen if snap.gen else 0.0,
-                  "critical" if snap.state == "failed" else None, "", f"{snap.tokens_done}/{snap.gen}")
-        rt = Text()
-        if snap.state in LIVE_STATES:
-            rt.append(f"ETA {F.fmt_seconds(snap.eta_s)} · ")
-        rt.append(f"elapsed {F.fmt_seconds(snap.elapsed_s)}")
-        if snap.stall_s_per_token is not None:
-            rt.append(f"\nstall {F.fmt_seconds(snap.stall_s_per_token)}/token")
-        rt.append(f"\npreset {snap.preset} · run {snap.run_id}")
-        if snap.error:
-            rt.append(f"\n{snap.error}", "bold red")
+                  "critical" if snap.state == "failed" else None, "", "")
+        # the room under the state line (0x0 before the first layout: no limit, then on_resize)
+        room = self.content_region
+        lines, error = F.run_lines(snap, room.width, room.height - 1 if room.height > 1 else 0)
+        rt = Text("\n".join(lines))
+        if error:
+            rt.append("\n" + "\n".join(error), "bold red")
         self.put("#run-text", rt)
         self.set_level(state_level(snap.state) if snap.state in ("failed", "cancelled") else None, snap.state)
 

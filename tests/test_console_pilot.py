@@ -814,6 +814,48 @@ def test_no_color_is_respected(monkeypatch, tiny_model, history_path):
     asyncio.run(go())
 
 
+# ------------------------------------------------------------------------------ the run panel at 80x24
+def panel_lines(app, selector: str) -> list[str]:
+    """What the screen shows inside a panel's border, line by line (the composed screen, so a
+    line the panel cuts off is not there)."""
+    region = app.dashboard.query_one(selector, Panel).content_region
+    strips = app.screen._compositor.render_strips()
+    return [strips[y].crop(region.x, region.right).text.rstrip() for y in range(region.y, region.bottom)]
+
+
+@async_test
+async def test_the_run_panel_shows_every_line_at_80x24(history_path):
+    from test_console_data import fixed_snapshot
+
+    app = fed_app(history_path)
+    error = ("reading expert 17 of layer 12: pool-mxfp4.bin: short read at offset 8388608 "
+             "(expected 6372352 bytes, got 4096): the checkpoint is truncated or the disk failed")
+    running = fixed_snapshot("running")
+    cases = [running, fixed_snapshot("done"), fixed_snapshot("cancelled"),
+             dataclasses.replace(fixed_snapshot("failed"), error=error)]
+    async with app.run_test(size=(80, 24)) as pilot:
+        await booted(pilot)
+        for snap in cases:
+            await show(pilot, snap)
+            shown = panel_lines(app, "#p-run")
+            text = "\n".join(shown)
+            assert len(shown) == 5, "80x24: five lines inside the run panel's border"
+            assert shown[0].startswith(f"{F.state_mark(snap.state)} {snap.state}  {F.progress_text(snap)}")
+            wanted = [f"elapsed {F.fmt_seconds(snap.elapsed_s)}", f"stall {F.fmt_seconds(snap.stall_s_per_token)}/token",
+                      f"preset {snap.preset}", f"run {snap.run_id}"]
+            if snap.state == "running":
+                wanted.append(f"ETA {F.fmt_seconds(snap.eta_s)}")
+            for w in wanted:
+                assert w in text, f"{snap.state}: {w!r} is cut off:\n{text}"
+            if snap.error:
+                assert shown[-1].startswith("reading expert 17") and shown[-1].endswith("…"), text
+        # a wider terminal gives the figures their own lines back
+        await pilot.resize_terminal(160, 48)
+        await show(pilot, running)
+        shown = panel_lines(app, "#p-run")
+        assert f"preset {running.preset} · run {running.run_id}" in shown
+
+
 @async_test
 async def test_the_hit_rate_plot_and_strip_draw_the_policys_own_rate(history_path):
     from test_console_data import fixed_snapshot

@@ -69,6 +69,13 @@ def test_dashboard_done_compute_bound_80x24(snap_compare, tmp_path):
     assert snap_compare(app, terminal_size=(80, 24))
 
 
+def test_dashboard_failed_80x24(snap_compare, tmp_path):
+    # every line of the run panel shows at 80x24, a failed run's error in what room is left
+    app = make_app(tmp_path, snap="failed", eta_s=None,
+                   error="reading expert 17 of layer 12: pool-mxfp4.bin: short read at offset 8388608")
+    assert snap_compare(app, terminal_size=(80, 24))
+
+
 def test_too_small_70x20(snap_compare, tmp_path):
     assert snap_compare(make_app(tmp_path), terminal_size=(70, 20))
 

@@ -240,3 +240,30 @@ def test_hit_rate_series_are_the_policys_own():
     assert F.own_hit_rate_text({"hit_rate": 0.78, "prefetch": None}) == "78.0%"
     assert F.own_hit_rate_text({}) == F.DASH
 
+
+def test_run_panel_lines_fit_the_panel():
+    snap = fixed_snapshot("running")
+    # room to spare: each group of figures on its own line
+    lines, error = F.run_lines(snap, 60, 10)
+    assert lines == ["ETA 1.5 s · elapsed 7.9 s", "stall 12 ms/token", "preset server · run 20261130-015508-a1b2"]
+    assert error == []
+    # 80x24: 36 columns and 4 lines under the state line
+    lines, _ = F.run_lines(snap, 36, 4)
+    assert lines == ["ETA 1.5 s · elapsed 7.9 s", "stall 12 ms/token", "preset server", "run 20261130-015508-a1b2"]
+    # shorter still: the figures share lines
+    assert F.run_lines(snap, 36, 3)[0] == ["ETA 1.5 s · elapsed 7.9 s", "stall 12 ms/token · preset server",
+                                          "run 20261130-015508-a1b2"]
+    # a failed run's error gets what room is left, one line at least, cut with an ellipsis
+    failed = dataclasses.replace(fixed_snapshot("failed"), error="reading expert 17 of layer 12: short read " * 3)
+    lines, error = F.run_lines(failed, 36, 4)
+    assert len(lines) + len(error) == 4 and len(error) == 1
+    assert error[0].startswith("reading expert 17") and error[0].endswith("…") and len(error[0]) <= 36
+    assert all(len(line) <= 36 for line in lines)
+    # unknown size (before the first layout): nothing is cut
+    lines, error = F.run_lines(failed)
+    assert error == [failed.error] and "run 20261130-015508-a1b2" in " · ".join(lines)
+    assert F.clip_text("a b c d e f", 3, 2) == ["a b", "c…"]
+    assert F.clip_text("a b c d e f g h", 5, 2) == ["a b c", "d e…"]
+    assert F.clip_text("a b c d e f", 5, 2) == ["a b c", "d e f"], "what fits is not cut"
+    assert F.pack_lines([["a"], ["b"], ["c"]], 5, 2) == ["a · b", "c"], "as tight as the width allows"
+    assert F.pack_lines([["a"], ["b"], ["c"]], 5, 3) == ["a", "b", "c"]
