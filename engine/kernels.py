@@ -1,8 +1,8 @@
 """The native kernels from Python: numpy arrays in and out, checked before any C runs.
 
-Every function validates dtype, shape, C-contiguity, k % 32 and output sizes and raises
-ValueError naming the offending argument; nothing reaches C that could make it read or write
-out of bounds.  Arrays may be views into larger buffers (expert-cache slots): any C-contiguous
+Every function validates dtype, shape, C-contiguity, k % 32 (MXFP4, bf16) or the scale-tile
+shape (FP8) and output sizes and raises ValueError naming the offending argument; nothing
+reaches C that could make it read or write out of bounds.  Arrays may be views into larger buffers (expert-cache slots): any C-contiguous
 array of the right dtype and shape is used in place, never copied.
 
 The GIL is released while a kernel runs: these are cffi API-mode (out-of-line, compiled) calls,
@@ -27,13 +27,16 @@ from ds4f.native._kernels import ffi, lib
 BACKENDS = ("scalar", "avx2", "avx512", "neon")
 MAX_EXPERTS = int(lib.DS4F_MAX_EXPERTS)
 
-try:  # bf16 weights may come as ml_dtypes.bfloat16 or as their uint16 bit patterns
+try:  # bf16 / FP8 weights may come as ml_dtypes arrays or as their bit patterns (uint16 / uint8)
     import ml_dtypes
 
     _BF16 = np.dtype(ml_dtypes.bfloat16)
+    _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+    _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    _BF16 = None
+    _BF16 = _E4M3 = _E8M0 = None
 
+FP8_TILE = 128  # one E8M0 scale per FP8_TILE x FP8_TILE tile of an FP8 weight
 _U8 = np.dtype(np.uint8)
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
@@ -108,6 +111,29 @@ def _mxfp4_shape(codes, scales, what: str = "codes") -> tuple[int, int]:
     return rows, k
 
 
+def _fp8_shape(w, scales) -> tuple[int, int]:
+    """rows, k of an FP8 weight w [rows, k] (E4M3 or uint8) with scales [ceil(rows/128), ceil(k/128)]
+    (E8M0 or uint8), both C-contiguous."""
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        got = w.shape if isinstance(w, np.ndarray) else type(w).__name__
+        raise ValueError(f"w: expected a 2-D float8_e4m3fn or uint8 array [rows, k], got {got}")
+    if w.dtype != _U8 and w.dtype != _E4M3:
+        raise ValueError(f"w: expected dtype float8_e4m3fn or uint8, got {w.dtype}")
+    rows, k = w.shape
+    if k == 0:
+        raise ValueError("w: k = 0 (rows need at least one element)")
+    _arr("w", w, w.dtype, (rows, k))
+    tiles = (-(-rows // FP8_TILE), -(-k // FP8_TILE))
+    if not isinstance(scales, np.ndarray) or (scales.dtype != _U8 and scales.dtype != _E8M0):
+        got = scales.dtype if isinstance(scales, np.ndarray) else type(scales).__name__
+        raise ValueError(f"scales: expected a float8_e8m0fnu or uint8 array, got {got}")
+    if scales.shape != tiles:
+        raise ValueError(f"scales: expected shape {tiles} (one per {FP8_TILE}x{FP8_TILE} tile of a "
+                         f"{rows}x{k} weight), got {scales.shape}")
+    _arr("scales", scales, scales.dtype, tiles)
+    return rows, k
+
+
 def _out(name: str, out, shape: tuple) -> np.ndarray:
     if out is None:
         return np.empty(shape, _F32)
@@ -157,6 +183,27 @@ def bf16_matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> 
     _arr("x", x, _F32, (k,))
     out = _out("out", out, (rows,))
     lib.ds4f_bf16_matvec(_ptr("uint16_t[]", w.view(_U16)), rows, k, _ptr("float[]", x), _ptr("float[]", out))
+    return out
+
+
+def fp8_decode(w: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """FP8 E4M3 w [rows, k] with E8M0 scales per 128x128 tile -> float32 [rows, k]; bit-identical
+    on every backend (NaN codes and NaN scales give the quiet NaN 0x7fc00000)."""
+    rows, k = _fp8_shape(w, scales)
+    out = _out("out", out, (rows, k))
+    lib.ds4f_fp8_decode(_ptr("uint8_t[]", w.view(_U8)), _ptr("uint8_t[]", scales.view(_U8)), rows, k,
+                        _ptr("float[]", out))
+    return out
+
+
+def fp8_matvec(w: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = W . x for FP8 W [rows, k] (E4M3, E8M0 scales per 128x128 tile) and float32 x [k], fp32
+    accumulation; a row holding a NaN code or a NaN scale gives NaN."""
+    rows, k = _fp8_shape(w, scales)
+    _arr("x", x, _F32, (k,))
+    out = _out("out", out, (rows,))
+    lib.ds4f_fp8_matvec(_ptr("uint8_t[]", w.view(_U8)), _ptr("uint8_t[]", scales.view(_U8)), rows, k,
+                        _ptr("float[]", x), _ptr("float[]", out))
     return out
 
 

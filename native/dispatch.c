@@ -4,7 +4,9 @@
  * takes effect at the next call, never in the middle of one).  Initialised on first use from
  * DS4F_KERNELS=scalar|avx2|avx512|neon|auto (unknown or unsupported values mean auto).
  * x86 support = CPUID feature bits AND the OS saving the registers (OSXSAVE + XGETBV: XCR0 must
- * enable SSE|AVX state for AVX2, and also opmask|ZMM_Hi256|Hi16_ZMM for AVX-512).
+ * enable SSE|AVX state for AVX2, and also opmask|ZMM_Hi256|Hi16_ZMM for AVX-512).  AVX2 means
+ * AVX2 + FMA + F16C (the FP8 kernels convert through fp16; every AVX2 CPU has F16C), AVX-512
+ * means F/BW/VL/DQ on top of that.
  *
  * Work split: rows are cut into tasks of a multiple of 16 rows; every row is computed entirely
  * by one thread with the backend's fixed op sequence, so results do not depend on the thread
@@ -38,7 +40,7 @@ static int detect(void) {
 #ifdef DS4F_X86
     unsigned int a, b, c, d;
     if (__get_cpuid(1, &a, &b, &c, &d)) {
-        const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
+        const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
         if (osxsave && avx) {
             const unsigned long long xcr0 = xgetbv0();
             const int ymm_os = (xcr0 & 0x6) == 0x6;    /* SSE + AVX state */
@@ -47,8 +49,8 @@ static int detect(void) {
             if (__get_cpuid_count(7, 0, &a7, &b7, &c7, &d7)) {
                 const int avx2 = (b7 >> 5) & 1;
                 const int f = (b7 >> 16) & 1, dq = (b7 >> 17) & 1, bw = (b7 >> 30) & 1, vl = (b7 >> 31) & 1;
-                if (ymm_os && avx2 && fma) mask |= 1 << DS4F_AVX2;
-                if (ymm_os && zmm_os && avx2 && fma && f && dq && bw && vl) mask |= 1 << DS4F_AVX512;
+                if (ymm_os && avx2 && fma && f16c) mask |= 1 << DS4F_AVX2;
+                if (ymm_os && zmm_os && avx2 && fma && f16c && f && dq && bw && vl) mask |= 1 << DS4F_AVX512;
             }
         }
     }
@@ -129,9 +131,11 @@ int ds4f_get_threads(void) { return ds4f_pool_get_threads(); }
 #define ROW_ALIGN 16
 #define MIN_TASK_WEIGHTS (1u << 16) /* below this, one thread does it all */
 
+enum { K_DECODE, K_MATVEC, K_BF16, K_FP8_DECODE, K_FP8_MATVEC };
+
 typedef struct {
     const ds4f_ktable *t;
-    int kind; /* 0 decode, 1 matvec, 2 bf16 */
+    int kind; /* K_* */
     const void *w;
     const uint8_t *scales;
     size_t rows, k, chunk;
@@ -143,9 +147,11 @@ static void rows_task(void *ctx, size_t i) {
     const rows_job *j = ctx;
     const size_t r0 = i * j->chunk, r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
     switch (j->kind) {
-    case 0: j->t->decode(j->w, j->scales, r0, r1, j->k, j->y); break;
-    case 1: j->t->matvec(j->w, j->scales, r0, r1, j->k, j->x, j->y); break;
-    default: j->t->bf16(j->w, r0, r1, j->k, j->x, j->y); break;
+    case K_DECODE: j->t->decode(j->w, j->scales, r0, r1, j->k, j->y); break;
+    case K_MATVEC: j->t->matvec(j->w, j->scales, r0, r1, j->k, j->x, j->y); break;
+    case K_BF16: j->t->bf16(j->w, r0, r1, j->k, j->x, j->y); break;
+    case K_FP8_DECODE: j->t->fp8_decode(j->w, j->scales, r0, r1, j->k, j->y); break;
+    default: j->t->fp8_matvec(j->w, j->scales, r0, r1, j->k, j->x, j->y); break;
     }
 }
 
@@ -161,18 +167,35 @@ static void run_rows(rows_job *j) {
 }
 
 void ds4f_mxfp4_decode(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k, float *out) {
-    rows_job j = {table(ds4f_get_backend()), 0, codes, scales, rows, k, 0, NULL, out};
+    rows_job j = {table(ds4f_get_backend()), K_DECODE, codes, scales, rows, k, 0, NULL, out};
     run_rows(&j);
 }
 
 void ds4f_mxfp4_matvec(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k,
                        const float *x, float *y) {
-    rows_job j = {table(ds4f_get_backend()), 1, codes, scales, rows, k, 0, x, y};
+    rows_job j = {table(ds4f_get_backend()), K_MATVEC, codes, scales, rows, k, 0, x, y};
     run_rows(&j);
 }
 
 void ds4f_bf16_matvec(const uint16_t *w, size_t rows, size_t k, const float *x, float *y) {
-    rows_job j = {table(ds4f_get_backend()), 2, w, NULL, rows, k, 0, x, y};
+    rows_job j = {table(ds4f_get_backend()), K_BF16, w, NULL, rows, k, 0, x, y};
+    run_rows(&j);
+}
+
+/* until every backend has its own FP8 kernels, the others run the scalar ones */
+static const ds4f_ktable *fp8_table(int backend) {
+    const ds4f_ktable *t = table(backend);
+    return t->fp8_matvec ? t : &ds4f_kt_scalar;
+}
+
+void ds4f_fp8_decode(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, float *out) {
+    rows_job j = {fp8_table(ds4f_get_backend()), K_FP8_DECODE, w, scales, rows, k, 0, NULL, out};
+    run_rows(&j);
+}
+
+void ds4f_fp8_matvec(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, const float *x,
+                     float *y) {
+    rows_job j = {fp8_table(ds4f_get_backend()), K_FP8_MATVEC, w, scales, rows, k, 0, x, y};
     run_rows(&j);
 }
 

@@ -5,6 +5,20 @@
  *   scales: rows * k/32 E8M0 bytes, one per 32 consecutive elements of a row
  * value = e2m1(code) * 2^(scale - 127); scale 255 is NaN.  k must be a multiple of 32.
  * bf16 matrices are rows x k uint16 (the upper half of an fp32); k a multiple of 32 as well.
+ * FP8 matrices (the trunk's linears) use the official layout too, with any rows >= 0 and k >= 1
+ * (neither needs to be a multiple of 128: ragged last tiles and a k tail are handled):
+ *   w:      rows * k bytes of E4M3 (float8_e4m3fn: sign, 4 exponent bits biased by 7, 3 mantissa
+ *           bits; exponent 0 is subnormal, m/8 * 2^-6; 0x7F and 0xFF are NaN; no infinities)
+ *   scales: ceil(rows/128) x ceil(k/128) E8M0 bytes, row-major: tile (i/128, j/128) scales (i, j)
+ * value = fp32(e4m3(w)) * 2^(b - 127) in one fp32 multiply, exact or +-inf/NaN, so every backend
+ * decodes to the same bits; a NaN code or a 255 scale decodes to the quiet NaN 0x7fc00000.
+ * FP8 matvec: the scalar backend is the reference, y[r] = sum over j in element order of
+ * value(r, j) * x[j] in one fp32 accumulator, a multiply and an add per element (never fused), so
+ * it equals the scalar bf16 matvec of the bf16-widened matrix bit for bit.  SIMD backends use a
+ * fixed lane order of their own and may factor each tile's power-of-two scale out of its partial
+ * sum (y = sum_t s_t * sum_{j in t} e4m3(w_j) * x_j); they stay within 1e-5 * sum_j
+ * |value(r, j) * x[j]| of the exact result.  On every backend a NaN code or a 255 scale anywhere
+ * in a row makes y[r] NaN (corrupt weights are caught downstream by a finite check).
  * Backends and threads are process-wide settings; a change applies from the next call on.
  * The kernels never touch MXCSR/FPCR (no flush-to-zero): subnormals in, subnormals out.
  * All matvecs accumulate in fp32; each output row is computed by one thread in a fixed
@@ -28,6 +42,9 @@ void ds4f_mxfp4_decode(const uint8_t *codes, const uint8_t *scales, size_t rows,
 void ds4f_mxfp4_matvec(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k,
                        const float *x, float *y);
 void ds4f_bf16_matvec(const uint16_t *w, size_t rows, size_t k, const float *x, float *y);
+void ds4f_fp8_decode(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, float *out);
+void ds4f_fp8_matvec(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k,
+                     const float *x, float *y);
 
 /* One routed expert as it sits in a cache slot: w1/w3 are inter x hidden, w2 is hidden x inter. */
 typedef struct {

@@ -1,10 +1,12 @@
 /* kernels_internal.h — what the backends, the dispatcher and the thread pool share.
  * Not part of the public API (that is ds4f_kernels.h).
  *
- * Every backend implements the same three row-range kernels.  Rows r0..r1 of the matrix are
- * processed; pointers are to the whole matrix / vector, so out/y are indexed by absolute row.
- * A row's arithmetic never depends on which other rows are processed in the same call, so the
- * dispatcher may split rows among threads however it likes without changing a single bit.
+ * Every backend implements the same five row-range kernels (MXFP4 decode and matvec, bf16
+ * matvec, FP8 decode and matvec).  Rows r0..r1 of the matrix are processed; pointers are to the
+ * whole matrix / vector, so out/y are indexed by absolute row (and an FP8 row finds its scale
+ * tiles from its absolute index).  A row's arithmetic never depends on which other rows are
+ * processed in the same call, so the dispatcher may split rows among threads however it likes
+ * without changing a single bit.
  */
 #ifndef DS4F_KERNELS_INTERNAL_H
 #define DS4F_KERNELS_INTERNAL_H
@@ -19,21 +21,31 @@ typedef void (*ds4f_bf16_fn)(const uint16_t *w, size_t r0, size_t r1, size_t k, 
 
 typedef struct {
     const char *name;
-    ds4f_decode_fn decode;
+    ds4f_decode_fn decode;     /* MXFP4: codes, scales as in ds4f_kernels.h */
     ds4f_matvec_fn matvec;
     ds4f_bf16_fn bf16;
+    ds4f_decode_fn fp8_decode; /* FP8: codes = the E4M3 bytes, scales = the 128x128 tiles */
+    ds4f_matvec_fn fp8_matvec;
 } ds4f_ktable;
 
 /* kernels_scalar.c: the reference semantics and the shared tables */
 extern const float ds4f_e2m1[16];       /* E2M1 code -> value, code 8 is -0.0 */
-/* E8M0 byte -> 2^(b-127) as an exact fp32: 0 -> 2^-127 (subnormal), 255 -> NaN.  A union of
- * bit patterns, so the table is a compile-time constant whatever the compiler's float parsing. */
+/* A byte -> fp32 table as a union of bit patterns, so it is a compile-time constant whatever
+ * the compiler's float parsing. */
 typedef union {
     uint32_t u[256];
     float f[256];
-} ds4f_e8m0_table;
-extern const ds4f_e8m0_table ds4f_e8m0;
+} ds4f_byte_table;
+typedef ds4f_byte_table ds4f_e8m0_table;
+/* E8M0 byte -> 2^(b-127) as an exact fp32: 0 -> 2^-127 (subnormal), 255 -> NaN. */
+extern const ds4f_byte_table ds4f_e8m0;
 #define DS4F_SCALE(b) (ds4f_e8m0.f[(b)])
+/* E4M3 byte -> its exact fp32 value; the NaN codes 0x7F and 0xFF -> the quiet NaN 0x7fc00000,
+ * the same bits as DS4F_SCALE(255), so a decoded NaN is those bits whichever operand of the
+ * multiply it came from. */
+extern const ds4f_byte_table ds4f_e4m3;
+#define DS4F_FP8_TILE 128
+#define DS4F_QNAN_BITS 0x7fc00000u
 float ds4f_silu(float g);               /* g / (1 + expf(-g)); the same code for every backend */
 extern const ds4f_ktable ds4f_kt_scalar;
 
