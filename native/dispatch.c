@@ -182,7 +182,7 @@ void ds4f_bf16_matvec(const uint16_t *w, size_t rows, size_t k, const float *x, 
     run_rows(&j);
 }
 
-/* until every backend has its own FP8 kernels, the others run the scalar ones */
+/* until the NEON backend has its own FP8 kernels, it runs the scalar ones */
 static const ds4f_ktable *fp8_table(int backend) {
     const ds4f_ktable *t = table(backend);
     return t->fp8_matvec ? t : &ds4f_kt_scalar;

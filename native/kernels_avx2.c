@@ -1,4 +1,4 @@
-/* kernels_avx2.c — AVX2 + FMA backend (target attributes only; see kernels_avx512.c).
+/* kernels_avx2.c — AVX2 + FMA + F16C backend (target attributes only; see kernels_avx512.c).
  *
  * Same structure as the AVX-512 backend, with one difference forced by the ISA: vpermps on
  * ymm has an 8-entry table, so the 16-entry E2M1 LUT is two scaled 8-entry tables (positive
@@ -16,7 +16,7 @@
 #ifdef DS4F_X86
 #include <immintrin.h>
 
-#define T256 __attribute__((target("avx2,fma")))
+#define T256 __attribute__((target("avx2,fma,f16c")))
 #define INL static inline __attribute__((always_inline)) T256
 
 typedef struct {
@@ -189,5 +189,194 @@ T256 static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, co
     }
 }
 
-const ds4f_ktable ds4f_kt_avx2 = {"avx2", decode_rows, matvec_rows, bf16_rows};
+/* ---- FP8 E4M3 with 128x128 E8M0 tiles ---------------------------------------------------------
+ *
+ * The AVX-512 backend's method at 256 bits (see kernels_avx512.c for the why): per 32 bytes,
+ * vpmaddubsw widens the even / odd bytes to words sext(b) << 7, AND 0xBFFF makes them the fp16
+ * e4m3(b) / 2^8, vcvtph2ps (F16C) widens 8 at a time, FMA with x permuted to the same lanes
+ * (0, 2, .., 14 | 16, .., 30 | 1, .., 15 | 17, .., 31), and a tile's partial sum is multiplied
+ * by 2^(b-119) (or 2^8, then 2^(b-127), for b >= 247).  NaN codes: max(b & 0x7F) == 0x7F.  4
+ * rows share each x load.  k tails go through zero-filled 32-byte copies.
+ */
+
+#define FP8_XMAX 8192    /* x floats permuted into the stack buffer (32 KiB); larger k: per chunk */
+#define FP8_PREFETCH 512 /* bytes ahead in each row: 4 tiles */
+
+typedef struct {
+    __m256 p, acc; /* tile partial (e4m3/2^8 * x), row total */
+    __m256i nan;   /* bytewise max of (b & 0x7F) */
+} fp8_row;
+
+INL void fp8_row_init(fp8_row *s) {
+    s->p = s->acc = _mm256_setzero_ps();
+    s->nan = _mm256_setzero_si256();
+}
+
+/* x[j..j+31] (zero past k) in the lane order of the even/odd split */
+INL void fp8_x_perm(const float *x, size_t j, size_t k, __m256 xv[4]) {
+    float tail[32];
+    const float *src = x + j;
+    if (j + 32 > k) {
+        for (size_t i = 0; i < 32; i++) tail[i] = j + i < k ? x[j + i] : 0.0f;
+        src = tail;
+    }
+    deinterleave(src, &xv[0], &xv[2]);
+    deinterleave(src + 16, &xv[1], &xv[3]);
+}
+
+INL void fp8_x_chunk(const float *x, const float *xb, size_t j, size_t k, __m256 xv[4]) {
+    if (xb) {
+        xv[0] = _mm256_load_ps(xb + j), xv[1] = _mm256_load_ps(xb + j + 8);
+        xv[2] = _mm256_load_ps(xb + j + 16), xv[3] = _mm256_load_ps(xb + j + 24);
+    } else {
+        fp8_x_perm(x, j, k, xv);
+    }
+}
+
+INL void fp8_chunk(__m256i v, const __m256 xv[4], fp8_row *s) {
+    const __m256i m = _mm256_set1_epi16((short)0xBFFF);
+    const __m256i he = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16(0x0080), v), m);
+    const __m256i ho = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16((short)0x8000), v), m);
+    s->nan = _mm256_max_epu8(s->nan, _mm256_and_si256(v, _mm256_set1_epi8(0x7F)));
+    __m256 p = s->p;
+    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(he)), xv[0], p);
+    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(he, 1)), xv[1], p);
+    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(ho)), xv[2], p);
+    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(ho, 1)), xv[3], p);
+    s->p = p;
+}
+
+/* n < 32 trailing bytes of a row, zero-filled (code 0 = +0, against x = 0) */
+INL __m256i fp8_load_tail(const uint8_t *w, size_t n) {
+    uint8_t b[32] = {0};
+    for (size_t i = 0; i < n; i++) b[i] = w[i];
+    return _mm256_loadu_si256((const __m256i *)b);
+}
+
+/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
+INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
+
+INL void fp8_tile_end(fp8_row *s, uint8_t b) {
+    if (b < 247 || b == 255)
+        s->acc = _mm256_fmadd_ps(s->p, _mm256_set1_ps(fp8_factor(b)), s->acc);
+    else /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
+        s->acc = _mm256_fmadd_ps(_mm256_mul_ps(s->p, _mm256_set1_ps(256.0f)), _mm256_set1_ps(DS4F_SCALE(b)),
+                                 s->acc);
+    s->p = _mm256_setzero_ps();
+}
+
+INL float fp8_row_end(const fp8_row *s) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s->acc), _mm256_extractf128_ps(s->acc, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(s->nan, _mm256_set1_epi8(0x7F)))) {
+        const union {
+            uint32_t u;
+            float f;
+        } q = {DS4F_QNAN_BITS};
+        return q.f;
+    }
+    return _mm_cvtss_f32(v);
+}
+
+/* Rows r..r+R-1 (R = 1 or 4, the same op sequence per row either way); a full tile is four
+ * 32-byte chunks, the last tile may be ragged.  Row loops unrolled: row state in registers. */
+#define FP8_FOR_ROWS(R, stmt)                                                                      \
+    do {                                                                                           \
+        _Pragma("GCC unroll 4") for (int i_ = 0; i_ < (R); i_++) { stmt; }                         \
+    } while (0)
+
+INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, const float *x,
+                  const float *xb, float *y) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE, full = k / DS4F_FP8_TILE;
+    const uint8_t *wr[4], *sr[4];
+    fp8_row st[4];
+    FP8_FOR_ROWS(R, (wr[i_] = w + (r + i_) * k, sr[i_] = scales + (r + i_) / DS4F_FP8_TILE * kt,
+                     fp8_row_init(&st[i_])));
+    __m256 xv[4];
+    for (size_t t = 0; t < full; t++) {
+        const size_t j0 = t * DS4F_FP8_TILE;
+        FP8_FOR_ROWS(R, (_mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH, _MM_HINT_T0),
+                         _mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH + 64, _MM_HINT_T0)));
+        for (size_t j = j0; j < j0 + DS4F_FP8_TILE; j += 32) {
+            fp8_x_chunk(x, xb, j, k, xv);
+            FP8_FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
+        }
+        FP8_FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][t]));
+    }
+    if (k > full * DS4F_FP8_TILE) {
+        size_t j = full * DS4F_FP8_TILE;
+        for (; j + 32 <= k; j += 32) {
+            fp8_x_chunk(x, xb, j, k, xv);
+            FP8_FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
+        }
+        if (j < k) {
+            fp8_x_chunk(x, xb, j, k, xv);
+            FP8_FOR_ROWS(R, fp8_chunk(fp8_load_tail(wr[i_] + j, k - j), xv, &st[i_]));
+        }
+        FP8_FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][full]));
+    }
+    FP8_FOR_ROWS(R, y[r + i_] = fp8_row_end(&st[i_]));
+}
+
+INL void fp8_matvec_impl(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                         const float *x, const float *xb, float *y) {
+    size_t r = r0;
+    for (; r + 4 <= r1; r += 4) fp8_rows(w, scales, r, 4, k, x, xb, y);
+    for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, x, xb, y);
+}
+
+T256 static void fp8_matvec_rows(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1,
+                                 size_t k, const float *x, float *y) {
+    if (k <= FP8_XMAX) {
+        float xb[FP8_XMAX + 32] __attribute__((aligned(32)));
+        for (size_t j = 0; j < k; j += 32) {
+            __m256 xv[4];
+            fp8_x_perm(x, j, k, xv);
+            for (int i = 0; i < 4; i++) _mm256_store_ps(xb + j + 8 * i, xv[i]);
+        }
+        fp8_matvec_impl(w, scales, r0, r1, k, x, xb, y);
+    } else {
+        fp8_matvec_impl(w, scales, r0, r1, k, x, NULL, y);
+    }
+}
+
+/* decode in natural order, 16 elements at a time (same fp16 trick, one multiply by the factor,
+ * NaN codes replaced by the quiet NaN): the scalar decode's bits. */
+INL void fp8_decode16(const uint8_t *c, uint8_t b, float *o) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)c);
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(v), 7),
+                                       _mm256_set1_epi16((short)0xBFFF));
+    const __m128i nan = _mm_cmpeq_epi8(_mm_or_si128(v, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF));
+    const __m256 qnan = _mm256_castsi256_ps(_mm256_set1_epi32((int)DS4F_QNAN_BITS));
+    __m256 f[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+    const __m256i nm[2] = {_mm256_cvtepi8_epi32(nan), _mm256_cvtepi8_epi32(_mm_srli_si128(nan, 8))};
+    for (int i = 0; i < 2; i++) {
+        __m256 val = b < 247 || b == 255
+                         ? _mm256_mul_ps(f[i], _mm256_set1_ps(fp8_factor(b)))
+                         : _mm256_mul_ps(_mm256_mul_ps(f[i], _mm256_set1_ps(256.0f)), _mm256_set1_ps(DS4F_SCALE(b)));
+        _mm256_storeu_ps(o + 8 * i, _mm256_blendv_ps(val, qnan, _mm256_castsi256_ps(nm[i])));
+    }
+}
+
+T256 static void fp8_decode_rows(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1,
+                                 size_t k, float *out) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *wr = w + r * k, *sr = scales + r / DS4F_FP8_TILE * kt;
+        float *o = out + r * k;
+        size_t j = 0;
+        for (; j + 16 <= k; j += 16) fp8_decode16(wr + j, sr[j / DS4F_FP8_TILE], o + j);
+        if (j < k) {
+            uint8_t c[16] = {0};
+            float t[16];
+            for (size_t i = 0; i < k - j; i++) c[i] = wr[j + i];
+            fp8_decode16(c, sr[j / DS4F_FP8_TILE], t);
+            for (size_t i = 0; i < k - j; i++) o[j + i] = t[i];
+        }
+    }
+}
+
+const ds4f_ktable ds4f_kt_avx2 = {"avx2", decode_rows, matvec_rows, bf16_rows, fp8_decode_rows,
+                                  fp8_matvec_rows};
 #endif
