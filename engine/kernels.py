@@ -234,18 +234,11 @@ def experts_scratch(n: int, hidden: int, inter: int) -> np.ndarray:
     return np.zeros(int(lib.ds4f_experts_scratch_floats(n, hidden, inter)), _F32)
 
 
-def experts_forward(
-    experts: Sequence[ExpertWeights],
-    weights,
-    x: np.ndarray,
-    limit: float,
-    out: np.ndarray,
-    scratch: np.ndarray,
-) -> np.ndarray:
-    """out[hidden] = sum over experts e (in order) of
-    w2_e . (silu(min(w1_e.x, limit)) * clip(w3_e.x, -limit, limit) * weights[e]).
-
-    Expert-parallel on the native pool; nothing is allocated in C.  Returns out."""
+def _experts_args(experts: Sequence[ExpertWeights], weights, x: np.ndarray, out, out_name: str, each: bool,
+                  scratch: np.ndarray):
+    """The checks experts_forward and experts_forward_each share; returns the native expert array
+    (with the buffers that must outlive the call), hidden and inter.  out is [hidden], or
+    [n, hidden] when each."""
     n = len(experts)
     if not isinstance(x, np.ndarray) or x.ndim != 1:
         raise ValueError("x: expected a 1-D float32 array [hidden]")
@@ -260,7 +253,7 @@ def experts_forward(
     if len(weights) != n:
         raise ValueError(f"weights: expected {n} routing weights (one per expert), got {len(weights)}")
     _arr("x", x, _F32, (hidden,))
-    _arr("out", out, _F32, (hidden,), writable=True)
+    _arr(out_name, out, _F32, (n, hidden) if each else (hidden,), writable=True)
     need = int(lib.ds4f_experts_scratch_floats(n, hidden, inter))
     if not isinstance(scratch, np.ndarray) or scratch.dtype != _F32 or not scratch.flags.c_contiguous:
         raise ValueError("scratch: expected a C-contiguous float32 array (see experts_scratch)")
@@ -269,7 +262,7 @@ def experts_forward(
     if scratch.size < need:
         raise ValueError(f"scratch: holds {scratch.size} floats, {n} experts of {hidden}x{inter} need {need}")
     if np.may_share_memory(scratch, out) or np.may_share_memory(scratch, x):
-        raise ValueError("scratch: must not overlap x or out")
+        raise ValueError(f"scratch: must not overlap x or {out_name}")
 
     specs = (
         ("w1", (inter, hidden // 2)), ("s1", (inter, hidden // 32)),
@@ -293,12 +286,51 @@ def experts_forward(
             ce.weight = float(weights[e])
         except (TypeError, ValueError):
             raise ValueError(f"weights[{e}]: expected a number, got {weights[e]!r}") from None
+    return (cex, keep), hidden, inter
+
+
+def experts_forward(
+    experts: Sequence[ExpertWeights],
+    weights,
+    x: np.ndarray,
+    limit: float,
+    out: np.ndarray,
+    scratch: np.ndarray,
+) -> np.ndarray:
+    """out[hidden] = sum over experts e (in order) of
+    w2_e . (silu(min(w1_e.x, limit)) * clip(w3_e.x, -limit, limit) * weights[e]).
+
+    Expert-parallel on the native pool; nothing is allocated in C.  Returns out."""
+    (cex, _keep), hidden, inter = _experts_args(experts, weights, x, out, "out", False, scratch)
     rc = lib.ds4f_experts_forward(
-        cex, n, _ptr("float[]", x), hidden, inter, float(limit), _ptr("float[]", out), _ptr("float[]", scratch)
+        cex, len(experts), _ptr("float[]", x), hidden, inter, float(limit), _ptr("float[]", out),
+        _ptr("float[]", scratch),
     )
     if rc != 0:  # unreachable after the checks above; kept as a guard
         raise ValueError("experts_forward: the native kernel rejected its arguments")
     return out
+
+
+def experts_forward_each(
+    experts: Sequence[ExpertWeights],
+    weights,
+    x: np.ndarray,
+    limit: float,
+    out_each: np.ndarray,
+    scratch: np.ndarray,
+) -> np.ndarray:
+    """out_each[e] = w2_e . (silu(min(w1_e.x, limit)) * clip(w3_e.x, -limit, limit) * weights[e]),
+    float32 [n, hidden]: experts_forward without the sum, so the caller can sum experts computed
+    in different calls in an order of its own.  Summing the rows in order 0..n-1 in float32 gives
+    experts_forward's out bit for bit.  Returns out_each."""
+    (cex, _keep), hidden, inter = _experts_args(experts, weights, x, out_each, "out_each", True, scratch)
+    rc = lib.ds4f_experts_forward_each(
+        cex, len(experts), _ptr("float[]", x), hidden, inter, float(limit), _ptr("float[]", out_each),
+        _ptr("float[]", scratch),
+    )
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("experts_forward_each: the native kernel rejected its arguments")
+    return out_each
 
 
 def _check_env() -> None:

@@ -10,7 +10,8 @@
  *
  * Work split: rows are cut into tasks of a multiple of 16 rows; every row is computed entirely
  * by one thread with the backend's fixed op sequence, so results do not depend on the thread
- * count.  experts_forward: per-expert outputs into scratch, summed in expert order 0..n-1.
+ * count.  experts_forward_each: per-expert outputs into the caller's rows; experts_forward: the
+ * same into scratch, then summed in expert order 0..n-1.
  */
 #define _GNU_SOURCE
 #include <stdatomic.h>
@@ -201,7 +202,8 @@ void ds4f_fp8_matvec(const uint8_t *w, const uint8_t *scales, size_t rows, size_
 
 /* ---- routed experts ------------------------------------------------------------------------ */
 
-/* scratch: act[n][inter] | up[n][inter] | ye[n][hidden] */
+/* scratch: act[n][inter] | up[n][inter] | ye[n][hidden] (ye: experts_forward's per-expert rows;
+ * experts_forward_each writes those to the caller's y_each and leaves this part alone) */
 size_t ds4f_experts_scratch_floats(int n, size_t hidden, size_t inter) {
     if (n < 1 || n > DS4F_MAX_EXPERTS) return 0;
     return (size_t)n * (2 * inter + hidden);
@@ -246,25 +248,41 @@ static void experts_phase2(void *ctx, size_t i) {
     j->t->matvec(x->w2, x->s2, r0, r1, j->inter, j->act + e * j->inter, j->ye + e * j->hidden);
 }
 
-int ds4f_experts_forward(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
-                         float limit, float *y, float *scratch) {
+static int experts_args_ok(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
+                           const float *y, const float *scratch) {
     if (!ex || !x || !y || !scratch || n < 1 || n > DS4F_MAX_EXPERTS || hidden == 0 || inter == 0 ||
         hidden % 32 || inter % 32)
-        return -1;
+        return 0;
     for (int e = 0; e < n; e++)
-        if (!ex[e].w1 || !ex[e].s1 || !ex[e].w3 || !ex[e].s3 || !ex[e].w2 || !ex[e].s2) return -1;
+        if (!ex[e].w1 || !ex[e].s1 || !ex[e].w3 || !ex[e].s3 || !ex[e].w2 || !ex[e].s2) return 0;
+    return 1;
+}
+
+int ds4f_experts_forward_each(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
+                              float limit, float *y_each, float *scratch) {
+    if (!experts_args_ok(ex, n, x, hidden, inter, y_each, scratch)) return -1;
     const size_t nt = (size_t)ds4f_pool_get_threads(), ne = (size_t)n;
     const size_t parts = nt <= 1 ? 1 : (2 * nt + ne - 1) / ne; /* >= 2 tasks per thread */
     experts_job j = {table(ds4f_get_backend()), ex, ne, hidden, inter,
                      round_up((inter + parts - 1) / parts, ROW_ALIGN),
                      round_up((hidden + parts - 1) / parts, ROW_ALIGN), x, limit,
-                     scratch, scratch + ne * inter, scratch + 2 * ne * inter};
+                     scratch, scratch + ne * inter, y_each};
     const size_t p1 = (inter + j.rows1 - 1) / j.rows1, p2 = (hidden + j.rows2 - 1) / j.rows2;
     ds4f_pool_run(experts_phase1, &j, ne * p1);
     ds4f_pool_run(experts_phase2, &j, ne * p2);
-    for (size_t h = 0; h < hidden; h++) { /* fixed expert order: deterministic */
-        float s = j.ye[h];
-        for (size_t e = 1; e < ne; e++) s += j.ye[e * hidden + h];
+    return 0;
+}
+
+/* the per-expert outputs in scratch's ye part, summed in expert order 0..n-1: deterministic */
+int ds4f_experts_forward(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
+                         float limit, float *y, float *scratch) {
+    if (!experts_args_ok(ex, n, x, hidden, inter, y, scratch)) return -1;
+    const size_t ne = (size_t)n;
+    float *ye = scratch + 2 * ne * inter;
+    if (ds4f_experts_forward_each(ex, n, x, hidden, inter, limit, ye, scratch) != 0) return -1;
+    for (size_t h = 0; h < hidden; h++) {
+        float s = ye[h];
+        for (size_t e = 1; e < ne; e++) s += ye[e * hidden + h];
         y[h] = s;
     }
     return 0;

@@ -60,5 +60,12 @@ typedef struct {
 size_t ds4f_experts_scratch_floats(int n, size_t hidden, size_t inter);
 int ds4f_experts_forward(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
                          float limit, float *y, float *scratch);
+/* The same per expert: expert e's weighted output w2_e . (...) goes to y_each + e*hidden
+ * (y_each holds [n][hidden] floats, apart from scratch), nothing is summed; summing the rows in
+ * order 0..n-1 in fp32 is exactly ds4f_experts_forward's y (which is this plus that sum).  So a
+ * caller can keep experts computed at different times apart and sum them in an order of its own.
+ * scratch as for ds4f_experts_forward.  Returns 0, or -1 for bad arguments. */
+int ds4f_experts_forward_each(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
+                              float limit, float *y_each, float *scratch);
 
 #endif

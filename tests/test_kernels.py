@@ -247,6 +247,42 @@ def test_experts_forward(backend, n):
         np.testing.assert_array_equal(bits(other), bits(y))
 
 
+@BACKEND
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_experts_forward_each(backend, n):
+    """experts_forward_each keeps each expert's weighted output apart: each row is within
+    tolerance of that expert alone in float64, summing the rows in order 0..n-1 in float32 gives
+    experts_forward's bits exactly (threads 1 and 2), and an expert's row does not depend on which
+    other experts share the call."""
+    hidden, inter, limit = 256, 128, 7.0
+    rng = np.random.default_rng(100 + n)
+    experts = [rand_expert(rng, hidden, inter) for _ in range(n)]
+    weights = list(rng.uniform(0.05, 0.5, n))
+    x = (rng.standard_normal(hidden) * 0.05).astype(np.float32)
+    scratch = K.experts_scratch(n, hidden, inter)
+    K.set_backend(backend)
+    rows = None
+    for threads in (1, 2):
+        K.set_threads(threads)
+        each = np.full((n, hidden), np.nan, np.float32)
+        assert K.experts_forward_each(experts, weights, x, limit, each, scratch) is each
+        total = each[0].copy()
+        for e in range(1, n):
+            total += each[e]  # float32, in expert order
+        out = K.experts_forward(experts, weights, x, limit, np.empty(hidden, np.float32), scratch)
+        np.testing.assert_array_equal(bits(total), bits(out))
+        if rows is None:
+            rows = each
+        else:  # the thread count changes nothing
+            np.testing.assert_array_equal(bits(each), bits(rows))
+    for e in range(n):
+        ref, bound = ref_experts([experts[e]], [weights[e]], x, limit)
+        assert np.all(np.abs(rows[e] - ref) <= 1e-5 * bound), (e, np.max(np.abs(rows[e] - ref) / bound))
+        alone = K.experts_forward_each([experts[e]], [weights[e]], x, limit, np.empty((1, hidden), np.float32),
+                                       scratch)
+        np.testing.assert_array_equal(bits(alone[0]), bits(rows[e]))
+
+
 def test_experts_forward_clamps():
     """limit small enough that gate and up both clamp: checks min(gate, limit), clip(up)."""
     hidden, inter = 64, 32
@@ -332,6 +368,21 @@ def test_bad_expert_input():
         (lambda: K.experts_forward([e, e._replace(s3=e.s3.astype(np.int16))], [1, 1], x, 1.0, out, scratch), r"experts\[1\]\.s3"),
         (lambda: K.experts_forward([e], ["a"], x, 1.0, out, scratch), r"weights\[0\]"),
         (lambda: K.experts_forward([e], [1.0], x, 1.0, out, out), "scratch"),
+    ]
+    each = np.empty((2, hidden), np.float32)
+    ro = np.empty((1, hidden), np.float32)
+    ro.flags.writeable = False
+    cases += [  # experts_forward_each shares the checks, with out_each [n, hidden]
+        (lambda: K.experts_forward_each([e, e], [1.0, 1.0], x, 1.0, each[:1], scratch), "out_each"),
+        (lambda: K.experts_forward_each([e], [1.0], x, 1.0, out, scratch), "out_each"),
+        (lambda: K.experts_forward_each([e], [1.0], x, 1.0, each[:1].astype(np.float64), scratch), "out_each"),
+        (lambda: K.experts_forward_each([e], [1.0], x, 1.0, np.empty((1, 2 * hidden), np.float32)[:, ::2], scratch),
+         "out_each"),
+        (lambda: K.experts_forward_each([e], [1.0], x, 1.0, ro, scratch), "out_each"),
+        (lambda: K.experts_forward_each([e], [1.0], x, 1.0, scratch[:hidden].reshape(1, hidden), scratch), "scratch"),
+        (lambda: K.experts_forward_each([e, e], [1.0], x, 1.0, each, scratch), "weights"),
+        (lambda: K.experts_forward_each([e._replace(w1=e.w1[:, :8])], [1.0], x, 1.0, each[:1], scratch),
+         r"experts\[0\]\.w1"),
     ]
     for call, name in cases:
         with pytest.raises(ValueError, match=rf"^{name}"):
