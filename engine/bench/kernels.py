@@ -48,6 +48,7 @@ PAGES = ("huge", "normal", "both")
 FLOOR_MIN_BYTES = 1 << 30
 MEMORY_CAP = 3 << 29        # 1.5 GiB: the largest buffer (floor or one cold working set) held at a time
 ASSUMED_LLC = 32 << 20      # when neither sysfs nor sysconf knows the LLC
+BLAS_SETTLE_S = 0.25        # after a numpy baseline: OpenBLAS's threads spin ~0.1 s before they sleep
 
 
 @dataclass
@@ -448,14 +449,7 @@ def run_bench(
 
     def measure(case: _Case) -> None:
         scalar_t: dict[int, float] = {}
-        t_np = None
-        if case.baseline is not None:
-            note(f"{case.kernel} {case.label}: numpy baseline")
-            if case.cold:  # a few calls, each on the next copy: numpy decodes, so it is slow anyway
-                nxt = iter(range(1 << 30))
-                t_np = _median_time(lambda: case.baseline(next(nxt) % case.copies), max(1, min(repeat, 2)))
-            else:
-                t_np = _median_time(lambda: case.baseline(0), max(1, min(repeat, 3)))
+        mine: list[Record] = []
         for backend in backends:
             K.set_backend(backend)
             note(f"{case.kernel} {case.label}{' cold' if case.cold else ''}: {backend}")
@@ -464,16 +458,28 @@ def run_bench(
                 t = times[nt]
                 if backend == "scalar":
                     scalar_t[nt] = t
-                records.append(Record(
+                mine.append(Record(
                     case.kernel, case.label, backend, nt, t, case.nbytes / t / 1e9, case.nweights / t / 1e9,
-                    scalar_t[nt] / t if nt in scalar_t else None, None if t_np is None else t_np / t,
-                    times[threads[0]] / t, cold=case.cold, pages=case.pages, working_set_bytes=case.working_set,
-                    huge_page_bytes=case.huge_bytes,
+                    scalar_t[nt] / t if nt in scalar_t else None, None, times[threads[0]] / t, cold=case.cold,
+                    pages=case.pages, working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes,
                 ))  # fmt: skip
-        if t_np is not None:
-            records.append(Record(case.kernel, case.label, "numpy", 0, t_np, case.nbytes / t_np / 1e9,
-                                  case.nweights / t_np / 1e9, cold=case.cold, pages=case.pages,
-                                  working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes))
+        records.extend(mine)
+        if case.baseline is None:
+            return
+        # numpy last: its BLAS threads spin on the other cores for a while after a call (~0.1 s
+        # with OpenBLAS), and a kernel measured in that time loses those cores
+        note(f"{case.kernel} {case.label}: numpy baseline")
+        if case.cold:  # a few calls, each on the next copy: numpy decodes, so it is slow anyway
+            nxt = iter(range(1 << 30))
+            t_np = _median_time(lambda: case.baseline(next(nxt) % case.copies), max(1, min(repeat, 2)))
+        else:
+            t_np = _median_time(lambda: case.baseline(0), max(1, min(repeat, 3)))
+        for r in mine:
+            r.speedup_vs_numpy = t_np / r.median_s
+        records.append(Record(case.kernel, case.label, "numpy", 0, t_np, case.nbytes / t_np / 1e9,
+                              case.nweights / t_np / 1e9, cold=case.cold, pages=case.pages,
+                              working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes))
+        time.sleep(BLAS_SETTLE_S)
 
     try:
         if "memory" in kernels:
