@@ -183,20 +183,14 @@ void ds4f_bf16_matvec(const uint16_t *w, size_t rows, size_t k, const float *x, 
     run_rows(&j);
 }
 
-/* until the NEON backend has its own FP8 kernels, it runs the scalar ones */
-static const ds4f_ktable *fp8_table(int backend) {
-    const ds4f_ktable *t = table(backend);
-    return t->fp8_matvec ? t : &ds4f_kt_scalar;
-}
-
 void ds4f_fp8_decode(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, float *out) {
-    rows_job j = {fp8_table(ds4f_get_backend()), K_FP8_DECODE, w, scales, rows, k, 0, NULL, out};
+    rows_job j = {table(ds4f_get_backend()), K_FP8_DECODE, w, scales, rows, k, 0, NULL, out};
     run_rows(&j);
 }
 
 void ds4f_fp8_matvec(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, const float *x,
                      float *y) {
-    rows_job j = {fp8_table(ds4f_get_backend()), K_FP8_MATVEC, w, scales, rows, k, 0, x, y};
+    rows_job j = {table(ds4f_get_backend()), K_FP8_MATVEC, w, scales, rows, k, 0, x, y};
     run_rows(&j);
 }
 

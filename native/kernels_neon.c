@@ -144,5 +144,152 @@ static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, const f
     }
 }
 
-const ds4f_ktable ds4f_kt_neon = {"neon", decode_rows, matvec_rows, bf16_rows};
+/* ---- FP8 E4M3 with 128x128 E8M0 tiles ---------------------------------------------------------
+ *
+ * The x86 backends' method (see kernels_avx512.c), in natural element order: vshll_n_s8(b, 7)
+ * widens 8 bytes to words sext(b) << 7, AND 0xBFFF makes the fp16 e4m3(b) / 2^8 (exact,
+ * subnormals included), vcvt_f32_f16 widens 4 at a time, FMA with x; a tile's partial sum is
+ * multiplied by 2^(b-119) (or 2^8, then 2^(b-127), for b >= 247, where that would overflow).
+ * NaN codes: vmaxvq(max(b & 0x7F)) == 0x7F over the row.  4 rows share each x load; the k tail
+ * goes through zero-filled 16-byte copies.  (No software prefetch: not measured on hardware.)
+ */
+
+typedef struct {
+    float32x4_t p, acc; /* tile partial (e4m3/2^8 * x), row total */
+    uint8x16_t nan;     /* bytewise max of (b & 0x7F) */
+} fp8_row;
+
+INL void fp8_row_init(fp8_row *s) {
+    s->p = s->acc = vdupq_n_f32(0.0f);
+    s->nan = vdupq_n_u8(0);
+}
+
+INL void load_x16(const float *x, float32x4_t xv[4]) {
+    for (int i = 0; i < 4; i++) xv[i] = vld1q_f32(x + 4 * i);
+}
+
+/* n < 16 trailing bytes of a row, zero-filled (code 0 = +0, against x = 0) */
+INL uint8x16_t fp8_load_tail(const uint8_t *w, size_t n) {
+    uint8_t b[16] = {0};
+    for (size_t i = 0; i < n; i++) b[i] = w[i];
+    return vld1q_u8(b);
+}
+
+/* 8 E4M3 bytes -> the fp16 words e4m3/2^8 */
+INL float16x8_t fp8_half8(int8x8_t b) {
+    return vreinterpretq_f16_u16(vandq_u16(vreinterpretq_u16_s16(vshll_n_s8(b, 7)), vdupq_n_u16(0xBFFF)));
+}
+
+INL void fp8_chunk(uint8x16_t v, const float32x4_t xv[4], fp8_row *s) {
+    const float16x8_t h0 = fp8_half8(vreinterpret_s8_u8(vget_low_u8(v)));
+    const float16x8_t h1 = fp8_half8(vreinterpret_s8_u8(vget_high_u8(v)));
+    s->nan = vmaxq_u8(s->nan, vandq_u8(v, vdupq_n_u8(0x7F)));
+    float32x4_t p = s->p;
+    p = vfmaq_f32(p, vcvt_f32_f16(vget_low_f16(h0)), xv[0]);
+    p = vfmaq_f32(p, vcvt_high_f32_f16(h0), xv[1]);
+    p = vfmaq_f32(p, vcvt_f32_f16(vget_low_f16(h1)), xv[2]);
+    p = vfmaq_f32(p, vcvt_high_f32_f16(h1), xv[3]);
+    s->p = p;
+}
+
+/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
+INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
+
+INL void fp8_tile_end(fp8_row *s, uint8_t b) {
+    if (b < 247 || b == 255)
+        s->acc = vfmaq_f32(s->acc, s->p, vdupq_n_f32(fp8_factor(b)));
+    else /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
+        s->acc = vfmaq_f32(s->acc, vmulq_f32(s->p, vdupq_n_f32(256.0f)), vdupq_n_f32(DS4F_SCALE(b)));
+    s->p = vdupq_n_f32(0.0f);
+}
+
+INL float fp8_row_end(const fp8_row *s) {
+    if (vmaxvq_u8(s->nan) == 0x7F) {
+        const union {
+            uint32_t u;
+            float f;
+        } q = {DS4F_QNAN_BITS};
+        return q.f;
+    }
+    return vaddvq_f32(s->acc);
+}
+
+#define FP8_FOR_ROWS(R, stmt)                                                                      \
+    do {                                                                                           \
+        _Pragma("GCC unroll 4") for (int i_ = 0; i_ < (R); i_++) { stmt; }                         \
+    } while (0)
+
+/* rows r..r+R-1 (R = 1 or 4: the same op sequence per row either way) */
+INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, const float *x,
+                  float *y) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    const uint8_t *wr[4], *sr[4];
+    fp8_row st[4];
+    FP8_FOR_ROWS(R, (wr[i_] = w + (r + i_) * k, sr[i_] = scales + (r + i_) / DS4F_FP8_TILE * kt,
+                     fp8_row_init(&st[i_])));
+    for (size_t t = 0; t < kt; t++) {
+        const size_t j0 = t * DS4F_FP8_TILE, j1 = j0 + DS4F_FP8_TILE < k ? j0 + DS4F_FP8_TILE : k;
+        size_t j = j0;
+        for (; j + 16 <= j1; j += 16) {
+            float32x4_t xv[4];
+            load_x16(x + j, xv);
+            FP8_FOR_ROWS(R, fp8_chunk(vld1q_u8(wr[i_] + j), xv, &st[i_]));
+        }
+        if (j < j1) { /* the k tail (only the last tile can be ragged) */
+            float xt[16] = {0};
+            for (size_t i = 0; i < j1 - j; i++) xt[i] = x[j + i];
+            float32x4_t xv[4];
+            load_x16(xt, xv);
+            FP8_FOR_ROWS(R, (fp8_chunk(fp8_load_tail(wr[i_] + j, j1 - j), xv, &st[i_])));
+        }
+        FP8_FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][t]));
+    }
+    FP8_FOR_ROWS(R, y[r + i_] = fp8_row_end(&st[i_]));
+}
+
+static void fp8_matvec_rows(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                            const float *x, float *y) {
+    size_t r = r0;
+    for (; r + 4 <= r1; r += 4) fp8_rows(w, scales, r, 4, k, x, y);
+    for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, x, y);
+}
+
+/* decode, 16 elements at a time: the same fp16 path, one multiply by the factor, NaN codes
+ * replaced by the quiet NaN: the scalar decode's bits */
+INL void fp8_decode16(uint8x16_t v, uint8_t b, float *o) {
+    const float16x8_t h[2] = {fp8_half8(vreinterpret_s8_u8(vget_low_u8(v))),
+                              fp8_half8(vreinterpret_s8_u8(vget_high_u8(v)))};
+    const int8x16_t nan = vreinterpretq_s8_u8(vceqq_u8(vorrq_u8(v, vdupq_n_u8(0x80)), vdupq_n_u8(0xFF)));
+    const int16x8_t n16[2] = {vmovl_s8(vget_low_s8(nan)), vmovl_s8(vget_high_s8(nan))};
+    const float32x4_t qnan = vreinterpretq_f32_u32(vdupq_n_u32(DS4F_QNAN_BITS));
+    for (int i = 0; i < 4; i++) {
+        const float16x8_t hh = h[i / 2];
+        const float32x4_t f = i % 2 ? vcvt_high_f32_f16(hh) : vcvt_f32_f16(vget_low_f16(hh));
+        const float32x4_t val = b < 247 || b == 255
+                                    ? vmulq_f32(f, vdupq_n_f32(fp8_factor(b)))
+                                    : vmulq_f32(vmulq_f32(f, vdupq_n_f32(256.0f)), vdupq_n_f32(DS4F_SCALE(b)));
+        const int16x8_t nn = n16[i / 2];
+        const uint32x4_t m = vreinterpretq_u32_s32(i % 2 ? vmovl_high_s16(nn) : vmovl_s16(vget_low_s16(nn)));
+        vst1q_f32(o + 4 * i, vbslq_f32(m, qnan, val));
+    }
+}
+
+static void fp8_decode_rows(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                            float *out) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *wr = w + r * k, *sr = scales + r / DS4F_FP8_TILE * kt;
+        float *o = out + r * k;
+        size_t j = 0;
+        for (; j + 16 <= k; j += 16) fp8_decode16(vld1q_u8(wr + j), sr[j / DS4F_FP8_TILE], o + j);
+        if (j < k) {
+            float t[16];
+            fp8_decode16(fp8_load_tail(wr + j, k - j), sr[j / DS4F_FP8_TILE], t);
+            for (size_t i = 0; i < k - j; i++) o[j + i] = t[i];
+        }
+    }
+}
+
+const ds4f_ktable ds4f_kt_neon = {"neon", decode_rows, matvec_rows, bf16_rows, fp8_decode_rows,
+                                  fp8_matvec_rows};
 #endif

@@ -172,6 +172,24 @@ def test_fp8_matvec(backend, rows, k):
 
 
 @BACKEND
+def test_fp8_matvec_extreme_scale_bytes(backend):
+    """Scale bytes from 0 (a subnormal 2^-127) to 254, 247..254 included (where SIMD backends
+    cannot fold their 2^8 into the tile factor): still within tolerance.  Codes are kept below
+    2 (exponent <= 7) so that no decoded value overflows float32 (the scalar reference would
+    rightly give inf there)."""
+    rows, k = 260, 1300
+    rng = np.random.default_rng(11)
+    w = rng.integers(0, 256, (rows, k), dtype=np.uint8) & 0xBF
+    scales = rng.choice(np.array([0, 1, 2, 60, 127, 200, 246, 247, 250, 254], np.uint8), tiles(rows, k))
+    x = (rng.standard_normal(k) * 2.0**-20).astype(np.float32)
+    ref, bound = ref_matvec(ref_decode64(w, scales), x)
+    assert np.isfinite(ref).all()
+    K.set_backend(backend)
+    y = K.fp8_matvec(w, scales, x)
+    assert np.all(np.abs(y - ref) <= 1e-5 * bound), np.max(np.abs(y - ref) / bound)
+
+
+@BACKEND
 def test_nan_code_or_scale_makes_the_row_nan(backend):
     """A NaN code (0x7F or 0xFF, even where x is 0, in the k tail or the first column) or a 255
     scale makes exactly the rows it touches NaN; every other row stays finite."""

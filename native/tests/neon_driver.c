@@ -8,6 +8,14 @@
  *   DIR/<i>.bf16         rows*k uint16
  * writes, for each backend B in {scalar, neon} and thread count T in {1, 2, 3}:
  *   DIR/<i>.B.decode (rows*k float32), DIR/<i>.B.tT.matvec, DIR/<i>.B.tT.bf16 (rows float32)
+ * FP8 (if DIR/fp8.txt exists; one line per case: "rows k"):
+ *   DIR/f<i>.w  rows*k E4M3 bytes   DIR/f<i>.ds / f<i>.ms  ceil(rows/128)*ceil(k/128) scale bytes
+ *   (decode / matvec)   DIR/f<i>.x  k float32
+ *   -> DIR/f<i>.B.decode (rows*k float32), DIR/f<i>.B.tT.matvec (rows float32)
+ * Routed experts (if DIR/experts.txt exists: "n hidden inter limit"):
+ *   DIR/e<e>.w1 .s1 .w3 .s3 .w2 .s2 (MXFP4, as ds4f_expert), DIR/e.weights n float32, DIR/e.x
+ *   hidden float32 -> DIR/e.B.tT.each (n*hidden float32, experts_forward_each) and DIR/e.B.tT.sum
+ *   (hidden float32, experts_forward)
  * The comparisons (bit identity, tolerance against float64) are made in Python.
  */
 #include <stdio.h>
@@ -16,9 +24,10 @@
 
 #include "ds4f_kernels.h"
 
-static void *slurp(const char *dir, int i, const char *ext, size_t n) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%d.%s", dir, i, ext);
+static const int backends[2] = {DS4F_SCALAR, DS4F_NEON};
+static const char *names[2] = {"scalar", "neon"};
+
+static void *slurp_path(const char *path, size_t n) {
     FILE *f = fopen(path, "rb");
     void *p = malloc(n ? n : 1);
     if (!f || !p || fread(p, 1, n, f) != n) {
@@ -29,15 +38,112 @@ static void *slurp(const char *dir, int i, const char *ext, size_t n) {
     return p;
 }
 
-static void spit(const char *dir, int i, const char *ext, const void *p, size_t n) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%d.%s", dir, i, ext);
+static void spit_path(const char *path, const void *p, size_t n) {
     FILE *f = fopen(path, "wb");
     if (!f || fwrite(p, 1, n, f) != n) {
         fprintf(stderr, "neon_driver: cannot write %s\n", path);
         exit(1);
     }
     fclose(f);
+}
+
+/* DIR/<prefix><i>.<ext> */
+static void *slurp_f(const char *dir, const char *prefix, int i, const char *ext, size_t n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s%d.%s", dir, prefix, i, ext);
+    return slurp_path(path, n);
+}
+
+static void spit_f(const char *dir, const char *prefix, int i, const char *ext, const void *p, size_t n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s%d.%s", dir, prefix, i, ext);
+    spit_path(path, p, n);
+}
+
+static void use_backend(int b) {
+    if (ds4f_set_backend(backends[b]) != 0 || ds4f_get_backend() != backends[b]) exit(4);
+}
+
+static void run_fp8(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/fp8.txt", dir);
+    FILE *cases = fopen(path, "r");
+    if (!cases) return;
+    size_t rows, k;
+    for (int i = 0; fscanf(cases, "%zu %zu", &rows, &k) == 2; i++) {
+        const size_t nt = ((rows + 127) / 128) * ((k + 127) / 128);
+        uint8_t *w = slurp_f(dir, "f", i, "w", rows * k);
+        uint8_t *ds = slurp_f(dir, "f", i, "ds", nt), *ms = slurp_f(dir, "f", i, "ms", nt);
+        float *x = slurp_f(dir, "f", i, "x", k * sizeof(float));
+        float *out = malloc(rows * k * sizeof(float) + 1), *y = malloc(rows * sizeof(float) + 1);
+        for (int b = 0; b < 2; b++) {
+            use_backend(b);
+            char ext[64];
+            ds4f_set_threads(1);
+            memset(out, 0xff, rows * k * sizeof(float));
+            ds4f_fp8_decode(w, ds, rows, k, out);
+            snprintf(ext, sizeof ext, "%s.decode", names[b]);
+            spit_f(dir, "f", i, ext, out, rows * k * sizeof(float));
+            for (int t = 1; t <= 3; t++) {
+                ds4f_set_threads(t);
+                ds4f_fp8_matvec(w, ms, rows, k, x, y);
+                snprintf(ext, sizeof ext, "%s.t%d.matvec", names[b], t);
+                spit_f(dir, "f", i, ext, y, rows * sizeof(float));
+            }
+        }
+        printf("fp8 case %d: %zu x %zu done\n", i, rows, k);
+        free(w), free(ds), free(ms), free(x), free(out), free(y);
+    }
+    fclose(cases);
+}
+
+static void run_experts(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/experts.txt", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    int n;
+    size_t hidden, inter;
+    float limit;
+    if (fscanf(f, "%d %zu %zu %f", &n, &hidden, &inter, &limit) != 4 || n < 1 || n > DS4F_MAX_EXPERTS) exit(5);
+    fclose(f);
+    ds4f_expert ex[DS4F_MAX_EXPERTS];
+    snprintf(path, sizeof path, "%s/e.weights", dir);
+    float *wts = slurp_path(path, (size_t)n * sizeof(float));
+    for (int e = 0; e < n; e++) {
+        ex[e].w1 = slurp_f(dir, "e", e, "w1", inter * hidden / 2);
+        ex[e].s1 = slurp_f(dir, "e", e, "s1", inter * hidden / 32);
+        ex[e].w3 = slurp_f(dir, "e", e, "w3", inter * hidden / 2);
+        ex[e].s3 = slurp_f(dir, "e", e, "s3", inter * hidden / 32);
+        ex[e].w2 = slurp_f(dir, "e", e, "w2", hidden * inter / 2);
+        ex[e].s2 = slurp_f(dir, "e", e, "s2", hidden * inter / 32);
+        ex[e].weight = wts[e];
+    }
+    snprintf(path, sizeof path, "%s/e.x", dir);
+    float *x = slurp_path(path, hidden * sizeof(float));
+    float *scratch = malloc(ds4f_experts_scratch_floats(n, hidden, inter) * sizeof(float));
+    float *each = malloc((size_t)n * hidden * sizeof(float)), *sum = malloc(hidden * sizeof(float));
+    for (int b = 0; b < 2; b++) {
+        use_backend(b);
+        for (int t = 1; t <= 3; t++) {
+            ds4f_set_threads(t);
+            if (ds4f_experts_forward_each(ex, n, x, hidden, inter, limit, each, scratch) != 0 ||
+                ds4f_experts_forward(ex, n, x, hidden, inter, limit, sum, scratch) != 0)
+                exit(6);
+            snprintf(path, sizeof path, "%s/e.%s.t%d.each", dir, names[b], t);
+            spit_path(path, each, (size_t)n * hidden * sizeof(float));
+            snprintf(path, sizeof path, "%s/e.%s.t%d.sum", dir, names[b], t);
+            spit_path(path, sum, hidden * sizeof(float));
+        }
+    }
+    printf("experts: %d x %zu x %zu done\n", n, hidden, inter);
+}
+
+/* the MXFP4 / bf16 cases: DIR/<i>.<ext> */
+static void *slurp(const char *dir, int i, const char *ext, size_t n) { return slurp_f(dir, "", i, ext, n); }
+
+static void spit(const char *dir, int i, const char *ext, const void *p, size_t n) {
+    spit_f(dir, "", i, ext, p, n);
 }
 
 int main(int argc, char **argv) {
@@ -63,10 +169,8 @@ int main(int argc, char **argv) {
         float *x = slurp(dir, i, "x", k * sizeof(float));
         uint16_t *w16 = slurp(dir, i, "bf16", rows * k * sizeof(uint16_t));
         float *out = malloc(rows * k * sizeof(float) + 1), *y = malloc(rows * sizeof(float) + 1);
-        static const int backends[2] = {DS4F_SCALAR, DS4F_NEON};
-        static const char *names[2] = {"scalar", "neon"};
         for (int b = 0; b < 2; b++) {
-            if (ds4f_set_backend(backends[b]) != 0 || ds4f_get_backend() != backends[b]) return 4;
+            use_backend(b);
             char ext[64];
             ds4f_set_threads(1);
             memset(out, 0xff, rows * k * sizeof(float));
@@ -87,5 +191,7 @@ int main(int argc, char **argv) {
         free(codes), free(dsc), free(msc), free(x), free(w16), free(out), free(y);
     }
     fclose(cases);
+    run_fp8(dir);
+    run_experts(dir);
     return 0;
 }
