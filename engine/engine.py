@@ -34,7 +34,7 @@ class EngineFigures:
     prefetch: dict
     pinned_layers: tuple[int, ...]
     resident_bytes: int           # what the engine keeps in RAM: pinned trunk, globals, routers, cache, buffers
-    checks: int = 0               # expert records checked against their crc32 (the ds4f layout)
+    checks: int = 0               # expert records and streamed trunk layers checked against their crc32
     check_s: float = 0.0          # I/O-thread time those checks took
 
 

@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 import threading
+import zlib
 from pathlib import Path
 
 import ml_dtypes
@@ -184,13 +185,14 @@ def test_safetensors_library_reads_our_shards_and_agrees(tiny_official):
                         g.seek(ck.tensors[name].offset)
                         assert g.read(ck.tensors[name].nbytes) == arr.tobytes()
     assert seen == set(ck.tensors)
-    # our decoded trunk agrees with the library's bytes + ml_dtypes
+    # the trunk is read in its shipped dtypes: the library's bytes, FP8 weight and scale tiles as they are
     raw = dict(safetensors.deserialize(shard_of(Path(tiny_official), "layers.2.ffn.shared_experts.w1.weight").read_bytes()))
     w = np.frombuffer(raw["layers.2.ffn.shared_experts.w1.weight"]["data"], ml_dtypes.float8_e4m3fn).reshape(128, 256)
     s = np.frombuffer(raw["layers.2.ffn.shared_experts.w1.scale"]["data"], ml_dtypes.float8_e8m0fnu).reshape(1, 2)
-    ref = w.astype(np.float32) * np.repeat(np.repeat(s.astype(np.float32), 128, 0), 128, 1)
-    got = ck.layer_tensors(2)["shared_experts.w1.weight"]
-    assert got.dtype == ml_dtypes.bfloat16 and np.array_equal(got.astype(np.float32), ref)
+    lt = ck.layer_tensors(2)
+    got_w, got_s = lt["shared_experts.w1.weight"], lt["shared_experts.w1.scale"]
+    assert got_w.dtype == ml_dtypes.float8_e4m3fn and got_s.dtype == ml_dtypes.float8_e8m0fnu
+    assert got_w.tobytes() == w.tobytes() and got_s.tobytes() == s.tobytes()
     ck.close()
 
 
@@ -223,7 +225,7 @@ def test_synth_magnitudes_are_typical(tiny_official):
             assert 0.6 / np.sqrt(k) < dec.std() < 1.6 / np.sqrt(k), name
             assert np.isfinite(dec).all()
         lt = ck.layer_tensors(1)
-        sh = lt["shared_experts.w1.weight"].astype(np.float32)
+        sh = dequantize_fp8(lt["shared_experts.w1.weight"], lt["shared_experts.w1.scale"]).astype(np.float32)
         assert 0.8 / np.sqrt(g.hidden) < sh.std() < 1.25 / np.sqrt(g.hidden)
         assert abs(lt["ffn_norm.weight"].astype(np.float32).mean() - 1) < 0.05
         emb = ck.global_tensor("embed.weight").astype(np.float32)
@@ -276,17 +278,21 @@ def test_ds4f_layout_files(tiny_model):
     root = Path(tiny_model)
     pool = json.loads((root / "pool-mxfp4.json").read_text())
     trunk = json.loads((root / "trunk.json").read_text())
-    assert pool["format"] == "ds4f-pool-mxfp4" and pool["version"] == 1
+    assert pool["format"] == "ds4f-pool-mxfp4" and pool["version"] == 2
     assert pool["record_nbytes"] % 4096 == 0 and len(pool["records"]) == 64
     assert list(pool["parts"]) == ["w1.weight", "w3.weight", "w2.weight", "w1.scale", "w3.scale", "w2.scale"]
     assert trunk["format"] == "ds4f-trunk"
     regions = read_trunk_offsets(root / "trunk.offsets")
     assert list(regions)[:4] == ["layer.0", "layer.1", "layer.2", "layer.3"] and "global" in regions
     assert all(off % 4096 == 0 and n % 4096 == 0 for off, n in regions.values())
-    # FP8 trunk tensors are bf16 now; no scale tensors remain
+    # FP8 trunk tensors stay FP8 with their E8M0 tile scales; every region carries a crc32
+    assert trunk["version"] == 2
     dtypes = {t["name"]: t["dtype"] for t in trunk["tensors"]}
-    assert dtypes["layers.1.ffn.shared_experts.w2.weight"] == "BF16"
-    assert not any(n.endswith(".scale") for n in dtypes)
+    assert dtypes["layers.1.ffn.shared_experts.w2.weight"] == "F8_E4M3"
+    assert dtypes["layers.1.ffn.shared_experts.w2.scale"] == "F8_E8M0"
+    data = (root / "trunk.bin").read_bytes()
+    for r in trunk["regions"]:
+        assert zlib.crc32(data[r["offset"]:r["offset"] + r["nbytes"]]) == r["crc32"], r["name"]
     assert not list(root.parent.glob(".*partial*"))
 
 
@@ -321,7 +327,7 @@ def test_short_read_names_file_and_expert(tiny_model, tmp_path):
 
 
 def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
-    """Attention-like FP8 tensors (real release only) go to a per-layer extra region, dequantized."""
+    """Attention-like FP8 tensors go to a per-layer extra region, FP8 and scale tiles unchanged."""
     from safetensors import TensorSpec, serialize_file
 
     root = copy_ck(tiny_official, tmp_path, "src")
@@ -341,13 +347,13 @@ def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
     dst = convert_checkpoint(root, tmp_path / "dst", progress=False)
     trunk = json.loads((dst / "trunk.json").read_text())
     by = {t["name"]: t for t in trunk["tensors"]}
-    assert by["layers.1.attn.wq_a.weight"]["region"] == "extra.1" and by["layers.1.attn.wq_a.weight"]["dtype"] == "BF16"
+    assert by["layers.1.attn.wq_a.weight"]["region"] == "extra.1" and by["layers.1.attn.wq_a.weight"]["dtype"] == "F8_E4M3"
+    assert by["layers.1.attn.wq_a.scale"]["region"] == "extra.1" and by["layers.1.attn.wq_a.scale"]["dtype"] == "F8_E8M0"
     assert by["mtp.0.norm.weight"]["region"] == "global"
-    assert "layers.1.attn.wq_a.scale" not in by
     assert "layers.4.ffn.experts.0.w1.weight" not in by and trunk["skipped"]["count"] == 1  # MTP experts
     with open_checkpoint(dst) as ck:
-        got = ck.global_tensor("layers.1.attn.wq_a.weight")
-        assert np.array_equal(got.astype(np.float32), dequantize_fp8(w, s).astype(np.float32))
+        assert ck.global_tensor("layers.1.attn.wq_a.weight").tobytes() == w.tobytes()
+        assert ck.global_tensor("layers.1.attn.wq_a.scale").tobytes() == s.tobytes()
         assert np.array_equal(ck.global_tensor("layers.1.hc_ffn_base"), hc)
         regions = read_trunk_offsets(dst / "trunk.offsets")
         assert regions["layer.1"][0] + regions["layer.1"][1] == regions["extra.1"][0]  # the layer read skips it
@@ -498,7 +504,7 @@ def test_bad_geometry_mismatching_the_shards(sharded, tmp_path):
 
 
 @pytest.mark.parametrize("fname,edit,pattern", [
-    ("pool-mxfp4.json", lambda d: d.update(version=99), r"pool-mxfp4.json: version 99"),
+    ("pool-mxfp4.json", lambda d: d.update(version=99), r"pool-mxfp4.json: layout version 99, this ds4f reads version 2 \(a newer ds4f"),
     ("pool-mxfp4.json", lambda d: d["records"].pop(), r"pool-mxfp4.json: 63 records, expected 64"),
     ("pool-mxfp4.json", lambda d: d["records"][5].__setitem__(0, 100), r"record 5 .* not 4096-aligned"),
     ("trunk.json", lambda d: d.update(format="nope"), r"trunk.json: not a ds4f-trunk file"),
@@ -536,12 +542,12 @@ def test_not_a_checkpoint(tmp_path):
     assert out.returncode == 1 and "not a checkpoint" in out.stderr
 
 
-def test_convert_refuses_to_overwrite_and_fp8_overflow_leaves_nothing(tiny_official, tiny_model, tmp_path):
+def test_convert_refuses_to_overwrite_and_keeps_fp8_bytes(tiny_official, tiny_model, tmp_path):
     with pytest.raises(Ds4fError, match="already exists"):
         convert_checkpoint(tiny_official, tiny_model)
     with pytest.raises(Ds4fError, match="already in the ds4f layout"):
         convert_checkpoint(tiny_model, tmp_path / "x")
-    # an FP8 scale that takes values out of bf16's range: conversion fails loudly, writes nothing
+    # FP8 is no longer widened: a scale whose values would not fit bf16 converts unchanged
     root = copy_ck(tiny_official, tmp_path)
     name = "layers.1.ffn.shared_experts.w3.scale"
     shard = shard_of(root, name)
@@ -549,10 +555,10 @@ def test_convert_refuses_to_overwrite_and_fp8_overflow_leaves_nothing(tiny_offic
         off = ck.tensors[name].offset
     with open(shard, "r+b") as f:
         f.seek(off)
-        f.write(bytes([1]))  # 2^-126: tiny weights underflow bf16
-    with pytest.raises(Ds4fError, match=r"shared_experts\.w3\.weight: FP8 value .* not exactly representable in bf16"):
-        convert_checkpoint(root, tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+        f.write(bytes([1]))  # 2^-126
+    convert_checkpoint(root, tmp_path / "out", progress=False)
+    with open_checkpoint(tmp_path / "out") as ck:
+        assert ck.layer_tensors(1)["shared_experts.w3.scale"].view(np.uint8)[0, 0] == 1
 
 
 # ---- CLI ------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.checkpoint.formats import dequantize_mxfp4
 from ds4f.engine.model.geometry import GEOMETRIES
+from ds4f.engine.model.reference import decode_fp8
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 
 
@@ -28,9 +29,10 @@ class NumpyMoE:
 
     def __init__(self, ck):
         self.g = g = ck.geometry
-        self.layers = []
+        self.layers, self.raw = [], []
         for L in range(g.n_layers):
             t = ck.layer_tensors(L)
+            self.raw.append(t)
             self.layers.append({k: (v.astype(np.float32) if v.dtype.kind == "V" or str(v.dtype) == "bfloat16" else v)
                                 for k, v in t.items()})
         self.embed = ck.global_tensor("embed.weight").astype(np.float32)
@@ -74,7 +76,8 @@ class NumpyMoE:
                 gate = np.minimum(E["w1"] @ x, g.swiglu_limit)
                 up = np.clip(E["w3"] @ x, -g.swiglu_limit, g.swiglu_limit)
                 y += E["w2"] @ (we * silu(gate) * up)
-            s1, s3, s2 = (lt[f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2"))
+            s1, s3, s2 = (decode_fp8(self.raw[L][f"shared_experts.{n}.weight"], self.raw[L][f"shared_experts.{n}.scale"])
+                          for n in ("w1", "w3", "w2"))
             y += s2 @ (silu(s1 @ x) * (s3 @ x))
             h = h + y
         nxt = int(np.argmax(self.head @ rmsnorm(h, self.norm, g.rms_norm_eps)))

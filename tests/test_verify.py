@@ -79,7 +79,7 @@ def test_a_shape_that_disagrees_with_the_bytes(tiny_model, tmp_path):
     edit_trunk(root, lambda t: t["layers.2.ffn.shared_experts.w2.weight"].update(
         shape=[2 * s for s in t["layers.2.ffn.shared_experts.w2.weight"]["shape"]]))
     hit = expect(root, r"trunk\.json: layers\.2\.ffn\.shared_experts\.w2\.weight: nbytes \d+ disagrees with its"
-                       r" dtype BF16 and shape", opens=True)
+                       r" dtype F8_E4M3 and shape", opens=True)
     assert len(hit) == 1
 
 
@@ -157,3 +157,54 @@ def test_nan_scales_in_an_expert_official_name_the_shard(tiny_official, tmp_path
         t = ck.tensors[name]
     _poke(t.file, t.offset + 1, bytes([E8M0_NAN]))
     expect(root, r"1 NaN scale bytes \(0xFF\) in expert scales", rf"{re.escape(t.file.name)}: {re.escape(name)}: 1")
+
+
+# ---- the ds4f layout's trunk: region checksums, FP8 NaN, older layouts ----------------------------------
+def _trunk_entry(root: Path, name: str) -> dict:
+    return next(t for t in json.loads((root / "trunk.json").read_text())["tensors"] if t["name"] == name)
+
+
+def test_nan_scale_and_code_in_the_trunk_fp8(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    scale, weight = (_trunk_entry(root, f"layers.1.ffn.shared_experts.w3.{p}") for p in ("scale", "weight"))
+    _poke(root / "trunk.bin", scale["offset"], bytes([E8M0_NAN]))
+    _poke(root / "trunk.bin", weight["offset"] + 5, bytes([0x7F]))
+    expect(root, r"trunk\.bin: layers\.1\.ffn\.shared_experts\.w3\.scale: 1 NaN scale bytes \(0xFF\)")
+    expect(root, r"trunk\.bin: layers\.1\.ffn\.shared_experts\.w3\.weight: \d+ NaN E4M3 codes")
+    # the pokes also break the region's checksum, which verify names
+    expect(root, r"trunk\.bin: region layer\.1 \(bytes \d+\.\.\d+\): crc32 [0-9a-f]{8}, trunk\.json says")
+
+
+def test_a_flipped_trunk_byte_fails_verify_and_the_read(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    gate = _trunk_entry(root, "layers.2.ffn.gate.weight")
+    with open(root / "trunk.bin", "r+b") as f:
+        f.seek(gate["offset"] + 3)
+        b = f.read(1)[0]
+        f.seek(gate["offset"] + 3)
+        f.write(bytes([b ^ 0x01]))  # a low mantissa bit: a plausible, silent change without the check
+    expect(root, r"region layer\.2 .*crc32")
+    with open_checkpoint(root) as ck:
+        ck.layer_tensors(1)  # other regions read fine
+        with pytest.raises(Ds4fError, match=r"trunk\.bin: region layer\.2 \(bytes \d+\.\.\d+\) is corrupt: crc32"):
+            ck.layer_tensors(2)
+
+
+def test_a_flipped_global_byte_fails_the_first_global_read(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    head = _trunk_entry(root, "head.weight")
+    _poke(root / "trunk.bin", head["offset"] + 100, b"\x55\xaa")
+    with open_checkpoint(root) as ck:
+        with pytest.raises(Ds4fError, match=r"region global .* is corrupt"):
+            ck.global_tensor("embed.weight")
+    expect(root, r"region global .*crc32")
+
+
+def test_an_older_layout_says_to_convert_again(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+    for name in ("trunk.json", "pool-mxfp4.json"):
+        doc = json.loads((root / name).read_text())
+        doc["version"] = 1
+        (root / name).write_text(json.dumps(doc))
+    hit = expect(root, r"layout version 1, written by an older ds4f", r"ds4f convert SRC .* --force", opens=True)
+    assert len(hit) == 2  # both JSON files named

@@ -13,13 +13,15 @@ import numpy as np
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import read_json
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.model.geometry import Geometry, fp8_scale_shape
 
 ALIGN = 4096
 TENSOR_ALIGN = 64
 POOL_JSON, POOL_BIN = "pool-mxfp4.json", "pool-mxfp4.bin"
 TRUNK_JSON, TRUNK_BIN, TRUNK_OFFSETS = "trunk.json", "trunk.bin", "trunk.offsets"
-POOL_FORMAT, TRUNK_FORMAT, LAYOUT_VERSION = "ds4f-pool-mxfp4", "ds4f-trunk", 1
+POOL_FORMAT, TRUNK_FORMAT = "ds4f-pool-mxfp4", "ds4f-trunk"
+# 2: FP8 tensors kept as FP8 + E8M0 tiles (1 kept them widened to bf16); trunk regions carry a crc32
+LAYOUT_VERSION = 2
 OFFSETS_HEADER = "# ds4f-trunk-offsets 1"
 CONFIG_NAME = "config.json"
 PROMPTS_NAME = "prompts.json"
@@ -51,7 +53,8 @@ def expert_layout(g: Geometry) -> dict[str, tuple[int, tuple[int, ...]]]:
 
 
 def moe_short_tensors(g: Geometry, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(short name, dtype code in RAM, shape) of one layer's MoE trunk, in region order."""
+    """(short name, dtype code in RAM, shape) of one layer's MoE trunk, in region order.
+    The shared expert stays in its shipped FP8: E4M3 weights with their E8M0 128x128 tile scales."""
     si = g.shared_inter
     out = [("attn_norm.weight", "BF16", (g.hidden,)),
            ("ffn_norm.weight", "BF16", (g.hidden,)),
@@ -60,9 +63,9 @@ def moe_short_tensors(g: Geometry, layer: int) -> list[tuple[str, str, tuple[int
         out.append(("gate.tid2eid", "I64", (g.vocab, g.top_k)))
     else:
         out.append(("gate.bias", "F32", (g.n_experts,)))
-    out += [("shared_experts.w1.weight", "BF16", (si, g.hidden)),
-            ("shared_experts.w3.weight", "BF16", (si, g.hidden)),
-            ("shared_experts.w2.weight", "BF16", (g.hidden, si))]
+    for w, shape in (("w1", (si, g.hidden)), ("w3", (si, g.hidden)), ("w2", (g.hidden, si))):
+        out += [(f"shared_experts.{w}.weight", "F8_E4M3", shape),
+                (f"shared_experts.{w}.scale", "F8_E8M0", fp8_scale_shape(shape))]
     return out
 
 
@@ -163,8 +166,16 @@ class Checkpoint:
             raise IndexError(f"expert {expert} out of range 0..{self.geometry.n_experts - 1}")
 
     def layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
+        """A layer's MoE trunk in a buffer of its own, checked where the form has checksums."""
         buf = aligned_buffer(self.trunk_layer_buf_nbytes)
-        return self.read_trunk_layer(layer, buf)
+        tensors = self.read_trunk_layer(layer, buf)
+        self.check_trunk_layer(layer, buf)
+        return tensors
+
+    def check_trunk_layer(self, layer: int, buf) -> bool:
+        """Compare a layer's trunk just read into buf with its checksum: True if checked (a
+        mismatch raises Ds4fError). The official release has none: False."""
+        return False
 
     @property
     def prompts(self) -> list[list[int]]:

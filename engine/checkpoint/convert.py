@@ -2,7 +2,8 @@
 
 Streaming with bounded memory: one expert record, one layer's MoE trunk, or one chunk
 of a big tensor at a time (at most ~64 MiB plus a layer region), whatever the model's size.
-Expert bytes are copied unchanged; FP8 trunk tensors become bf16, checked exact.
+Every byte is copied unchanged: experts as MXFP4, FP8 trunk tensors as FP8 with their E8M0
+tile scales, bf16 as bf16; each trunk region gets a crc32 of its bytes (padding included).
 Everything is written into a hidden sibling directory and renamed into place at the end,
 so an interrupted conversion never leaves something that looks like a checkpoint; the next
 conversion to the same place removes the hidden directories a killed one left.
@@ -17,7 +18,6 @@ import shutil
 import zlib
 from pathlib import Path
 
-import numpy as np
 
 from ds4f.engine.checkpoint import detect_kind
 from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POOL_BIN, POOL_FORMAT, POOL_JSON,
@@ -27,7 +27,7 @@ from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POO
 from ds4f.engine.checkpoint.layout import write_trunk_offsets
 from ds4f.engine.checkpoint.official import OfficialCheckpoint
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.checkpoint.formats import dequantize_fp8, st_itemsize, st_numpy_dtype
+from ds4f.engine.checkpoint.formats import st_itemsize
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact
 from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir
@@ -77,12 +77,6 @@ def _plan_trunk(ck: OfficialCheckpoint):
     """Split the non-expert tensors into layer MoE regions, per-layer extras and the global region."""
     g = ck.geometry
     moe = {official_name(L, s) for L in range(g.n_layers) for s, *_ in moe_region_layout(g, L)[0]}
-    consumed = set()  # FP8 scales folded into their weights
-    for name, t in ck.tensors.items():
-        if t.dtype == "F8_E4M3" and name.endswith(".weight"):
-            sc = name[: -len(".weight")] + ".scale"
-            if sc in ck.tensors:
-                consumed.add(sc)
     extras: dict[int, list[str]] = {L: [] for L in range(g.n_layers)}
     glob: list[str] = []
     skipped: list[str] = []
@@ -92,7 +86,7 @@ def _plan_trunk(ck: OfficialCheckpoint):
             if not (m and int(m.group(1)) < g.n_layers):
                 skipped.append(name)  # routed experts beyond the decoding layers (the MTP layer)
             continue
-        if name in moe or name in consumed:
+        if name in moe:
             continue
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) < g.n_layers:
@@ -104,13 +98,22 @@ def _plan_trunk(ck: OfficialCheckpoint):
     return extras, glob, skipped
 
 
-def _out_dtype(t: TensorInfo, ck: OfficialCheckpoint) -> str:
-    if t.dtype == "F8_E4M3":
-        sc = t.name[: -len(".weight")] + ".scale" if t.name.endswith(".weight") else None
-        if sc not in ck.tensors:
-            raise Ds4fError(f"{t.file}: {t.name} is FP8 but has no {sc or '.scale'} tensor to dequantize it with")
-        return "BF16"
-    return t.dtype
+class _RegionWriter:
+    """Writes one trunk region's bytes in order (padding included) and keeps their crc32."""
+
+    def __init__(self, out, start: int) -> None:
+        self.out, self.start, self.pos, self.crc = out, start, start, 0
+        out.seek(start)
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.crc = zlib.crc32(mv, self.crc)
+        _write_all(self.out, mv)
+        self.pos += len(mv)
+
+    def pad_to(self, end: int) -> None:
+        if end > self.pos:
+            self.write(bytes(end - self.pos))
 
 
 def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
@@ -131,9 +134,9 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
                 layout, n = moe_region_layout(g, L)
                 buf[:] = 0
                 ck.read_trunk_layer(L, buf)
-                out.seek(pos)
-                _write_all(out, memoryview(buf)[:n])
-                regions.append((f"layer.{L}", pos, n))
+                w = _RegionWriter(out, pos)
+                w.write(memoryview(buf)[:n])
+                regions.append((f"layer.{L}", pos, n, w.crc))
                 for short, dtype, shape, off in layout:
                     entries.append({"name": official_name(L, short), "short": short, "layer": L,
                                     "region": f"layer.{L}", "dtype": dtype, "shape": list(shape),
@@ -167,13 +170,15 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
             "parts": {k: {"offset": off, "shape": list(shape)} for k, (off, shape) in expert_layout(g).items()},
             "records": records}
     trunk = {"format": TRUNK_FORMAT, "version": LAYOUT_VERSION, "geometry": cfg, "file": TRUNK_BIN,
-             "alignment": ALIGN, "regions": [{"name": n, "offset": o, "nbytes": b} for n, o, b in regions],
+             "alignment": ALIGN,
+             "crc32": "zlib crc32 of each region's nbytes bytes (padding included)",
+             "regions": [{"name": n, "offset": o, "nbytes": b, "crc32": c} for n, o, b, c in regions],
              "tensors": entries,
              "skipped": {"count": len(skipped), "why": "routed experts of layers beyond num_hidden_layers (MTP)",
                          "names": skipped[:20]}}
     (tmp / POOL_JSON).write_text(json.dumps(pool, separators=(",", ":")) + "\n")
     (tmp / TRUNK_JSON).write_text(json.dumps(trunk, indent=1) + "\n")
-    write_trunk_offsets(tmp / TRUNK_OFFSETS, regions)
+    write_trunk_offsets(tmp / TRUNK_OFFSETS, [(n, o, b) for n, o, b, _ in regions])
     shutil.copyfile(ck.path / CONFIG_NAME, tmp / CONFIG_NAME)
     for name in COPY_ALONG:
         if (ck.path / name).is_file():
@@ -182,30 +187,20 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
 
 def _write_region(ck: OfficialCheckpoint, out, pos: int, region: str, names: list[str], layer, entries, regions,
                   bar) -> int:
-    start = pos
+    w = _RegionWriter(out, pos)
     for name in names:
         t = ck.tensors[name]
-        dtype = _out_dtype(t, ck)
-        n_out = math.prod(t.shape) * st_itemsize(dtype)
-        pos = align_up(pos, TENSOR_ALIGN)
-        entries.append({"name": name, "layer": layer, "region": region, "dtype": dtype, "shape": list(t.shape),
-                        "offset": pos, "nbytes": n_out})
-        out.seek(pos)
-        if dtype == t.dtype:
-            _copy_range(ck, t, out)
-        else:
-            _dequantize_stream(ck, t, out)
-        pos += n_out
+        w.pad_to(align_up(w.pos, TENSOR_ALIGN))
+        entries.append({"name": name, "layer": layer, "region": region, "dtype": t.dtype, "shape": list(t.shape),
+                        "offset": w.pos, "nbytes": t.nbytes})
+        _copy_range(ck, t, w)
         bar.advance(t.nbytes, name)
-    end = align_up(pos)
-    if end > pos:
-        out.seek(end - 1)
-        _write_all(out, b"\0")
-    regions.append((region, start, end - start))
-    return end
+    w.pad_to(align_up(w.pos))
+    regions.append((region, pos, w.pos - pos, w.crc))
+    return w.pos
 
 
-def _copy_range(ck: OfficialCheckpoint, t: TensorInfo, out) -> None:
+def _copy_range(ck: OfficialCheckpoint, t: TensorInfo, w: _RegionWriter) -> None:
     fd = ck._fd_of[t.file]
     buf = bytearray(min(CHUNK_BYTES, max(t.nbytes, 1)))
     done = 0
@@ -213,28 +208,8 @@ def _copy_range(ck: OfficialCheckpoint, t: TensorInfo, out) -> None:
         n = min(len(buf), t.nbytes - done)
         mv = memoryview(buf)[:n]
         pread_exact(fd, mv, t.offset + done, t.file, t.name)
-        _write_all(out, mv)
+        w.write(mv)
         done += n
-
-
-def _dequantize_stream(ck: OfficialCheckpoint, t: TensorInfo, out) -> None:
-    if len(t.shape) != 2:
-        raise Ds4fError(f"{t.file}: {t.name}: FP8 tensor of shape {list(t.shape)}; only 2-D weights can be dequantized")
-    r, c = t.shape
-    sc_name = t.name[: -len(".weight")] + ".scale"
-    sc_info = ck.tensors[sc_name]
-    scale = ck._read_tensor(sc_name).view(np.uint8)
-    if scale.shape != (-(-r // 128), -(-c // 128)):
-        raise Ds4fError(f"{sc_info.file}: {sc_name}: shape {list(scale.shape)} does not tile {t.name} {[r, c]}"
-                        f" in 128x128 blocks")
-    rows = max(128, (CHUNK_BYTES // max(c, 1)) // 128 * 128)
-    fd = ck._fd_of[t.file]
-    for r0 in range(0, r, rows):
-        r1 = min(r, r0 + rows)
-        w = np.empty((r1 - r0, c), dtype=st_numpy_dtype("F8_E4M3"))
-        pread_exact(fd, memoryview(w.reshape(-1).view(np.uint8)), t.offset + r0 * c, t.file, t.name)
-        part = dequantize_fp8(w, scale[r0 // 128: -(-r1 // 128)], name=f"{t.file}: {t.name}")
-        _write_all(out, memoryview(part.reshape(-1).view(np.uint8)))
 
 
 def _write_all(out, data) -> None:

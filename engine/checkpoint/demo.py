@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ds4f.engine.checkpoint.base import LAYOUT_VERSION
 from ds4f.engine.config import user_cache_dir
 from ds4f.engine.errors import Ds4fError
 
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"
 DEMO_SEED = 0
-DEMO_VERSION = 1                # bump to rebuild everyone's demo model on next launch
+DEMO_VERSION = 1                # bump to rebuild everyone's demo model on next launch (a new layout does too)
 MARKER = "ds4f-demo.json"       # written last, inside the converted checkpoint
 LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
 
@@ -38,7 +39,8 @@ Announce = Callable[[str], None]
 
 
 def _marker(geometry: str, seed: int) -> dict:
-    return {"format": "ds4f-demo", "version": DEMO_VERSION, "geometry": geometry, "seed": seed}
+    return {"format": "ds4f-demo", "version": DEMO_VERSION, "layout": LAYOUT_VERSION, "geometry": geometry,
+            "seed": seed}
 
 
 def is_complete(path: Path, geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED) -> bool:
@@ -62,8 +64,7 @@ def build_sizes(geometry: str) -> tuple[int, int]:
     g = get_geometry(geometry)
     tensors = official_tensors(g)
     official = sum(t.nbytes for t in tensors)
-    trunk = sum(t.nbytes * (2 if t.dtype == "F8_E4M3" else 1) for t in tensors
-                if ".experts." not in t.name and not t.name.endswith(".scale"))
+    trunk = sum(t.nbytes for t in tensors if ".experts." not in t.name or ".shared_experts." in t.name)
     converted = g.n_layers * g.n_experts * align_up(g.expert_nbytes) + trunk
     return official, converted
 

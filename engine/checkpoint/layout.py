@@ -6,19 +6,22 @@ pool-mxfp4.bin   one record per (layer, expert), index layer * n_experts + exper
                  at a 4 KiB-aligned offset and padded with zeros to `record_nbytes`
                  (a multiple of 4 KiB): [w1.weight | w3.weight | w2.weight | w1.scale |
                  w3.scale | w2.scale], the official bytes unchanged. A miss is one O_DIRECT pread.
-pool-mxfp4.json  {"format": "ds4f-pool-mxfp4", "version": 1, "geometry": config, "file",
+pool-mxfp4.json  {"format": "ds4f-pool-mxfp4", "version": 2, "geometry": config, "file",
                  "alignment", "expert_nbytes", "record_nbytes", "parts": {name: {offset,
                  shape}}, "records": [[offset, crc32], ...]}; crc32 (zlib) of the record's
                  expert_nbytes bytes.
 trunk.bin        per layer, a 4 KiB-aligned region with that layer's MoE trunk (norms,
-                 gate weight, bias or tid2eid, shared expert in bf16), then a region with
-                 the layer's other tensors (attention etc., real release only), then one
-                 global region (embed, head, final norm, anything else).
+                 gate weight, bias or tid2eid, the shared expert as FP8 E4M3 + E8M0 tile
+                 scales), then a region with the layer's other tensors (attention etc.), then
+                 one global region (embed, head, final norm, anything else). Every tensor
+                 in its shipped dtype, bytes unchanged.
 trunk.offsets    text: a "# ds4f-trunk-offsets 1" line, then one line per region:
                  "<region> <offset> <nbytes>" with region "layer.N", "extra.N" or "global".
-trunk.json       {"format": "ds4f-trunk", "version": 1, "geometry", "file", "alignment",
-                 "regions": [{name, offset, nbytes}], "tensors": [{name, short, layer,
-                 region, dtype, shape, offset, nbytes}]}; official names, FP8 now BF16.
+trunk.json       {"format": "ds4f-trunk", "version": 2, "geometry", "file", "alignment",
+                 "regions": [{name, offset, nbytes, crc32}], "tensors": [{name, short, layer,
+                 region, dtype, shape, offset, nbytes}]}; official names and dtypes; crc32
+                 (zlib) of each region's nbytes bytes, checked whenever a region is read.
+Version 1 (FP8 widened to bf16, no region checksums) is refused with a message to re-convert.
 config.json      copied from the release.
 """
 from __future__ import annotations
@@ -57,6 +60,8 @@ class Ds4fCheckpoint(Checkpoint):
         self.record_nbytes: int = layout.record_nbytes
         self.slot_nbytes = self.record_nbytes
         self.regions: dict[str, tuple[int, int]] = layout.regions
+        self.region_crc32: dict[str, int] = layout.region_crc32
+        self._global_checked = False
         self.trunk_tensors: dict[str, dict] = layout.tensors
         self._layer_layout = layout.layer_layout
         self.trunk_layer_buf_nbytes = max(self.regions[f"layer.{L}"][1] for L in range(self.geometry.n_layers))
@@ -129,10 +134,41 @@ class Ds4fCheckpoint(Checkpoint):
                           f"trunk layer {layer}")
         return _views(np.frombuffer(mv, dtype=np.uint8), self._layer_layout[layer])
 
+    def check_trunk_layer(self, layer: int, buf) -> bool:
+        """Compare a layer region just read into buf with its crc32; Ds4fError naming it if it differs."""
+        off, n = self.regions[f"layer.{layer}"]
+        self._check_region(f"layer.{layer}", zlib.crc32(_check_buffer(buf, n, "check_trunk_layer")[:n]))
+        return True
+
+    def _check_region(self, region: str, crc: int) -> None:
+        want = self.region_crc32[region]
+        if crc != want:
+            off, n = self.regions[region]
+            raise Ds4fError(f"{self.trunk_path}: region {region} (bytes {off}..{off + n}) is corrupt: crc32 {crc:08x},"
+                            f" {TRUNK_JSON} says {want:08x}; `ds4f verify {self.path}` checks the whole checkpoint",
+                            path=str(self.trunk_path), kind="data")
+
+    def _check_global_region(self) -> None:
+        """The global region (embed, head, final norm, ...) checked once, streamed in chunks."""
+        off, n = self.regions["global"]
+        crc, done = 0, 0
+        chunk = bytearray(min(n, 64 << 20) or 1)
+        while done < n:
+            mv = memoryview(chunk)[: min(len(chunk), n - done)]
+            pread_exact(self._trunk_buffered, mv, off + done, self.trunk_path, "the global region")
+            crc = zlib.crc32(mv, crc)
+            done += len(mv)
+        _dontneed(self._trunk_buffered, off, n)
+        self._check_region("global", crc)
+        self._global_checked = True
+
     def global_tensor(self, name: str) -> np.ndarray:
+        """A tensor of the global region, as stored (the region's crc32 is checked on first use)."""
         t = self.trunk_tensors.get(name)
         if t is None:
             raise Ds4fError(f"{self.path / TRUNK_JSON}: no tensor {name}")
+        if not self._global_checked and "global" in self.regions:
+            self._check_global_region()
         arr = np.empty(t["shape"], dtype=st_numpy_dtype(t["dtype"]))
         pread_exact(self._trunk_buffered, memoryview(arr.reshape(-1).view(np.uint8)), t["offset"],
                     self.trunk_path, name)
@@ -154,6 +190,7 @@ class Ds4fLayout:
     record_crc32: np.ndarray | None = None    # int64 [n_layers * n_experts]: crc32 of each expert's bytes
     trunk_path: Path | None = None            # trunk.bin
     regions: dict[str, tuple[int, int]] = field(default_factory=dict)   # region -> (offset, nbytes)
+    region_crc32: dict[str, int] = field(default_factory=dict)          # region -> crc32 of its bytes
     tensors: dict[str, dict] = field(default_factory=dict)              # official name -> trunk.json entry
     # layer -> [(short name, dtype code, shape, offset in the layer's region)]
     layer_layout: dict[int, list[tuple[str, str, tuple[int, ...], int]]] = field(default_factory=dict)
@@ -178,7 +215,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
         if not isinstance(doc, dict) or doc.get("format") != fmt:
             problems.append(f"{path}: not a {fmt} file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
         elif doc.get("version") != LAYOUT_VERSION:
-            problems.append(f"{path}: version {doc.get('version')!r}, this ds4f reads version {LAYOUT_VERSION}")
+            problems.append(_version_problem(path, doc.get("version")))
         elif doc.get("geometry") != g.to_config():
             try:
                 other = Geometry.from_config(doc.get("geometry"), f"{path} geometry")
@@ -242,10 +279,11 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
     regions: dict[str, tuple[int, int]] = {}
     for r in trunk.get("regions") or []:
         if not (isinstance(r, dict) and isinstance(r.get("name"), str) and _pos_int(r.get("offset"))
-                and _pos_int(r.get("nbytes"))):
-            problems.append(f"{trunk_json}: bad region entry {r!r}")
+                and _pos_int(r.get("nbytes")) and _pos_int(r.get("crc32")) and r["crc32"] < 2 ** 32):
+            problems.append(f"{trunk_json}: bad region entry {r!r} (expected name, offset, nbytes, crc32)")
             continue
         regions[r["name"]] = (r["offset"], r["nbytes"])
+        layout.region_crc32[r["name"]] = r["crc32"]
         if r["offset"] % ALIGN or r["nbytes"] % ALIGN:
             problems.append(f"{trunk_json}: region {r['name']} ({r['offset']}, {r['nbytes']}) is not {ALIGN}-aligned")
         if check_sizes and tsize is not None and r["offset"] + r["nbytes"] > tsize:
@@ -320,6 +358,15 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
     except Ds4fError as exc:
         problems.append(str(exc))
     return layout, problems
+
+
+def _version_problem(path: Path, version) -> str:
+    if isinstance(version, int) and not isinstance(version, bool) and version < LAYOUT_VERSION:
+        return (f"{path}: layout version {version}, written by an older ds4f (FP8 tensors widened to bf16, no"
+                f" trunk checksums); this ds4f reads version {LAYOUT_VERSION}: convert the official release"
+                f" again (`ds4f convert SRC {path.parent} --force`)")
+    return (f"{path}: layout version {version!r}, this ds4f reads version {LAYOUT_VERSION}"
+            f" (a newer ds4f wrote it, or the file is damaged)")
 
 
 def _overlaps(where: Path, what: str, spans: list[tuple[int, int, str]], limit: int = 20) -> list[str]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ds4f.engine.checkpoint.base import (CONFIG_NAME, Checkpoint, _check_buffer, _dontneed, _views, moe_region_layout,
                                          official_name)
-from ds4f.engine.checkpoint.formats import dequantize_fp8, st_numpy_dtype
+from ds4f.engine.checkpoint.formats import st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import (INDEX_NAME, TensorInfo, load_official_index, pread_exact,
                                                       read_json)
 from ds4f.engine.checkpoint.tensors import official_tensors
@@ -101,40 +101,24 @@ class OfficialCheckpoint(Checkpoint):
 
     def trunk_layer_nbytes(self, layer: int) -> int:
         self._check_layer(layer)
-        n = 0
-        for short, _dt, _shape, _off in moe_region_layout(self.geometry, layer)[0]:
-            name = official_name(layer, short)
-            n += self.tensors[name].nbytes
-            sc = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
-            if sc in self.tensors and self.tensors[name].dtype.startswith("F8"):
-                n += self.tensors[sc].nbytes
-        return n
+        return sum(self.tensors[official_name(layer, short)].nbytes
+                   for short, *_ in moe_region_layout(self.geometry, layer)[0])
 
     def read_trunk_layer(self, layer: int, buf) -> dict[str, np.ndarray]:
+        """The layer's MoE trunk in its shipped dtypes (FP8 weights with their tile scales)."""
         self._check_layer(layer)
         layout, region = moe_region_layout(self.geometry, layer)
         mv = _check_buffer(buf, region, "read_trunk_layer")
         views = _views(np.frombuffer(mv, dtype=np.uint8), layout)
-        for short, dtype, shape, _off in layout:
-            name = official_name(layer, short)
-            t = self.tensors[name]
-            if t.dtype == "F8_E4M3":
-                w = self._read_tensor(name)
-                s = self._read_tensor(name[: -len(".weight")] + ".scale")
-                dequantize_fp8(w, s, name=f"{t.file}: {name}", out=views[short])
-            else:
-                self._read_tensor_into(t, views[short])
+        for short, _dtype, _shape, _off in layout:
+            self._read_tensor_into(self.tensors[official_name(layer, short)], views[short])
         return views
 
     def global_tensor(self, name: str) -> np.ndarray:
+        """A tensor outside the layers, as shipped."""
         if name not in self.tensors:
             raise Ds4fError(f"{self.path}: no tensor {name}")
-        t = self.tensors[name]
-        arr = self._read_tensor(name)
-        scale = name[: -len(".weight")] + ".scale"
-        if t.dtype == "F8_E4M3" and scale in self.tensors:
-            arr = dequantize_fp8(arr, self._read_tensor(scale), name=f"{t.file}: {name}")
-        return arr
+        return self._read_tensor(name)
 
 
 def check_official_tensors(g: Geometry, tensors: dict[str, TensorInfo], root: Path) -> list[str]:

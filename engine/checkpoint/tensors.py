@@ -8,15 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ds4f.engine.checkpoint.formats import st_itemsize
-from ds4f.engine.model.geometry import FP8_TILE, Geometry
-
-
-
-
-def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Shape of the E8M0 scale tiles of a 2-D FP8 weight (one per 128x128 tile)."""
-    r, c = shape
-    return (-(-r // FP8_TILE), -(-c // FP8_TILE))
+from ds4f.engine.model.geometry import Geometry, fp8_scale_shape
 
 
 @dataclass(frozen=True)

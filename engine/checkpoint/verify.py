@@ -3,7 +3,8 @@
 ds4f layout: JSON structure and versions, geometry against config.json, sizes, every
 offset inside its file and 4 KiB-aligned, record overlap, tensor dtypes and shapes, the
 trunk.offsets table, then every record read back (one at a time, page cache dropped):
-crc32, zero padding, NaN scale bytes (0xFF); tid2eid ids in range. trunk.json's own lies
+crc32, zero padding, NaN scale bytes (0xFF); every trunk region against its crc32; NaN in
+the trunk's FP8 tensors (E8M0 scale bytes 0xFF, E4M3 codes 0x7F / 0xFF); tid2eid ids in range. trunk.json's own lies
 (an entry whose nbytes disagrees with its dtype and shape, or whose dtype and shape disagree
 with the geometry; tensors or regions that overlap) come from load_ds4f_layout.
 Official release: index and shard headers, every tensor the geometry needs with its
@@ -107,8 +108,10 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
         where = ", ".join(f"(layer {L}, expert {e}): {n}" for L, e, n in nan_records[:10])
         problems.append(f"{pool_path}: {nan_total} NaN scale bytes (0xFF) in {len(nan_records)} records: {where}"
                         + (" ..." if len(nan_records) > 10 else ""))
-    # tid2eid ids in range (hash layers)
     trunk_path: Path = layout.trunk_path
+    if trunk_path.exists():
+        problems += _trunk_problems(layout, trunk_path, progress)
+    # tid2eid ids in range (hash layers)
     if trunk_path.exists():
         tsize = trunk_path.stat().st_size
         for L in range(g.n_hash_layers):
@@ -123,6 +126,43 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
             views = _views(rbuf, lay)
             problems += _tid2eid_problems(views.get("gate.tid2eid"), g, f"{trunk_path}: layers.{L}.ffn.gate.tid2eid")
     return problems
+
+
+def _trunk_problems(layout, trunk_path: Path, progress: ProgressArg) -> list[str]:
+    """Every region against its crc32, and NaN in every FP8 tensor (scale bytes 0xFF, E4M3 codes
+    0x7F / 0xFF), reading trunk.bin once, a chunk at a time."""
+    tsize = trunk_path.stat().st_size
+    regions = {name: r for name, r in layout.regions.items() if r[0] + r[1] <= tsize}  # the rest: "truncated"
+    fp8 = sorted((t["offset"], t["nbytes"], t["name"], t["dtype"]) for t in layout.tensors.values()
+                 if t["dtype"] in ("F8_E4M3", "F8_E8M0") and t["offset"] + t["nbytes"] <= tsize)
+    bad_crc, nan = [], []
+    chunk = 64 << 20
+    fd = os.open(trunk_path, os.O_RDONLY)
+    try:
+        with Progress(progress, sum(n for _, n in regions.values()), "verify trunk") as bar:
+            for name, (off, n) in sorted(regions.items(), key=lambda r: r[1][0]):
+                crc = 0
+                for pos in range(off, off + n, chunk):
+                    data = os.pread(fd, min(chunk, off + n - pos), pos)
+                    crc = zlib.crc32(data, crc)
+                    bar.advance(len(data), name)
+                if crc != layout.region_crc32[name]:
+                    bad_crc.append(f"{trunk_path}: region {name} (bytes {off}..{off + n}): crc32 {crc:08x},"
+                                   f" trunk.json says {layout.region_crc32[name]:08x}")
+            for off, n, name, dtype in fp8:
+                data = np.frombuffer(os.pread(fd, n, off), np.uint8)
+                bad = int(np.count_nonzero(data == E8M0_NAN)) if dtype == "F8_E8M0" else \
+                    int(np.count_nonzero((data & 0x7F) == 0x7F))
+                if bad:
+                    what = "NaN scale bytes (0xFF)" if dtype == "F8_E8M0" else "NaN E4M3 codes (0x7F/0xFF)"
+                    nan.append(f"{trunk_path}: {name}: {bad} {what}")
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):
+            pass
+    finally:
+        os.close(fd)
+    return _capped(bad_crc, "trunk regions with a bad crc32") + _capped(nan, "FP8 tensors with NaN")
 
 
 def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]:

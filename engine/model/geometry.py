@@ -16,6 +16,13 @@ from ds4f.engine.errors import Ds4fError
 MX_BLOCK = 32  # MXFP4: one E8M0 scale per 32 elements along K
 FP8_TILE = 128  # FP8 linears: one E8M0 scale per 128x128 tile
 
+
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Shape of the E8M0 scale tiles of a 2-D FP8 weight [rows, k]: [ceil(rows/128), ceil(k/128)]."""
+    r, c = shape
+    return (-(-r // FP8_TILE), -(-c // FP8_TILE))
+
+
 # Geometry field -> config.json key (the official names).
 CONFIG_KEYS: dict[str, str] = {
     "hidden": "hidden_size",

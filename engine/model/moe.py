@@ -41,11 +41,11 @@ def routed_expert(expert: kernels.ExpertWeights, weight: float, x: np.ndarray, l
 
 
 def shared_expert(w: SharedExpertWeights, x: np.ndarray, buf: MoeBuffers) -> np.ndarray:
-    """The shared expert on the bf16 matvec kernel, into buf.shared_out."""
-    kernels.bf16_matvec(w.w1, x, out=buf.shared_gate)
-    kernels.bf16_matvec(w.w3, x, out=buf.shared_up)
+    """The shared expert on the FP8 matvec kernel, into buf.shared_out."""
+    w.w1.matvec(x, buf.shared_gate)
+    w.w3.matvec(x, buf.shared_up)
     silu_mul(buf.shared_gate, buf.shared_up, out=buf.shared_act)
-    return kernels.bf16_matvec(w.w2, buf.shared_act, out=buf.shared_out)
+    return w.w2.matvec(buf.shared_act, buf.shared_out)
 
 
 def combine(buf: MoeBuffers) -> np.ndarray:

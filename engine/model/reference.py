@@ -24,6 +24,14 @@ def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return vals * np.repeat(sc, 32, axis=1)
 
 
+def decode_fp8(w: np.ndarray, scale: np.ndarray, tile: int = 128) -> np.ndarray:
+    """FP8 E4M3 [rows, k] with E8M0 scales per tile x tile block -> float64 [rows, k], via ml_dtypes."""
+    vals = np.asarray(w).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    sc = np.asarray(scale).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+    rows, k = vals.shape
+    return vals * np.repeat(np.repeat(sc, tile, axis=0), tile, axis=1)[:rows, :k]
+
+
 def expert_f64(weights, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(w1, w3, w2) of one routed expert in float64."""
     buf = np.zeros(weights.slot_nbytes + 4096, np.uint8)
@@ -61,7 +69,8 @@ def reference_step(weights, token: int):
             w1, w3, w2 = expert_f64(weights, layer, int(e))
             act = silu(np.minimum(w1 @ x, g.swiglu_limit)) * np.clip(w3 @ x, -g.swiglu_limit, g.swiglu_limit)
             y += w2 @ (act * we)
-        s1, s3, s2 = (_f64(t[f"shared_experts.{n}.weight"]) for n in ("w1", "w3", "w2"))
+        s1, s3, s2 = (decode_fp8(t[f"shared_experts.{n}.weight"], t[f"shared_experts.{n}.scale"])
+                      for n in ("w1", "w3", "w2"))
         y += s2 @ (silu(s1 @ x) * (s3 @ x))
         h = h + y
         ids_all.append(sorted(int(i) for i in ids))

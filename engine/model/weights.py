@@ -37,17 +37,33 @@ class RouterWeights:
 
 
 @dataclass
-class SharedExpertWeights:
-    """The always-on shared expert (a SwiGLU MLP without the routed experts' clamp)."""
+class Fp8Matrix:
+    """A linear's weight as shipped: E4M3 values with one E8M0 scale per 128x128 tile."""
 
-    w1: np.ndarray                  # bf16 [shared_inter, hidden]  gate projection
-    w3: np.ndarray                  # bf16 [shared_inter, hidden]  up projection
-    w2: np.ndarray                  # bf16 [hidden, shared_inter]  down projection
+    w: np.ndarray                   # float8_e4m3fn [rows, k]
+    scale: np.ndarray               # float8_e8m0fnu [ceil(rows/128), ceil(k/128)]
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, np.ndarray], name: str) -> "Fp8Matrix":
+        """name: the weight's name without ".weight" / ".scale"."""
+        return cls(t[name + ".weight"], t[name + ".scale"])
+
+    def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return kernels.fp8_matvec(self.w, self.scale, x, out=out)
+
+
+@dataclass
+class SharedExpertWeights:
+    """The always-on shared expert (a SwiGLU MLP without the routed experts' clamp), in FP8."""
+
+    w1: Fp8Matrix                   # [shared_inter, hidden]  gate projection
+    w3: Fp8Matrix                   # [shared_inter, hidden]  up projection
+    w2: Fp8Matrix                   # [hidden, shared_inter]  down projection
 
     @classmethod
     def from_tensors(cls, t: dict[str, np.ndarray]) -> "SharedExpertWeights":
-        return cls(w1=t["shared_experts.w1.weight"], w3=t["shared_experts.w3.weight"],
-                   w2=t["shared_experts.w2.weight"])
+        w1, w3, w2 = (Fp8Matrix.from_tensors(t, f"shared_experts.{w}") for w in ("w1", "w3", "w2"))
+        return cls(w1=w1, w3=w3, w2=w2)
 
 
 @dataclass

@@ -83,8 +83,13 @@ class TrunkJob(_Job):
     def run(self) -> None:
         t0 = time.perf_counter()
         try:
-            tensors = self.reader.checkpoint.read_trunk_layer(self.layer, self.buf)
-            self.reader.trunk_stats.add(self.reader.checkpoint.trunk_layer_nbytes(self.layer), time.perf_counter() - t0)
+            ck = self.reader.checkpoint
+            tensors = ck.read_trunk_layer(self.layer, self.buf)
+            n = ck.trunk_layer_nbytes(self.layer)
+            t1 = time.perf_counter()
+            self.reader.trunk_stats.add(n, t1 - t0)
+            if ck.check_trunk_layer(self.layer, self.buf):
+                self.reader.check_stats.add(n, time.perf_counter() - t1)
             self.future.set_result(tensors)
         except BaseException as exc:
             self.future.set_exception(exc)
@@ -174,7 +179,7 @@ class Reader:
         self.checkpoint = checkpoint
         self.expert_stats = ReadStats()
         self.trunk_stats = ReadStats()
-        self.check_stats = ReadStats()      # crc32 checks of expert records, in the I/O threads
+        self.check_stats = ReadStats()      # crc32 checks of expert records and trunk layers, in the I/O threads
         self._trace_lock = threading.Lock()
         self.trace: collections.deque = collections.deque(maxlen=self.TRACE_READS)
         self.started_reads = 0
