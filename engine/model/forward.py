@@ -28,7 +28,7 @@ import numpy as np
 from ds4f.engine import kernels
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.moe import MoeBuffers, combine, routed_expert, shared_expert
+from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
 from ds4f.engine.model.weights import GlobalWeights, RouterWeights
@@ -45,7 +45,7 @@ class WeightSource(Protocol):
     def start_token(self, token_id: int) -> None: ...
     def router(self, layer: int) -> RouterWeights: ...
     def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None: ...
-    def arrivals(self, layer: int) -> Iterator[tuple[int, object]]: ...
+    def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]: ...
     def finish_layer(self, layer: int, ids: np.ndarray) -> None: ...
 
 
@@ -78,11 +78,13 @@ def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
     scores = router_scores(router, x, buf.router_logits)
     ids, weights = route(scores, router, token_id, g)
     source.request_experts(layer, ids, h)
-    for rank, w in source.arrivals(layer):      # in the order the weights arrive
-        if rank == SHARED:
-            shared_expert(w, x, buf.moe)
-        else:
-            routed_expert(w, weights[rank], x, g.swiglu_limit, buf.moe.ys[rank], buf.moe)
+    for batch in source.arrivals(layer):        # in the order the weights arrive
+        routed = [(rank, w) for rank, w in batch if rank != SHARED]
+        if routed:                              # the experts ready together, in one kernel call
+            routed_experts(routed, weights, x, g.swiglu_limit, buf.moe)
+        for rank, w in batch:
+            if rank == SHARED:
+                shared_expert(w, x, buf.moe)
     check_finite(buf.moe, layer, ids, token_id)
     return ids, weights, combine(buf.moe)
 

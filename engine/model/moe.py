@@ -22,8 +22,9 @@ class MoeBuffers:
 
     def __init__(self, hidden: int, inter: int, shared_inter: int, top_k: int) -> None:
         self.ys = np.empty((top_k, hidden), np.float32)        # each routed expert's output, by rank
+        self.each = np.empty((top_k, hidden), np.float32)      # one kernel call's outputs, in call order
         self.y = np.empty(hidden, np.float32)                  # the sublayer's output
-        self.scratch = kernels.experts_scratch(1, hidden, inter)
+        self.scratch = kernels.experts_scratch(min(top_k, kernels.MAX_EXPERTS), hidden, inter)
         self.shared_gate = np.empty(shared_inter, np.float32)
         self.shared_up = np.empty(shared_inter, np.float32)
         self.shared_act = np.empty(shared_inter, np.float32)
@@ -34,10 +35,17 @@ class MoeBuffers:
         return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
 
 
-def routed_expert(expert: kernels.ExpertWeights, weight: float, x: np.ndarray, limit: float, out: np.ndarray,
-                  buf: MoeBuffers) -> np.ndarray:
-    """out = one routed expert's output on x, scaled by its routing weight."""
-    return kernels.experts_forward([expert], [weight], x, limit, out, buf.scratch)
+def routed_experts(ready: list[tuple[int, kernels.ExpertWeights]], weights: np.ndarray, x: np.ndarray,
+                   limit: float, buf: MoeBuffers) -> None:
+    """buf.ys[rank] = each ready routed expert's output on x, scaled by its routing weight
+    weights[rank]. The experts of one call run together on the native pool; each output is
+    the same whichever experts share the call, so the result never depends on I/O timing."""
+    for i in range(0, len(ready), kernels.MAX_EXPERTS):
+        part = ready[i:i + kernels.MAX_EXPERTS]
+        each = buf.each[:len(part)]
+        kernels.experts_forward_each([w for _, w in part], [weights[r] for r, _ in part], x, limit, each, buf.scratch)
+        for j, (rank, _) in enumerate(part):
+            buf.ys[rank] = each[j]
 
 
 def shared_expert(w: SharedExpertWeights, x: np.ndarray, buf: MoeBuffers) -> np.ndarray:

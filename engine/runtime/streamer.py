@@ -121,9 +121,10 @@ class Streamer:
         if self.prefetch and layer + 1 < self.geometry.n_layers:
             self._guess(layer + 1, h)
 
-    def arrivals(self, layer: int) -> Iterator[tuple[int, object]]:
-        """(rank, expert weights) as each routed expert's slot is ready, and (SHARED, shared expert
-        weights) in the first wait once the layer's trunk is there."""
+    def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]:
+        """Batches of (rank, expert weights): every routed expert whose slot is ready when the
+        forward pass asks, computed together; and [(SHARED, shared expert weights)] in the first
+        wait once the layer's trunk is there."""
         slots = self._slots.pop(layer)
         trunk = self._trunk.pop(layer)
         pending = list(range(len(slots)))
@@ -137,7 +138,7 @@ class Streamer:
                     if not isinstance(trunk, MoeWeights):
                         trunk = MoeWeights(self.routers[layer], SharedExpertWeights.from_tensors(trunk.result()))
                     shared_done = True
-                    yield SHARED, trunk.shared  # the shared expert needs no expert read
+                    yield [(SHARED, trunk.shared)]  # the shared expert needs no expert read
                     continue
                 if not pending and not promoted:
                     self.reader.promote(trunk)  # the trunk is all this layer still waits for
@@ -155,7 +156,7 @@ class Streamer:
                         raise err
                     raise Ds4fError(f"reading expert {key[1]} of layer {layer}: {err}") from err
                 pending.remove(r)
-                yield r, expert_weights(self.cache.pool[slot.index], self.ckpt.expert_layout)
+            yield [(r, expert_weights(self.cache.pool[slots[r].index], self.ckpt.expert_layout)) for r in ready]
 
     def finish_layer(self, layer: int, ids: np.ndarray) -> None:
         self.requests.leave(layer, ids)
