@@ -58,6 +58,12 @@ def _per_second(seconds):
     return 1.0 / seconds if seconds else None
 
 
+def _own_hits(summary: dict) -> float | None:
+    """The policy's own hit rate (without prefetch's help), the rate runs are compared on."""
+    own = summary.get("policy_hit_rate")
+    return own if own is not None else (summary.get("hit_rate") if not summary.get("prefetch") else None)
+
+
 def _list(args) -> int:
     if args.limit < 1:
         raise Ds4fError("--limit must be at least 1")
@@ -67,11 +73,11 @@ def _list(args) -> int:
                            Column("state", align="left"), Column("model", align="left"),
                            Column("preset", align="left"), Column("backend", "kernels", align="left"),
                            Column("tokens"), Column("s_per_token", "s/token", ".3f"),
-                           Column("tokens_per_s", "tokens/s", ".2f"), Column("hit_rate", "hit rate", ".1%"),
+                           Column("tokens_per_s", "tokens/s", ".2f"), Column("policy_hit_rate", "own hits", ".1%"),
                            Column("state_sha256", "sha256", align="left")])
     for r in records:
         table.add(r.run_id, _when(r.started_at), r.state, r.model, r.preset, r.backend, r.tokens_done,
-                  r.s_per_token, _per_second(r.s_per_token), r.summary.get("hit_rate"),
+                  r.s_per_token, _per_second(r.s_per_token), _own_hits(r.summary),
                   r.state_sha256 if args.output in ("csv", "json") else r.short_sha)
     if args.output != "text":
         print_tables([table], args.output)
@@ -125,8 +131,13 @@ def _show(args) -> int:
               f"{_fmt(s.get('s_first_token'), '.3f')} first token (cold)")
         print(f"GB/token       {_fmt(s.get('gb_per_token'), '.3f')} warm · "
               f"effective read {_fmt(s.get('eff_read_gbps'), '.2f', ' GB/s')}")
-        print(f"cache          {_fmt(s.get('hit_rate'), '.1%')} hits · stall "
-              f"{_fmt(s.get('stall_s_per_token'), '.3f', ' s/token')}")
+        own, share, best = s.get("policy_hit_rate"), s.get("prefetch_hit_share"), s.get("optimum_hit_rate")
+        if own is not None:
+            print(f"cache          {own:.1%} own hits · +{_fmt(share * 100 if share is not None else None, '.1f')} pts"
+                  f" prefetch · Belady {_fmt(best, '.1%')} · stall {_fmt(s.get('stall_s_per_token'), '.3f', ' s/token')}")
+        else:  # a record written before the split
+            print(f"cache          {_fmt(s.get('hit_rate'), '.1%')} hits (with prefetch) · stall "
+                  f"{_fmt(s.get('stall_s_per_token'), '.3f', ' s/token')}")
         if s.get("rss_bytes") is not None:
             print(f"memory         RSS {s['rss_bytes'] / 2**30:.2f} GiB of "
                   f"{(s.get('rss_budget_bytes') or 0) / 2**30:.2f} GiB budget")

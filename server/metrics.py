@@ -106,8 +106,14 @@ def render_metrics(snapshot, server: dict) -> str:
            s.floor_gbps)
     ex.add("ds4f_io_efficiency_ratio", "gauge", "Effective read rate over the NVMe floor (1 = read-bound at the disk's limit).",
            s.io_efficiency)
-    ex.add("ds4f_cache_hit_ratio", "gauge", "Expert-cache hits over routed expert requests, cumulative over the run.",
-           s.hit_rate)
+    ex.add("ds4f_cache_hit_ratio", "gauge", "Expert-cache hits over routed expert requests, cumulative over the run"
+           " (hits on prefetched experts included).", s.hit_rate)
+    ex.add("ds4f_cache_policy_hit_ratio", "gauge", "The cache policy's own hits (without prefetch's help) over routed"
+           " expert requests: the rate comparable with Belady's.", s.policy_hit_rate)
+    ex.add("ds4f_cache_belady_hit_ratio", "gauge", "Belady's optimal hit rate on the run's own requests with the same"
+           " cache.", s.optimum_hit_rate)
+    ex.add_many("ds4f_cache_layer_prefetch_hits_total", "counter", "Expert-cache hits on prefetched experts per layer"
+                " in the current run.", (({"layer": str(i)}, v) for i, v in enumerate(s.layer_prefetch_hits)))
     ex.add_many("ds4f_cache_layer_hits_total", "counter", "Expert-cache hits per layer in the current run.",
                 (({"layer": str(i)}, v) for i, v in enumerate(s.layer_hits)))
     ex.add_many("ds4f_cache_layer_misses_total", "counter", "Expert-cache misses per layer in the current run.",

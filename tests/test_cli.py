@@ -4,6 +4,7 @@ import argparse
 import csv
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -292,8 +293,11 @@ def test_history_list_show_prune_on_real_runs(tiny_model, tmp_path):
     assert "tokens/s" in listing.stdout.splitlines()[0]
     rows = json.loads(_cli("history", "list", "-o", "json", env=env).stdout)
     assert [r["run_id"] for r in rows] == ids[::-1] and all(r["state"] == "done" for r in rows)
+    assert "own hits" in listing.stdout.splitlines()[0]   # the policy's own rate, Belady's yardstick
+    assert all(r["policy_hit_rate"] is None or 0 <= r["policy_hit_rate"] <= 1 for r in rows)
     show = _cli("history", "show", ids[2][:-2], env=env)   # a unique prefix will do
     assert show.returncode == 0 and ids[2] in show.stdout and str(mine) in show.stdout, show.stdout
+    assert re.search(r"cache +\d+\.\d% own hits · \+\d+\.\d pts prefetch · Belady", show.stdout), show.stdout
     assert _cli("history", "show", "nope", env=env).returncode == 2
 
     run_dirs = sorted(p.name for p in (data / "runs").iterdir())

@@ -576,6 +576,10 @@ def test_metrics_parse_as_prometheus_text(srv):
     assert value("ds4f_seconds_per_token") == pytest.approx(view["live"]["s_per_token"])
     assert value("ds4f_read_gigabytes_per_second") == pytest.approx(view["live"]["eff_read_gbps"])
     assert value("ds4f_cache_hit_ratio") == pytest.approx(view["live"]["hit_rate"])
+    assert value("ds4f_cache_policy_hit_ratio") == pytest.approx(view["live"]["policy_hit_rate"])
+    assert value("ds4f_cache_policy_hit_ratio") <= value("ds4f_cache_hit_ratio")
+    pf = {lab["layer"]: v for lab, v in fams["ds4f_cache_layer_prefetch_hits_total"]["samples"]}
+    assert pf == {str(i): float(h) for i, h in enumerate(view["live"]["layer_prefetch_hits"])}
     assert value("ds4f_rss_bytes") > 0
     hits = {lab["layer"]: v for lab, v in fams["ds4f_cache_layer_hits_total"]["samples"]}
     assert hits == {str(i): float(h) for i, h in enumerate(view["live"]["layer_hits"])}
