@@ -13,7 +13,7 @@ from ds4f.engine.config import Preset, format_bytes
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights
 from ds4f.engine.runtime.expert_cache import ExpertCache
-from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
+from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, warm_buffer
 from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
 from ds4f.engine.session import Session
@@ -64,9 +64,8 @@ class Engine:
                                      final_norm=np.asarray(checkpoint.global_tensor("norm.weight"), dtype=np.float32),
                                      head=checkpoint.global_tensor("head.weight"))
         self.n_pinned = preset.pinned_count(g.n_layers)
-        # (layer_tensors reads a layer into a buffer of its own: the views keep just that alive)
         self.pinned: dict[int, MoeWeights] = {
-            layer: MoeWeights.from_tensors(checkpoint.layer_tensors(layer)) for layer in range(self.n_pinned)}
+            layer: MoeWeights.from_tensors(self._read_pinned(layer)) for layer in range(self.n_pinned)}
         # Routing stays resident whatever is pinned (a few MB): the hash tables drive the
         # token-start fetch, the learned routers the lookahead prefetch.
         self.routers: dict[int, RouterWeights] = {
@@ -84,6 +83,14 @@ class Engine:
         self.reader = Reader(checkpoint, io_threads)
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
                                  prefetch=bool(preset.prefetch))
+
+    def _read_pinned(self, layer: int) -> dict[str, np.ndarray]:
+        """A layer's trunk in a buffer of its own on huge pages where the OS has them (the views keep
+        just that buffer alive), checked against its checksum."""
+        buf = warm_buffer(self.ckpt.trunk_layer_buf_nbytes, huge=True)
+        tensors = self.ckpt.read_trunk_layer(layer, buf)
+        self.ckpt.check_trunk_layer(layer, buf)
+        return tensors
 
     # -- figures --------------------------------------------------------------------------------
     def figures(self, session_nbytes: int = 0) -> EngineFigures:

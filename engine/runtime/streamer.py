@@ -56,7 +56,8 @@ class Streamer:
         # policy's own hits are the cache's hits less these
         self.prefetch_layer_hits = [0] * g.n_layers
         self._prefetched: dict[tuple[int, int], object] = {}  # key -> ReadJob, issued and not yet used
-        self._trunk_bufs = [warm_buffer(checkpoint.trunk_layer_buf_nbytes) for _ in range(2)] if self.unpinned else []
+        self._trunk_bufs = ([warm_buffer(checkpoint.trunk_layer_buf_nbytes, huge=True) for _ in range(2)]
+                            if self.unpinned else [])
         self._landed = threading.Event()  # set by an I/O thread whenever a read completes
         # lookahead routing works in buffers of its own
         self._h64 = np.empty(g.hidden, np.float64)
