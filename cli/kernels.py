@@ -141,7 +141,7 @@ def _kernel_table(records, head: str, with_floor: bool):
 
     table = RichTable(
         title=f"ds4f kernels — {head}",
-        caption="hot = the same weights every call (in cache) · cold = a new copy each call from a working set "
+        caption="hot = the same weights every call (cached as far as they fit) · cold = a new copy each call from a working set "
                 "beyond 2x the LLC (from RAM), on huge or 4 KiB pages · GB/s = weight bytes read/s · "
                 "Gw/s = G weights/s · of floor = GB/s / the memory floor at the same backend and threads"
                 + ("" if with_floor else " (not measured: add memory to --kernels)")
