@@ -116,7 +116,9 @@ T256 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
         const uint8_t *c0 = codes + r * kb, *c1 = c0 + kb, *c2 = c1 + kb, *c3 = c2 + kb;
         const uint8_t *s0 = scales + r * ks, *s1 = s0 + ks, *s2 = s1 + ks, *s3 = s2 + ks;
         __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+        const int ahead = r + 4 < r1; /* the next group's bytes follow this one's */
         for (size_t b = 0; b < ks; b++) {
+            if (ahead) MXFP4_PREFETCH(c0, s0, kb, ks, b);
             __m256 xe0, xo0, xe1, xo1;
             deinterleave(x + 32 * b, &xe0, &xo0);
             deinterleave(x + 32 * b + 16, &xe1, &xo1);

@@ -106,7 +106,9 @@ T512 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
         const uint8_t *c0 = codes + r * kb, *c1 = c0 + kb, *c2 = c1 + kb, *c3 = c2 + kb;
         const uint8_t *s0 = scales + r * ks, *s1 = s0 + ks, *s2 = s1 + ks, *s3 = s2 + ks;
         __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+        const int ahead = r + 4 < r1; /* the next group's bytes follow this one's (see MXFP4_PREFETCH) */
         for (size_t b = 0; b < ks; b++) {
+            if (ahead) MXFP4_PREFETCH(c0, s0, kb, ks, b);
             const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
             const __m512 xe = _mm512_permutex2var_ps(x0, ie, x1), xo = _mm512_permutex2var_ps(x0, io, x1);
             mxfp4_block(c0 + 16 * b, s0[b], xe, xo, &a0, &b0);

@@ -28,6 +28,18 @@ typedef struct {
     ds4f_matvec_fn fp8_matvec;
 } ds4f_ktable;
 
+/* MXFP4 matvec over 4-row groups: prefetch the next group while this one computes, its codes
+ * (4 rows x k/2 bytes: one 64-byte line per 32-weight block b of the current group) and scales
+ * (4 x k/32 bytes). The hardware prefetchers stop at page boundaries and do not run far enough
+ * ahead on a matrix streamed from RAM: on cold experts (AVX-512, 1 thread, huge pages) this
+ * took ~13 to ~22 G weights/s, with no loss on cached ones. A prefetch never faults and never
+ * changes a result. */
+#define MXFP4_PREFETCH(c0, s0, kb, ks, b)                                            \
+    do {                                                                             \
+        __builtin_prefetch((c0) + 4 * (kb) + 64 * (b), 0, 3);                        \
+        if (64 * (b) < 4 * (ks)) __builtin_prefetch((s0) + 4 * (ks) + 64 * (b), 0, 3); \
+    } while (0)
+
 /* kernels_scalar.c: the reference semantics and the shared tables */
 extern const float ds4f_e2m1[16];       /* E2M1 code -> value, code 8 is -0.0 */
 /* A byte -> fp32 table as a union of bit patterns, so it is a compile-time constant whatever
