@@ -1,7 +1,10 @@
 /* threadpool.c — the persistent native thread pool of the kernels.
  *
  * n threads in all = the calling thread + (n-1) workers, created lazily on the first parallel
- * job and kept (parked on a condition variable) until the size changes.  A job is a count of
+ * job and kept until the size changes.  After a job a worker spins for SPIN_NS watching for the
+ * next one before it parks on a condition variable: the forward pass calls the kernels back to
+ * back, and waking a parked thread costs ~0.2 ms on a busy VM, as much as a whole small matvec
+ * (measured: without the spin, 2 threads on a 0.3 ms matvec gave 1.2x one thread).  A job is a count of
  * tasks claimed with an atomic counter; the caller runs tasks too, then waits for the workers.
  * Jobs are serialised by call_lock, so concurrent callers (the Python wrapper releases the GIL)
  * simply queue.  Nothing is allocated per job.  After fork() the child starts with no workers.
@@ -12,11 +15,13 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kernels_internal.h"
 
 #define MAX_THREADS 256
+#define SPIN_NS 100000L /* 0.1 ms */
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one job (or resize) at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -24,7 +29,7 @@ static pthread_cond_t cv_work = PTHREAD_COND_INITIALIZER, cv_done = PTHREAD_COND
 static pthread_t workers[MAX_THREADS];
 static int n_running;          /* workers alive */
 static atomic_int n_threads;   /* configured size incl. caller; 0 = not chosen yet */
-static unsigned long generation;
+static atomic_ulong generation; /* bumped (under mu) for every job; read without mu while spinning */
 static int stopping, pending;
 static ds4f_task_fn job_fn;
 static void *job_ctx;
@@ -37,12 +42,38 @@ static void run_tasks(ds4f_task_fn fn, void *ctx, size_t ntasks) {
     while ((i = atomic_fetch_add_explicit(&job_next, 1, memory_order_relaxed)) < ntasks) fn(ctx, i);
 }
 
+static long elapsed_ns(const struct timespec *t0) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (t.tv_sec - t0->tv_sec) * 1000000000L + (t.tv_nsec - t0->tv_nsec);
+}
+
+/* Watch for a new job for up to SPIN_NS without the lock (the job itself is read under mu). */
+static void spin_for_job(unsigned long seen) {
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned i = 1;; i++) {
+        if (atomic_load_explicit(&generation, memory_order_relaxed) != seen) return;
+        if (i % 64 == 0 && elapsed_ns(&t0) > SPIN_NS) return;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ volatile("yield");
+#endif
+    }
+}
+
 static void *worker_main(void *arg) {
     /* the generation current when the worker was created (no job was running then): a job
      * posted before this thread gets to run is still seen as new */
     unsigned long seen = (unsigned long)(uintptr_t)arg;
     pthread_mutex_lock(&mu);
     for (;;) {
+        if (generation == seen && !stopping) {
+            pthread_mutex_unlock(&mu);
+            spin_for_job(seen);
+            pthread_mutex_lock(&mu);
+        }
         while (generation == seen && !stopping) pthread_cond_wait(&cv_work, &mu);
         if (stopping) break;
         seen = generation;
@@ -73,7 +104,8 @@ static void start_workers(int n) { /* call_lock held; n = workers wanted */
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, 1 << 20);
     while (n_running < n) {
-        if (pthread_create(&workers[n_running], &attr, worker_main, (void *)(uintptr_t)generation) != 0) break; /* run with fewer */
+        if (pthread_create(&workers[n_running], &attr, worker_main, (void *)(uintptr_t)atomic_load(&generation)) != 0)
+            break; /* run with fewer */
         n_running++;
     }
     pthread_attr_destroy(&attr);
