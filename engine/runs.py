@@ -381,8 +381,9 @@ class Run:
         writer = None
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
-            # first, so an unwritable or busy place fails the run before the engine loads
-            writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
+            # first, so an unwritable or busy place fails the run before the engine loads; its header holds
+            # what determines the numbers: the MoE geometry (the engine computes no attention yet)
+            writer = StateWriter(self.dump_path, self.checkpoint.geometry.moe_config(), list(self.prompt), self.n_steps,
                                  report_path=self.report_path)
             notes = writer.notes
             if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
