@@ -283,7 +283,8 @@ def test_ds4f_layout_files(tiny_model):
     assert list(pool["parts"]) == ["w1.weight", "w3.weight", "w2.weight", "w1.scale", "w3.scale", "w2.scale"]
     assert trunk["format"] == "ds4f-trunk"
     regions = read_trunk_offsets(root / "trunk.offsets")
-    assert list(regions)[:4] == ["layer.0", "layer.1", "layer.2", "layer.3"] and "global" in regions
+    # per layer its MoE region, then its extra region (attention, hyper-connections); then global
+    assert list(regions) == [f"{kind}.{L}" for L in range(4) for kind in ("layer", "extra")] + ["global"]
     assert all(off % 4096 == 0 and n % 4096 == 0 for off, n in regions.values())
     # FP8 trunk tensors stay FP8 with their E8M0 tile scales; every region carries a crc32
     assert trunk["version"] == 2
@@ -327,16 +328,17 @@ def test_short_read_names_file_and_expert(tiny_model, tmp_path):
 
 
 def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
-    """Attention-like FP8 tensors go to a per-layer extra region, FP8 and scale tiles unchanged."""
+    """Tensors the plan does not know (a later release's, say) go to the layer's extra region (or
+    global), FP8 and scale tiles unchanged; synth's attention tensors are there already."""
     from safetensors import TensorSpec, serialize_file
 
     root = copy_ck(tiny_official, tmp_path, "src")
     w, s = quantize_fp8(np.random.default_rng(0).standard_normal((200, 256)).astype(np.float32) * 0.05)
     hc = np.arange(8, dtype=np.float32)
     keep = [np.ascontiguousarray(w), np.ascontiguousarray(s), hc]
-    specs = {"layers.1.attn.wq_a.weight": TensorSpec(dtype="float8_e4m3fn", shape=[200, 256], data_ptr=keep[0].ctypes.data, data_len=keep[0].nbytes),
-             "layers.1.attn.wq_a.scale": TensorSpec(dtype="float8_e8m0fnu", shape=[2, 2], data_ptr=keep[1].ctypes.data, data_len=keep[1].nbytes),
-             "layers.1.hc_ffn_base": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
+    specs = {"layers.1.attn.future_proj.weight": TensorSpec(dtype="float8_e4m3fn", shape=[200, 256], data_ptr=keep[0].ctypes.data, data_len=keep[0].nbytes),
+             "layers.1.attn.future_proj.scale": TensorSpec(dtype="float8_e8m0fnu", shape=[2, 2], data_ptr=keep[1].ctypes.data, data_len=keep[1].nbytes),
+             "layers.1.hc_future_base": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
              "mtp.0.norm.weight": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
              "layers.4.ffn.experts.0.w1.weight": TensorSpec(dtype="int8", shape=[32], data_ptr=keep[0].ctypes.data, data_len=32)}
     serialize_file(specs, str(root / "model-extra.safetensors"))
@@ -347,14 +349,15 @@ def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
     dst = convert_checkpoint(root, tmp_path / "dst", progress=False)
     trunk = json.loads((dst / "trunk.json").read_text())
     by = {t["name"]: t for t in trunk["tensors"]}
-    assert by["layers.1.attn.wq_a.weight"]["region"] == "extra.1" and by["layers.1.attn.wq_a.weight"]["dtype"] == "F8_E4M3"
-    assert by["layers.1.attn.wq_a.scale"]["region"] == "extra.1" and by["layers.1.attn.wq_a.scale"]["dtype"] == "F8_E8M0"
+    assert by["layers.1.attn.future_proj.weight"]["region"] == "extra.1" and by["layers.1.attn.future_proj.weight"]["dtype"] == "F8_E4M3"
+    assert by["layers.1.attn.future_proj.scale"]["region"] == "extra.1" and by["layers.1.attn.future_proj.scale"]["dtype"] == "F8_E8M0"
     assert by["mtp.0.norm.weight"]["region"] == "global"
+    assert by["layers.1.attn.wq_a.weight"]["region"] == "extra.1" and by["hc_head_fn"]["region"] == "global"
     assert "layers.4.ffn.experts.0.w1.weight" not in by and trunk["skipped"]["count"] == 1  # MTP experts
     with open_checkpoint(dst) as ck:
-        assert ck.global_tensor("layers.1.attn.wq_a.weight").tobytes() == w.tobytes()
-        assert ck.global_tensor("layers.1.attn.wq_a.scale").tobytes() == s.tobytes()
-        assert np.array_equal(ck.global_tensor("layers.1.hc_ffn_base"), hc)
+        assert ck.global_tensor("layers.1.attn.future_proj.weight").tobytes() == w.tobytes()
+        assert ck.global_tensor("layers.1.attn.future_proj.scale").tobytes() == s.tobytes()
+        assert np.array_equal(ck.global_tensor("layers.1.hc_future_base"), hc)
         regions = read_trunk_offsets(dst / "trunk.offsets")
         assert regions["layer.1"][0] + regions["layer.1"][1] == regions["extra.1"][0]  # the layer read skips it
     assert verify_checkpoint(dst) == []

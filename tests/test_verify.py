@@ -159,6 +159,21 @@ def test_nan_scales_in_an_expert_official_name_the_shard(tiny_official, tmp_path
     expect(root, r"1 NaN scale bytes \(0xFF\) in expert scales", rf"{re.escape(t.file.name)}: {re.escape(name)}: 1")
 
 
+@pytest.mark.parametrize("name", ["layers.2.attn.indexer.wq_b.scale", "layers.3.attn.wo_a.scale"])
+def test_nan_scales_in_an_attention_fp8_weight_official(tiny_official, tmp_path, name):
+    """The attention's FP8 scales are checked like the shared expert's (any F8_E4M3 weight's *.scale)."""
+    root = copy_ck(tiny_official, tmp_path)
+    with open_checkpoint(root) as ck:
+        t = ck.tensors[name]
+        assert ck.tensors[name[:-len(".scale")] + ".weight"].dtype == "F8_E4M3"
+    _poke(t.file, t.offset, bytes([E8M0_NAN]))
+    info: dict = {}
+    problems = verify_checkpoint(root, info=info)
+    assert info["nan_scale_bytes"] == 1 and len(problems) == 1, problems
+    expect(root, rf"{re.escape(str(t.file))}: {re.escape(name)}: 1 NaN scale bytes \(0xFF\) in the FP8 scale"
+                 rf" tiles of {re.escape(name[:-len('.scale')])}\.weight")
+
+
 # ---- the ds4f layout's trunk: region checksums, FP8 NaN, older layouts ----------------------------------
 def _trunk_entry(root: Path, name: str) -> dict:
     return next(t for t in json.loads((root / "trunk.json").read_text())["tensors"] if t["name"] == name)
@@ -173,6 +188,19 @@ def test_nan_scale_and_code_in_the_trunk_fp8(tiny_model, tmp_path):
     expect(root, r"trunk\.bin: layers\.1\.ffn\.shared_experts\.w3\.weight: \d+ NaN E4M3 codes")
     # the pokes also break the region's checksum, which verify names
     expect(root, r"trunk\.bin: region layer\.1 \(bytes \d+\.\.\d+\): crc32 [0-9a-f]{8}, trunk\.json says")
+
+
+def test_nan_scale_and_code_in_an_attention_fp8_of_the_ds4f_trunk(tiny_model, tmp_path):
+    """In the ds4f layout the attention's FP8 tensors sit in the layer's extra region: the same
+    NaN checks (scale byte 0xFF, E4M3 code 0x7F) and the region's crc32 cover them."""
+    root = copy_ck(tiny_model, tmp_path)
+    scale, weight = (_trunk_entry(root, f"layers.2.attn.wq_b.{p}") for p in ("scale", "weight"))
+    assert scale["region"] == weight["region"] == "extra.2"
+    _poke(root / "trunk.bin", scale["offset"], bytes([E8M0_NAN]))
+    _poke(root / "trunk.bin", weight["offset"] + 3, bytes([0xFF]))
+    expect(root, r"trunk\.bin: layers\.2\.attn\.wq_b\.scale: 1 NaN scale bytes \(0xFF\)")
+    expect(root, r"trunk\.bin: layers\.2\.attn\.wq_b\.weight: 1 NaN E4M3 codes")
+    expect(root, r"trunk\.bin: region extra\.2 \(bytes \d+\.\.\d+\): crc32 [0-9a-f]{8}, trunk\.json says")
 
 
 def test_a_flipped_trunk_byte_fails_verify_and_the_read(tiny_model, tmp_path):

@@ -30,7 +30,8 @@ from ds4f.engine.errors import Ds4fError
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"
 DEMO_SEED = 0
-DEMO_VERSION = 1                # bump to rebuild everyone's demo model on next launch (a new layout does too)
+DEMO_VERSION = 2                # bump to rebuild everyone's demo model on next launch (a new layout does too);
+                                # 2: synth writes the attention and hyper-connection tensors
 MARKER = "ds4f-demo.json"       # written last, inside the converted checkpoint
 LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
 
@@ -56,16 +57,29 @@ def is_complete(path: Path, geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED
 
 def build_sizes(geometry: str) -> tuple[int, int]:
     """(bytes of the official shards synth writes, about the bytes of the converted layout):
-    the totals the synth and convert bars count, and what the disk holds during a build."""
-    from ds4f.engine.checkpoint.base import align_up
+    the totals the synth and convert bars count, and what the disk holds during a build.
+    The converted size counts the layout's regions as convert lays them out: each layer's MoE
+    region, its extra.N region (attention, hyper-connections) and the global region, every
+    tensor 64-byte aligned and every region padded to 4 KiB, plus one 4 KiB-aligned record
+    per expert; only the JSON files are left out."""
+    from ds4f.engine.checkpoint.base import TENSOR_ALIGN, align_up, moe_region_layout, official_name
     from ds4f.engine.checkpoint.tensors import official_tensors
     from ds4f.engine.model.geometry import get_geometry
 
     g = get_geometry(geometry)
     tensors = official_tensors(g)
     official = sum(t.nbytes for t in tensors)
-    trunk = sum(t.nbytes for t in tensors if ".experts." not in t.name or ".shared_experts." in t.name)
-    converted = g.n_layers * g.n_experts * align_up(g.expert_nbytes) + trunk
+    moe = {official_name(L, short) for L in range(g.n_layers) for short, *_ in moe_region_layout(g, L)[0]}
+    regions = sum(moe_region_layout(g, L)[1] for L in range(g.n_layers))
+    other: dict[str, int] = {}   # extra.N and global: bytes so far, tensors 64-byte aligned
+    for t in tensors:
+        if (".experts." in t.name and ".shared_experts." not in t.name) or t.name in moe:
+            continue
+        parts = t.name.split(".")
+        region = f"extra.{parts[1]}" if parts[0] == "layers" and int(parts[1]) < g.n_layers else "global"
+        other[region] = align_up(other.get(region, 0), TENSOR_ALIGN) + t.nbytes
+    regions += sum(align_up(n) for n in other.values())
+    converted = g.n_layers * g.n_experts * align_up(g.expert_nbytes) + regions
     return official, converted
 
 

@@ -11,7 +11,7 @@ from ds4f.engine.checkpoint.base import (CONFIG_NAME, Checkpoint, _check_buffer,
 from ds4f.engine.checkpoint.formats import st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import (INDEX_NAME, TensorInfo, load_official_index, pread_exact,
                                                       read_json)
-from ds4f.engine.checkpoint.tensors import official_tensors
+from ds4f.engine.checkpoint.tensors import attention_tensors, official_tensors
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
@@ -122,12 +122,26 @@ class OfficialCheckpoint(Checkpoint):
 
 
 def check_official_tensors(g: Geometry, tensors: dict[str, TensorInfo], root: Path) -> list[str]:
-    """Every tensor the engine needs is present with the official dtype and shape."""
+    """Every tensor the engine needs is present with the official dtype and shape: the MoE trunk
+    and experts, and when config.json describes attention, every layer's attention and
+    hyper-connection tensors and the head's hc_head_*."""
     problems = []
+    attention = {p.name: p for p in attention_tensors(g)}
+    missing_attention = [n for n in attention if n not in tensors]
+    if attention and len(missing_attention) == len(attention):
+        # a MoE-only release (or one written by an older ds4f synth) under a config that names attention
+        problems.append(f"{root / INDEX_NAME}: no attention tensors at all (none of the {len(attention)} that"
+                        f" config.json's attention needs: {missing_attention[0]}, ...); config.json describes"
+                        f" attention ({_attention_key(g)}) but the shards hold only the MoE part")
     for plan in official_tensors(g):
         t = tensors.get(plan.name)
         if t is None:
-            problems.append(f"{root / INDEX_NAME}: no tensor {plan.name} (config.json's geometry needs it)")
+            if plan.name in attention:
+                if len(missing_attention) < len(attention):
+                    problems.append(f"{root / INDEX_NAME}: no tensor {plan.name} (config.json's attention needs"
+                                    f" it: {_attention_what(g, plan.name)})")
+            else:
+                problems.append(f"{root / INDEX_NAME}: no tensor {plan.name} (config.json's geometry needs it)")
             continue
         ok_dtypes = {plan.dtype} | ({"U8"} if plan.dtype == "I8" else set())
         if t.dtype not in ok_dtypes:
@@ -138,3 +152,17 @@ def check_official_tensors(g: Geometry, tensors: dict[str, TensorInfo], root: Pa
     return problems
 
 
+def _attention_key(g: Geometry) -> str:
+    a = g.attention
+    return f"num_attention_heads {a.n_heads}, compress_ratios {list(a.layer_ratios)}"
+
+
+def _attention_what(g: Geometry, name: str) -> str:
+    """Which part of the attention a tensor belongs to, for a message."""
+    if not name.startswith("layers."):
+        return "the head's hyper-connection reduction"
+    layer = int(name.split(".")[1])
+    kind = g.attention.kind(layer)
+    what = {"swa": "sliding window only", "csa": f"CSA, ratio {g.attention.ratio(layer)}",
+            "hca": f"HCA, ratio {g.attention.ratio(layer)}"}[kind]
+    return f"layer {layer} is {what}"

@@ -11,6 +11,12 @@ the official tensor names and dtypes:
     layers.N.ffn.gate.bias (N >= hash)       F32  [n_experts]
     layers.N.ffn.gate.tid2eid (N < hash)     I64  [vocab, top_k]
     layers.N.{attn,ffn}_norm.weight, norm.weight, embed.weight, head.weight   BF16
+    with attention (every named geometry; tensors.attention_layer_tensors lists them):
+    layers.N.attn.{wq_a,wq_b,wkv,wo_a,wo_b}  F8_E4M3 + .scale F8_E8M0 per 128x128 tile
+    layers.N.attn.{q_norm,kv_norm}.weight    BF16;  layers.N.attn.attn_sink  F32 [heads]
+    layers.N.hc_{attn,ffn}_{fn,base,scale}   F32;   hc_head_{fn,base,scale}  F32
+    CSA / HCA layers: attn.compressor.* (and CSA: attn.indexer.*): wkv, wgate, weights_proj
+    BF16, ape F32, norms BF16, the indexer's wq_b FP8
 
 Everything is a deterministic function of (geometry, seed); the shard size only changes
 how tensors are grouped into files. The shards are written by the `safetensors` library
@@ -31,6 +37,16 @@ What makes it realistic rather than noise
   cycle through the vocabulary that stays in a topic for several steps at a time.
 - The hash layers' tid2eid sends most of a topic's tokens to a window of experts; the
   windows tile all experts, so every expert is used.
+- Attention and hyper-connections (drawn from an RNG stream of their own per tensor, so the
+  MoE tensors' bytes are the same as before they existed): linears Gaussian with std
+  1/sqrt(fan_in) (FP8 ones quantized with quantize_fp8, per 128x128 tile), norms ~ 1, sinks
+  ~ N(0, 1), compressor position biases (ape) small; hc fn with std 1/sqrt(N D), so each mix
+  logit is ~ N(0, 1), scales in [0.5, 1], the pre / post biases ~ N(0, 0.5) and the comb bias
+  favouring the diagonal (each stream keeps mostly itself), so that a forward stays finite
+  and the streams stay distinct. Attention is not designed: the routing and the greedy cycle
+  above were measured on the MoE alone. Through the whole model (a float64 decoder of
+  transformers' semantics) the demo geometry's greedy continuation still walks the cycle
+  (12 tokens: logits finite, |logit| up to ~60, top-2 gap ~23); tiny's does not.
 """
 from __future__ import annotations
 
@@ -45,7 +61,7 @@ import numpy as np
 
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, quantize_fp8
-from ds4f.engine.checkpoint.tensors import TensorPlan, official_tensors
+from ds4f.engine.checkpoint.tensors import TensorPlan, attention_tensors, official_tensors
 from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 
@@ -423,6 +439,8 @@ def _generate(t: TensorPlan, g: Geometry, design: Design, experts: _ExpertSource
         return design.head()
     if name == "norm.weight":
         return design.norm(1 << 30)
+    if name.startswith("hc_head_"):
+        return _attention(g, design.seed, t)
     parts = name.split(".")
     layer = int(parts[1])
     rest = ".".join(parts[2:])
@@ -435,6 +453,8 @@ def _generate(t: TensorPlan, g: Geometry, design: Design, experts: _ExpertSource
     if rest.startswith("ffn.shared_experts."):
         w, kind = parts[-2], parts[-1]
         return _shared(g, design.seed, layer, w)[kind]
+    if rest.startswith("hc_") or rest.startswith("attn."):
+        return _attention(g, design.seed, t)
     if rest.startswith("ffn.experts."):
         e = int(parts[4])
         part = f"{parts[5]}.{parts[6]}"
@@ -460,3 +480,59 @@ def _shared(g: Geometry, seed: int, layer: int, w: str) -> dict[str, np.ndarray]
         q, s = quantize_fp8(x)
         _shared_cache[key] = {"weight": q, "scale": s}
     return _shared_cache[key]
+
+
+# ---- attention and hyper-connections ------------------------------------------------------------
+ATTN_STREAM = 8  # SeedSequence key of the attention tensors' streams (1..7: the MoE part's)
+APE_STD = 0.1  # compressor position bias (added to gate logits of std ~1)
+HC_BASE_STD = 0.5  # pre / post biases of the hyper-connections
+HC_COMB_DIAGONAL = 3.0  # comb bias on the diagonal: softmax(3 + noise) keeps most (~85%) of a stream in itself
+
+_attn_cache: dict = {}
+
+
+def _attn_rng(seed: int, name: str) -> np.random.Generator:
+    """The stream of one tensor (FP8: of its weight and scale), from its name: independent of the
+    MoE tensors' streams and of the order tensors are written in."""
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence([seed, ATTN_STREAM,
+                                                                        zlib.crc32(name.encode())])))
+
+
+def _attention(g: Geometry, seed: int, t: TensorPlan) -> np.ndarray:
+    """One attention / hyper-connection tensor (see the module docstring for the magnitudes)."""
+    name = t.name
+    if t.dtype in ("F8_E4M3", "F8_E8M0"):  # an FP8 linear: weight and tile scales from one draw
+        base, kind = name.rsplit(".", 1)
+        key = (g, seed, base)
+        if key not in _attn_cache:
+            _attn_cache.clear()
+            shape = t.shape if kind == "weight" else next(p.shape for p in attention_tensors(g)
+                                                          if p.name == base + ".weight")
+            x = _attn_rng(seed, base).standard_normal(shape, dtype=np.float32) * np.float32(1 / math.sqrt(shape[1]))
+            q, s = quantize_fp8(x)
+            _attn_cache[key] = {"weight": q, "scale": s}
+        return _attn_cache[key][kind]
+    rng = _attn_rng(seed, name)
+    leaf = (name[:-len(".weight")] if name.endswith(".weight") else name).rsplit(".", 1)[-1]
+    shape = t.shape
+    if t.dtype == "BF16":
+        if leaf.endswith("norm"):  # q_norm, kv_norm, a compressor's norm
+            x = 1.0 + 0.02 * rng.standard_normal(shape, dtype=np.float32)
+        else:  # compressor wkv / wgate, the indexer's weights_proj: [rows, hidden]
+            x = rng.standard_normal(shape, dtype=np.float32) * np.float32(1 / math.sqrt(shape[1]))
+        return x.astype(BF16)
+    if leaf == "attn_sink":
+        return rng.standard_normal(shape, dtype=np.float32)
+    if leaf == "ape":
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(APE_STD)
+    if name.endswith("_fn"):  # hc_attn_fn, hc_ffn_fn, hc_head_fn: [rows, N D]
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(1 / math.sqrt(shape[1]))
+    if name.endswith("_scale"):  # [3] or [1]
+        return rng.uniform(0.5, 1.0, shape).astype(np.float32)
+    if name.endswith("_base"):
+        n = g.attention.hc_mult
+        b = rng.standard_normal(shape, dtype=np.float32) * np.float32(HC_BASE_STD)
+        if shape[0] > n:  # a layer's [pre N | post N | comb N x N]: comb favours the diagonal
+            b[2 * n:] += (HC_COMB_DIAGONAL * np.eye(n, dtype=np.float32)).reshape(-1)
+        return b
+    raise AssertionError(name)

@@ -8,8 +8,11 @@ the trunk's FP8 tensors (E8M0 scale bytes 0xFF, E4M3 codes 0x7F / 0xFF); tid2eid
 (an entry whose nbytes disagrees with its dtype and shape, or whose dtype and shape disagree
 with the geometry; tensors or regions that overlap) come from load_ds4f_layout.
 Official release: index and shard headers, every tensor the geometry needs with its
-official dtype and shape, NaN scale bytes in every expert and in every FP8 weight's scale
-tiles (`*.scale` of an F8_E4M3 weight), tid2eid ids in range.
+official dtype and shape (when config.json describes attention, every layer's attention and
+hyper-connection tensors and hc_head_* too), NaN scale bytes in every expert and in every FP8
+weight's scale tiles (`*.scale` of an F8_E4M3 weight: the shared experts' and the attention's
+alike), tid2eid ids in range. In the ds4f layout the attention's FP8 tensors sit in the
+layers' extra.N regions, covered by the trunk's region checksums and FP8 NaN checks.
 Both: a hash layer's tid2eid row (one token) naming the same expert twice.
 Every problem names the file and, where there is one, the tensor.
 """
