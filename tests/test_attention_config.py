@@ -470,3 +470,30 @@ def test_a_wrong_attention_dtype_or_shape_is_named(tiny_official, tmp_path):
     with pytest.raises(Ds4fError, match=re.escape(f"{shard}: layers.3.attn.compressor.wkv.weight: dtype F16,"
                                                   f" expected BF16")):
         open_checkpoint(root)
+
+
+WHOLE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whole"
+
+
+@pytest.mark.parametrize("case", ["tiny", "ties", "ratios"])
+def test_the_transformers_fixtures_match_the_plan(case):
+    """tests/fixtures/whole (written from transformers by tools/make_golden_whole.py, independently of
+    this code): their config.json reads as the schedule transformers ran, and their safetensors hold
+    exactly the tensors official_tensors plans, with its dtypes and shapes."""
+    import struct
+
+    d = WHOLE_FIXTURES / case
+    if not (d / "config.json").is_file():
+        pytest.skip(f"no fixture {d}")
+    cfg = json.loads((d / "config.json").read_text())
+    g = Geometry.from_config(cfg, str(d / "config.json"))
+    kinds = {"sliding_attention": "swa", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+    assert g.attention.layer_kinds == tuple(kinds[t] for t in cfg["layer_types"][:g.n_layers])
+    raw = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = {k: v for k, v in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
+    plan = {p.name: p for p in official_tensors(g)}
+    assert set(header) == set(plan)
+    for name, p in plan.items():
+        ok = {p.dtype} | ({"U8"} if p.dtype == "I8" else set())   # MXFP4 codes: I8 or U8, as the reader takes
+        assert header[name]["dtype"] in ok and tuple(header[name]["shape"]) == p.shape, name
