@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4f.engine import kernels
+from ds4f.engine.model.geometry import FP8_TILE
 
 
 @dataclass
@@ -48,8 +49,51 @@ class Fp8Matrix:
         """name: the weight's name without ".weight" / ".scale"."""
         return cls(t[name + ".weight"], t[name + ".scale"])
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         return kernels.fp8_matvec(self.w, self.scale, x, out=out)
+
+    def row_blocks(self, n: int) -> list:
+        """The matrix cut into n equal row blocks (a grouped projection's groups): FP8 views where
+        a block is whole tiles, else each block exactly decoded to fp32 once."""
+        rows = self.w.shape[0] // n
+        if rows % FP8_TILE == 0:
+            t = rows // FP8_TILE
+            return [Fp8Matrix(self.w[g * rows:(g + 1) * rows], self.scale[g * t:(g + 1) * t]) for g in range(n)]
+        dense = kernels.fp8_decode(self.w, self.scale)
+        return [F32Matrix(np.ascontiguousarray(dense[g * rows:(g + 1) * rows])) for g in range(n)]
+
+
+@dataclass
+class Bf16Matrix:
+    """A bf16 linear's weight [rows, k] (k a multiple of 32) on the bf16 matvec kernel."""
+
+    w: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
+    def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return kernels.bf16_matvec(self.w, x, out=out)
+
+
+@dataclass
+class F32Matrix:
+    """An fp32 weight [rows, k]: the product in float64, rounded once to fp32 (fixed order)."""
+
+    w: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
+    def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        np.copyto(out, self.w.astype(np.float64) @ x.astype(np.float64))
+        return out
 
 
 @dataclass

@@ -1,0 +1,265 @@
+"""Attention for one query token, with the compressors, the Lightning indexer and the KV cache
+(transformers' DeepseekV4Attention, its HCA / CSA compressors and DeepseekV4Indexer, in fp32).
+
+One shared K = V head of head_dim; H query heads. For a token at position pos, a = the
+sublayer's normed input [hidden]:
+
+    qr = q_norm(wq_a . a)                         [q_lora]
+    q  = rms(wq_b . qr viewed [H, head_dim])      per-head norm, no weight; RoPE at pos
+    kv = kv_norm(wkv . a)                         [head_dim]; RoPE at pos; pushed to the window
+    compressors step (CSA / HCA layers), then
+    keys = the window's rows (the last `window` positions, pos included)
+           + the compressed rows: all of them (HCA) or the indexer's top index_topk (CSA)
+    o[h] = sum_j p_j keys_j,  p = softmax(q[h] . keys / sqrt(head_dim)) with the sink attn_sink[h]
+           in the denominator only; inverse RoPE at pos
+    y  = wo_b . concat_g(wo_a[g] . o viewed [o_groups, H head_dim / o_groups][g])
+
+A compressor (ratio m, width = 2 dim with overlap (CSA, the indexer's), else dim (HCA)) buffers
+kv = wkv . a and gate = wgate . a + ape[pos % m] per token; when a window of m closes, each dim
+is a softmax-weighted sum over the window's tokens (with overlap: over 2m candidates, the
+previous window's first halves and this window's second halves; window 0 has no previous one),
+then its norm, then RoPE at the window's first position. A row emitted at pos is visible at pos.
+
+The indexer scores compressed row t as sum_h (w_h / sqrt(ih)) relu(iq_h . k_t) / sqrt(id), with
+w = weights_proj . a and iq = wq_b . qr viewed [ih, id] (RoPE at pos), and keeps the top
+index_topk; equal scores keep the LOWER row index first (a documented rule: torch's topk has none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ds4f.engine.model.rope import Rope
+
+
+class Matrix(Protocol):
+    """A linear's weight [rows, k] that can multiply an fp32 vector (Fp8Matrix, Bf16Matrix, ...)."""
+
+    shape: tuple[int, int]
+
+    def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass
+class CompressorWeights:
+    wkv: Matrix                     # [width, hidden]   width = 2 dim (overlap) or dim
+    wgate: Matrix                   # [width, hidden]
+    ape: np.ndarray                 # fp32 [ratio, width]   position bias of the gate
+    norm: np.ndarray                # fp32 [dim]            RMSNorm weight of a compressed row
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: Matrix                    # [ih id, q_lora]   the indexer's query from qr
+    weights_proj: Matrix            # [ih, hidden]      per-head weights from a
+    compressor: CompressorWeights   # width 2 id, dim id
+
+
+@dataclass
+class AttentionWeights:
+    wq_a: Matrix                    # [q_lora, hidden]
+    q_norm: np.ndarray              # fp32 [q_lora]
+    wq_b: Matrix                    # [H head_dim, q_lora]
+    wkv: Matrix                     # [head_dim, hidden]
+    kv_norm: np.ndarray             # fp32 [head_dim]
+    wo_a: list[Matrix]              # o_groups x [o_lora, H head_dim / o_groups]
+    wo_b: Matrix                    # [hidden, o_groups o_lora]
+    sinks: np.ndarray               # fp32 [H]
+    compressor: CompressorWeights | None = None   # CSA and HCA layers
+    indexer: IndexerWeights | None = None         # CSA layers
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one layer's attention needs to know besides its weights."""
+
+    kind: str                       # "swa" | "csa" | "hca"
+    ratio: int                      # compression ratio (0 for swa)
+    heads: int
+    head_dim: int
+    window: int                     # sliding window, the current token included
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+    eps: float = 1e-6
+
+
+class CompressorState:
+    """A compressor's carried state: the open window's buffered tokens, the previous window's
+    first halves (overlap), and every compressed row so far (capacity fixed up front)."""
+
+    def __init__(self, ratio: int, width: int, dim: int, overlap: bool, capacity: int) -> None:
+        self.ratio, self.width, self.dim, self.overlap = ratio, width, dim, overlap
+        self.kv = np.zeros((ratio, width), np.float32)       # the open window's kv, by slot
+        self.gate = np.zeros((ratio, width), np.float32)     # and its gate (ape added)
+        self.prev_kv = np.zeros((ratio, dim), np.float32)    # the previous window's first halves
+        self.prev_gate = np.full((ratio, dim), -np.inf, np.float32)
+        self.rows = np.zeros((capacity, dim), np.float32)    # compressed rows, RoPE applied
+        self.n_rows = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.gate.nbytes + self.prev_kv.nbytes + self.prev_gate.nbytes + self.rows.nbytes
+
+    def reset(self) -> None:
+        self.prev_kv[:] = 0
+        self.prev_gate[:] = -np.inf
+        self.n_rows = 0
+
+
+@dataclass
+class LayerCache:
+    """One layer's KV cache: the window ring and the compressors' states."""
+
+    window: np.ndarray                              # fp32 [window, head_dim], row pos % window
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+    tokens: int = 0                                 # positions pushed so far
+    selected: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the last step's indexer picks
+
+    @property
+    def nbytes(self) -> int:
+        return self.window.nbytes + sum(s.nbytes for s in (self.compressor, self.indexer) if s is not None)
+
+    def reset(self) -> None:
+        self.tokens = 0
+        for s in (self.compressor, self.indexer):
+            if s is not None:
+                s.reset()
+
+
+def new_layer_cache(shape: AttentionShape, context: int) -> LayerCache:
+    """The cache of one layer for up to `context` positions, allocated now."""
+    window = np.zeros((shape.window, shape.head_dim), np.float32)
+    if shape.kind == "swa":
+        return LayerCache(window)
+    rows = context // shape.ratio
+    overlap = shape.kind == "csa"
+    width = 2 * shape.head_dim if overlap else shape.head_dim
+    comp = CompressorState(shape.ratio, width, shape.head_dim, overlap, rows)
+    index = CompressorState(shape.ratio, 2 * shape.index_dim, shape.index_dim, True, rows) if overlap else None
+    return LayerCache(window, comp, index)
+
+
+def layer_cache_nbytes(shape: AttentionShape, context: int) -> int:
+    """Bytes new_layer_cache(shape, context) holds (the plan counts them before allocating)."""
+    n = shape.window * shape.head_dim * 4
+    if shape.kind == "swa":
+        return n
+    rows = context // shape.ratio
+    width = 2 * shape.head_dim if shape.kind == "csa" else shape.head_dim
+
+    def comp(r, w, d):
+        return 4 * (2 * r * w + 2 * r * d + rows * d)
+
+    n += comp(shape.ratio, width, shape.head_dim)
+    if shape.kind == "csa":
+        n += comp(shape.ratio, 2 * shape.index_dim, shape.index_dim)
+    return n
+
+
+# ---- the steps --------------------------------------------------------------------------------
+
+
+def rms_rows(x: np.ndarray, eps: float) -> np.ndarray:
+    """Each row of x [n, d] over sqrt(mean(row^2) + eps), no weight; fp32."""
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)).astype(np.float32)
+
+
+def weighted_rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return rms_rows(x[None, :], eps)[0] * weight
+
+
+def compressor_step(w: CompressorWeights, s: CompressorState, a: np.ndarray, pos: int, rope: Rope,
+                    eps: float) -> bool:
+    """Buffer this token; on a closing window append a compressed row. True if a row was appended."""
+    slot = pos % s.ratio
+    w.wkv.matvec(a, s.kv[slot])
+    w.wgate.matvec(a, s.gate[slot])
+    s.gate[slot] += w.ape[slot]
+    if slot != s.ratio - 1:
+        return False
+    if s.overlap:
+        d = s.dim
+        cand_kv = np.concatenate([s.prev_kv, s.kv[:, d:]])          # [2 ratio, dim]
+        cand_gate = np.concatenate([s.prev_gate, s.gate[:, d:]])
+        s.prev_kv[:] = s.kv[:, :d]
+        s.prev_gate[:] = s.gate[:, :d]
+    else:
+        cand_kv, cand_gate = s.kv, s.gate
+    g = cand_gate.astype(np.float64)
+    e = np.exp(g - g.max(axis=0, keepdims=True))
+    row = ((e / e.sum(axis=0, keepdims=True)) * cand_kv.astype(np.float64)).sum(axis=0).astype(np.float32)
+    row = weighted_rms(row, w.norm, eps)
+    if s.n_rows >= len(s.rows):
+        raise IndexError("compressed rows beyond the cache's context")  # the session checks first
+    s.rows[s.n_rows] = rope.apply(row, pos + 1 - s.ratio)
+    s.n_rows += 1
+    return True
+
+
+def indexer_select(w: IndexerWeights, rows: np.ndarray, qr: np.ndarray, a: np.ndarray, pos: int, rope: Rope,
+                   shape: AttentionShape) -> np.ndarray:
+    """Indices (ascending) of the compressed rows the query attends to: the top index_topk by
+    score, equal scores to the lower index."""
+    T = len(rows)
+    k = min(shape.index_topk, T)
+    if k == T:
+        return np.arange(T)
+    iq = np.empty(shape.index_heads * shape.index_dim, np.float32)
+    w.wq_b.matvec(qr, iq)
+    iq = rope.apply(iq.reshape(shape.index_heads, shape.index_dim), pos)
+    hw = np.empty(shape.index_heads, np.float32)
+    w.weights_proj.matvec(a, hw)
+    scores = np.maximum(iq.astype(np.float64) @ rows.astype(np.float64).T, 0.0) * shape.index_dim ** -0.5
+    score = ((hw.astype(np.float64) * shape.index_heads ** -0.5)[:, None] * scores).sum(axis=0)   # [T]
+    order = np.argsort(-score, kind="stable")      # stable: equal scores keep the lower index first
+    return np.sort(order[:k])
+
+
+def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,
+                   rope: Rope) -> np.ndarray:
+    """The attention sublayer's output (fp32 [hidden]) for the token at `pos` with normed input a;
+    updates the cache (window, compressors)."""
+    H, hd, eps = shape.heads, shape.head_dim, shape.eps
+    qa = np.empty(w.wq_a.shape[0], np.float32)
+    qr = weighted_rms(w.wq_a.matvec(a, qa), w.q_norm, eps)
+    q = np.empty(H * hd, np.float32)
+    w.wq_b.matvec(qr, q)
+    q = rope.apply(rms_rows(q.reshape(H, hd), eps), pos)
+    kv = np.empty(hd, np.float32)
+    kv = rope.apply(weighted_rms(w.wkv.matvec(a, kv), w.kv_norm, eps), pos)
+    cache.window[pos % shape.window] = kv
+    cache.tokens = pos + 1
+    n_win = min(pos + 1, shape.window)
+    # the window's rows oldest first (positions pos - n_win + 1 .. pos)
+    first = pos + 1 - n_win
+    keys = [cache.window[(first + j) % shape.window] for j in range(n_win)]
+    if shape.kind != "swa":
+        comp = cache.compressor
+        compressor_step(w.compressor, comp, a, pos, rope, eps)
+        rows = comp.rows[:comp.n_rows]
+        if shape.kind == "csa":
+            compressor_step(w.indexer.compressor, cache.indexer, a, pos, rope, eps)
+            pick = indexer_select(w.indexer, cache.indexer.rows[:cache.indexer.n_rows], qr, a, pos, rope, shape)
+            cache.selected = pick
+            rows = rows[pick]
+        keys.extend(rows)
+    K = np.stack(keys).astype(np.float64)                        # [n, head_dim], K == V
+    logits = (q.astype(np.float64) @ K.T) * hd ** -0.5            # [H, n]
+    sink = w.sinks.astype(np.float64)[:, None]
+    m = np.maximum(logits.max(axis=1, keepdims=True), sink)
+    e = np.exp(logits - m)
+    p = e / (e.sum(axis=1, keepdims=True) + np.exp(sink - m))
+    o = rope.apply((p @ K).astype(np.float32), pos, inverse=True)  # [H, head_dim]
+    groups = len(w.wo_a)
+    og = o.reshape(groups, -1)
+    rank = w.wo_a[0].shape[0]
+    lo = np.empty(groups * rank, np.float32)
+    for g in range(groups):
+        w.wo_a[g].matvec(og[g], lo[g * rank:(g + 1) * rank])
+    y = np.empty(w.wo_b.shape[0], np.float32)
+    return w.wo_b.matvec(lo, y)

@@ -1,0 +1,73 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream is N streams X [N, hidden].
+
+Around each sublayer (transformers' DeepseekV4HyperConnection, DeepseekV4DecoderLayer):
+
+    xn   = X.flatten() / sqrt(mean(X^2) + rms_norm_eps)          # [N * hidden], no weight
+    mix  = fn . xn                                               # fn [(2 + N) N, N * hidden]
+    pre  = sigmoid(mix[0:N] * scale[0] + base[0:N]) + hc_eps     # how much of each stream enters
+    post = 2 sigmoid(mix[N:2N] * scale[1] + base[N:2N])          # how the output spreads back
+    C    = softmax over j of (mix[2N + N i + j] * scale[2] + base[...]) + hc_eps        # [N, N]
+    C   /= column sums + hc_eps; then (rows, columns) again, hc_sinkhorn_iters rounds in all
+    h    = sum_k pre[k] X[k]                                     # the sublayer's input (before its norm)
+    X'[k] = post[k] y + sum_j C[j, k] X[j]                       # after the sublayer's output y
+
+The head reduces the streams with its own pre weights (no post, no Sinkhorn) before the final norm.
+The small mixing math runs in float64 (a fixed order, whatever the threads) and is cast to fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class HyperWeights:
+    """One hyper-connection (around attention, around the MoE, or the head's reduction)."""
+
+    fn: np.ndarray                  # fp32 [(2 + N) N, N hidden]  (head: [N, N hidden])
+    base: np.ndarray                # fp32 [(2 + N) N]            (head: [N])
+    scale: np.ndarray               # fp32 [3]                    (head: [1])
+
+
+def _sigmoid(v: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _mix(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+    x = X.reshape(-1).astype(np.float64)
+    xn = x / np.sqrt(np.dot(x, x) / x.shape[0] + eps)
+    return fn.astype(np.float64) @ xn
+
+
+def hc_pre(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
+           sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(h fp32 [hidden], post float64 [N], C float64 [N, N]) for the streams X [N, hidden]."""
+    n = X.shape[0]
+    mix = _mix(X, w.fn, eps)
+    base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
+    pre = _sigmoid(mix[:n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * _sigmoid(mix[n:2 * n] * scale[1] + base[n:2 * n])
+    logits = mix[2 * n:].reshape(n, n) * scale[2] + base[2 * n:].reshape(n, n)
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    comb = e / e.sum(axis=1, keepdims=True) + hc_eps
+    comb = comb / (comb.sum(axis=0, keepdims=True) + hc_eps)          # columns first
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)      # rows
+        comb = comb / (comb.sum(axis=0, keepdims=True) + hc_eps)      # columns
+    h = (pre[:, None] * X.astype(np.float64)).sum(axis=0).astype(np.float32)
+    return h, post, comb
+
+
+def hc_post(X: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """X'[k] = post[k] y + sum_j C[j, k] X[j], fp32 [N, hidden] (X is replaced in place and returned)."""
+    new = post[:, None] * y.astype(np.float64)[None, :] + comb.T @ X.astype(np.float64)
+    X[...] = new
+    return X
+
+
+def hc_head(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float) -> np.ndarray:
+    """The head's reduction of the streams: sum_k pre[k] X[k], fp32 [hidden]."""
+    mix = _mix(X, w.fn, eps)
+    pre = _sigmoid(mix * w.scale.astype(np.float64)[0] + w.base.astype(np.float64)) + hc_eps
+    return (pre[:, None] * X.astype(np.float64)).sum(axis=0).astype(np.float32)
