@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from ds4f.engine import kernels as K
+
+from kernel_params import backend_marks, kernel_settings_restored
 from ds4f.engine.checkpoint import formats
 
 AVAILABLE = K.available_backends()
@@ -16,31 +18,8 @@ TILE = 128
 QNAN = 0x7FC00000
 
 
-def _backend_params():
-    out = []
-    for name in K.BACKENDS:
-        marks = []
-        if name not in AVAILABLE:
-            why = (
-                "neon: not an aarch64 machine (NEON is tested under qemu by tests/test_neon.py)"
-                if name == "neon"
-                else f"{name}: not supported by this CPU/OS (CPUID/XGETBV)"
-            )
-            marks.append(pytest.mark.skip(reason=why))
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-BACKEND = pytest.mark.parametrize("backend", _backend_params())
-SIMD = pytest.mark.parametrize("backend", [p for p in _backend_params() if p.values[0] != "scalar"])
-
-
-@pytest.fixture(autouse=True)
-def _restore_settings():
-    backend, threads = K.get_backend(), K.get_threads()
-    yield
-    K.set_backend(backend)
-    K.set_threads(threads)
+BACKEND, SIMD = backend_marks()
+restore_kernel_settings = kernel_settings_restored()
 
 
 # ---- independent references ----------------------------------------------------------------
