@@ -13,7 +13,6 @@ from ds4f.engine import kernels as K
 from kernel_params import backend_marks, kernel_settings_restored
 from ds4f.engine.checkpoint import formats
 
-AVAILABLE = K.available_backends()
 TILE = 128
 QNAN = 0x7FC00000
 
