@@ -1,7 +1,9 @@
 """What the kernel test files share: one parameter per backend (skipped with the reason where
-this CPU lacks it) and an autouse fixture that restores the backend and thread count."""
+this CPU lacks it), an autouse fixture that restores the backend and thread count, and array
+helpers."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ds4f.engine import kernels as K
@@ -41,3 +43,16 @@ def kernel_settings_restored():
         K.set_threads(threads)
 
     return _restore_settings
+
+
+def unaligned(a: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of a whose data starts `offset` bytes past a 64-byte boundary."""
+    buf = np.zeros(a.nbytes + 64 + offset, np.uint8)
+    start = (-buf.ctypes.data) % 64 + offset
+    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32)

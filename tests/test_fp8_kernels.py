@@ -10,7 +10,7 @@ import pytest
 
 from ds4f.engine import kernels as K
 
-from kernel_params import backend_marks, kernel_settings_restored
+from kernel_params import backend_marks, bits, kernel_settings_restored, unaligned
 from ds4f.engine.checkpoint import formats
 
 TILE = 128
@@ -60,18 +60,6 @@ def rand_fp8(rng, rows: int, k: int, lo: int = 110, hi: int = 136):
     w[(w & 0x7F) == 0x7F] ^= 1  # 0x7F -> 0x7E, 0xFF -> 0xFE
     return w, rng.integers(lo, hi, tiles(rows, k), dtype=np.uint8)
 
-
-def unaligned(a: np.ndarray, offset: int) -> np.ndarray:
-    """A copy of a whose data starts `offset` bytes past a 64-byte boundary."""
-    buf = np.zeros(a.nbytes + 64 + offset, np.uint8)
-    start = (-buf.ctypes.data) % 64 + offset
-    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint32)
 
 
 # ---- decode --------------------------------------------------------------------------------

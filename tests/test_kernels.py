@@ -14,7 +14,7 @@ import pytest
 
 from ds4f.engine import kernels as K
 
-from kernel_params import backend_marks, kernel_settings_restored
+from kernel_params import backend_marks, bits, kernel_settings_restored, unaligned
 
 AVAILABLE = K.available_backends()
 
@@ -49,18 +49,6 @@ def rand_mxfp4(rng, rows: int, k: int, lo: int = 118, hi: int = 130):
     scales = rng.integers(lo, hi, (rows, k // 32), dtype=np.uint8)
     return codes, scales
 
-
-def unaligned(a: np.ndarray, offset: int) -> np.ndarray:
-    """A copy of a whose data starts `offset` bytes past a 64-byte boundary."""
-    buf = np.zeros(a.nbytes + 64 + offset, np.uint8)
-    start = (-buf.ctypes.data) % 64 + offset
-    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint32)
 
 
 # ---- backend and thread settings -------------------------------------------------------------
