@@ -274,16 +274,21 @@ def _cold_experts(rng, copies: int, pages: str) -> _Case:
     _fill_copies(buf, group, copies)
     groups = [[K.ExpertWeights(*_slot_views(buf, c * group + e * slot, parts)) for e in range(N_EXPERTS)]
               for c in range(copies)]
+    return _experts_case(rng, f"{N_EXPERTS} experts ×{copies}", lambda i: groups[i],
+                         cold=True, pages=pages, copies=copies, working_set=copies * group,
+                         huge_bytes=huge_page_bytes(buf), keep=[buf])
+
+
+def _experts_case(rng, label: str, group_of: Callable[[int], list], **where) -> "_Case":
+    """The 6-expert entry point on the experts group_of(call index) gives, with its numpy baseline."""
     weights = list(rng.uniform(0.05, 0.3, N_EXPERTS))
     xh = (rng.standard_normal(HIDDEN) * 0.05).astype(np.float32)
     yh = np.empty(HIDDEN, np.float32)
     scratch = K.experts_scratch(N_EXPERTS, HIDDEN, INTER)
     nw = N_EXPERTS * 3 * HIDDEN * INTER
-    return _Case("experts", f"{N_EXPERTS} experts ×{copies}", nw, nw // 2 + nw // 32,
-                 lambda i: K.experts_forward(groups[i], weights, xh, 10.0, yh, scratch),
-                 lambda i: np_experts(groups[i], weights, xh, 10.0),
-                 cold=True, pages=pages, copies=copies, working_set=copies * group,
-                 huge_bytes=huge_page_bytes(buf), keep=[buf])
+    return _Case("experts", label, nw, nw // 2 + nw // 32,
+                 lambda i: K.experts_forward(group_of(i), weights, xh, 10.0, yh, scratch),
+                 lambda i: np_experts(group_of(i), weights, xh, 10.0), **where)
 
 
 def _fp8_layout() -> tuple[list[tuple[int, int, int, int, tuple[int, int]]], int]:
@@ -352,14 +357,7 @@ def _hot_cases(rng, kernels: tuple[str, ...]) -> Iterator[_Case]:
             w3, s3 = _mxfp4(rng, INTER, HIDDEN)
             w2, s2 = _mxfp4(rng, HIDDEN, INTER)
             experts.append(K.ExpertWeights(w1, s1, w3, s3, w2, s2))
-        weights = list(rng.uniform(0.05, 0.3, N_EXPERTS))
-        xh = (rng.standard_normal(HIDDEN) * 0.05).astype(np.float32)
-        yh = np.empty(HIDDEN, np.float32)
-        scratch = K.experts_scratch(N_EXPERTS, HIDDEN, INTER)
-        nw = N_EXPERTS * 3 * HIDDEN * INTER
-        yield _Case("experts", f"{N_EXPERTS} experts", nw, nw // 2 + nw // 32,
-                    lambda _i: K.experts_forward(experts, weights, xh, 10.0, yh, scratch),
-                    lambda _i: np_experts(experts, weights, xh, 10.0))
+        yield _experts_case(rng, f"{N_EXPERTS} experts", lambda _i: experts)
     if "fp8_matvec" in kernels and hasattr(K, "fp8_matvec"):
         for rows, k in FP8_SHAPES:
             w, s = _fp8(rng, rows, k)
