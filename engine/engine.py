@@ -65,7 +65,9 @@ class Engine:
                                      head=checkpoint.global_tensor("head.weight"))
         self.n_pinned = preset.pinned_count(g.n_layers)
         self.pinned: dict[int, MoeWeights] = {
-            layer: MoeWeights.from_tensors(self._read_pinned(layer)) for layer in range(self.n_pinned)}
+            layer: MoeWeights.from_tensors(
+                checkpoint.layer_tensors(layer, warm_buffer(checkpoint.trunk_layer_buf_nbytes, huge=True)))
+            for layer in range(self.n_pinned)}  # each in a buffer of its own (on huge pages where the OS has them)
         # Routing stays resident whatever is pinned (a few MB): the hash tables drive the
         # token-start fetch, the learned routers the lookahead prefetch.
         self.routers: dict[int, RouterWeights] = {
@@ -83,14 +85,6 @@ class Engine:
         self.reader = Reader(checkpoint, io_threads)
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
                                  prefetch=bool(preset.prefetch))
-
-    def _read_pinned(self, layer: int) -> dict[str, np.ndarray]:
-        """A layer's trunk in a buffer of its own on huge pages where the OS has them (the views keep
-        just that buffer alive), checked against its checksum."""
-        buf = warm_buffer(self.ckpt.trunk_layer_buf_nbytes, huge=True)
-        tensors = self.ckpt.read_trunk_layer(layer, buf)
-        self.ckpt.check_trunk_layer(layer, buf)
-        return tensors
 
     # -- figures --------------------------------------------------------------------------------
     def figures(self, session_nbytes: int = 0) -> EngineFigures:

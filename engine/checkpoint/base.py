@@ -165,9 +165,10 @@ class Checkpoint:
         if not isinstance(expert, (int, np.integer)) or not 0 <= expert < self.geometry.n_experts:
             raise IndexError(f"expert {expert} out of range 0..{self.geometry.n_experts - 1}")
 
-    def layer_tensors(self, layer: int) -> dict[str, np.ndarray]:
-        """A layer's MoE trunk in a buffer of its own, checked where the form has checksums."""
-        buf = aligned_buffer(self.trunk_layer_buf_nbytes)
+    def layer_tensors(self, layer: int, buf=None) -> dict[str, np.ndarray]:
+        """A layer's MoE trunk in `buf` (default: a buffer of its own), checked where the form has
+        checksums."""
+        buf = aligned_buffer(self.trunk_layer_buf_nbytes) if buf is None else buf
         tensors = self.read_trunk_layer(layer, buf)
         self.check_trunk_layer(layer, buf)
         return tensors
