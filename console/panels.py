@@ -235,6 +235,8 @@ class MemoryPanel(DashboardPanel):
             mt.append(f"= process {F.fmt_size(plan - snap.plan_bytes)} + preset {F.fmt_size(snap.plan_bytes)}\n")
         mt.append(f"expert cache {F.fmt_size(snap.cache_bytes)} / {F.fmt_size(snap.budget_bytes)}"
                   if snap.budget_bytes else "expert cache —")
+        if snap.kv_bytes:
+            mt.append(f" · KV {F.fmt_size(snap.kv_bytes)} for {snap.context} positions")
         self.put("#mem-text", mt)
         self.set_level(*memory_level(snap))
 

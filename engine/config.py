@@ -30,6 +30,8 @@ DEFAULT_GEN = 8            # tokens to generate when a front end is not told
 MAX_GEN = 100_000          # tokens per run
 MAX_PROMPT = 4096          # prompt token ids per run
 MAX_THREADS = 256          # kernel or I/O threads
+DEFAULT_CONTEXT = 4096     # positions a preset's KV cache holds when its [presets] entry does not say
+MAX_CONTEXT = 1 << 20      # the model's 1M positions
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.I)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -109,6 +111,7 @@ class Preset:
     io_threads: int | None = None       # None: the [engine] default
     kernel_threads: int | None = None
     prefetch: bool = False              # router lookahead prefetch
+    context: int = DEFAULT_CONTEXT      # positions a run may reach (the KV cache is sized for them)
 
     def pinned_count(self, n_layers: int) -> int:
         """How many trunk layers (from layer 0) stay resident."""
@@ -204,7 +207,7 @@ _SCHEMA = {
     "history": {"path": str},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
-                "io_threads": int, "kernel_threads": int, "prefetch": bool}
+                "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int}
 
 
 def _check_type(value, types, where: str):
@@ -258,9 +261,13 @@ def _preset(name: str, body: dict, source: str) -> Preset:
     for key in ("io_threads", "kernel_threads"):
         if key in body and not 0 <= body[key] <= MAX_THREADS:
             raise Ds4fError(f"{where}.{key}: must be between 0 (the [engine] default) and {MAX_THREADS}, got {body[key]}")
+    context = body.get("context", DEFAULT_CONTEXT)
+    if not 1 <= context <= MAX_CONTEXT:
+        raise Ds4fError(f"{where}.context: must be between 1 and {MAX_CONTEXT} positions, got {context}")
     return Preset(name=name, pinned_layers=pinned, cache=parse_budget(body.get("cache", "25%"), f"{where}.cache"),
                   policy=policy, io_threads=body.get("io_threads") or None,
-                  kernel_threads=body.get("kernel_threads") or None, prefetch=bool(body.get("prefetch", False)))
+                  kernel_threads=body.get("kernel_threads") or None, prefetch=bool(body.get("prefetch", False)),
+                  context=context)
 
 
 def load_config(explicit: str | os.PathLike | None = None) -> Config:

@@ -12,6 +12,7 @@ from ds4f.engine import kernels
 from ds4f.engine.config import Preset, format_bytes
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights
+from ds4f.engine.resident import load_attention
 from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, warm_buffer
 from ds4f.engine.runtime.reader import Reader
@@ -60,9 +61,11 @@ class Engine:
         self.set_kernels(backend, kernel_threads)
 
         # trunk: globals and pinned layers stay resident; the others are read per token
+        # attention and hyper-connections (the whole model) stay resident: every token reads them
+        self.attention, hc_head = load_attention(checkpoint, g) if g.attention is not None else ([], None)
         self.globals = GlobalWeights(embed=checkpoint.global_tensor("embed.weight"),
                                      final_norm=np.asarray(checkpoint.global_tensor("norm.weight"), dtype=np.float32),
-                                     head=checkpoint.global_tensor("head.weight"))
+                                     head=checkpoint.global_tensor("head.weight"), hc_head=hc_head)
         self.n_pinned = preset.pinned_count(g.n_layers)
         self.pinned: dict[int, MoeWeights] = {
             layer: MoeWeights.from_tensors(
@@ -84,7 +87,12 @@ class Engine:
                                  preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k, n_experts=g.n_experts)
         self.reader = Reader(checkpoint, io_threads)
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
-                                 prefetch=bool(preset.prefetch))
+                                 prefetch=bool(preset.prefetch), attention=self.attention)
+
+    @property
+    def attention_nbytes(self) -> int:
+        """Bytes of the resident attention and hyper-connection weights (0 for a MoE-only model)."""
+        return sum(la.nbytes for la in self.attention)
 
     # -- figures --------------------------------------------------------------------------------
     def figures(self, session_nbytes: int = 0) -> EngineFigures:
@@ -95,6 +103,7 @@ class Engine:
         checks, _checked, check_s = self.reader.check_stats.totals()
         routers = sum(r.nbytes for layer, r in self.routers.items() if layer not in self.pinned)
         resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self.globals.nbytes
+                    + self.attention_nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
                     + BOOKKEEPING_BYTES)
         return EngineFigures(

@@ -169,6 +169,12 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         checkpoint.close()
         raise Ds4fError(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{g.vocab - 1})",
                         param="prompt")
+    positions = len(prompt) - 1 + config.gen
+    if g.attention is not None and positions > preset.context:
+        checkpoint.close()
+        raise Ds4fError(f"gen: a prompt of {len(prompt)} tokens and {config.gen} generated ones reach {positions}"
+                        f" positions, past the context of {preset.context} that preset {preset.name!r} allocates"
+                        f" its KV cache for (generate fewer, or raise the preset's `context`)", param="gen")
     with _active_lock:
         if active_run() is not None:
             checkpoint.close()
@@ -221,7 +227,8 @@ class Run:
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
         self._final_layer_prefetch_hits: tuple[int, ...] = ()   # the streamer's, when the engine is released
-        self._session_nbytes = 0                     # the session's buffers, counted as resident
+        self._session_nbytes = 0                     # the session's buffers and KV cache, counted as resident
+        self._kv_bytes, self._context = 0, 0         # the session's KV cache and the positions it holds
         self._optimum: float | None = None
         self._replay: dict | None = None             # the replay of the run's last reads (when done)
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
@@ -343,6 +350,7 @@ class Run:
             floor_age_s=time.time() - self._floor.measured_at if self._floor and self._floor.measured_at else None,
             ram_bytes=vm.total, ram_available_bytes=vm.available,
             plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
+            kv_bytes=self._kv_bytes, context=self._context,
             check_s_per_token=fig.check_s / done if fig and done else None,
             layer_prefetch_hits=layer_prefetched if fig else ())
 
@@ -383,7 +391,7 @@ class Run:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             # first, so an unwritable or busy place fails the run before the engine loads; its header holds
             # what determines the numbers: the MoE geometry (the engine computes no attention yet)
-            writer = StateWriter(self.dump_path, self.checkpoint.geometry.moe_config(), list(self.prompt), self.n_steps,
+            writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
                                  report_path=self.report_path)
             notes = writer.notes
             if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
@@ -406,6 +414,7 @@ class Run:
             session = eng.new_session()
             with self._lock:
                 self._engine, self._session_nbytes = eng, session.nbytes
+                self._kv_bytes, self._context = session.kv_nbytes, session.context if session.kv else 0
                 self._backend = eng.backend
             if self.probe and not self._cancel.is_set():
                 self._floor = cached_floor(self.checkpoint, self.io_threads)
@@ -591,6 +600,7 @@ class Run:
             "policy_hit_rate": snap.policy_hit_rate, "prefetch_hit_share": snap.prefetch_hit_share,
             "regret_pp": snap.regret_pp, "bound": snap.bound, "floor_ratio": snap.floor_ratio,
             "disk_replay": self._replay, "ram_bytes": snap.ram_bytes, "plan_bytes": snap.plan_bytes,
+            "kv_bytes": snap.kv_bytes, "context": snap.context,
             "check_s_per_token": snap.check_s_per_token,
             # warm tokens: the share of time the disk had a read in flight, and the mean number in flight
             "disk_busy_fraction": disk_busy, "mean_read_depth": read_depth,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
 
 
@@ -36,17 +37,28 @@ class Session:
         self.source = engine.streamer
         self.buffers = ForwardBuffers(self.geometry)
         self.position = 0          # tokens evaluated so far
+        self.context = engine.preset.context   # the most positions this session may reach
+        att = self.geometry.attention
+        self.kv = KVCache(attention_shapes(att, self.geometry.rms_norm_eps), self.context) if att else None
 
     @property
     def nbytes(self) -> int:
-        return self.buffers.nbytes
+        return self.buffers.nbytes + self.kv_nbytes
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the KV cache, allocated for the whole context when the session starts."""
+        return self.kv.nbytes if self.kv is not None else 0
 
     def eval(self, token_id: int) -> np.ndarray:
         """The logits after `token_id` (fp32 [vocab], the session's buffer: copy to keep)."""
         g = self.geometry
         if not 0 <= token_id < g.vocab:
             raise Ds4fError(f"token id {token_id} is outside the vocabulary (0..{g.vocab - 1})", param="token")
-        logits = forward(self.source, token_id, self.buffers)
+        if self.position >= self.context:
+            raise Ds4fError(f"position {self.position} is past the context of {self.context} positions the preset"
+                            f" {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
+        logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
         self.position += 1
         return logits
 

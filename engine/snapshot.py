@@ -99,6 +99,8 @@ class Snapshot:
     ram_bytes: int = 0                        # the machine's RAM
     ram_available_bytes: int = 0              # what the machine can still give (psutil "available")
     plan_bytes: int = 0                       # what the preset plans for the engine and the run
+    kv_bytes: int = 0                         # the KV cache, allocated for `context` positions (in plan_bytes)
+    context: int = 0                          # positions the run's KV cache holds (0: a MoE-only model)
     check_s_per_token: float | None = None    # I/O-thread seconds per token checking records' crc32
     layer_prefetch_hits: tuple[int, ...] = () # per layer, cumulative: of layer_hits, those on an expert a
                                               # prefetch guess brought in (all 0 with prefetch off)

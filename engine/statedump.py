@@ -4,7 +4,10 @@ Layout (little-endian):
     b"DS4FSTAT"  u32 version  u32 header_len  header_json (utf-8, space-padded to 8 bytes)
     then one record per decoded token:
         i32 token_id, i32 next_token_id, u8 backend code, 3 pad bytes,
-        i32 expert_ids[n_layers, top_k], f32 weights[n_layers, top_k], f32 hidden[n_layers, hidden]
+        i32 expert_ids[n_layers, top_k], f32 weights[n_layers, top_k], f32 hidden[n_layers, width]
+    width = hc_mult x hidden_size: each layer's output state, the hyper-connection streams one
+    after the other (hidden_size alone for a MoE-only geometry, which has one residual stream).
+Version 2 (the whole model); version 1 dumps (the MoE half only) are refused with a message.
 The header holds only what determines the numbers (format, geometry, prompt, token count),
 never thread counts, paths or times, so equal math gives equal bytes (the determinism
 invariant).
@@ -45,7 +48,7 @@ except ImportError:  # pragma: no cover - not POSIX: no lock, leftovers are stil
     fcntl = None
 
 MAGIC = b"DS4FSTAT"
-VERSION = 1
+VERSION = 2
 BACKEND_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
 BACKEND_BY_CODE = {v: k for k, v in BACKEND_CODES.items()}
 # hidden-state error, relative to the layer's largest magnitude, below which two runs
@@ -191,7 +194,7 @@ class StateWriter:
             except OSError as exc:
                 raise write_error(d, exc, "create the directory") from None
         g = geometry
-        self.dtype = record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
+        self.dtype = geometry_record_dtype(g)
         header = json.dumps({"format": "ds4f.state", "version": VERSION, "geometry": geometry,
                              "prompt": list(prompt), "n_tokens": n_tokens}, sort_keys=True).encode()
         header += b" " * (-(len(header) + 16) % 8)
@@ -389,16 +392,26 @@ def _header_length(path: Path, head: bytes) -> int:
         raise Ds4fError(f"{path}: not a ds4f state dump (bad magic)")
     version, hlen = struct.unpack("<II", head[8:16])
     if version != VERSION:
-        raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}")
+        older = (" (written by an older ds4f that computed only the MoE half of the model: run it again to"
+                 " compare)") if version < VERSION else ""
+        raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}{older}")
     return hlen
+
+
+def state_width(g: dict) -> int:
+    """Floats of one layer's output state for a geometry (its config.json dict)."""
+    return g.get("hc_mult", 1) * g["hidden_size"]
+
+
+def geometry_record_dtype(g: dict) -> np.dtype:
+    return record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], state_width(g))
 
 
 def _parse_header(path: Path, raw: bytes) -> tuple[dict, np.dtype]:
     """The JSON header and the record dtype it implies."""
     try:
         header = json.loads(raw)
-        g = header["geometry"]
-        return header, record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["hidden_size"])
+        return header, geometry_record_dtype(header["geometry"])
     except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
 
@@ -470,10 +483,10 @@ def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> S
     sa = a if isinstance(a, State) else read_state(a)
     sb = b if isinstance(b, State) else read_state(b)
     ga, gb = sa.header["geometry"], sb.header["geometry"]
-    shape_keys = ("num_hidden_layers", "num_experts_per_tok", "hidden_size")
-    if any(ga[k] != gb[k] for k in shape_keys):
+    shape_keys = ("num_hidden_layers", "num_experts_per_tok", "hidden_size", "hc_mult")
+    if any(ga.get(k) != gb.get(k) for k in shape_keys):
         raise Ds4fError(f"{sb.path}: geometry differs from {sa.path} "
-                        f"({', '.join(f'{k} {ga[k]} vs {gb[k]}' for k in shape_keys if ga[k] != gb[k])}); nothing to compare")
+                        f"({', '.join(f'{k} {ga.get(k)} vs {gb.get(k)}' for k in shape_keys if ga.get(k) != gb.get(k))}); nothing to compare")
     ra, rb = sa.records, sb.records
     n = min(len(ra), len(rb))
     n_layers = ga["num_hidden_layers"]

@@ -27,3 +27,16 @@ def tiny_model(tiny_official, tmp_path_factory):
     from ds4f.engine.checkpoint.convert import convert_checkpoint
 
     return convert_checkpoint(tiny_official, tmp_path_factory.mktemp("tiny-ds4f") / "ds4f")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_only(tmp_path_factory):
+    """The tiny geometry without attention (the MoE half only), converted to the ds4f layout: what
+    the float64 MoE reference (engine/model/reference.py) computes token by token."""
+    from ds4f.engine.checkpoint.convert import convert_checkpoint
+    from ds4f.engine.checkpoint.synth import synth_checkpoint
+    from ds4f.engine.model.geometry import GEOMETRIES
+
+    root = tmp_path_factory.mktemp("tiny-moe")
+    official = synth_checkpoint(root / "official", GEOMETRIES["tiny"].replace(attention=None), seed=0)
+    return convert_checkpoint(official, root / "ds4f")

@@ -166,7 +166,7 @@ def test_a_run_in_the_default_place_sweeps_what_killed_runs_left(tiny_model, tmp
     before = set(runs.iterdir()) if runs.is_dir() else set()
     err = tmp_path / "stderr.txt"
     with open(err, "w") as ef:
-        proc = subprocess.Popen(cli("run", tiny_model, "--gen", "20000", "--no-probe"), stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(cli("run", tiny_model, "--gen", "8000", "--no-probe"), stdout=subprocess.DEVNULL,
                                 stderr=ef)
         try:
             _wait_for(lambda: "token    3/" in err.read_text())
@@ -298,7 +298,8 @@ def test_a_full_disk_fails_the_run_naming_the_file_and_leaves_nothing(tiny_model
         assert str(small / which) in run.error and "no space" in run.error, run.error
         assert sorted(p.name for p in small.iterdir()) == ["filler"]
         # the same from the CLI: one line naming the file, exit 2
-        out = subprocess.run(cli("run", tiny_model, "--gen", "40", "--no-probe", "--dump-state", small / "a.bin"),
+        out = subprocess.run(cli("run", tiny_model, "--gen", "40", "-p", "0,17", "--no-probe", "--dump-state",
+                                 small / "a.bin"),  # the same run: the same state size
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "no space" in out.stderr and str(small / which) in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
@@ -319,7 +320,7 @@ def test_sigterm_cancels_a_cli_run_like_ctrl_c(tiny_model, tmp_path):
     place = tmp_path / "place"
     err = tmp_path / "stderr.txt"
     with open(err, "w") as ef:
-        proc = subprocess.Popen(cli("run", tiny_model, "--gen", "20000", "--no-probe", "--dump-state",
+        proc = subprocess.Popen(cli("run", tiny_model, "--gen", "8000", "--no-probe", "--dump-state",
                                     place / "a.bin"), stdout=subprocess.DEVNULL, stderr=ef)
         try:
             _wait_for(lambda: "token    3/" in err.read_text())

@@ -140,7 +140,7 @@ async def test_run_starts_progresses_and_finishes(tiny_model, history_path):
 
 @async_test
 async def test_stop_cancels(tiny_model, history_path):
-    app = make_app(tiny_model, history_path, gen=100_000)
+    app = make_app(tiny_model, history_path, gen=8000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         await start_a_few_tokens(pilot)
@@ -150,7 +150,7 @@ async def test_stop_cancels(tiny_model, history_path):
         assert run.wait(30)
         await pilot.pause(0.3)
         assert run.state == "cancelled"
-        assert 3 < run.snapshot().tokens_done < 100_000
+        assert 3 < run.snapshot().tokens_done < 8000
         assert "cancelled" in text_of(app, "#run-state")
         await pilot.press("s")  # nothing live: harmless
     recs = History(history_path).list_runs()
@@ -244,7 +244,7 @@ async def test_threads_and_preset_reach_the_next_run(tiny_model, history_path):
 
 @async_test
 async def test_io_threads_change_live(tiny_model, history_path):
-    app = make_app(tiny_model, history_path, gen=100_000)
+    app = make_app(tiny_model, history_path, gen=8000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         io0 = app.controller.effective_io_threads()
@@ -369,7 +369,7 @@ async def test_simd_scalar_pair_one_keystroke(tiny_model, history_path):
 async def test_engine_error_shows_and_app_keeps_working(tiny_model, history_path, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    app = make_app(model, history_path, gen=100_000)
+    app = make_app(model, history_path, gen=8000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         await pilot.press("r")
@@ -512,7 +512,7 @@ async def test_refresh_period_freeze_theme_help_quit(tiny_model, history_path):
 
 @async_test
 async def test_quit_stops_a_live_run(tiny_model, history_path):
-    app = make_app(tiny_model, history_path, gen=100_000)
+    app = make_app(tiny_model, history_path, gen=8000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         await pilot.press("r")
@@ -529,7 +529,7 @@ async def test_every_key_acts_during_a_run(tiny_model, history_path):
     (How long a key takes is measured by ds4f.console.bench.bench_console, not asserted here.)"""
     from textual import events
 
-    app = make_app(tiny_model, history_path, refresh_s=0.25, gen=100_000)
+    app = make_app(tiny_model, history_path, refresh_s=0.25, gen=8000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         await pilot.press("r")
@@ -715,7 +715,7 @@ async def test_cache_read_and_memory_panels_after_a_real_run(tiny_model, history
 
 @async_test
 async def test_every_live_switch_stays_listed(tiny_model, history_path):
-    app = make_app(tiny_model, history_path, gen=100_000)
+    app = make_app(tiny_model, history_path, gen=8000)
     async with app.run_test(size=(160, 48)) as pilot:
         await booted(pilot)
         await pilot.press("r")
@@ -748,7 +748,7 @@ async def test_every_live_switch_stays_listed(tiny_model, history_path):
 
 @async_test
 async def test_cancelled_runs_show_their_token_count_in_the_history(tiny_model, history_path):
-    app = make_app(tiny_model, history_path, gen=100_000)
+    app = make_app(tiny_model, history_path, gen=8000)
     async with app.run_test(size=SIZE) as pilot:
         await booted(pilot)
         await start_a_few_tokens(pilot)
@@ -759,8 +759,8 @@ async def test_cancelled_runs_show_their_token_count_in_the_history(tiny_model, 
         await pilot.press("h")
         assert isinstance(app.screen, HistoryScreen)
         table = app.screen.query_one(DataTable)
-        assert str(table.get_row_at(0)[6]) == f"{n}/100000", "the count this session saw"
-        assert f"cancelled after {n} of 100000 tokens" in text_of(app, "#run-detail")
+        assert str(table.get_row_at(0)[6]) == f"{n}/8000", "the count this session saw"
+        assert f"cancelled after {n} of 8000 tokens" in text_of(app, "#run-detail")
     # a later session has the history's record alone
     rec = History(history_path).get(run.id)
     assert F.record_tokens(rec) in (None, n)  # None: the engine records no count for a cancelled run
@@ -771,9 +771,9 @@ async def test_cancelled_runs_show_their_token_count_in_the_history(tiny_model, 
         cell = str(again.screen.query_one(DataTable).get_row_at(0)[6])
         detail = text_of(again, "#run-detail")
         if F.record_tokens(rec) is None:
-            assert cell == "?/100000" and "no count" in detail, "says what it does not know, not 0"
+            assert cell == "?/8000" and "no count" in detail, "says what it does not know, not 0"
         else:
-            assert cell == f"{n}/100000" and f"cancelled after {n} of" in detail
+            assert cell == f"{n}/8000" and f"cancelled after {n} of" in detail
 
 
 @async_test

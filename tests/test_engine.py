@@ -36,10 +36,12 @@ def _run(model, tmp_path, name, **kw):
 
 # ---------------------------------------------------------------- the math
 @pytest.mark.parametrize("backend", kernels.available_backends())
-def test_forward_matches_float64_reference(tiny_model, tmp_path, backend):
-    run = _run(tiny_model, tmp_path, backend, gen=3, backend=backend)
+def test_forward_matches_float64_reference(tiny_moe_only, tmp_path, backend):
+    """The MoE-only forward against the float64 MoE reference (the whole model is checked against
+    transformers in tests/test_whole_engine.py)."""
+    run = _run(tiny_moe_only, tmp_path, backend, gen=3, backend=backend)
     state = read_state(run.dump_path)
-    with open_checkpoint(tiny_model) as ck:
+    with open_checkpoint(tiny_moe_only) as ck:
         for rec in state.records:
             nxt, ids, hidden = reference_step(ck, int(rec["token"]))
             assert [sorted(r) for r in rec["ids"].tolist()] == ids

@@ -27,7 +27,7 @@ import pytest
 from ds4f.api import MAX_GEN, MAX_PROMPT, Ds4fError, History
 from ds4f.server.app import ServerOptions, is_loopback, make_server, read_token_file
 
-BUSY_GEN = 20_000
+BUSY_GEN = 8000
 TOKEN = "k3Y-for-the-ds4f-tests_0123456789"
 TERMINAL = ("done", "cancelled", "failed")
 

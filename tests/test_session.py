@@ -73,9 +73,10 @@ def test_a_hosted_engine_follows_the_run_settings_and_reloads_on_change(tiny_mod
         host.close()
 
 
-def test_session_eval_follows_the_reference_token_after_token(tiny_model):
+def test_session_eval_follows_the_reference_token_after_token(tiny_moe_only):
+    """The MoE-only forward (a geometry without attention) against the float64 MoE reference."""
     preset = load_config().get_preset("minimal")   # nothing pinned: every trunk layer streamed
-    with open_checkpoint(tiny_model) as ck:
+    with open_checkpoint(tiny_moe_only) as ck:
         eng = Engine(ck, preset, io_threads=2, kernel_threads=2, backend="scalar")
         try:
             session = eng.new_session()

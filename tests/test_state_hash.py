@@ -1,14 +1,13 @@
 """A fixed tiny run's state dump, byte for byte.
 
-The scalar hash was recorded from the engine before its modules were reorganised into the model /
-runtime / checkpoint subpackages, and before the shared expert moved from a bf16 copy to its
-shipped FP8 (the scalar FP8 matvec is bit-identical to the scalar bf16 one on the exactly widened
-matrix): a reorganisation moves code, it does not change a single bit of what a run computes. The
-SIMD hashes were recorded again when the shared expert moved to the FP8 kernels, whose lanes sum
-in another order than the bf16 ones did (each within 1e-5 of float64); computing the ready
-experts together in one kernel call instead of one at a time changed no bit. They were recorded on x86-64 (numpy's float64 dot in rms_norm goes through
-BLAS, whose summation order is chosen per CPU family): on another CPU family only the structure
-check applies.
+The hashes were recorded when the engine began computing the whole model (attention, its KV
+cache and the hyper-connections; state dump version 2, whose records hold every layer's
+hyper-connection streams). The whole model's numbers are checked against transformers in
+tests/test_whole_engine.py; this test pins them, so a change that moves a single bit of what a
+run computes (a reorganisation must not) fails here. Earlier hashes pinned the MoE half alone
+(version 1 dumps).
+They were recorded on x86-64 (numpy's float64 dot in rms_norm goes through BLAS, whose
+summation order is chosen per CPU family): on another CPU family only the structure check applies.
 """
 from __future__ import annotations
 
@@ -21,9 +20,9 @@ from ds4f.engine import kernels
 from ds4f.engine.runs import RunConfig, start_run
 
 RECORDED = {
-    "scalar": "3dd366d4bd42489728a0024c9ba9a20e5365b86c298285a2f201e62cde8a7d01",
-    "avx2": "beaf1b6789e152854566795dd174fd541ddcd60f9ebc42d36438f6fd12f54abd",
-    "avx512": "bfae85e0a1d7ce184368b14b7636e58318493c1396f7164bbf9254400d048923",
+    "scalar": "6b0faf0403a499dc890ad1560d7b548a8f52d644c1d4808cc4e98a06b61f1210",
+    "avx2": "e303907e9117e6681ed8f03cdd131be61b9640ded3344b7ac9e67c7ca83b252e",
+    "avx512": "ccad51f03bd3b672e0326246db64ee6be38f24b6b4aea0e8f9b10f4e1def3eb5",
 }
 
 

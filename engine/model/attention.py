@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ds4f.engine.model.rope import Rope
+from ds4f.engine.model.rope import Rope, inv_freq_default, inv_freq_yarn
 
 
 class Matrix(Protocol):
@@ -263,3 +263,45 @@ def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: i
         w.wo_a[g].matvec(og[g], lo[g * rank:(g + 1) * rank])
     y = np.empty(w.wo_b.shape[0], np.float32)
     return w.wo_b.matvec(lo, y)
+
+
+# ---- a model's layers ---------------------------------------------------------------------------
+
+KIND_NAMES = {"swa": "sliding window", "csa": "compressed sparse (CSA)", "hca": "heavily compressed (HCA)"}
+
+
+def attention_shapes(att, eps: float) -> list[AttentionShape]:
+    """Each layer's AttentionShape from the geometry's attention settings (geometry.AttentionGeometry)."""
+    return [AttentionShape(att.kind(i), att.ratio(i), att.n_heads, att.head_dim, att.window, att.index_n_heads,
+                           att.index_head_dim, att.index_topk, eps) for i in range(len(att.layer_kinds))]
+
+
+def layer_ropes(att) -> tuple[Rope, Rope]:
+    """(main, compress): plain RoPE of rope_theta for sliding-window layers; compress_rope_theta,
+    with YaRN when configured, for CSA and HCA layers."""
+    main = Rope(inv_freq_default(att.rope_theta, att.rope_dim))
+    y = att.yarn
+    comp = Rope(inv_freq_yarn(att.compress_rope_theta, att.rope_dim, y.factor, y.original_max_position_embeddings,
+                              y.beta_fast, y.beta_slow) if y is not None
+                else inv_freq_default(att.compress_rope_theta, att.rope_dim))
+    return main, comp
+
+
+class KVCache:
+    """A sequence's attention state: every layer's LayerCache, for up to `context` positions."""
+
+    def __init__(self, shapes: list[AttentionShape], context: int) -> None:
+        self.context = context
+        self.layers = [new_layer_cache(s, context) for s in shapes]
+
+    @staticmethod
+    def nbytes_for(shapes: list[AttentionShape], context: int) -> int:
+        return sum(layer_cache_nbytes(s, context) for s in shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)
+
+    def reset(self) -> None:
+        for c in self.layers:
+            c.reset()

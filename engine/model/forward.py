@@ -1,4 +1,16 @@
-"""The forward pass of one token, top to bottom (the MoE half of DeepSeek-V4-Flash).
+"""The forward pass of one token, top to bottom.
+
+The whole model (a geometry with attention), transformers' DeepseekV4Model:
+
+    X = embed[token] in each of N streams                       # [N, hidden] fp32
+    for each layer l:
+        h, post, C = hc_pre(X)                                  # model.hyper
+        X = hc_post(X, attention(attn_norm(h), pos), post, C)   # model.attention, with the KV cache
+        h, post, C = hc_pre(X)
+        X = hc_post(X, moe(h), post, C)                         # the MoE block below, without its residual
+    logits = head . (rmsnorm(hc_head(X)) * norm)
+
+The MoE-only model (a geometry without attention: the cache lab's checkpoints):
 
     h = embed[token]                                            # [hidden] fp32
     for each layer l:
@@ -27,11 +39,13 @@ import numpy as np
 
 from ds4f.engine import kernels
 from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.attention import KVCache, attention_step
 from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre
 from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
-from ds4f.engine.model.weights import GlobalWeights, RouterWeights
+from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights
 
 SHARED = -1  # the rank an arrival carries when it is the shared expert's weights
 
@@ -47,13 +61,16 @@ class WeightSource(Protocol):
     def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None: ...
     def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]: ...
     def finish_layer(self, layer: int, ids: np.ndarray) -> None: ...
+    def attention(self, layer: int) -> LayerAttention: ...
 
 
 class ForwardBuffers:
     """The forward pass's working memory and its per-token record, allocated once per session."""
 
     def __init__(self, g: Geometry) -> None:
-        self.h = np.empty(g.hidden, np.float32)            # the residual stream
+        streams = g.attention.hc_mult if g.attention is not None else 1
+        self.h = np.empty(g.hidden, np.float32)            # the residual stream (MoE-only model)
+        self.streams = np.empty((streams, g.hidden), np.float32)  # the hyper-connection streams X
         self.h64 = np.empty(g.hidden, np.float64)          # rms_norm's float64 sum of squares
         self.x = np.empty(g.hidden, np.float32)            # the normalised input of a sublayer
         self.router_logits = np.empty(g.n_experts, np.float32)
@@ -62,7 +79,7 @@ class ForwardBuffers:
         # the token's record (the state dump's): per layer
         self.ids = np.empty((g.n_layers, g.top_k), np.int32)        # selected experts, rank order
         self.weights = np.empty((g.n_layers, g.top_k), np.float32)  # their routing weights
-        self.hidden = np.empty((g.n_layers, g.hidden), np.float32)  # the residual after the layer
+        self.hidden = np.empty((g.n_layers, streams * g.hidden), np.float32)  # the residual (X) after the layer
 
     @property
     def nbytes(self) -> int:
@@ -99,22 +116,57 @@ def check_finite(buf: MoeBuffers, layer: int, ids: np.ndarray, token_id: int) ->
                     f" its weights are corrupt (an MXFP4 scale byte of 0xFF is NaN)", kind="data")
 
 
-def forward(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
-    """The logits (fp32 [vocab]) after `token_id`; buf.ids / weights / hidden hold the token's record."""
+def forward(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: KVCache | None = None,
+            pos: int = 0) -> np.ndarray:
+    """The logits (fp32 [vocab]) after `token_id` at position `pos`; buf.ids / weights / hidden hold
+    the token's record. kv: the sequence's attention state (the whole model), updated."""
     g = source.geometry
     source.start_token(token_id)
-    h = buf.h
-    np.copyto(h, source.globals.embed[token_id])  # bf16 -> fp32, exact
-    for layer in range(g.n_layers):
-        ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
-        h += y
-        source.finish_layer(layer, ids)
-        buf.ids[layer] = ids
-        buf.weights[layer] = weights
-        buf.hidden[layer] = h
+    if g.attention is None:
+        h = _moe_only_layers(source, token_id, buf)
+    else:
+        h = _whole_layers(source, token_id, buf, kv, pos)
     final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, buf.x, buf.h64)
     logits = kernels.bf16_matvec(source.globals.head, final, out=buf.logits)
     if not np.isfinite(logits).all():
         raise Ds4fError(f"the head gives non-finite logits (NaN or Inf) for token {token_id}:"
                         f" the head or final norm weights are corrupt", kind="data")
     return logits
+
+
+def _moe_only_layers(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
+    h = buf.h
+    np.copyto(h, source.globals.embed[token_id])  # bf16 -> fp32, exact
+    for layer in range(source.geometry.n_layers):
+        ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
+        h += y
+        _record(source, layer, ids, weights, h, buf)
+    return h
+
+
+def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: KVCache, pos: int) -> np.ndarray:
+    g = source.geometry
+    att, eps = g.attention, g.rms_norm_eps
+    X = buf.streams
+    X[:] = source.globals.embed[token_id]          # bf16 -> fp32, exact, in every stream
+    for layer in range(g.n_layers):
+        la = source.attention(layer)
+        h, post, comb = hc_pre(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+        a = rms_norm(h, la.attn_norm, eps, buf.x, buf.h64)
+        y = attention_step(la.attention, kv.layers[layer], a, pos, la.shape, la.rope)
+        if not np.isfinite(y).all():
+            raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
+                            f" {token_id} at position {pos}: its weights are corrupt", kind="data")
+        hc_post(X, y, post, comb)
+        h, post, comb = hc_pre(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+        ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
+        hc_post(X, y, post, comb)
+        _record(source, layer, ids, weights, X.reshape(-1), buf)
+    return hc_head(X, source.globals.hc_head, eps, att.hc_eps)
+
+
+def _record(source: WeightSource, layer: int, ids, weights, state: np.ndarray, buf: ForwardBuffers) -> None:
+    source.finish_layer(layer, ids)
+    buf.ids[layer] = ids
+    buf.weights[layer] = weights
+    buf.hidden[layer] = state

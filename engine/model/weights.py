@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4f.engine import kernels
+from ds4f.engine.model.attention import AttentionShape, AttentionWeights
 from ds4f.engine.model.geometry import FP8_TILE
+from ds4f.engine.model.hyper import HyperWeights
+from ds4f.engine.model.rope import Rope
 
 
 @dataclass
@@ -129,10 +132,38 @@ class GlobalWeights:
     embed: np.ndarray               # bf16 [vocab, hidden]   token embeddings
     final_norm: np.ndarray          # fp32 [hidden]          RMSNorm weight before the head
     head: np.ndarray                # bf16 [vocab, hidden]   logits = head . norm(h)
+    hc_head: HyperWeights | None = None   # the head's reduction of the hyper-connection streams
 
     @property
     def nbytes(self) -> int:
-        return self.embed.nbytes + self.final_norm.nbytes + self.head.nbytes
+        return _nbytes(self)
+
+
+@dataclass
+class LayerAttention:
+    """One layer's attention sublayer and both hyper-connections: resident, read every token."""
+
+    attention: AttentionWeights     # the projections, norms, sinks, compressor and indexer
+    shape: AttentionShape           # kind (swa | csa | hca), ratio and widths
+    rope: Rope                      # main (swa) or compress (csa, hca) frequencies
+    attn_norm: np.ndarray           # fp32 [hidden]  RMSNorm weight before the attention
+    hc_attn: HyperWeights           # the hyper-connection around the attention
+    hc_ffn: HyperWeights            # and around the MoE
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self)
+
+
+def _nbytes(obj) -> int:
+    """Bytes of every array a weight record holds, however nested (matrices, lists of them)."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(_nbytes(v) for v in vars(obj).values())
+    return 0
 
 
 def expert_weights(slot: np.ndarray, layout: dict[str, tuple[int, tuple[int, ...]]]) -> kernels.ExpertWeights:

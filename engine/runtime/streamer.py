@@ -24,7 +24,8 @@ from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.forward import SHARED
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
-from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights, SharedExpertWeights, expert_weights
+from ds4f.engine.model.weights import (GlobalWeights, LayerAttention, MoeWeights, RouterWeights, SharedExpertWeights,
+                                      expert_weights)
 from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import warm_buffer
 from ds4f.engine.runtime.reader import DEMAND, PREFETCH, Reader, TrunkJob
@@ -38,12 +39,14 @@ class Streamer:
     PREFETCH_RANKS = 4
 
     def __init__(self, checkpoint, pinned: dict[int, MoeWeights], routers: dict[int, RouterWeights],
-                 globals_: GlobalWeights, cache: ExpertCache, reader: Reader, prefetch: bool) -> None:
+                 globals_: GlobalWeights, cache: ExpertCache, reader: Reader, prefetch: bool,
+                 attention: list[LayerAttention] | None = None) -> None:
         g = self.geometry = checkpoint.geometry
         self.ckpt = checkpoint
         self.globals = globals_
         self.pinned = pinned                       # layer -> MoeWeights kept in RAM
         self.routers = routers                     # layer -> RouterWeights, every layer
+        self._attention = attention or []          # layer -> LayerAttention, resident (the whole model)
         self.unpinned = [layer for layer in range(g.n_layers) if layer not in pinned]
         self.cache = cache
         self.reader = reader
@@ -104,6 +107,9 @@ class Streamer:
 
     def router(self, layer: int) -> RouterWeights:
         return self.routers[layer]
+
+    def attention(self, layer: int) -> LayerAttention:
+        return self._attention[layer]
 
     def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None:
         """The layer's experts are chosen: request the misses, read ahead, guess the next layer."""

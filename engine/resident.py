@@ -1,0 +1,64 @@
+"""The weights every token reads whatever the preset: each layer's attention sublayer with its
+compressors and indexer, both hyper-connections, and the head's; read once when the engine
+loads, in their shipped dtypes (FP8 projections with their tile scales, bf16 compressors, fp32
+hyper-connections), and kept in RAM.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ds4f.engine.model.attention import (AttentionWeights, CompressorWeights, IndexerWeights, attention_shapes,
+                                         layer_ropes)
+from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.model.hyper import HyperWeights
+from ds4f.engine.model.weights import Bf16Matrix, Fp8Matrix, LayerAttention
+
+
+class _Reader:
+    """Tensors of one checkpoint by official name, as the matrices and vectors the model takes."""
+
+    def __init__(self, checkpoint) -> None:
+        self.ck = checkpoint
+
+    def raw(self, name: str) -> np.ndarray:
+        return self.ck.global_tensor(name)
+
+    def f32(self, name: str) -> np.ndarray:
+        return np.asarray(self.raw(name), dtype=np.float32)
+
+    def fp8(self, name: str) -> Fp8Matrix:
+        return Fp8Matrix(self.raw(name + ".weight"), self.raw(name + ".scale"))
+
+    def bf16(self, name: str) -> Bf16Matrix:
+        return Bf16Matrix(self.raw(name + ".weight"))
+
+    def compressor(self, prefix: str) -> CompressorWeights:
+        return CompressorWeights(self.bf16(prefix + "wkv"), self.bf16(prefix + "wgate"), self.f32(prefix + "ape"),
+                                 self.f32(prefix + "norm.weight"))
+
+    def hyper(self, prefix: str) -> HyperWeights:
+        return HyperWeights(self.f32(prefix + "fn"), self.f32(prefix + "base"), self.f32(prefix + "scale"))
+
+
+def load_attention(checkpoint, g: Geometry) -> tuple[list[LayerAttention], HyperWeights]:
+    """Every layer's LayerAttention and the head's hyper-connection, read from the checkpoint."""
+    att = g.attention
+    r = _Reader(checkpoint)
+    shapes = attention_shapes(att, g.rms_norm_eps)
+    main, compress = layer_ropes(att)
+    layers = []
+    for i, shape in enumerate(shapes):
+        p = f"layers.{i}.attn."
+        compressor = indexer = None
+        if shape.kind != "swa":
+            compressor = r.compressor(p + "compressor.")
+        if shape.kind == "csa":
+            indexer = IndexerWeights(r.fp8(p + "indexer.wq_b"), r.bf16(p + "indexer.weights_proj"),
+                                     r.compressor(p + "indexer.compressor."))
+        weights = AttentionWeights(r.fp8(p + "wq_a"), r.f32(p + "q_norm.weight"), r.fp8(p + "wq_b"), r.fp8(p + "wkv"),
+                                   r.f32(p + "kv_norm.weight"), r.fp8(p + "wo_a").row_blocks(att.o_groups),
+                                   r.fp8(p + "wo_b"), r.f32(p + "attn_sink"), compressor, indexer)
+        layers.append(LayerAttention(weights, shape, main if shape.kind == "swa" else compress,
+                                     r.f32(f"layers.{i}.attn_norm.weight"), r.hyper(f"layers.{i}.hc_attn_"),
+                                     r.hyper(f"layers.{i}.hc_ffn_")))
+    return layers, r.hyper("hc_head_")

@@ -1,0 +1,88 @@
+"""The engine runs the whole model: a run on each transformers fixture (tests/fixtures/whole, made
+by tools/make_golden_whole.py from DeepseekV4ForCausalLM) generates transformers' greedy tokens
+after the prompt, its state dump holds each layer's hyper-connection state within tolerance of
+transformers', on both checkpoint forms and every backend; the KV cache is sized from the
+preset's context, counted in the memory plan, and a run past it is refused up front.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4f.engine import kernels
+from ds4f.engine.checkpoint.convert import convert_checkpoint
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.runs import RunConfig, start_run
+from ds4f.engine.statedump import read_state
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whole"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.npz").exists())
+BACKENDS = [b for b in ("scalar", "avx2", "avx512") if b in kernels.available_backends()]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each fixture converted to the ds4f layout."""
+    out = {}
+    for case in CASES:
+        src = tmp_path_factory.mktemp(case) / "official"
+        shutil.copytree(FIXTURES / case, src, ignore=shutil.ignore_patterns("expected.npz"))
+        out[case] = convert_checkpoint(src, src.parent / "ds4f", progress=False)
+    return out
+
+
+def _run(model, exp, backend, dump, threads=2, preset="laptop"):
+    prompt = tuple(int(t) for t in exp["tokens"][:int(exp["prompt_len"])])
+    gen = len(exp["tokens"]) - len(prompt) + 1
+    run = start_run(RunConfig(model=str(model), gen=gen, prompt=prompt, backend=backend, kernel_threads=threads,
+                              preset=preset, dump_path=str(dump), probe_floor=False))
+    assert run.wait(120), "run did not finish"
+    assert run.state == "done", run.error
+    return run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["official", "ds4f"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_generates_transformers_tokens(case, form, backend, converted, tmp_path):
+    exp = np.load(FIXTURES / case / "expected.npz")
+    model = FIXTURES / case if form == "official" else converted[case]
+    run = _run(model, exp, backend, tmp_path / "state.bin")
+    prompt_len = int(exp["prompt_len"])
+    want = exp["tokens"][prompt_len:].tolist() + [int(exp["greedy"][-1])]
+    assert run.report["generated"] == want
+    state = read_state(tmp_path / "state.bin")
+    hidden = state.records["hidden"]                       # [steps, layers, hc_mult * hidden]
+    ref = exp["hc_state"].reshape(hidden.shape)
+    for step in range(len(hidden)):
+        for layer in range(hidden.shape[1]):
+            err = np.abs(hidden[step, layer] - ref[step, layer]).max() / np.abs(ref[step, layer]).max()
+            assert err < 3e-5, (step, layer, err)           # as tests/test_attention_model.py
+    assert (state.records["ids"].astype(np.int64) == exp["route_ids"][:len(hidden)]).all()
+
+
+def test_thread_counts_give_the_same_dump(converted, tmp_path):
+    exp = np.load(FIXTURES / "tiny" / "expected.npz")
+    for backend in BACKENDS:
+        one = _run(converted["tiny"], exp, backend, tmp_path / f"{backend}-1.bin", threads=1)
+        two = _run(converted["tiny"], exp, backend, tmp_path / f"{backend}-2.bin", threads=2)
+        assert one.report["state_sha256"] == two.report["state_sha256"], backend
+        assert (tmp_path / f"{backend}-1.bin").read_bytes() == (tmp_path / f"{backend}-2.bin").read_bytes()
+
+
+def test_the_kv_cache_is_in_the_plan_and_the_context_is_enforced(converted, tmp_path):
+    exp = np.load(FIXTURES / "tiny" / "expected.npz")
+    run = _run(converted["tiny"], exp, "auto", tmp_path / "a.bin", preset="laptop")
+    kv = run.report["summary"]["kv_bytes"]
+    assert kv > 0 and run.report["summary"]["context"] == 8192
+    assert run.report["summary"]["plan_bytes"] > kv
+    # a bigger context allocates a bigger cache (compressed rows scale with it)
+    run = _run(converted["tiny"], exp, "auto", tmp_path / "b.bin", preset="server")
+    assert run.report["summary"]["kv_bytes"] > kv and run.report["summary"]["context"] == 65536
+    prompt = tuple(int(t) for t in exp["tokens"][:13])
+    with pytest.raises(Ds4fError, match=r"reach 8204 positions, past the context of 8192 that preset 'laptop'"):
+        start_run(RunConfig(model=str(converted["tiny"]), gen=8192, prompt=prompt, preset="laptop",
+                            probe_floor=False))
