@@ -230,6 +230,10 @@ def _print_summary(run, s: dict, snap, out) -> None:
               f"{pf['wasted']} wasted · {pf['cancelled']} cancelled")
     print(f"memory         RSS {s['rss_bytes'] / 2**30:.2f} GiB of {s['rss_budget_bytes'] / 2**30:.2f} GiB budget · "
           f"plan {(s.get('plan_bytes') or 0) / 2**30:.2f} GiB · RAM {(s.get('ram_bytes') or 0) / 2**30:.1f} GiB · {snap.io_mode}")
+    if s.get("kv_bytes"):
+        print(f"KV cache       {s['kv_bytes'] / 2**20:.1f} MiB for {s['context']} positions (in the plan)")
+    else:
+        print("attention      none: this checkpoint's config has no attention, only the MoE half runs")
     print(f"kernels        {', '.join(sorted(set(run.summary_report['backend_by_token'])))} · {snap.kernel_threads} kernel threads · {snap.io_threads} I/O threads")
     print(f"generated      {run.summary_report['generated']}")
     print(f"state          {run.summary_report['state_path']} sha256 {run.summary_report['state_sha256']}")

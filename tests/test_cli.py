@@ -65,6 +65,8 @@ def test_short_options_and_json_on_stdout(tiny_model, tmp_path):
     s_per_token = report["summary"]["s_per_token"]
     line = next(l for l in out.stderr.splitlines() if l.startswith("s/token"))
     assert f"{1 / s_per_token:.2f} tokens/s" in line and f"{s_per_token:.3f} warm" in line
+    kv = report["summary"]["kv_bytes"]
+    assert f"KV cache       {kv / 2**20:.1f} MiB for {report['summary']['context']} positions" in out.stderr
     twice = _cli("run", tiny_model, "-m", tmp_path / "other", "-n", "1")
     assert twice.returncode == 2 and "give the model once" in twice.stderr
 
