@@ -103,6 +103,8 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
                              "with auto, DS4F_KERNELS if set)")
     parser.add_argument("--no-simd", action="store_true", help="scalar kernels (same as --backend scalar)")
     parser.add_argument("--no-probe", action="store_true", help="skip the NVMe floor probe")
+    parser.add_argument("--moe-only", action="store_true",
+                        help="allow a checkpoint without attention: run the MoE half alone (the cache lab)")
     parser.add_argument("--config", help="ds4f.toml to use")
 
 
@@ -167,7 +169,8 @@ def _run(args) -> int:
                        gen=DEFAULT_GEN if args.gen is None else args.gen,
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
                        backend="scalar" if args.no_simd else args.backend, dump_path=dump,
-                       report_path=report, config_path=args.config, probe_floor=False if args.no_probe else None)
+                       report_path=report, config_path=args.config, probe_floor=False if args.no_probe else None,
+                       moe_only=args.moe_only)
     try:
         signal.signal(signal.SIGTERM, _cancel_on_sigterm)   # `kill` stops the run as Ctrl-C does: no files left
     except ValueError:   # not the main thread (called in-process): signals are not ours to handle

@@ -67,6 +67,7 @@ class RunConfig:
     report_path: str | None = None           # report.json; None: next to the state dump (a.bin -> a.report.json)
     config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
     probe_floor: bool | None = None          # measure the NVMe floor; None: ds4f.toml's engine.probe_floor
+    moe_only: bool = False                   # allow a checkpoint without attention (the MoE half alone: the cache lab)
 
 
 def _new_run_id() -> str:
@@ -169,6 +170,12 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         checkpoint.close()
         raise Ds4fError(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{g.vocab - 1})",
                         param="prompt")
+    if g.attention is None and not config.moe_only:
+        checkpoint.close()
+        raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
+                        f" head_dim, compress_ratios, ...), so only the MoE half of the model could run and its tokens"
+                        f" would not be the model's; make the checkpoint again (ds4f synth / convert), or pass"
+                        f" --moe-only to run the MoE half for the cache lab", param="model")
     positions = len(prompt) - 1 + config.gen
     if g.attention is not None and positions > preset.context:
         checkpoint.close()
@@ -390,7 +397,7 @@ class Run:
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             # first, so an unwritable or busy place fails the run before the engine loads; its header holds
-            # what determines the numbers: the MoE geometry (the engine computes no attention yet)
+            # what determines the numbers: the geometry (attention included), the prompt, the token count
             writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
                                  report_path=self.report_path)
             notes = writer.notes

@@ -39,7 +39,7 @@ def _run(model, tmp_path, name, **kw):
 def test_forward_matches_float64_reference(tiny_moe_only, tmp_path, backend):
     """The MoE-only forward against the float64 MoE reference (the whole model is checked against
     transformers in tests/test_whole_engine.py)."""
-    run = _run(tiny_moe_only, tmp_path, backend, gen=3, backend=backend)
+    run = _run(tiny_moe_only, tmp_path, backend, gen=3, backend=backend, moe_only=True)
     state = read_state(run.dump_path)
     with open_checkpoint(tiny_moe_only) as ck:
         for rec in state.records:

@@ -86,3 +86,19 @@ def test_the_kv_cache_is_in_the_plan_and_the_context_is_enforced(converted, tmp_
     with pytest.raises(Ds4fError, match=r"reach 8204 positions, past the context of 8192 that preset 'laptop'"):
         start_run(RunConfig(model=str(converted["tiny"]), gen=8192, prompt=prompt, preset="laptop",
                             probe_floor=False))
+
+
+def test_a_checkpoint_without_attention_runs_only_when_asked(tiny_moe_only, tmp_path):
+    with pytest.raises(Ds4fError, match=r"config\.json has no attention settings .* --moe-only"):
+        start_run(RunConfig(model=str(tiny_moe_only), gen=2, probe_floor=False))
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "ds4f.cli", "run", str(tiny_moe_only), "-n", "2", "--no-probe",
+           "--dump-state", str(tmp_path / "a.bin")]
+    refused = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--moe-only" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "a.bin").exists()
+    ran = subprocess.run(cli + ["--moe-only"], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "attention      none: this checkpoint's config has no attention, only the MoE half runs" in ran.stdout
