@@ -236,3 +236,18 @@ def test_an_older_layout_says_to_convert_again(tiny_model, tmp_path):
         (root / name).write_text(json.dumps(doc))
     hit = expect(root, r"layout version 1, written by an older ds4f", r"ds4f convert SRC .* --force", opens=True)
     assert len(hit) == 2  # both JSON files named
+
+
+def test_a_missing_or_misshapen_attention_tensor_in_the_ds4f_layout(tiny_model, tmp_path):
+    root = copy_ck(tiny_model, tmp_path)
+
+    def lie(t):
+        del t["layers.2.attn.indexer.wq_b.scale"]
+        t["layers.3.attn.compressor.ape"]["shape"] = list(reversed(t["layers.3.attn.compressor.ape"]["shape"]))
+    doc = json.loads((root / "trunk.json").read_text())
+    by = {t["name"]: t for t in doc["tensors"]}
+    lie(by)
+    doc["tensors"] = list(by.values())
+    (root / "trunk.json").write_text(json.dumps(doc))
+    expect(root, r"trunk\.json: no tensor layers\.2\.attn\.indexer\.wq_b\.scale", opens=True)
+    expect(root, r"trunk\.json: layers\.3\.attn\.compressor\.ape: F32 \[\d+, \d+\], expected F32")

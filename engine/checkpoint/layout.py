@@ -40,7 +40,7 @@ from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, OFF
                                          align_up, expert_layout, moe_short_tensors, official_name)
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import pread_exact, read_json
-from ds4f.engine.checkpoint.tensors import global_tensors
+from ds4f.engine.checkpoint.tensors import attention_tensors, global_tensors
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
@@ -341,7 +341,7 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
                 continue
             lay.append((short, dtype, tuple(shape), t["offset"] - reg[0]))
         layer_layout[L] = lay
-    for plan in global_tensors(g):
+    for plan in {p.name: p for p in global_tensors(g) + attention_tensors(g)}.values():  # hc_head in both
         t = tensors.get(plan.name)
         if t is None:
             problems.append(f"{trunk_json}: no tensor {plan.name}")
