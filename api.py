@@ -28,6 +28,7 @@ from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
+from ds4f.engine.plan import MemoryPlan, memory_plan
 from ds4f.engine.lab.trace import export_trace, load_trace
 from ds4f.engine.lab.replay import parse_policy, replay
 from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("ds4f.cli.cache", "replay a routing trace through a cache policy"),
     "trace": ("ds4f.cli.cache", "export a run's routing trace"),
     "history": ("ds4f.cli.history", "list, show and prune the recorded runs"),
+    "plan": ("ds4f.cli.plan", "the memory plan of a model under a preset, without its weights"),
 }
 
 

@@ -112,6 +112,12 @@ class Preset:
     kernel_threads: int | None = None
     prefetch: bool = False              # router lookahead prefetch
     context: int = DEFAULT_CONTEXT      # positions a run may reach (the KV cache is sized for them)
+    cache_limit: Budget | None = None   # a size the expert cache never exceeds, whatever `cache` gives
+
+    def cache_bytes(self, pool_bytes: int) -> int:
+        """The expert cache's budget on a pool of pool_bytes: `cache`, at most `cache_limit`."""
+        n = self.cache.resolve(pool_bytes)
+        return min(n, self.cache_limit.resolve(pool_bytes)) if self.cache_limit is not None else n
 
     def pinned_count(self, n_layers: int) -> int:
         """How many trunk layers (from layer 0) stay resident."""
@@ -207,7 +213,8 @@ _SCHEMA = {
     "history": {"path": str},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
-                "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int}
+                "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
+                "cache_limit": (str, int)}
 
 
 def _check_type(value, types, where: str):
@@ -262,12 +269,15 @@ def _preset(name: str, body: dict, source: str) -> Preset:
         if key in body and not 0 <= body[key] <= MAX_THREADS:
             raise Ds4fError(f"{where}.{key}: must be between 0 (the [engine] default) and {MAX_THREADS}, got {body[key]}")
     context = body.get("context", DEFAULT_CONTEXT)
+    limit = parse_budget(body["cache_limit"], f"{where}.cache_limit") if "cache_limit" in body else None
+    if limit is not None and limit.nbytes is None:
+        raise Ds4fError(f"{where}.cache_limit: a size like '12 GiB', not a fraction, got {body['cache_limit']!r}")
     if not 1 <= context <= MAX_CONTEXT:
         raise Ds4fError(f"{where}.context: must be between 1 and {MAX_CONTEXT} positions, got {context}")
     return Preset(name=name, pinned_layers=pinned, cache=parse_budget(body.get("cache", "25%"), f"{where}.cache"),
                   policy=policy, io_threads=body.get("io_threads") or None,
                   kernel_threads=body.get("kernel_threads") or None, prefetch=bool(body.get("prefetch", False)),
-                  context=context)
+                  context=context, cache_limit=limit)
 
 
 def load_config(explicit: str | os.PathLike | None = None) -> Config:

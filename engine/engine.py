@@ -83,7 +83,7 @@ class Engine:
         if preset.cache.exceeds(self.pool_bytes):
             self.notes.append(f"cache {preset.cache} is more than the whole expert pool"
                               f" ({format_bytes(self.pool_bytes)}): the cache holds the pool, no more")
-        self.cache = ExpertCache(preset.cache.resolve(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
+        self.cache = ExpertCache(preset.cache_bytes(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
                                  preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k, n_experts=g.n_experts)
         self.reader = Reader(checkpoint, io_threads)
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,

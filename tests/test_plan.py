@@ -1,0 +1,64 @@
+"""`ds4f plan`: the memory plan of a geometry under a preset, and the preset's cache limit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds4f.engine.checkpoint import open_checkpoint
+from ds4f.engine.config import load_config
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.geometry import GEOMETRIES
+from ds4f.engine.plan import OS_HEADROOM, memory_plan
+from ds4f.engine.runs import RunConfig, start_run
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "ds4f.cli", "plan", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_the_real_model_fits_a_24gb_laptop_with_the_laptop_preset(tmp_path):
+    laptop = load_config().get_preset("laptop")
+    plan = memory_plan(GEOMETRIES["flash"], laptop, 24 << 30)
+    assert plan.fits and plan.total_bytes + OS_HEADROOM <= 24 << 30
+    assert plan.total_bytes == sum(plan.resident.values()) + plan.kv_bytes + plan.cache_bytes
+    # the reference figures of the released model: ~5.5 GB of attention weights as shipped,
+    # embed + head ~1.97 GiB, 3.45 GB of routed experts per token
+    assert 5.0e9 < plan.resident["attention and hyper-connections"] < 6.0e9
+    assert abs(plan.resident["globals (embed, head, final norm)"] / 2**30 - 1.97) < 0.01
+    assert abs(plan.routed_bytes_per_token / 1e9 - 3.45) < 0.05
+    assert plan.cache_bytes <= 12 << 30 < plan.pool_bytes * 0.25   # the limit holds, not the 25%
+    out = _cli("--geometry", "real", "--ram", "24GiB", "--preset", "laptop", cwd=tmp_path)
+    assert out.returncode == 0 and "fits:" in out.stdout, out.stdout + out.stderr
+    rows = json.loads(_cli("--geometry", "real", "--ram", "24GiB", "-o", "json", cwd=tmp_path).stdout)
+    assert {r["part"]: r["bytes"] for r in rows["resident"]}["KV cache"] == plan.kv_bytes
+    small = _cli("--geometry", "real", "--ram", "8GiB", "--preset", "laptop", cwd=tmp_path)
+    assert small.returncode == 1 and "does NOT fit" in small.stdout
+    bad = _cli("--ram", "25%", cwd=tmp_path)
+    assert bad.returncode == 2 and "--ram" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_plan_is_what_a_run_allocates(tiny_model, tmp_path):
+    preset = load_config().get_preset("laptop")
+    with open_checkpoint(tiny_model) as ck:
+        plan = memory_plan(ck.geometry, preset, 24 << 30)
+    run = start_run(RunConfig(model=str(tiny_model), gen=2, preset="laptop", probe_floor=False,
+                              dump_path=str(tmp_path / "a.bin")))
+    assert run.wait(120) and run.state == "done", run.error
+    s = run.report["summary"]
+    assert s["kv_bytes"] == plan.kv_bytes and run.report["cache"]["budget_bytes"] == plan.cache_bytes
+
+
+def test_a_cache_limit_caps_the_cache_and_must_be_a_size(tiny_model, tmp_path):
+    (tmp_path / "ds4f.toml").write_text('[presets.small]\npinned_layers = "all"\ncache = "100%"\n'
+                                        'cache_limit = "1 MiB"\n')
+    run = start_run(RunConfig(model=str(tiny_model), gen=2, preset="small", probe_floor=False,
+                              config_path=str(tmp_path / "ds4f.toml"), dump_path=str(tmp_path / "a.bin")))
+    assert run.wait(120) and run.state == "done", run.error
+    assert run.report["cache"]["budget_bytes"] <= 1 << 20
+    (tmp_path / "bad.toml").write_text('[presets.small]\npinned_layers = "all"\ncache_limit = "10%"\n')
+    with pytest.raises(Ds4fError, match=r"presets\.small\.cache_limit: a size like '12 GiB'"):
+        load_config(tmp_path / "bad.toml")
