@@ -56,6 +56,8 @@ __all__ = [
     "BACKENDS", "probe_floor", "cached_floor", "FLOOR_CAVEAT",
     # pruning the run history
     "PrunePlan", "plan_prune", "prune_runs", "run_files",
+    # the memory plan
+    "MemoryPlan", "memory_plan",
 ]
 
 def checkpoint_summary(path: str) -> dict:
