@@ -39,6 +39,8 @@ from ds4f.engine.bench.kernels import KERNELS as KERNEL_NAMES
 from ds4f.engine.bench.kernels import run_bench as run_kernel_bench
 from ds4f.engine.bench.probe import FLOOR_CAVEAT, cached_floor, probe_floor
 from ds4f.engine.statedump import LOW_BIT_TOLERANCE, StateDiff, diff_states, read_state
+from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
+                              find_tokenizer, render_chat)
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
@@ -58,6 +60,9 @@ __all__ = [
     "PrunePlan", "plan_prune", "prune_runs", "run_files",
     # the memory plan
     "MemoryPlan", "memory_plan",
+    # text: tokenizer, streaming, chat format, sampling
+    "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
+    "SamplingParams", "Sampler",
 ]
 
 def checkpoint_summary(path: str) -> dict:
