@@ -257,7 +257,7 @@ def _print_tokens(run, shown: int) -> int:
         # the policy's own hits (the yardstick of the summary and the console), prefetch's apart
         own, share = t.policy_hit_rate or 0.0, t.prefetch_hit_share or 0.0
         pf = f" +{share * 100:4.1f} pts prefetch" if snap.prefetch else ""
-        print(f"token {t.index + 1:>4}/{snap.gen}  id {t.token_id:>6} -> {t.next_token_id:>6}  {t.seconds:7.3f} s  "
+        print(f"token {t.index + 1:>4}/{snap.steps}  id {t.token_id:>6} -> {t.next_token_id:>6}  {t.seconds:7.3f} s  "
               f"{t.bytes_read / 1e9:6.3f} GB  own hits {own:6.1%}{pf}  stall {t.stall_s:6.3f} s  {t.backend}",
               file=sys.stderr)
     return snap.tokens[-1].index + 1 if snap.tokens else shown
@@ -271,6 +271,8 @@ def _diff(args) -> int:
         print(json.dumps(d.to_dict(), indent=1))
         return d.exit_code
     print(d.summary())
+    if d.attention_summary():
+        print(d.attention_summary())
     print(f"A {args.a}  sha256 {d.sha_a}  backends {','.join(sorted(set(d.backends_a)))}")
     print(f"B {args.b}  sha256 {d.sha_b}  backends {','.join(sorted(set(d.backends_b)))}")
     if d.cls != "identical":
@@ -306,7 +308,7 @@ def _bench(args) -> int:
             raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
                             "--backend is for bench cache")
         r = bench_engine(model, args.preset, args.gen, args.config, log=_announce, progress=True)
-        _show(args, [_engine_table(r)], lambda out: _print_bench_engine(r, out), r)
+        _show(args, [_engine_table(r), _depth_table(r)], lambda out: _print_bench_engine(r, out), r)
         return 0
     from ds4f.api import bench_cache
 
@@ -341,7 +343,22 @@ _ENGINE_ROWS = (   # summary key, label, format
     ("stall_s_per_token", "stall s/token", ".3f"),
     ("read_latency_ms", "read latency ms", ".1f"),
     ("check_s_per_token", "crc32 check s/token (I/O threads)", ".4f"),
+    ("split.attention_s", "  of s/token: attention", ".4f"),
+    ("split.moe_compute_s", "  of s/token: MoE compute", ".4f"),
+    ("split.read_wait_s", "  of s/token: waiting for reads", ".4f"),
+    ("split.head_s", "  of s/token: head", ".4f"),
+    ("split.other_s", "  of s/token: the rest", ".4f"),
+    ("split.attention_share", "attention share of s/token", ".1%"),
 )
+
+
+def _summary_value(summary: dict, key: str):
+    """summary[key], or summary["split"][...] for a "split.<name>" key (None when absent)."""
+    if key == "tokens_per_s":
+        return _per_second(summary["s_per_token"])
+    if key.startswith("split."):
+        return (summary.get("split") or {}).get(key[len("split."):])
+    return summary[key]
 
 
 def _engine_table(r: dict) -> Table:
@@ -349,9 +366,25 @@ def _engine_table(r: dict) -> Table:
     t = Table("engine", [Column("metric", "", align="left"), Column(best), Column("scalar")],
               title=f"{best} against scalar, {r['gen']} tokens generated each")
     for key, label, spec in _ENGINE_ROWS:
-        values = [_per_second(summary["s_per_token"]) if key == "tokens_per_s" else summary[key]
-                  for summary in (r["simd"], r["scalar"])]
+        values = [_summary_value(summary, key) for summary in (r["simd"], r["scalar"])]
         t.add(Label(key, label), *(Cell(v, spec) for v in values))
+    return t
+
+
+def _depth_table(r: dict) -> Table:
+    """The attention alone at each position, the KV cache there, and the s/token it implies."""
+    s = r["simd"]
+    split = s.get("split") or {}
+    rest = s["s_per_token"] - split["attention_s"] if s["s_per_token"] and split else None
+    t = Table("attention_depth", [Column("position", spec=","), Column("kv_mib", "KV cache MiB", ".1f"),
+                                  Column("attention_s", "attention s/token", ".4f"),
+                                  Column("s_per_token", "s/token there (est.)", ".3f"),
+                                  Column("attention_share", "attention share", ".1%")],
+              title=f"attention at depth ({r['backend']}): a KV cache filled to each position")
+    for d in r.get("attention_depth") or ():
+        total = rest + d["attention_s_per_token"] if rest is not None else None
+        t.add(d["position"], d["kv_bytes"] / 2**20, d["attention_s_per_token"], total,
+              d["attention_s_per_token"] / total if total else None)
     return t
 
 
@@ -360,6 +393,11 @@ def _print_bench_engine(r: dict, out) -> None:
     best, s = r["backend"], r["simd"]
     print()
     print(_engine_table(r).text())
+    if r.get("attention_depth"):
+        print()
+        print(_depth_table(r).text())
+        print("s/token there (est.): the run's warm s/token with its attention replaced by the attention at"
+              " that position (the MoE, head and reads do not grow with the position)")
     ratio = r["scalar_over_simd"]
     if ratio:
         print(f"\nscalar / {best} s/token: {ratio:.2f}x (the same prompt and {r['gen']} generated tokens on each)")

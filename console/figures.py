@@ -183,7 +183,7 @@ def run_switches(snap: Snapshot) -> list[Switch]:
 
 
 def progress_text(snap: Snapshot) -> str:
-    return f"{snap.tokens_done}/{snap.gen} tokens"
+    return f"{snap.tokens_done}/{snap.steps} tokens"
 
 
 def pack_lines(groups: list[list[str]], width: int = 0, height: int = 0) -> list[str]:

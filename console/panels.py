@@ -338,7 +338,7 @@ class ProgressPanel(DashboardPanel):
         st.append(f"{F.state_mark(snap.state)} {snap.state}", "bold")
         st.append(f"  {F.progress_text(snap)}")
         self.put("#run-state", st)
-        meter.set(snap.tokens_done / snap.gen if snap.gen else 0.0,
+        meter.set(snap.tokens_done / snap.steps if snap.steps else 0.0,
                   "critical" if snap.state == "failed" else None, "", "")
         # the room under the state line (0x0 before the first layout: no limit, then on_resize)
         room = self.content_region

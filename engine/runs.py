@@ -38,7 +38,11 @@ from ds4f.engine.errors import Ds4fError
 from ds4f.engine.lab.replay import replay
 from ds4f.engine.lab.trace import Trace
 from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
+from ds4f.engine.output_text import OutputText
 from ds4f.engine.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
+from ds4f.engine.text.chat import chat_prompt_ids
+from ds4f.engine.text.sampling import Sampler, SamplingParams
+from ds4f.engine.text.tokenizer import find_tokenizer
 
 REPORT_SCHEMA = "ds4f.report/1"
 
@@ -46,6 +50,8 @@ REPLAY_TOKENS = 32    # a done run's I/O efficiency replays the reads of its las
 BELADY_MAX_REQUESTS = 4_000_000   # above this many expert requests a run skips Belady's optimum
 BELADY_BYTES_PER_REQUEST = 24     # the routing read back (int32), its int64 codes, the next uses (int32),
                                   # and numpy's temporaries on the way
+MAX_STOP = 16              # stop strings a run takes, each of at most MAX_STOP_CHARS characters
+MAX_STOP_CHARS = 256
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
 SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
@@ -68,6 +74,13 @@ class RunConfig:
     config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
     probe_floor: bool | None = None          # measure the NVMe floor; None: ds4f.toml's engine.probe_floor
     moe_only: bool = False                   # allow a checkpoint without attention (the MoE half alone: the cache lab)
+    # text: the prompt as text or chat messages (needs the checkpoint's tokenizer), how to pick tokens, when to stop
+    text: str | None = None                  # prompt text (BOS prepended); not with `prompt` or `messages`
+    messages: tuple | None = None            # chat turns ({"role", "content"}), in the model's chat format
+    thinking: bool = False                   # chat: the model reasons first (thinking mode) or answers (chat mode)
+    sampling: "SamplingParams | None" = None # None: greedy
+    stop: tuple[str, ...] = ()               # stop strings: the output ends before the first one
+    stop_at_eos: bool | None = None          # end at the end-of-sentence token; None: when the prompt is text
 
 
 def _new_run_id() -> str:
@@ -162,14 +175,17 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
             raise Ds4fError(f"{name}: must be between 1 and {MAX_THREADS}, got {value!r}", param=name)
     if not config.model:
         raise Ds4fError("model: no checkpoint path given", param="model")
+    _check_text_settings(config)
     checkpoint = open_checkpoint(config.model)
     g = checkpoint.geometry
-    prompt = tuple(config.prompt) if config.prompt else (g.bos_token_id,)
-    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < g.vocab]
-    if bad:
+    try:
+        prompt, tokenizer = _prompt_of(config, checkpoint)
+    except Ds4fError:
         checkpoint.close()
-        raise Ds4fError(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{g.vocab - 1})",
-                        param="prompt")
+        raise
+    if len(prompt) > MAX_PROMPT:
+        checkpoint.close()
+        raise Ds4fError(f"prompt: at most {MAX_PROMPT} tokens, the text makes {len(prompt)}", param="prompt")
     if g.attention is None and not config.moe_only:
         checkpoint.close()
         raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
@@ -186,15 +202,63 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         if active_run() is not None:
             checkpoint.close()
             raise Ds4fError(f"run {_active.id} is still active; stop it first", kind="busy")
-        run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token)
+        run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
         _active = run
     run._thread.start()
     return run
 
 
+def _check_text_settings(config: RunConfig) -> None:
+    """The text settings' types and ranges, before any file is opened."""
+    given = [name for name in ("prompt", "text", "messages") if getattr(config, name) is not None]
+    if len(given) > 1:
+        raise Ds4fError(f"{given[1]}: give the prompt one way only (token ids, text or chat messages), "
+                        f"not {' and '.join(given)}", param=given[1])
+    if config.text is not None and (not isinstance(config.text, str) or not config.text):
+        raise Ds4fError("text: the prompt text is empty", param="text")
+    if config.messages is not None:
+        if not config.messages:
+            raise Ds4fError("messages: no chat messages given", param="messages")
+        for i, m in enumerate(config.messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                    or m.get("role") not in ("system", "user", "assistant"):
+                raise Ds4fError(f"messages[{i}]: each message needs a role (system, user or assistant) and its"
+                                f" content as text", param="messages")
+    if config.sampling is not None and not isinstance(config.sampling, SamplingParams):
+        raise Ds4fError(f"sampling: expected SamplingParams, got {type(config.sampling).__name__}", param="sampling")
+    stop = config.stop
+    if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or len(stop) > MAX_STOP \
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise Ds4fError(f"stop: at most {MAX_STOP} stop strings, each of 1 to {MAX_STOP_CHARS} characters",
+                        param="stop")
+
+
+def _prompt_of(config: RunConfig, checkpoint) -> tuple[tuple[int, ...], object]:
+    """The prompt's token ids, and the tokenizer when the run speaks text (None otherwise)."""
+    g = checkpoint.geometry
+    wants_text = config.text is not None or config.messages is not None or bool(config.stop)
+    tokenizer = find_tokenizer(checkpoint.path) if checkpoint.path.is_dir() else None
+    if wants_text and tokenizer is None:
+        raise Ds4fError(f"model: {checkpoint.path} has no tokenizer (tokenizer.json), so it cannot read or write"
+                        f" text; give the prompt as token ids, or use a checkpoint with its tokenizer files",
+                        param="model", path=str(checkpoint.path))
+    if config.messages is not None:
+        prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking))
+    elif config.text is not None:
+        prompt = (tokenizer.bos_id, *tokenizer.encode(config.text))
+    else:
+        prompt = tuple(config.prompt) if config.prompt else (g.bos_token_id,)
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < g.vocab]
+    if bad:
+        what = "the tokenizer gives token ids" if wants_text else "token ids"
+        raise Ds4fError(f"prompt: {what} {bad[:5]} outside the model's vocabulary (0..{g.vocab - 1})",
+                        param="prompt")
+    return prompt, tokenizer
+
+
 class Run:
     def __init__(self, config: RunConfig, cfg, preset, checkpoint, prompt, history, engines=None,
-                 on_token=None) -> None:
+                 on_token=None, tokenizer=None) -> None:
         self.id = _new_run_id()
         self.engines = engines
         self.on_token = on_token
@@ -205,6 +269,13 @@ class Run:
         self.prompt = prompt
         self.history = history
         self.n_steps = len(prompt) - 1 + config.gen
+        self.tokenizer = tokenizer
+        self.stop_at_eos = config.stop_at_eos if config.stop_at_eos is not None else tokenizer is not None and (
+            config.text is not None or config.messages is not None)
+        self.eos_id = tokenizer.eos_id if tokenizer is not None else checkpoint.geometry.eos_token_id
+        self._output = OutputText(tokenizer, tuple(config.stop)) if tokenizer is not None else None
+        self._finish_reason: str | None = None
+        self._generated = 0      # tokens picked after the prompt (an end-of-sentence one included)
         self.io_threads = config.io_threads or cfg.effective_io_threads(preset)
         self.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
         self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
@@ -284,6 +355,28 @@ class Run:
     def cancel(self) -> None:
         self._cancel.set()
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated so far (the prompt's not counted; an end-of-sentence token counted)."""
+        return self._generated
+
+    @property
+    def output_text(self) -> str:
+        """The text generated so far that is safe to show (complete UTF-8, no pending stop string);
+        the whole output once the run has ended. "" when the checkpoint has no tokenizer."""
+        out = self._output
+        return out.text[:out.emitted] if out is not None else ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why generation ended: "length" (the token limit), "eos" (the end-of-sentence token),
+        "stop" (a stop string); None while running, or when cancelled or failed."""
+        return self._finish_reason
+
     def switch(self, backend: str | None = None, kernel_threads: int | None = None,
                io_threads: int | None = None) -> None:
         """Change settings; they take effect at the next token boundary."""
@@ -335,7 +428,7 @@ class Run:
         vm = psutil.virtual_memory()
         return Snapshot(
             run_id=self.id, state=state, error=error, model=str(self.config.model), preset=self.preset.name,
-            gen=self.n_steps, tokens_done=done, backend=backend, kernel_threads=kt, io_threads=it,
+            steps=self.n_steps, tokens_done=done, backend=backend, kernel_threads=kt, io_threads=it,
             io_mode=self.checkpoint.io_mode, policy=self.preset.policy,
             s_per_token=s_tok, s_first_token=first.seconds if first else None,
             gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
@@ -359,7 +452,9 @@ class Run:
             plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
             kv_bytes=self._kv_bytes, context=self._context,
             check_s_per_token=fig.check_s / done if fig and done else None,
-            layer_prefetch_hits=layer_prefetched if fig else ())
+            layer_prefetch_hits=layer_prefetched if fig else (),
+            phase="prefill" if done < len(self.prompt) - 1 else "decode", prompt_tokens=len(self.prompt),
+            generated_tokens=self._generated, output_text=self.output_text, finish_reason=self._finish_reason)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:
@@ -398,8 +493,10 @@ class Run:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             # first, so an unwritable or busy place fails the run before the engine loads; its header holds
             # what determines the numbers: the geometry (attention included), the prompt, the token count
+            sampling = self.config.sampling
             writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
-                                 report_path=self.report_path)
+                                 report_path=self.report_path,
+                                 sampling=sampling.to_dict() if sampling is not None and not sampling.greedy else None)
             notes = writer.notes
             if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
                 notes += sweep_run_dirs(self.dump_path.parent.parent, keep=self.dump_path.parent)
@@ -428,25 +525,33 @@ class Run:
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
+            sampling = self.config.sampling
+            sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
             token = self.prompt[0]
             for step in range(self.n_steps):
                 if self._cancel.is_set():
                     break
                 self._apply_switches(eng, step)
+                generating = step >= len(self.prompt) - 1     # this step picks a generated token
                 t0 = time.perf_counter()
-                res = session.step(token)
+                res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
                 seconds = time.perf_counter() - t0
-                writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden)
+                writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden, res.attn,
+                             res.logits)
+                text = self._take_output(res.next_token, last=step + 1 == self.n_steps) if generating else ""
                 record = TokenRecord(index=step, token_id=token, next_token_id=res.next_token, seconds=seconds,
                                      bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
                                      stall_s=res.stall_s, backend=eng.backend,
                                      kernel_threads=eng.kernel_threads, io_threads=eng.io_threads,
                                      disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s, reads=res.reads,
-                                     prefetch_hits=res.prefetch_hits)
+                                     prefetch_hits=res.prefetch_hits, attention_s=res.attention_s,
+                                     moe_s=res.moe_s, head_s=res.head_s, text=text)
                 with self._lock:
                     self._log_tokens.add(record)
                 if self.on_token is not None:
                     self.on_token(record)
+                if self._finish_reason is not None:
+                    break
                 if step + 1 < len(self.prompt):
                     token = self.prompt[step + 1]
                 else:
@@ -479,6 +584,27 @@ class Run:
                 if _active is self:
                     _active = None
 
+    def _take_output(self, token_id: int, last: bool) -> str:
+        """Count a generated token and say what text it adds; sets the finish reason when the
+        output ends here (the end-of-sentence token, a stop string, the token limit)."""
+        with self._lock:
+            self._generated += 1
+        out, piece = self._output, ""
+        if self.stop_at_eos and token_id == self.eos_id:
+            reason = "eos"
+        else:
+            if out is not None:
+                piece, stopped = out.push(token_id)
+                if stopped is not None:
+                    self._finish_reason = "stop"
+                    return piece
+            reason = "length" if last else None
+        if reason is not None:
+            if out is not None:
+                piece += out.finish()
+            self._finish_reason = reason
+        return piece
+
     def _fail(self, message: str, writer) -> None:
         if writer is not None:
             writer.abort()
@@ -509,6 +635,9 @@ class Run:
             try:
                 config = self.config_dict()
                 config["tokens_done"] = self._log_tokens.count   # what a cancelled or failed run got to
+                config["generated_tokens"], config["finish_reason"] = self._generated, self._finish_reason
+                if self.tokenizer is not None:
+                    config["output_text"] = self.output_text
                 self.history.record(run_id=self.id, config=config, state=state, report=report,
                                     state_path=str(self.dump_path) if report else None,
                                     state_sha256=sha, error=self._error,
@@ -564,6 +693,28 @@ class Run:
         return {"tokens": k, "reads": n, "nbytes": r.nbytes, "replay_s": r.seconds, "run_busy_s": busy,
                 "efficiency": eff, "io_threads": threads, "io_mode": r.io_mode}
 
+    def _time_split(self) -> dict | None:
+        """Where a warm token's time goes, mean seconds per token: attention, MoE compute, waiting
+        for expert reads, the head, and the rest (routing bookkeeping, the state record, Python)."""
+        warm = self._log_tokens.warm()
+        if not len(warm):
+            return None
+        mean = {name: float(warm[name].mean()) for name in ("seconds", "attention_s", "moe_s", "stall_s", "head_s")}
+        split = {"attention_s": mean["attention_s"], "moe_compute_s": mean["moe_s"] - mean["stall_s"],
+                 "read_wait_s": mean["stall_s"], "head_s": mean["head_s"]}
+        split["other_s"] = mean["seconds"] - sum(split.values())
+        split["attention_share"] = mean["attention_s"] / mean["seconds"] if mean["seconds"] else None
+        return split
+
+    def _text_report(self) -> dict:
+        sampling = self.config.sampling
+        return {"prompt": self.config.text, "messages": list(self.config.messages) if self.config.messages else None,
+                "thinking": self.config.thinking, "output": self.output_text if self.tokenizer is not None else None,
+                "sampling": sampling.to_dict() if sampling is not None else "greedy",
+                "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
+                "finish_reason": self._finish_reason, "prompt_tokens": len(self.prompt),
+                "generated_tokens": self._generated}
+
     def config_dict(self) -> dict:
         d = asdict(self.config)
         d.update(preset=self.preset.name, prompt=list(self.prompt), preset_detail=self.preset.describe(),
@@ -609,6 +760,7 @@ class Run:
             "disk_replay": self._replay, "ram_bytes": snap.ram_bytes, "plan_bytes": snap.plan_bytes,
             "kv_bytes": snap.kv_bytes, "context": snap.context,
             "check_s_per_token": snap.check_s_per_token,
+            "split": self._time_split(),
             # warm tokens: the share of time the disk had a read in flight, and the mean number in flight
             "disk_busy_fraction": disk_busy, "mean_read_depth": read_depth,
         }
@@ -630,6 +782,7 @@ class Run:
             "backend_by_token": log.backends(),
             "prompt": list(self.prompt),
             "generated": [int(t) for t in rows["next_token_id"][len(self.prompt) - 1:]],
+            "text": self._text_report(),
             "events": list(self._events), "events_dropped": self._n_events - len(self._events),
             "state_path": str(self.dump_path), "state_sha256": sha,
         }

@@ -18,7 +18,9 @@ class StepResult:
     next_token: int
     ids: np.ndarray          # int32 [n_layers, top_k]  selected experts, rank order
     weights: np.ndarray      # fp32 [n_layers, top_k]
-    hidden: np.ndarray       # fp32 [n_layers, hidden]  residual stream after each layer
+    hidden: np.ndarray       # fp32 [n_layers, width]  residual state after each layer (width: hc_mult x hidden)
+    attn: np.ndarray         # fp32 [n_layers, hidden]  each layer's attention output ([n_layers, 0]: MoE-only)
+    logits: np.ndarray       # fp32 [vocab]  the step's logits (the session's buffer)
     hits: int
     misses: int
     bytes_read: int
@@ -28,6 +30,9 @@ class StepResult:
     reads: int = 0           # reads started during the step (experts, prefetch guesses, trunk layers)
     prefetch_hits: int = 0   # of the hits, those on an expert a prefetch guess brought in
                              # (hits - prefetch_hits: the cache policy's own hits)
+    attention_s: float = 0.0  # the step's time in attention sublayers (hyper-connection mixing included)
+    moe_s: float = 0.0        # in MoE sublayers, waiting for expert reads (stall_s) included
+    head_s: float = 0.0       # in the head (hc reduction, final norm, vocabulary matvec)
 
 
 class Session:
@@ -70,9 +75,9 @@ class Session:
         self.source.finish_layer(layer, ids)
         return ids, weights, y
 
-    def step(self, token_id: int) -> StepResult:
-        """eval, the greedy next token, and the token's reads, hits (those on prefetched experts
-        apart) and stall."""
+    def step(self, token_id: int, pick=None) -> StepResult:
+        """eval, the next token (greedy, or `pick(logits)`: a sampler's draw), and the token's
+        reads, hits (those on prefetched experts apart) and stall."""
         cache, reader, source = self.engine.cache, self.engine.reader, self.source
         hits0 = sum(c.hits for c in cache.layers)
         misses0 = sum(c.misses for c in cache.layers)
@@ -82,14 +87,15 @@ class Session:
         prefetched0 = sum(source.prefetch_layer_hits)
         reads0 = reader.started_reads
         logits = self.eval(token_id)
-        next_token = int(np.argmax(logits))
+        next_token = int(np.argmax(logits)) if pick is None else int(pick(logits))
         bytes1 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
         busy1, depth1 = reader.occupancy.totals()
         b = self.buffers
-        return StepResult(next_token, b.ids, b.weights, b.hidden,
+        return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits,
                           hits=sum(c.hits for c in cache.layers) - hits0,
                           misses=sum(c.misses for c in cache.layers) - misses0,
                           bytes_read=bytes1 - bytes0, stall_s=source.stall_s - stall0,
                           disk_busy_s=busy1 - busy0, disk_depth_s=depth1 - depth0,
                           reads=reader.started_reads - reads0,
-                          prefetch_hits=sum(source.prefetch_layer_hits) - prefetched0)
+                          prefetch_hits=sum(source.prefetch_layer_hits) - prefetched0,
+                          attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))

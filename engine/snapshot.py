@@ -6,6 +6,7 @@ into the engine for anything else. Units are in the field names or comments.
 from __future__ import annotations
 
 import collections
+import sys
 
 from dataclasses import dataclass, field
 
@@ -31,6 +32,11 @@ class TokenRecord:
     disk_depth_s: float = 0.0   # time integral of reads in flight; / seconds = mean queue depth
     reads: int = 0              # reads started during the token (experts, prefetch guesses, trunk layers)
     prefetch_hits: int = 0      # of the hits, those on an expert a prefetch guess brought in
+    attention_s: float = 0.0    # of `seconds`: attention sublayers (hyper-connection mixing included)
+    moe_s: float = 0.0          # of `seconds`: MoE sublayers, stall_s (waiting for reads) included
+    head_s: float = 0.0         # of `seconds`: the head (hc reduction, final norm, vocabulary matvec)
+    text: str = ""              # the text this token added to the output ("" for prompt tokens, and
+                                # while a UTF-8 sequence or a possible stop string is incomplete)
 
     @property
     def policy_hit_rate(self) -> float | None:
@@ -53,7 +59,7 @@ class Snapshot:
     error: str | None
     model: str                      # checkpoint path
     preset: str
-    gen: int                        # decode steps in all: prompt tokens after the first + tokens generated
+    steps: int                      # decode steps planned: prompt tokens after the first + tokens to generate
     tokens_done: int
     backend: str                    # active kernel backend: avx512 | avx2 | neon | scalar
     kernel_threads: int
@@ -104,6 +110,11 @@ class Snapshot:
     check_s_per_token: float | None = None    # I/O-thread seconds per token checking records' crc32
     layer_prefetch_hits: tuple[int, ...] = () # per layer, cumulative: of layer_hits, those on an expert a
                                               # prefetch guess brought in (all 0 with prefetch off)
+    phase: str = "decode"                     # "prefill" while the prompt is read, then "decode"
+    prompt_tokens: int = 0                    # tokens of the prompt (BOS included)
+    generated_tokens: int = 0                 # tokens generated so far
+    output_text: str = ""                     # the generated text so far ("" without a tokenizer)
+    finish_reason: str | None = None          # "length" | "eos" | "stop" once generation ended
 
     def layer_policy_hit_rates(self) -> list[float | None]:
         """Per layer, the policy's own hit rate (hits without prefetch's help / requests), the
@@ -135,7 +146,8 @@ def bound_of(disk_busy_fraction: float | None) -> str | None:
 TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds", "<f8"), ("bytes_read", "<i8"),
                         ("hits", "<i4"), ("misses", "<i4"), ("stall_s", "<f8"), ("backend", "u1"),
                         ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
-                        ("disk_depth_s", "<f8"), ("reads", "<i4"), ("prefetch_hits", "<i4")])
+                        ("disk_depth_s", "<f8"), ("reads", "<i4"), ("prefetch_hits", "<i4"),
+                        ("attention_s", "<f4"), ("moe_s", "<f4"), ("head_s", "<f4")])
 _BACKENDS = ("scalar", "avx2", "avx512", "neon")
 
 
@@ -151,6 +163,8 @@ class TokenLog:
         self.count = 0
         self.recent: collections.deque[TokenRecord] = collections.deque(maxlen=self.RECENT)
         self.switches: list[tuple[int, str, int, int]] = []
+        self.texts: list[str] = []     # each token's text (TokenRecord.text), in order
+        self.text_nbytes = 0           # what they hold (the list's slots and the strings)
         # running totals over all tokens, so a snapshot reads them without scanning the rows
         self.hits = self.misses = self.bytes_read = 0
         self.prefetch_hits = 0     # of the hits, those on prefetched experts: hits - these are the policy's own
@@ -158,7 +172,7 @@ class TokenLog:
 
     @property
     def nbytes(self) -> int:
-        return self.rows.nbytes
+        return self.rows.nbytes + self.text_nbytes
 
     @property
     def first(self) -> TokenRecord | None:
@@ -180,6 +194,8 @@ class TokenLog:
         if last is None or last[1:] != (t.backend, t.kernel_threads, t.io_threads):
             self.switches.append((t.index, t.backend, t.kernel_threads, t.io_threads))
         self.count += 1
+        self.texts.append(t.text)
+        self.text_nbytes += 8 + (sys.getsizeof(t.text) if t.text else 0)
         self.recent.append(t)
         self.hits += t.hits
         self.misses += t.misses
@@ -190,7 +206,7 @@ class TokenLog:
     def record(self, i: int) -> TokenRecord:
         row = self.rows[i]
         kw = {name: (_BACKENDS[int(row[name])] if name == "backend" else row[name].item()) for name in TOKEN_DTYPE.names}
-        return TokenRecord(index=i, **kw)
+        return TokenRecord(index=i, text=self.texts[i], **kw)
 
     def backends(self) -> list[str]:
         return [_BACKENDS[int(b)] for b in self.rows["backend"][:self.count]]

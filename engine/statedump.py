@@ -4,10 +4,14 @@ Layout (little-endian):
     b"DS4FSTAT"  u32 version  u32 header_len  header_json (utf-8, space-padded to 8 bytes)
     then one record per decoded token:
         i32 token_id, i32 next_token_id, u8 backend code, 3 pad bytes,
-        i32 expert_ids[n_layers, top_k], f32 weights[n_layers, top_k], f32 hidden[n_layers, width]
+        i32 expert_ids[n_layers, top_k], f32 weights[n_layers, top_k], f32 hidden[n_layers, width],
+        f32 attn[n_layers, hidden_size] (the whole model only), i32 top_ids[8], f32 top_logits[8]
     width = hc_mult x hidden_size: each layer's output state, the hyper-connection streams one
     after the other (hidden_size alone for a MoE-only geometry, which has one residual stream).
-Version 2 (the whole model); version 1 dumps (the MoE half only) are refused with a message.
+    attn: each layer's attention sublayer output; top_ids / top_logits: the step's 8 largest
+    logits, largest first (equal values: lower id first).
+Version 3; older dumps (version 1: the MoE half only; 2: no attention outputs or top logits)
+are refused with a message.
 The header holds only what determines the numbers (format, geometry, prompt, token count),
 never thread counts, paths or times, so equal math gives equal bytes (the determinism
 invariant).
@@ -48,7 +52,7 @@ except ImportError:  # pragma: no cover - not POSIX: no lock, leftovers are stil
     fcntl = None
 
 MAGIC = b"DS4FSTAT"
-VERSION = 2
+VERSION = 3
 BACKEND_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
 BACKEND_BY_CODE = {v: k for k, v in BACKEND_CODES.items()}
 # hidden-state error, relative to the layer's largest magnitude, below which two runs
@@ -58,10 +62,30 @@ LOW_BIT_TOLERANCE = 1e-4
 CLASS_EXIT_CODES = {"identical": 0, "low-bit": 1, "routing": 3, "drift": 4, "prefix": 5}
 
 
-def record_dtype(n_layers: int, top_k: int, hidden: int) -> np.dtype:
-    return np.dtype([("token", "<i4"), ("next", "<i4"), ("backend", "u1"), ("pad", "u1", (3,)),
-                     ("ids", "<i4", (n_layers, top_k)), ("weights", "<f4", (n_layers, top_k)),
-                     ("hidden", "<f4", (n_layers, hidden))])
+TOP_LOGITS = 8    # a record keeps the step's TOP_LOGITS largest logits and their token ids
+
+
+def record_dtype(n_layers: int, top_k: int, width: int, attn_width: int = 0) -> np.dtype:
+    """One step's record: width = floats of a layer's output state; attn_width = floats of a
+    layer's attention output (0: a MoE-only model, no attention field)."""
+    fields = [("token", "<i4"), ("next", "<i4"), ("backend", "u1"), ("pad", "u1", (3,)),
+              ("ids", "<i4", (n_layers, top_k)), ("weights", "<f4", (n_layers, top_k)),
+              ("hidden", "<f4", (n_layers, width))]
+    if attn_width:
+        fields.append(("attn", "<f4", (n_layers, attn_width)))
+    fields += [("top_ids", "<i4", (TOP_LOGITS,)), ("top_logits", "<f4", (TOP_LOGITS,))]
+    return np.dtype(fields)
+
+
+def top_logits(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The TOP_LOGITS largest logits, largest first, equal values by lower token id: (ids, values)."""
+    k = min(TOP_LOGITS, len(logits))
+    part = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
+    order = np.lexsort((part, -logits[part]))
+    ids = np.full(TOP_LOGITS, -1, np.int32)
+    values = np.full(TOP_LOGITS, -np.inf, np.float32)
+    ids[:k], values[:k] = part[order], logits[part[order]]
+    return ids, values
 
 
 PARTIAL = ".partial"
@@ -179,7 +203,7 @@ class StateWriter:
     by a live writer is refused."""
 
     def __init__(self, path: str | os.PathLike, geometry: dict, prompt: list[int], n_tokens: int,
-                 report_path: str | os.PathLike | None = None) -> None:
+                 report_path: str | os.PathLike | None = None, sampling: dict | None = None) -> None:
         self.path = Path(path)
         self.tmp = partial_path(self.path)
         self.report_path = Path(report_path) if report_path is not None else None
@@ -195,9 +219,15 @@ class StateWriter:
                 raise write_error(d, exc, "create the directory") from None
         g = geometry
         self.dtype = geometry_record_dtype(g)
-        header = json.dumps({"format": "ds4f.state", "version": VERSION, "geometry": geometry,
-                             "prompt": list(prompt), "n_tokens": n_tokens}, sort_keys=True).encode()
+        # the settings that determine the numbers; `sampling` only when tokens are drawn (greedy: absent)
+        self._header = {"format": "ds4f.state", "version": VERSION, "geometry": geometry,
+                        "prompt": list(prompt), "n_tokens": n_tokens}
+        if sampling is not None:
+            self._header["sampling"] = sampling
+        self.n_tokens = n_tokens
+        header = json.dumps(self._header, sort_keys=True).encode()
         header += b" " * (-(len(header) + 16) % 8)
+        self._header_len = len(header)
         self._rec = np.zeros(1, self.dtype)
         self._sha = hashlib.sha256()
         self._open_locked()
@@ -241,24 +271,52 @@ class StateWriter:
         self._sha.update(data)
         self.nbytes += len(data)
 
-    def write(self, token: int, next_token: int, backend: str, ids, weights, hidden) -> None:
+    def write(self, token: int, next_token: int, backend: str, ids, weights, hidden, attn=None,
+              logits=None) -> None:
+        """One step: attn (each layer's attention output; whole-model dumps) and logits (the step's
+        fp32 [vocab], of which the record keeps the top TOP_LOGITS) are zeros when not given."""
         rec = self._rec[0]
         rec["token"], rec["next"], rec["backend"] = token, next_token, BACKEND_CODES[backend]
         rec["ids"], rec["weights"], rec["hidden"] = ids, weights, hidden
+        if "attn" in self.dtype.names:
+            rec["attn"] = attn if attn is not None else 0.0
+        if logits is not None:
+            rec["top_ids"], rec["top_logits"] = top_logits(logits)
+        else:
+            rec["top_ids"], rec["top_logits"] = -1, 0.0
         self._write(self._rec.tobytes())
         self.n_written += 1
 
     def close(self) -> str:
         """Flush and fsync `.partial`; the sha256 of the file. The file stays open, and locked,
-        until commit() or abort(): a sweeper never takes a finished but uncommitted dump for a leftover."""
+        until commit() or abort(): a sweeper never takes a finished but uncommitted dump for a leftover.
+        A run that ended before its planned tokens (an end-of-sentence token, a stop string) gets
+        its header's n_tokens rewritten in place to the records written (same header length)."""
         if self.sha256 is None:
             try:
+                if self.n_written != self.n_tokens:
+                    self._rewrite_count()
                 self._f.flush()
                 os.fsync(self._f.fileno())
             except OSError as exc:
                 raise write_error(self.tmp, exc) from None
             self.sha256 = self._sha.hexdigest()
         return self.sha256
+
+    def _rewrite_count(self) -> None:
+        header = json.dumps({**self._header, "n_tokens": self.n_written}, sort_keys=True).encode()
+        header += b" " * (self._header_len - len(header))    # fewer digits: the same length, spaces after
+        self._f.flush()
+        self._f.seek(16)
+        self._f.write(header)
+        self._f.seek(0, os.SEEK_END)
+        self._f.flush()
+        self.n_tokens = self.n_written
+        sha = hashlib.sha256()      # the hash of the file as it now is
+        with open(self.tmp, "rb") as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        self._sha = sha
 
     def _release(self) -> None:
         f, self._f = self._f, None
@@ -393,7 +451,8 @@ def _header_length(path: Path, head: bytes) -> int:
     version, hlen = struct.unpack("<II", head[8:16])
     if version != VERSION:
         older = (" (written by an older ds4f that computed only the MoE half of the model: run it again to"
-                 " compare)") if version < VERSION else ""
+                 " compare)") if version < 2 else (" (written by an older ds4f, without the attention outputs"
+                 " and top logits: run it again to compare)") if version < VERSION else ""
         raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}{older}")
     return hlen
 
@@ -404,7 +463,8 @@ def state_width(g: dict) -> int:
 
 
 def geometry_record_dtype(g: dict) -> np.dtype:
-    return record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], state_width(g))
+    attn = g["hidden_size"] if "hc_mult" in g else 0
+    return record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], state_width(g), attn)
 
 
 def _parse_header(path: Path, raw: bytes) -> tuple[dict, np.dtype]:
@@ -454,6 +514,8 @@ class StateDiff:
     backends_a: list[str]
     backends_b: list[str]
     detail: str = ""
+    attention_token: int | None = None   # the first token, then layer, whose attention output differs beyond
+    attention_layer: int | None = None   # LOW_BIT_TOLERANCE (whole-model dumps; None: nowhere, or no attention)
 
     @property
     def exit_code(self) -> int:
@@ -473,10 +535,35 @@ class StateDiff:
             return f"same prefix, lengths differ: {self.detail}"
         return f"routing divergence at token {self.token}, layer {self.layer}" + (f": {self.detail}" if self.detail else "")
 
+    def attention_summary(self) -> str | None:
+        """Where the attention first diverges, when it does (beyond the low-bit tolerance)."""
+        if self.attention_token is None:
+            return None
+        return f"attention first diverges at token {self.attention_token}, layer {self.attention_layer}"
+
     def to_dict(self) -> dict:
         return {"class": self.cls, "token": self.token, "layer": self.layer, "layer_max_abs": self.layer_max_abs,
                 "layer_max_rel": self.layer_max_rel, "sha_a": self.sha_a, "sha_b": self.sha_b,
-                "n_tokens": self.n_tokens, "summary": self.summary()}
+                "n_tokens": self.n_tokens, "attention_token": self.attention_token,
+                "attention_layer": self.attention_layer, "summary": self.summary(),
+                "attention": self.attention_summary()}
+
+
+def first_attention_divergence(ra: np.ndarray, rb: np.ndarray, n: int) -> tuple[int | None, int | None]:
+    """(token, layer) of the first attention output (token order, then layer order) whose
+    max |a - b| over max(|a|, |b|) exceeds LOW_BIT_TOLERANCE; (None, None) if none does."""
+    if "attn" not in ra.dtype.names or not n:
+        return None, None
+    for start in range(0, n, 256):    # a chunk of tokens at a time: float64 copies stay small
+        a = ra["attn"][start:min(n, start + 256)].astype(np.float64)
+        b = rb["attn"][start:min(n, start + 256)].astype(np.float64)
+        d = np.abs(a - b).max(axis=2)
+        scale = np.maximum(np.abs(a).max(axis=2), np.abs(b).max(axis=2))
+        bad = ~(d <= LOW_BIT_TOLERANCE * scale)       # NaN counts as divergent
+        if bad.any():
+            t, layer = np.argwhere(bad)[0]
+            return start + int(t), int(layer)
+    return None, None
 
 
 def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> StateDiff:
@@ -502,6 +589,8 @@ def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> S
         return [float(v) for v in d], [float(v) for v in rel]
 
     common = dict(sha_a=sa.sha256, sha_b=sb.sha256, backends_a=sa.backends, backends_b=sb.backends)
+    if sa.sha256 != sb.sha256:
+        common["attention_token"], common["attention_layer"] = first_attention_divergence(ra, rb, n)
     if sa.sha256 == sb.sha256:
         return StateDiff("identical", None, None, [0.0] * n_layers, [0.0] * n_layers, n_tokens=n, **common)
 

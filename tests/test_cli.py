@@ -176,15 +176,28 @@ def test_bench_engine_same_workload_no_targets_and_formats(tiny_model, tmp_path)
     out = _cli("bench", "engine", "-m", tiny_model, "-n", "2", "-o", "json", "--json", tmp_path / "b.json",
                env=_own_dirs(tmp_path))
     assert out.returncode == 0, out.stderr
-    table = {row["metric"]: row for row in json.loads(out.stdout)}
+    tables = json.loads(out.stdout)
+    table = {row["metric"]: row for row in tables["engine"]}
     result = json.loads((tmp_path / "b.json").read_text())
     best = result["backend"]
+    assert [row["position"] for row in tables["attention_depth"]] == [1024, 8192, 32768]
     assert table["s_per_token"][best] == result["simd"]["s_per_token"]
     assert table["tokens_per_s"]["scalar"] == pytest.approx(1 / result["scalar"]["s_per_token"])
     assert result["simd"]["tokens"] == result["scalar"]["tokens"] == len(result["prompt"]) - 1 + 2
+    for run in ("simd", "scalar"):   # the parts of a warm token's time: each there, none beyond the whole
+        split = result[run]["split"]
+        parts = [split[k] for k in ("attention_s", "moe_compute_s", "read_wait_s", "head_s")]
+        assert all(p >= 0 for p in parts) and split["attention_s"] > 0 and split["head_s"] > 0
+        assert split["other_s"] >= -1e-6 and 0 < split["attention_share"] < 1
+        assert table["split.attention_share"][run if run == "scalar" else best] == split["attention_share"]
+    depth = result["attention_depth"]
+    assert [d["position"] for d in depth] == [1024, 8192, 32768]
+    kv = [d["kv_bytes"] for d in depth]
+    assert kv[0] < kv[1] < kv[2] and all(d["attention_s_per_token"] > 0 for d in depth)
     text = _cli("bench", "engine", tiny_model, "-n", "2", env=_own_dirs(tmp_path))
     assert text.returncode == 0, text.stderr
     assert "tokens/s (warm)" in text.stdout and "scalar / " in text.stdout
+    assert "attention share of s/token" in text.stdout and "KV cache MiB" in text.stdout
     for word in ("target", "NOT met", "MISS"):
         assert word not in text.stdout + text.stderr
     both = _cli("bench", "engine", tiny_model, "--json", "-", "-o", "csv")
@@ -212,7 +225,8 @@ def test_bench_builds_its_checkpoint_with_an_announcement_and_bars(tmp_path, mon
     message = demo.build_message("tiny", path)
     assert message in captured.err and captured.err.index(message) < captured.err.index("synth shard")
     assert "convert layer" in captured.err and "NVMe floor now" in captured.err
-    assert captured.out.startswith("metric,")    # stdout: the CSV table only
+    assert captured.out.startswith("# ") and "\nmetric," in captured.out   # stdout: the CSV tables only
+    assert "\n# attention at depth" in captured.out
     official, converted = demo.build_sizes("tiny")
     assert demo.disk_size(official + converted) in message
     assert sum(f.stat().st_size for f in path.iterdir()) == pytest.approx(converted, rel=0.05)

@@ -53,7 +53,7 @@ def fixed_snapshot(state: str = "running", tokens_done: int = 24, gen: int = 32,
     policy = (hits - useful) / (hits + misses)
     optimum = 0.703 if done else None
     snap = Snapshot(
-        run_id="20261130-015508-a1b2", state=state, error=None, model=MODEL, preset="server", gen=gen,
+        run_id="20261130-015508-a1b2", state=state, error=None, model=MODEL, preset="server", steps=gen,
         tokens_done=tokens_done, backend=toks[-1].backend, kernel_threads=16, io_threads=8, io_mode="O_DIRECT",
         policy="lru", s_per_token=0.19, s_first_token=0.82, gb_per_token=0.37, eff_read_gbps=1.95,
         floor_gbps=2.6, io_efficiency=0.75 if done else None, hit_rate=hits / (hits + misses),

@@ -111,6 +111,8 @@ class DiffScreen(Screen):
                      f" · {d.n_tokens} tokens\n")
         else:
             t.append(f"no difference in any layer · {getattr(d, 'n_tokens', '?')} tokens\n")
+        if getattr(d, "attention_token", None) is not None:
+            t.append(f"attention first diverges at token {d.attention_token}, layer {d.attention_layer}\n")
         same = d.sha_a == d.sha_b
         t.append(f"sha256 A {d.sha_a[:12]} B {d.sha_b[:12]} ")
         t.append("equal" if same else "differ", "bold")

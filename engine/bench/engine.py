@@ -46,7 +46,7 @@ def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_pa
         snap = run.snapshot()
         done = shown
         for t in (t for t in snap.tokens if t.index >= shown):
-            log(f"  [{backend}] token {t.index + 1}/{snap.gen}: {t.seconds:.3f} s, {t.bytes_read / 1e9:.3f} GB, "
+            log(f"  [{backend}] token {t.index + 1}/{snap.steps}: {t.seconds:.3f} s, {t.bytes_read / 1e9:.3f} GB, "
                 f"{t.hits}/{t.hits + t.misses} hits, stall {t.stall_s:.3f} s")
             done = t.index + 1
         return done
@@ -57,6 +57,53 @@ def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_pa
     if run.state != "done":
         raise Ds4fError(run.error or f"bench run ended {run.state}")
     return run.report
+
+
+DEPTHS = (1024, 8192, 32768)   # positions at which the attention's cost and the KV cache are measured
+
+
+def attention_at_depth(model: Path, backend: str, depths=DEPTHS, tokens: int = 4, log: Log = _quiet) -> list[dict]:
+    """Every layer's attention for `tokens` tokens at each position of `depths`, on a KV cache
+    filled to that position: its window full, its compressed rows (and the indexer's keys) there,
+    with standard-normal values (the cost of the attention core depends on how many rows there
+    are, not on their values). Returns per depth {"position", "kv_bytes", "attention_s_per_token"}:
+    the attention sublayers alone, without the MoE, the hyper-connections and the head."""
+    import time
+
+    import numpy as np
+
+    from ds4f.engine import kernels
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.model.attention import KVCache, attention_step
+    from ds4f.engine.resident import load_attention
+
+    with open_checkpoint(model) as ck:
+        g = ck.geometry
+        if g.attention is None:
+            return []
+        layers, _ = load_attention(ck, g)
+    kernels.set_backend(backend)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(g.hidden).astype(np.float32)
+    out = []
+    for depth in depths:
+        kv = KVCache([la.shape for la in layers], depth + tokens)
+        for la, cache in zip(layers, kv.layers):
+            cache.window[:] = rng.standard_normal(cache.window.shape)
+            cache.tokens = depth
+            for state in (cache.compressor, cache.indexer):
+                if state is not None:
+                    state.n_rows = depth // state.ratio
+                    state.rows[:state.n_rows] = rng.standard_normal((state.n_rows, state.dim))
+        t0 = time.perf_counter()
+        for pos in range(depth, depth + tokens):
+            for la, cache in zip(layers, kv.layers):
+                attention_step(la.attention, cache, a, pos, la.shape, la.rope)
+        s = (time.perf_counter() - t0) / tokens
+        log(f"  attention at position {depth:,}: {s:.4f} s/token, KV cache {kv.nbytes / 2**20:.1f} MiB")
+        out.append({"position": depth, "kv_bytes": kv.nbytes, "attention_s_per_token": s})
+        del kv
+    return out
 
 
 def bench_scratch_dir() -> Path:
@@ -77,10 +124,11 @@ def bench_model(model, progress=None, log: Log | None = None) -> Path:
 
 def bench_engine(model: str | Path | None = None, preset: str = "laptop", gen: int | None = None,
                  config_path: str | None = None, *, log: Log | None = None, progress=None) -> dict:
-    """The best SIMD backend and scalar on the same workload, cold cache each.
+    """The best SIMD backend and scalar on the same workload, cold cache each; then the attention
+    alone at depth (attention_at_depth).
 
     Returns {"backend", "model", "preset", "prompt", "gen", "floor", "simd", "scalar",
-    "scalar_over_simd", "io_mode", "cache", "pinned_layers", "n_layers"}: "simd" and "scalar"
+    "scalar_over_simd", "io_mode", "cache", "pinned_layers", "n_layers", "attention_depth"}: "simd" and "scalar"
     are the two runs' report summaries; "scalar_over_simd" the ratio of their warm s/token."""
     from ds4f.engine import kernels
     from ds4f.engine.bench.probe import cached_floor
@@ -103,7 +151,10 @@ def bench_engine(model: str | Path | None = None, preset: str = "laptop", gen: i
     scalar = _one_run(model, preset, gen, "scalar", prompt, config_path, log)
     s, c = simd["summary"], scalar["summary"]
     ratio = c["s_per_token"] / s["s_per_token"] if s["s_per_token"] and c["s_per_token"] else None
+    log(f"attention at depth ({best}): every layer's attention on a KV cache filled to each position")
+    depth = attention_at_depth(model, best, log=log)
     return {"backend": best, "model": str(model), "preset": preset, "prompt": simd["prompt"], "gen": gen,
             "floor": {"gbps": floor.gbps, "io_mode": floor.io_mode, "io_threads": floor.io_threads},
             "simd": s, "scalar": c, "scalar_over_simd": ratio, "io_mode": simd["io_mode"], "cache": simd["cache"],
-            "pinned_layers": len(simd["pinned_layers"]), "n_layers": simd["geometry"]["num_hidden_layers"]}
+            "pinned_layers": len(simd["pinned_layers"]), "n_layers": simd["geometry"]["num_hidden_layers"],
+            "attention_depth": depth}

@@ -33,6 +33,7 @@ are summed in routing-rank order, so a token's result does not depend on I/O tim
 """
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -64,6 +65,9 @@ class WeightSource(Protocol):
     def attention(self, layer: int) -> LayerAttention: ...
 
 
+ATTENTION, MOE, HEAD = 0, 1, 2     # ForwardBuffers.times
+
+
 class ForwardBuffers:
     """The forward pass's working memory and its per-token record, allocated once per session."""
 
@@ -80,6 +84,10 @@ class ForwardBuffers:
         self.ids = np.empty((g.n_layers, g.top_k), np.int32)        # selected experts, rank order
         self.weights = np.empty((g.n_layers, g.top_k), np.float32)  # their routing weights
         self.hidden = np.empty((g.n_layers, streams * g.hidden), np.float32)  # the residual (X) after the layer
+        self.attn = np.zeros((g.n_layers, g.hidden if g.attention is not None else 0), np.float32)  # attention output
+        # the token's wall time by part (s): attention sublayers (hyper-connection mixing included),
+        # MoE sublayers (waiting for expert reads included), the head (hc reduction, norm, vocab matvec)
+        self.times = np.zeros(3, np.float64)
 
     @property
     def nbytes(self) -> int:
@@ -122,12 +130,15 @@ def forward(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: KVCach
     the token's record. kv: the sequence's attention state (the whole model), updated."""
     g = source.geometry
     source.start_token(token_id)
+    buf.times[:] = 0.0
     if g.attention is None:
         h = _moe_only_layers(source, token_id, buf)
     else:
         h = _whole_layers(source, token_id, buf, kv, pos)
+    t0 = perf_counter()
     final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, buf.x, buf.h64)
     logits = kernels.bf16_matvec(source.globals.head, final, out=buf.logits)
+    buf.times[HEAD] += perf_counter() - t0
     if not np.isfinite(logits).all():
         raise Ds4fError(f"the head gives non-finite logits (NaN or Inf) for token {token_id}:"
                         f" the head or final norm weights are corrupt", kind="data")
@@ -138,8 +149,10 @@ def _moe_only_layers(source: WeightSource, token_id: int, buf: ForwardBuffers) -
     h = buf.h
     np.copyto(h, source.globals.embed[token_id])  # bf16 -> fp32, exact
     for layer in range(source.geometry.n_layers):
+        t0 = perf_counter()
         ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
         h += y
+        buf.times[MOE] += perf_counter() - t0
         _record(source, layer, ids, weights, h, buf)
     return h
 
@@ -149,7 +162,9 @@ def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: 
     att, eps = g.attention, g.rms_norm_eps
     X = buf.streams
     X[:] = source.globals.embed[token_id]          # bf16 -> fp32, exact, in every stream
+    times = buf.times
     for layer in range(g.n_layers):
+        t0 = perf_counter()
         la = source.attention(layer)
         h, post, comb = hc_pre(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
         a = rms_norm(h, la.attn_norm, eps, buf.x, buf.h64)
@@ -157,12 +172,20 @@ def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: 
         if not np.isfinite(y).all():
             raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
                             f" {token_id} at position {pos}: its weights are corrupt", kind="data")
+        buf.attn[layer] = y
         hc_post(X, y, post, comb)
+        t1 = perf_counter()
         h, post, comb = hc_pre(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
         ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
         hc_post(X, y, post, comb)
+        t2 = perf_counter()
+        times[ATTENTION] += t1 - t0
+        times[MOE] += t2 - t1
         _record(source, layer, ids, weights, X.reshape(-1), buf)
-    return hc_head(X, source.globals.hc_head, eps, att.hc_eps)
+    t0 = perf_counter()
+    out = hc_head(X, source.globals.hc_head, eps, att.hc_eps)
+    times[HEAD] += perf_counter() - t0
+    return out
 
 
 def _record(source: WeightSource, layer: int, ids, weights, state: np.ndarray, buf: ForwardBuffers) -> None:
