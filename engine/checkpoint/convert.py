@@ -31,9 +31,10 @@ from ds4f.engine.checkpoint.formats import st_itemsize
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact
 from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir
+from ds4f.engine.text.tokenizer import TOKENIZER_FILES
 
 CHUNK_BYTES = 64 * 1024 * 1024
-COPY_ALONG = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", PROMPTS_NAME)
+COPY_ALONG = (*TOKENIZER_FILES, PROMPTS_NAME)   # where present; inside the directory renamed into place
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
 

@@ -30,8 +30,9 @@ from ds4f.engine.errors import Ds4fError
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"
 DEMO_SEED = 0
-DEMO_VERSION = 2                # bump to rebuild everyone's demo model on next launch (a new layout does too);
-                                # 2: synth writes the attention and hyper-connection tensors
+DEMO_VERSION = 3                # bump to rebuild everyone's demo model on next launch (a new layout does too);
+                                # 2: synth writes the attention and hyper-connection tensors;
+                                # 3: and the tokenizer files
 MARKER = "ds4f-demo.json"       # written last, inside the converted checkpoint
 LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
 

@@ -1,8 +1,10 @@
 """Synthetic checkpoints in the official DeepSeek-V4-Flash release format.
 
 `synth_checkpoint(out, "demo", seed=0)` writes config.json, model-XXXXX-of-YYYYY.safetensors
-shards (each at most `shard_bytes`), model.safetensors.index.json and prompts.json, with
-the official tensor names and dtypes:
+shards (each at most `shard_bytes`), model.safetensors.index.json, prompts.json and the
+tokenizer files (tokenizer.json, tokenizer_config.json, generation_config.json: a byte-level BPE
+trained on a short text kept in the repo, its vocabulary the model's, DeepSeek's special tokens at
+ids 0..5; see ds4f.engine.text.synthetic), with the official tensor names and dtypes:
 
     layers.N.ffn.experts.E.w{1,3,2}.weight   I8       two E2M1 codes per byte
     layers.N.ffn.experts.E.w{1,3,2}.scale    F8_E8M0  one per 32 along K
@@ -64,6 +66,7 @@ from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, q
 from ds4f.engine.checkpoint.tensors import TensorPlan, attention_tensors, official_tensors
 from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
+from ds4f.engine.text.synthetic import MIN_VOCAB, write_tokenizer_files
 
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
 PROMPTS_NAME = "prompts.json"
@@ -424,6 +427,8 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
                        "note": "token-id prompts from the synthetic model's topic Markov chain",
                        "prompts": design.prompts()}
             (tmp / PROMPTS_NAME).write_text(json.dumps(prompts) + "\n")
+            if g.vocab >= MIN_VOCAB:   # a smaller vocabulary cannot hold the 256 bytes: no tokenizer
+                write_tokenizer_files(tmp, g)
         _commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

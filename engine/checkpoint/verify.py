@@ -13,7 +13,10 @@ hyper-connection tensors and hc_head_* too), NaN scale bytes in every expert and
 weight's scale tiles (`*.scale` of an F8_E4M3 weight: the shared experts' and the attention's
 alike), tid2eid ids in range. In the ds4f layout the attention's FP8 tensors sit in the
 layers' extra.N regions, covered by the trunk's region checksums and FP8 NaN checks.
-Both: a hash layer's tid2eid row (one token) naming the same expert twice.
+Both: a hash layer's tid2eid row (one token) naming the same expert twice; the tokenizer files
+where present: tokenizer.json loads with HF `tokenizers`, has BOS and EOS and no more tokens than
+the model's vocab_size, tokenizer_config.json and generation_config.json parse (a checkpoint
+without a tokenizer is fine: it runs on token ids; info["tokenizer"] says which).
 Every problem names the file and, where there is one, the tensor.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ds4f.engine.checkpoint.formats import E8M0_NAN, st_numpy_dtype
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import read_json, load_official_index
+from ds4f.engine.text.tokenizer import TOKENIZER_NAME, GenerationDefaults, Tokenizer
 
 MAX_LISTED = 50  # per kind of problem; the rest are counted
 
@@ -46,9 +50,34 @@ def verify_checkpoint(path: Path | str, progress: ProgressArg = None, info: dict
         return [str(exc)]
     info["kind"] = kind
     info["path"] = str(root)
-    if kind == "ds4f":
-        return _verify_ds4f(root, progress, info)
-    return _verify_official(root, progress, info)
+    problems = _verify_ds4f(root, progress, info) if kind == "ds4f" else _verify_official(root, progress, info)
+    return problems + _tokenizer_problems(root, info)
+
+
+def _tokenizer_problems(root: Path, info: dict) -> list[str]:
+    """The tokenizer files load; info["tokenizer"]: "no tokenizer" or "tokenizer: N tokens"."""
+    problems = []
+    try:
+        GenerationDefaults.load(root)
+    except Ds4fError as exc:
+        problems.append(str(exc))
+    if not (root / TOKENIZER_NAME).is_file():
+        info["tokenizer"] = "no tokenizer"
+        return problems
+    try:
+        tok = Tokenizer.load(root)
+    except Ds4fError as exc:
+        info["tokenizer"] = "tokenizer unreadable"
+        return problems + [str(exc)]
+    info["tokenizer"] = f"tokenizer: {tok.vocab_size} tokens"
+    g = info.get("geometry")
+    if g is not None and tok.vocab_size > g.vocab:
+        problems.append(f"{tok.path}: {tok.vocab_size} tokens, more than the model's vocab_size {g.vocab}")
+    for what, tid in (("BOS", tok.bos_id), ("EOS", tok.eos_id)):
+        if tid is None:
+            problems.append(f"{tok.path}: no {what} token (looked up by tokenizer_config.json's {what.lower()}_token"
+                            f" and DeepSeek's)")
+    return problems
 
 
 def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
