@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import CLASS_EXIT_CODES, StateWriter, diff_states, read_state
+from ds4f.engine.statedump import CLASS_EXIT_CODES, LOW_BIT_TOLERANCE, StateWriter, diff_states, read_state
 
 
 def _run(model, tmp_path, name, gen):
@@ -17,18 +17,39 @@ def _run(model, tmp_path, name, gen):
     return run.dump_path
 
 
-def _rewrite(src, dst, n=None, poison=None):
-    """A copy of dump `src` with its first n records, hidden[poison] set to NaN if given."""
+def _rewrite(src, dst, n=None, poison=None, nudge=None):
+    """A copy of dump `src` with its first n records, hidden[poison] set to NaN if given, and the
+    attention output at nudge = (token, layer, factor) scaled by factor."""
     s = read_state(src)
     recs = s.records[:n] if n is not None else s.records
     w = StateWriter(dst, s.header["geometry"], s.header["prompt"], len(recs))
     for i, r in enumerate(recs):
-        hidden = r["hidden"].copy()
+        hidden, attn = r["hidden"].copy(), r["attn"].copy()
         if poison is not None and i == poison[0]:
             hidden[poison[1], poison[2]] = np.nan
-        w.write(int(r["token"]), int(r["next"]), s.backends[i], r["ids"], r["weights"], hidden)
+        if nudge is not None and i == nudge[0]:
+            attn[nudge[1]] *= nudge[2]
+        w.write(int(r["token"]), int(r["next"]), s.backends[i], r["ids"], r["weights"], hidden, attn)
     w.finish()
     return dst
+
+
+def test_diff_names_the_token_and_layer_where_the_attention_first_diverges(tiny_model, tmp_path):
+    base = _run(tiny_model, tmp_path, "base", 4)
+    same = _rewrite(base, tmp_path / "same.bin")
+    assert read_state(same).records["attn"].any()           # the runs record their attention outputs
+    d = diff_states(base, same)          # the top logits are not copied: bytes differ, attention does not
+    assert d.attention_token is None and d.attention_summary() is None
+    for token, layer, factor in ((2, 1, 1.5), (1, 3, 1 + 10 * LOW_BIT_TOLERANCE)):
+        moved = _rewrite(base, tmp_path / f"moved-{token}-{layer}.bin", nudge=(token, layer, factor))
+        d = diff_states(base, moved)
+        assert (d.attention_token, d.attention_layer) == (token, layer), d.to_dict()
+        assert d.to_dict()["attention"] == f"attention first diverges at token {token}, layer {layer}"
+    tiny = _rewrite(base, tmp_path / "tiny.bin", nudge=(2, 1, 1 + LOW_BIT_TOLERANCE / 10))   # within the tolerance
+    assert diff_states(base, tiny).attention_token is None
+    cli = subprocess.run([sys.executable, "-m", "ds4f.cli", "diff", str(base), str(moved)], capture_output=True,
+                         text=True)
+    assert "attention first diverges at token 1, layer 3" in cli.stdout, cli.stdout + cli.stderr
 
 
 def test_a_shorter_run_with_the_same_prefix_is_not_a_routing_divergence(tiny_model, tmp_path):
