@@ -119,5 +119,5 @@ def _verify(args) -> int:
     g = info.get("geometry")
     print(f"{info['path']}: OK ({info['kind']}; {g.n_layers} layers x {g.n_experts} experts;"
           f" {info.get('records_checked', 0)} records, {disk_size(info.get('bytes_checked', 0))} checked;"
-          f" {info.get('nan_scale_bytes', 0)} NaN scale bytes) in {dt:.1f} s")
+          f" {info.get('nan_scale_bytes', 0)} NaN scale bytes; {info.get('tokenizer', 'no tokenizer')}) in {dt:.1f} s")
     return 0
