@@ -41,6 +41,7 @@ from ds4f.engine.bench.probe import FLOOR_CAVEAT, cached_floor, probe_floor
 from ds4f.engine.statedump import LOW_BIT_TOLERANCE, StateDiff, diff_states, read_state
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
                               find_tokenizer, render_chat)
+from ds4f.engine.output_text import THINK_END, split_reasoning
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
@@ -62,7 +63,7 @@ __all__ = [
     "MemoryPlan", "memory_plan",
     # text: tokenizer, streaming, chat format, sampling
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
-    "SamplingParams", "Sampler",
+    "SamplingParams", "Sampler", "split_reasoning", "THINK_END",
 ]
 
 def checkpoint_summary(path: str) -> dict:

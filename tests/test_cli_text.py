@@ -1,0 +1,73 @@
+"""`ds4f generate` and `ds4f chat` end to end, in subprocesses, on the tiny model with its tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from ds4f.engine.text.chat import chat_prompt_ids
+from ds4f.engine.text.tokenizer import Tokenizer
+
+
+def _cli(*args, tmp_path, stdin=None):
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               XDG_CONFIG_HOME=str(tmp_path / "config"))
+    return subprocess.run([sys.executable, "-m", "ds4f.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, input=stdin, timeout=300)
+
+
+def test_generate_prints_the_tokens_decoded_and_a_summary(tiny_model, tmp_path):
+    report = tmp_path / "r.json"
+    out = _cli("generate", tiny_model, "-p", "Hello, world", "-n", "16", "--seed", "5", "--temp", "0.9",
+               "--json", report, tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(report.read_text())
+    tok = Tokenizer.load(tiny_model)
+    gen = r["generated"]
+    ends = gen[-1] == tok.eos_id and r["text"]["finish_reason"] == "eos"
+    expected = tok.decode(gen[:-1] if ends else gen)       # the HF tokenizer's decoding of the report's tokens
+    assert out.stdout == expected + "\n"
+    assert r["prompt"] == [tok.bos_id, *tok.encode("Hello, world")]
+    assert r["text"]["sampling"] == {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}
+    err = out.stderr
+    assert f"{len(r['prompt'])} prompt tokens" in err and f"{len(gen)} generated" in err
+    assert "tokens/s" in err and "s/token" in err and "GB/token" in err and "hit rate" in err and "seed 5" in err
+    again = _cli("generate", tiny_model, "-p", "Hello, world", "-n", "16", "--seed", "5", "--temp", "0.9",
+                 tmp_path=tmp_path)
+    assert again.stdout == out.stdout                       # same seed, same settings: same text
+    refused = _cli("generate", tiny_model, "-p", "x", "--json", report, tmp_path=tmp_path)
+    assert refused.returncode == 2 and "already exists" in refused.stderr
+
+
+def test_generate_chat_uses_the_chat_format(tiny_model, tmp_path):
+    report = tmp_path / "c.json"
+    out = _cli("generate", "-m", tiny_model, "--chat", "--system", "Be brief.", "-p", "Hi", "-n", "4", "--temp", "0",
+               "--json", report, tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    tok = Tokenizer.load(tiny_model)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert json.loads(report.read_text())["prompt"] == chat_prompt_ids(tok, messages)
+    assert "greedy" in out.stderr
+
+
+def test_text_commands_need_a_tokenizer_and_say_so(tiny_model, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model, bare)
+    (bare / "tokenizer.json").unlink()
+    out = _cli("generate", bare, "-p", "Hello", tmp_path=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "no tokenizer" in out.stderr and str(bare) in out.stderr
+
+
+def test_chat_keeps_the_conversation_and_resets_it(tiny_model, tmp_path):
+    out = _cli("chat", tiny_model, "-n", "3", "--temp", "0", "--history", tmp_path=tmp_path,
+               stdin="Hello\nHow are you?\n/reset\nHello\n/quit\n")
+    assert out.returncode == 0, out.stderr
+    summaries = [line for line in out.stderr.splitlines() if line.startswith("[") and "prompt tokens" in line]
+    assert len(summaries) == 3 and "(conversation cleared)" in out.stderr
+    counts = [int(s[1:].split(" prompt tokens")[0]) for s in summaries]
+    assert counts[1] > counts[0] and counts[2] == counts[0]   # the second turn carries the first; /reset drops it
+    answers = [a for a in out.stdout.split("> ") if a]     # each answer after its prompt, "/reset" printed none
+    assert len(answers) == 3 and answers[0] == answers[2]   # greedy: the same first answer again
