@@ -142,11 +142,12 @@ class Engine:
         return self.reader.threads
 
     # -- sessions ---------------------------------------------------------------------------------
-    def new_session(self) -> Session:
-        """A session starting at position 0 on an empty expert cache, with this engine's kernel settings."""
+    def new_session(self, prefill_chunk: int = 0) -> Session:
+        """A session starting at position 0 on an empty expert cache, with this engine's kernel
+        settings; prefill_chunk: prompt tokens per layer-major chunk (0: token by token only)."""
         self.streamer.reset()
         self.kernels.apply()
-        return Session(self)
+        return Session(self, prefill_chunk)
 
     def reset_for_run(self, io_threads: int, kernel_threads: int, backend: str) -> None:
         """The settings of the next run on a loaded engine (new_session empties the cache)."""

@@ -31,7 +31,7 @@ import psutil
 from ds4f.engine import kernels
 from ds4f.engine.bench.probe import cached_floor, replay_reads
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import (BACKEND_NAMES, Budget, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, MAX_THREADS, Preset,
+from ds4f.engine.config import (BACKEND_NAMES, Budget, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_PROMPT, MAX_THREADS, Preset,
                                load_config, user_data_dir)
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.errors import Ds4fError
@@ -81,6 +81,8 @@ class RunConfig:
     sampling: "SamplingParams | None" = None # None: greedy
     stop: tuple[str, ...] = ()               # stop strings: the output ends before the first one
     stop_at_eos: bool | None = None          # end at the end-of-sentence token; None: when the prompt is text
+    prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
+                                             # None: the preset's
 
 
 def _new_run_id() -> str:
@@ -169,6 +171,10 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     if config.backend != "auto" and config.backend not in kernels.available_backends():
         raise Ds4fError(f"backend: {config.backend} is not available on this machine "
                         f"(available: {', '.join(kernels.available_backends())})", param="backend")
+    chunk = config.prefill_chunk
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk <= MAX_CHUNK):
+        raise Ds4fError(f"prefill_chunk: must be from 0 (token by token) to {MAX_CHUNK} prompt tokens, got {chunk!r}",
+                        param="prefill_chunk")
     for name in ("io_threads", "kernel_threads"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_THREADS):
@@ -206,6 +212,22 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         _active = run
     run._thread.start()
     return run
+
+
+@dataclass
+class _Records:
+    """One token's arrays for the state dump (a prefill chunk's row)."""
+    ids: np.ndarray
+    weights: np.ndarray
+    hidden: np.ndarray
+    attn: np.ndarray
+    logits: np.ndarray
+
+
+def _shares(total: int, n: int) -> list[int]:
+    """total split over n tokens in whole units, the remainder to the first ones (they add up)."""
+    q, r = divmod(int(total), n)
+    return [q + (1 if i < r else 0) for i in range(n)]
 
 
 def _check_text_settings(config: RunConfig) -> None:
@@ -270,6 +292,9 @@ class Run:
         self.history = history
         self.n_steps = len(prompt) - 1 + config.gen
         self.tokenizer = tokenizer
+        # a prompt of one token has nothing to prefill (and needs no chunk buffers)
+        chunk = preset.prefill_chunk if config.prefill_chunk is None else config.prefill_chunk
+        self.prefill_chunk = min(chunk, len(prompt)) if len(prompt) > 1 else 0
         self.stop_at_eos = config.stop_at_eos if config.stop_at_eos is not None else tokenizer is not None and (
             config.text is not None or config.messages is not None)
         self.eos_id = tokenizer.eos_id if tokenizer is not None else checkpoint.geometry.eos_token_id
@@ -408,6 +433,7 @@ class Run:
             s_tok = log.median_seconds()
             disk_busy, read_depth = log.occupancy()
             switches = tuple(log.switches)
+            pre_n, pre_s, pre_b = log.prefill_tokens, log.prefill_s, log.prefill_bytes
         eng = self._engine
         if eng is not None:
             # read before the cache's figures: a hit is counted by the cache before the streamer
@@ -454,7 +480,9 @@ class Run:
             check_s_per_token=fig.check_s / done if fig and done else None,
             layer_prefetch_hits=layer_prefetched if fig else (),
             phase="prefill" if done < len(self.prompt) - 1 else "decode", prompt_tokens=len(self.prompt),
-            generated_tokens=self._generated, output_text=self.output_text, finish_reason=self._finish_reason)
+            generated_tokens=self._generated, output_text=self.output_text, finish_reason=self._finish_reason,
+            prefill_tokens=pre_n, prefill_tokens_per_s=pre_n / pre_s if pre_s else None,
+            prefill_gb_per_token=pre_b / 1e9 / pre_n if pre_n else None, prefill_chunk=self.prefill_chunk)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:
@@ -515,7 +543,7 @@ class Run:
                 eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
             for note in eng.notes:
                 self._log(note)
-            session = eng.new_session()
+            session = eng.new_session(self.prefill_chunk)
             with self._lock:
                 self._engine, self._session_nbytes = eng, session.nbytes
                 self._kv_bytes, self._context = session.kv_nbytes, session.context if session.kv else 0
@@ -527,35 +555,16 @@ class Run:
                 self._state = "running"
             sampling = self.config.sampling
             sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
-            token = self.prompt[0]
-            for step in range(self.n_steps):
-                if self._cancel.is_set():
-                    break
+            step, token = self._prefill(eng, session, writer, sampler) if session.prefill_chunk else (0, self.prompt[0])
+            while step < self.n_steps and self._finish_reason is None and not self._cancel.is_set():
                 self._apply_switches(eng, step)
                 generating = step >= len(self.prompt) - 1     # this step picks a generated token
                 t0 = time.perf_counter()
                 res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
                 seconds = time.perf_counter() - t0
-                writer.write(token, res.next_token, eng.backend, res.ids, res.weights, res.hidden, res.attn,
-                             res.logits)
-                text = self._take_output(res.next_token, last=step + 1 == self.n_steps) if generating else ""
-                record = TokenRecord(index=step, token_id=token, next_token_id=res.next_token, seconds=seconds,
-                                     bytes_read=res.bytes_read, hits=res.hits, misses=res.misses,
-                                     stall_s=res.stall_s, backend=eng.backend,
-                                     kernel_threads=eng.kernel_threads, io_threads=eng.io_threads,
-                                     disk_busy_s=res.disk_busy_s, disk_depth_s=res.disk_depth_s, reads=res.reads,
-                                     prefetch_hits=res.prefetch_hits, attention_s=res.attention_s,
-                                     moe_s=res.moe_s, head_s=res.head_s, text=text)
-                with self._lock:
-                    self._log_tokens.add(record)
-                if self.on_token is not None:
-                    self.on_token(record)
-                if self._finish_reason is not None:
-                    break
-                if step + 1 < len(self.prompt):
-                    token = self.prompt[step + 1]
-                else:
-                    token = res.next_token
+                self._emit(eng, writer, step, token, res.next_token, res, vars(res), seconds, prefill=False)
+                step += 1
+                token = self.prompt[step] if step < len(self.prompt) else res.next_token
             if self._cancel.is_set():
                 writer.abort()
                 writer = None
@@ -583,6 +592,52 @@ class Run:
             with _active_lock:
                 if _active is self:
                     _active = None
+
+    def _prefill(self, eng: Engine, session, writer, sampler) -> tuple[int, int]:
+        """The prompt, chunk by chunk, layer by layer (Session.prefill); each token's record as a
+        step's. Returns (the next step, the token it feeds): past the prompt, unless cancelled."""
+        prompt, chunk = self.prompt, session.prefill_chunk
+        step, token = 0, prompt[0]
+        while step < len(prompt) and self._finish_reason is None and not self._cancel.is_set():
+            self._apply_switches(eng, step)
+            part = list(prompt[step:step + chunk])
+            n = len(part)
+            t0 = time.perf_counter()
+            res = session.prefill(part)
+            seconds = time.perf_counter() - t0
+            costs = vars(res)
+            shares = {k: _shares(costs[k], n) for k in ("hits", "misses", "bytes_read", "reads", "prefetch_hits")}
+            for c in range(n):
+                generating = step == len(prompt) - 1
+                logits = res.logits[c]
+                next_token = int(sampler.sample(logits)) if generating and sampler is not None \
+                    else int(np.argmax(logits))
+                one = {k: (shares[k][c] if k in shares else v / n) for k, v in costs.items()
+                       if not isinstance(v, np.ndarray)}
+                arrays = _Records(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], logits)
+                self._emit(eng, writer, step, part[c], next_token, arrays, one, seconds / n, prefill=True)
+                step += 1
+                token = prompt[step] if step < len(prompt) else next_token
+        return step, token
+
+    def _emit(self, eng: Engine, writer, step: int, token: int, next_token: int, rec, costs: dict, seconds: float,
+              prefill: bool) -> None:
+        """One step's record: into the state dump, the token log (its costs), on_token; the text
+        it adds to the output when it picked a generated token."""
+        writer.write(token, next_token, eng.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
+        generating = step >= len(self.prompt) - 1
+        text = self._take_output(next_token, last=step + 1 == self.n_steps) if generating else ""
+        record = TokenRecord(index=step, token_id=token, next_token_id=next_token, seconds=seconds,
+                             bytes_read=costs["bytes_read"], hits=costs["hits"], misses=costs["misses"],
+                             stall_s=costs["stall_s"], backend=eng.backend, kernel_threads=eng.kernel_threads,
+                             io_threads=eng.io_threads, disk_busy_s=costs["disk_busy_s"],
+                             disk_depth_s=costs["disk_depth_s"], reads=costs["reads"],
+                             prefetch_hits=costs["prefetch_hits"], attention_s=costs["attention_s"],
+                             moe_s=costs["moe_s"], head_s=costs["head_s"], prefill=prefill, text=text)
+        with self._lock:
+            self._log_tokens.add(record)
+        if self.on_token is not None:
+            self.on_token(record)
 
     def _take_output(self, token_id: int, last: bool) -> str:
         """Count a generated token and say what text it adds; sets the finish reason when the
@@ -656,7 +711,8 @@ class Run:
             return None
         # the routing trace is in the state dump: read back, not kept in memory during the run
         ids = read_routing(state_file)
-        trace = Trace(g, ids, np.zeros(len(ids), np.int32))
+        prefilled = int(self._log_tokens.rows["prefill"][:self._log_tokens.count].sum())
+        trace = Trace(g, ids, np.zeros(len(ids), np.int32), prefill=prefilled, chunk=self.prefill_chunk)
         try:
             return replay(trace, Budget(nbytes=fig.cache_capacity_bytes), "belady").hit_rate
         except Ds4fError:
@@ -705,6 +761,18 @@ class Run:
         split["other_s"] = mean["seconds"] - sum(split.values())
         split["attention_share"] = mean["attention_s"] / mean["seconds"] if mean["seconds"] else None
         return split
+
+    def _prefill_report(self) -> dict | None:
+        """The prompt's figures apart from decode's: layer-major chunks (or token by token)."""
+        fig = self._log_tokens.prefill_figures()
+        if fig is None:
+            return None
+        g = self.checkpoint.geometry
+        chunks = -(-fig["tokens"] // self.prefill_chunk)
+        fig.update(chunk=self.prefill_chunk, chunks=chunks,
+                   experts_read_per_layer_chunk=fig["misses"] / (chunks * g.n_layers),
+                   experts_used_per_layer_chunk=(fig["hits"] + fig["misses"]) / (chunks * g.n_layers))
+        return fig
 
     def _text_report(self) -> dict:
         sampling = self.config.sampling
@@ -761,6 +829,7 @@ class Run:
             "kv_bytes": snap.kv_bytes, "context": snap.context,
             "check_s_per_token": snap.check_s_per_token,
             "split": self._time_split(),
+            "prefill": self._prefill_report(),
             # warm tokens: the share of time the disk had a read in flight, and the mean number in flight
             "disk_busy_fraction": disk_busy, "mean_read_depth": read_depth,
         }

@@ -1,6 +1,6 @@
-"""A session: one sequence's state on an engine (its position; the KV cache joins it with
-attention). `eval(token)` runs the forward pass and returns the logits; `step(token)` also picks
-the greedy next token and says what the token cost.
+"""A session: one sequence's state on an engine (its position and KV cache). `eval(token)` runs
+the forward pass and returns the logits; `step(token)` also picks the next token and says what the
+token cost; `prefill(tokens)` runs a chunk of prompt tokens layer by layer, with the same records.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
+from ds4f.engine.model.prefill import ChunkBuffers, prefill
 
 
 @dataclass
@@ -36,11 +37,13 @@ class StepResult:
 
 
 class Session:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, prefill_chunk: int = 0) -> None:
         self.engine = engine
         self.geometry = engine.geometry
         self.source = engine.streamer
         self.buffers = ForwardBuffers(self.geometry)
+        self.prefill_chunk = prefill_chunk   # prompt tokens per prefill chunk (0: token by token only)
+        self.chunk = ChunkBuffers(self.geometry, prefill_chunk) if prefill_chunk > 0 else None
         self.position = 0          # tokens evaluated so far
         self.context = engine.preset.context   # the most positions this session may reach
         att = self.geometry.attention
@@ -48,7 +51,7 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        return self.buffers.nbytes + self.kv_nbytes
+        return self.buffers.nbytes + self.kv_nbytes + (self.chunk.nbytes if self.chunk is not None else 0)
 
     @property
     def kv_nbytes(self) -> int:
@@ -78,24 +81,65 @@ class Session:
     def step(self, token_id: int, pick=None) -> StepResult:
         """eval, the next token (greedy, or `pick(logits)`: a sampler's draw), and the token's
         reads, hits (those on prefetched experts apart) and stall."""
-        cache, reader, source = self.engine.cache, self.engine.reader, self.source
-        hits0 = sum(c.hits for c in cache.layers)
-        misses0 = sum(c.misses for c in cache.layers)
-        bytes0 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
-        busy0, depth0 = reader.occupancy.totals()
-        stall0 = source.stall_s
-        prefetched0 = sum(source.prefetch_layer_hits)
-        reads0 = reader.started_reads
+        before = self._counters()
         logits = self.eval(token_id)
         next_token = int(np.argmax(logits)) if pick is None else int(pick(logits))
-        bytes1 = reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1]
-        busy1, depth1 = reader.occupancy.totals()
         b = self.buffers
-        return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits,
-                          hits=sum(c.hits for c in cache.layers) - hits0,
-                          misses=sum(c.misses for c in cache.layers) - misses0,
-                          bytes_read=bytes1 - bytes0, stall_s=source.stall_s - stall0,
-                          disk_busy_s=busy1 - busy0, disk_depth_s=depth1 - depth0,
-                          reads=reader.started_reads - reads0,
-                          prefetch_hits=sum(source.prefetch_layer_hits) - prefetched0,
+        return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits, **self._since(before),
                           attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
+
+    def prefill(self, token_ids: list[int]) -> "ChunkResult":
+        """A chunk of prompt tokens through the model layer by layer (model.prefill): the same
+        records and logits as step() on each in turn, each chosen expert read once for the chunk.
+        At most `prefill_chunk` tokens; the chunk's reads, hits and stall together."""
+        g = self.geometry
+        n = len(token_ids)
+        if self.chunk is None or not 0 < n <= self.chunk.chunk:
+            raise Ds4fError(f"a chunk of {n} prompt tokens; this session takes 1 to {self.prefill_chunk}",
+                            param="prompt")
+        bad = [t for t in token_ids if not 0 <= t < g.vocab]
+        if bad:
+            raise Ds4fError(f"token id {bad[0]} is outside the vocabulary (0..{g.vocab - 1})", param="token")
+        if self.position + n > self.context:
+            raise Ds4fError(f"position {self.position + n - 1} is past the context of {self.context} positions the"
+                            f" preset {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
+        before = self._counters()
+        logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position)
+        self.position += n
+        b = self.chunk
+        return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._since(before),
+                           attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
+
+    def _counters(self) -> tuple:
+        cache, reader, source = self.engine.cache, self.engine.reader, self.source
+        return (sum(c.hits for c in cache.layers), sum(c.misses for c in cache.layers),
+                reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1], *reader.occupancy.totals(),
+                source.stall_s, sum(source.prefetch_layer_hits), reader.started_reads)
+
+    def _since(self, before: tuple) -> dict:
+        """What the reads, the cache and the waits did since `before` (a _counters())."""
+        d = [a - b for a, b in zip(self._counters(), before)]
+        return dict(hits=d[0], misses=d[1], bytes_read=d[2], disk_busy_s=d[3], disk_depth_s=d[4], stall_s=d[5],
+                    prefetch_hits=d[6], reads=d[7])
+
+
+@dataclass
+class ChunkResult:
+    """A prefill chunk's records (views of the session's buffers: copy to keep) and its costs."""
+
+    ids: np.ndarray          # int32 [tokens, n_layers, top_k]
+    weights: np.ndarray      # fp32 [tokens, n_layers, top_k]
+    hidden: np.ndarray       # fp32 [tokens, n_layers, width]
+    attn: np.ndarray         # fp32 [tokens, n_layers, hidden]
+    logits: np.ndarray       # fp32 [tokens, vocab]
+    hits: int
+    misses: int
+    bytes_read: int
+    stall_s: float
+    disk_busy_s: float
+    disk_depth_s: float
+    reads: int = 0
+    prefetch_hits: int = 0
+    attention_s: float = 0.0
+    moe_s: float = 0.0
+    head_s: float = 0.0

@@ -35,6 +35,8 @@ class TokenRecord:
     attention_s: float = 0.0    # of `seconds`: attention sublayers (hyper-connection mixing included)
     moe_s: float = 0.0          # of `seconds`: MoE sublayers, stall_s (waiting for reads) included
     head_s: float = 0.0         # of `seconds`: the head (hc reduction, final norm, vocabulary matvec)
+    prefill: bool = False       # processed in a layer-major prefill chunk: the chunk's wall time, reads,
+                                # hits and misses are shared out evenly over its tokens
     text: str = ""              # the text this token added to the output ("" for prompt tokens, and
                                 # while a UTF-8 sequence or a possible stop string is incomplete)
 
@@ -115,6 +117,10 @@ class Snapshot:
     generated_tokens: int = 0                 # tokens generated so far
     output_text: str = ""                     # the generated text so far ("" without a tokenizer)
     finish_reason: str | None = None          # "length" | "eos" | "stop" once generation ended
+    prefill_tokens: int = 0                   # prompt tokens processed in layer-major chunks so far
+    prefill_tokens_per_s: float | None = None # their rate (the chunks' wall time)
+    prefill_gb_per_token: float | None = None # disk GB read per prefilled token
+    prefill_chunk: int = 0                    # tokens per chunk (0: the prompt goes token by token)
 
     def layer_policy_hit_rates(self) -> list[float | None]:
         """Per layer, the policy's own hit rate (hits without prefetch's help / requests), the
@@ -147,7 +153,7 @@ TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds
                         ("hits", "<i4"), ("misses", "<i4"), ("stall_s", "<f8"), ("backend", "u1"),
                         ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
                         ("disk_depth_s", "<f8"), ("reads", "<i4"), ("prefetch_hits", "<i4"),
-                        ("attention_s", "<f4"), ("moe_s", "<f4"), ("head_s", "<f4")])
+                        ("attention_s", "<f4"), ("moe_s", "<f4"), ("head_s", "<f4"), ("prefill", "u1")])
 _BACKENDS = ("scalar", "avx2", "avx512", "neon")
 
 
@@ -169,6 +175,7 @@ class TokenLog:
         self.hits = self.misses = self.bytes_read = 0
         self.prefetch_hits = 0     # of the hits, those on prefetched experts: hits - these are the policy's own
         self.stall_s = 0.0
+        self.prefill_tokens, self.prefill_s, self.prefill_bytes = 0, 0.0, 0   # the prefilled tokens'
 
     @property
     def nbytes(self) -> int:
@@ -179,12 +186,21 @@ class TokenLog:
         return self.record(0) if self.count else None
 
     def warm_gb_per_token(self) -> float | None:
-        """Mean GB (1e9 B) read per warm token (the first token alone, if it is the only one)."""
-        if not self.count:
+        """Mean GB (1e9 B) read per warm decode token (the first token alone, if it is the only one)."""
+        warm = self.warm()
+        return float(warm["bytes_read"].mean()) / 1e9 if len(warm) else None
+
+    def prefill_figures(self) -> dict | None:
+        """The layer-major prefill's figures: prompt tokens, seconds, tokens/s, GB per prompt token
+        (None if no token was prefilled)."""
+        rows = self.rows[:self.count]
+        rows = rows[rows["prefill"] == 1]
+        if not len(rows):
             return None
-        if self.count == 1:
-            return self.bytes_read / 1e9
-        return (self.bytes_read - int(self.rows["bytes_read"][0])) / (self.count - 1) / 1e9
+        seconds = float(rows["seconds"].sum())
+        return {"tokens": len(rows), "seconds": seconds, "tokens_per_s": len(rows) / seconds if seconds else None,
+                "gb_per_token": float(rows["bytes_read"].sum()) / 1e9 / len(rows),
+                "hits": int(rows["hits"].sum()), "misses": int(rows["misses"].sum())}
 
     def add(self, t: TokenRecord) -> None:
         row = self.rows[self.count]
@@ -202,6 +218,10 @@ class TokenLog:
         self.prefetch_hits += t.prefetch_hits
         self.bytes_read += t.bytes_read
         self.stall_s += t.stall_s
+        if t.prefill:
+            self.prefill_tokens += 1
+            self.prefill_s += t.seconds
+            self.prefill_bytes += t.bytes_read
 
     def record(self, i: int) -> TokenRecord:
         row = self.rows[i]
@@ -212,9 +232,12 @@ class TokenLog:
         return [_BACKENDS[int(b)] for b in self.rows["backend"][:self.count]]
 
     def warm(self) -> np.ndarray:
-        """The rows of the warm tokens: all but the first (the first alone, if it is the only one)."""
+        """The rows of the warm decode tokens: all but the first and the prefilled ones (the first
+        alone, if it is the only one)."""
         done = self.rows[:self.count]
-        return done[1:] if self.count > 1 else done
+        if self.count <= 1:
+            return done[done["prefill"] == 0]
+        return done[1:][done["prefill"][1:] == 0]
 
     def median_seconds(self) -> float | None:
         warm = self.warm()

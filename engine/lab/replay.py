@@ -14,7 +14,7 @@ from ds4f.engine.lab.belady import Belady, HorizonBelady
 from ds4f.engine.lab.trace import Trace
 from ds4f.engine.runtime.cache_book import CacheBook, slots_for_budget
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, make_policy
-from ds4f.engine.runtime.schedule import TokenRequests
+from ds4f.engine.runtime.schedule import TokenRequests, chunk_layer_keys, chunk_layer_requests
 
 def parse_policy(policy: str) -> tuple[str, int | None]:
     """('belady', N) for 'belady@N' (N tokens of foresight), else (policy, None)."""
@@ -64,7 +64,12 @@ def replay(trace: Trace, budget: Budget | str | int, policy: str) -> ReplayResul
             raise Ds4fError(str(exc)) from None
     cache = CacheBook(n_slots, g.n_layers, chosen)
     req = TokenRequests(cache, g.n_layers, g.n_hash_layers)
-    for t in range(len(trace.ids)):
+    chunks = trace.chunks()
+    for a, b in chunks:                 # the prefill's chunks, layer by layer, each expert once
+        for layer in range(g.n_layers):
+            for _ in chunk_layer_requests(cache, set(), a, layer, chunk_layer_keys(layer, trace.ids[a:b, layer])):
+                pass
+    for t in range(chunks[-1][1] if chunks else 0, len(trace.ids)):
         req.start(t, {layer: trace.ids[t, layer] for layer in range(g.n_hash_layers)})
         for layer in range(g.n_layers):
             req.enter(layer)

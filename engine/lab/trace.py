@@ -14,7 +14,7 @@ import numpy as np
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.runtime.cache_book import PAGE
-from ds4f.engine.runtime.schedule import token_request_order
+from ds4f.engine.runtime.schedule import chunk_layer_keys, token_request_order
 
 TRACE_FORMAT = "ds4f.trace"
 TRACE_VERSION = 1
@@ -26,6 +26,14 @@ class Trace:
     ids: np.ndarray          # int32 [tokens, n_layers, top_k], routing-rank order
     tokens: np.ndarray       # int32 [tokens], the token fed at each step
     source: str = ""
+    prefill: int = 0         # the first `prefill` tokens went through layer-major prefill chunks
+    chunk: int = 0           # of `chunk` tokens each (runtime.schedule's chunk request order)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """The (start, end) token ranges of the prefill chunks."""
+        if not self.prefill or not self.chunk:
+            return []
+        return [(a, min(a + self.chunk, self.prefill)) for a in range(0, self.prefill, self.chunk)]
 
     @property
     def slot_nbytes(self) -> int:
@@ -41,8 +49,14 @@ class Trace:
         (runtime.schedule), rank order within a layer: 8 bytes per request."""
         g = self.geometry
         order = token_request_order(g.n_layers, g.n_hash_layers)
-        ids = self.ids[:, order, :].astype(np.int64)
-        return (ids + (np.asarray(order, np.int64) * g.n_experts)[None, :, None]).reshape(-1)
+        chunks = self.chunks()
+        start = chunks[-1][1] if chunks else 0
+        parts = [np.asarray([layer * g.n_experts + e for layer in range(g.n_layers)
+                             for _, e in chunk_layer_keys(layer, self.ids[a:b, layer])], np.int64)
+                 for a, b in chunks]
+        ids = self.ids[start:, order, :].astype(np.int64)
+        parts.append((ids + (np.asarray(order, np.int64) * g.n_experts)[None, :, None]).reshape(-1))
+        return np.concatenate(parts)
 
 
 def load_trace(path: str | os.PathLike) -> Trace:

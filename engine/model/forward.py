@@ -63,6 +63,10 @@ class WeightSource(Protocol):
     def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]: ...
     def finish_layer(self, layer: int, ids: np.ndarray) -> None: ...
     def attention(self, layer: int) -> LayerAttention: ...
+    # a chunk of prompt tokens, layer by layer (model.prefill)
+    def start_chunk(self, token_ids) -> None: ...
+    def chunk_arrivals(self, layer: int, ids: np.ndarray) -> Iterator[list[tuple[int, object]]]: ...
+    def finish_chunk_layer(self, layer: int) -> None: ...
 
 
 ATTENTION, MOE, HEAD = 0, 1, 2     # ForwardBuffers.times
@@ -98,10 +102,7 @@ def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
                  buf: ForwardBuffers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One layer's MoE block on the residual h: (ids, weights, y); the caller adds y to h."""
     g = source.geometry
-    router = source.router(layer)
-    x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, buf.x, buf.h64)
-    scores = router_scores(router, x, buf.router_logits)
-    ids, weights = route(scores, router, token_id, g)
+    x, ids, weights = moe_route(source, layer, h, token_id, buf.x, buf.h64, buf.router_logits)
     source.request_experts(layer, ids, h)
     for batch in source.arrivals(layer):        # in the order the weights arrive
         routed = [(rank, w) for rank, w in batch if rank != SHARED]
@@ -110,15 +111,25 @@ def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
         for rank, w in batch:
             if rank == SHARED:
                 shared_expert(w, x, buf.moe)
-    check_finite(buf.moe, layer, ids, token_id)
+    check_finite(buf.moe.ys, buf.moe.shared_out, layer, ids, token_id)
     return ids, weights, combine(buf.moe)
 
 
-def check_finite(buf: MoeBuffers, layer: int, ids: np.ndarray, token_id: int) -> None:
+def moe_route(source: WeightSource, layer: int, h: np.ndarray, token_id: int, x_buf: np.ndarray,
+              h64: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The MoE block's normed input x (in x_buf) and its routing: (x, ids, weights)."""
+    g = source.geometry
+    router = source.router(layer)
+    x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, x_buf, h64)
+    ids, weights = route(router_scores(router, x, logits), router, token_id, g)
+    return x, ids, weights
+
+
+def check_finite(ys: np.ndarray, shared_out: np.ndarray, layer: int, ids: np.ndarray, token_id: int) -> None:
     """A NaN or Inf in an expert's output poisons everything after it: stop, naming the expert."""
-    if np.isfinite(buf.ys).all() and np.isfinite(buf.shared_out).all():
+    if np.isfinite(ys).all() and np.isfinite(shared_out).all():
         return
-    bad = [r for r in range(len(buf.ys)) if not np.isfinite(buf.ys[r]).all()]
+    bad = [r for r in range(len(ys)) if not np.isfinite(ys[r]).all()]
     who = f"expert {int(ids[bad[0]])}" if bad else "the shared expert"
     raise Ds4fError(f"layer {layer}: {who} gives a non-finite output (NaN or Inf) for token {token_id}:"
                     f" its weights are corrupt (an MXFP4 scale byte of 0xFF is NaN)", kind="data")
@@ -136,13 +147,36 @@ def forward(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: KVCach
     else:
         h = _whole_layers(source, token_id, buf, kv, pos)
     t0 = perf_counter()
-    final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, buf.x, buf.h64)
-    logits = kernels.bf16_matvec(source.globals.head, final, out=buf.logits)
+    logits = head(source, h, token_id, buf.logits, buf.x, buf.h64)
     buf.times[HEAD] += perf_counter() - t0
+    return logits
+
+
+def head(source: WeightSource, h: np.ndarray, token_id: int, out: np.ndarray, x_buf: np.ndarray,
+         h64: np.ndarray) -> np.ndarray:
+    """The logits (into out, fp32 [vocab]) from the last layer's residual h (after hc_head)."""
+    g = source.geometry
+    final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, x_buf, h64)
+    logits = kernels.bf16_matvec(source.globals.head, final, out=out)
     if not np.isfinite(logits).all():
         raise Ds4fError(f"the head gives non-finite logits (NaN or Inf) for token {token_id}:"
                         f" the head or final norm weights are corrupt", kind="data")
     return logits
+
+
+def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos: int, g: Geometry, layer: int, token_id: int,
+                       x_buf: np.ndarray, h64: np.ndarray) -> np.ndarray:
+    """The attention sublayer with its hyper-connection: X (the streams, [N, hidden]) updated in
+    place, the KV cache of the layer too; returns the attention's output y (fp32 [hidden])."""
+    att, eps = g.attention, g.rms_norm_eps
+    h, post, comb = hc_pre(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+    a = rms_norm(h, la.attn_norm, eps, x_buf, h64)
+    y = attention_step(la.attention, cache, a, pos, la.shape, la.rope)
+    if not np.isfinite(y).all():
+        raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
+                        f" {token_id} at position {pos}: its weights are corrupt", kind="data")
+    hc_post(X, y, post, comb)
+    return y
 
 
 def _moe_only_layers(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
@@ -166,14 +200,7 @@ def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: 
     for layer in range(g.n_layers):
         t0 = perf_counter()
         la = source.attention(layer)
-        h, post, comb = hc_pre(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
-        a = rms_norm(h, la.attn_norm, eps, buf.x, buf.h64)
-        y = attention_step(la.attention, kv.layers[layer], a, pos, la.shape, la.rope)
-        if not np.isfinite(y).all():
-            raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
-                            f" {token_id} at position {pos}: its weights are corrupt", kind="data")
-        buf.attn[layer] = y
-        hc_post(X, y, post, comb)
+        buf.attn[layer] = attention_sublayer(la, X, kv.layers[layer], pos, g, layer, token_id, buf.x, buf.h64)
         t1 = perf_counter()
         h, post, comb = hc_pre(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
         ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)

@@ -58,9 +58,13 @@ def shared_expert(w: SharedExpertWeights, x: np.ndarray, buf: MoeBuffers) -> np.
 
 def combine(buf: MoeBuffers) -> np.ndarray:
     """y = the routed outputs summed in routing-rank order, then the shared expert's."""
-    y = buf.y
-    y[:] = buf.ys[0]
-    for r in range(1, len(buf.ys)):
-        y += buf.ys[r]
-    y += buf.shared_out
+    return sum_outputs(buf.ys, buf.shared_out, buf.y)
+
+
+def sum_outputs(ys: np.ndarray, shared_out: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """y = ys[0] + ys[1] + ... (routing-rank order) + shared_out, in fp32, in that order."""
+    y[:] = ys[0]
+    for r in range(1, len(ys)):
+        y += ys[r]
+    y += shared_out
     return y

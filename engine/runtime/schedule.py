@@ -7,7 +7,9 @@ engine's streamer and for the cache lab's replay, so a replay reproduces a run's
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
 
 TOKEN_START = -1  # the position of the token-start requests
 
@@ -57,3 +59,41 @@ class TokenRequests:
 
     def leave(self, layer: int, ids: Sequence[int]) -> None:
         self.protected.difference_update((layer, int(e)) for e in ids)
+
+
+# ---- a chunk of prompt tokens, layer by layer (prefill) ----------------------------------------
+#
+#     chunk start   nothing: every layer's experts depend on the layer before
+#     each layer l  the distinct experts the chunk's tokens chose (first appearance: token order,
+#                   then rank order), requested in batches of at most half the cache's slots; the
+#                   next batch is requested (its reads start) while the current one computes, and a
+#                   batch's keys stay protected until its experts have run on every token
+
+def chunk_layer_keys(layer: int, ids: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (layer, expert) keys of a chunk's routing at `layer` (ids: [tokens, top_k]),
+    in first-appearance order: token order, then rank order."""
+    return list(dict.fromkeys((layer, int(e)) for e in np.asarray(ids).reshape(-1)))
+
+
+def key_batches(keys: list, n_slots: int) -> list[list]:
+    """keys in consecutive batches of at most half the cache (two are resident at once)."""
+    size = max(1, n_slots // 2)
+    return [keys[i:i + size] for i in range(0, len(keys), size)]
+
+
+def chunk_layer_requests(cache, protected: set, token: int, layer: int, keys: list,
+                         issue=None) -> Iterator[tuple[list, list]]:
+    """Drive `cache` through one layer of a chunk: yields (batch keys, issue([(slot, hit)] per key))
+    in order, the next batch already requested (and issued: its reads start) when a batch is
+    yielded; the caller runs the batch's experts before taking the next one (its keys are
+    unprotected then). issue: what the streamer does with a request's pairs (start the misses'
+    reads); the cache lab's replay leaves it out."""
+    issue = issue or (lambda pairs: pairs)
+    cache.at(token, layer)
+    batches = key_batches(keys, cache.n_slots)
+    pending = [issue(cache.request(b, protected)) for b in batches[:2]]
+    for i, batch in enumerate(batches):
+        yield batch, pending[i]
+        protected.difference_update(batch)
+        if i + 2 < len(batches):
+            pending.append(issue(cache.request(batches[i + 2], protected)))

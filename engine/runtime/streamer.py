@@ -29,7 +29,7 @@ from ds4f.engine.model.weights import (GlobalWeights, LayerAttention, MoeWeights
 from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import warm_buffer
 from ds4f.engine.runtime.reader import DEMAND, PREFETCH, Reader, TrunkJob
-from ds4f.engine.runtime.schedule import TokenRequests
+from ds4f.engine.runtime.schedule import TokenRequests, chunk_layer_keys, chunk_layer_requests
 
 
 class Streamer:
@@ -114,15 +114,9 @@ class Streamer:
     def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None:
         """The layer's experts are chosen: request the misses, read ahead, guess the next layer."""
         self.requests.enter(layer)
-        if layer in self.pinned:
-            self._trunk[layer] = self.pinned[layer]
-        else:
-            # routing used the resident router; only the shared expert needs this read, so it
-            # may still be in flight (arrivals waits for it when nothing else is left)
-            self._trunk[layer] = self._trunk_next
-            i = self.unpinned.index(layer)
-            if i + 1 < len(self.unpinned):  # into the buffer the previous unpinned layer used
-                self._trunk_next = self._read_ahead(i + 1)
+        # routing used the resident router; only the shared expert needs an unpinned layer's
+        # trunk read, so it may still be in flight (arrivals waits for it when nothing else is left)
+        self._trunk[layer] = self._layer_trunk(layer)
         if layer >= self.geometry.n_hash_layers:
             self._slots[layer] = self._issue(layer, self.requests.request(layer, ids))
         if self.prefetch and layer + 1 < self.geometry.n_layers:
@@ -133,22 +127,23 @@ class Streamer:
         forward pass asks, computed together; and [(SHARED, shared expert weights)] in the first
         wait once the layer's trunk is there."""
         slots = self._slots.pop(layer)
-        trunk = self._trunk.pop(layer)
+        yield from self._land(layer, slots, _Shared(self, layer, self._trunk.pop(layer)), final=True)
+
+    def _land(self, layer: int, slots: list, shared: "_Shared", final: bool) -> Iterator[list[tuple[int, object]]]:
+        """(index into slots, expert weights) for the slots as they are ready, those ready together
+        in one batch; [(SHARED, weights)] in the first wait once the trunk is there. With `final`,
+        it returns only once the shared expert has been handed out too. The waits are the stall."""
         pending = list(range(len(slots)))
-        shared_done = False
         promoted = False
-        while pending or not shared_done:
+        while pending or (final and not shared.done):
             self._landed.clear()
             ready = [r for r in pending if slots[r].ready.is_set()]
             if not ready:
-                if not shared_done and (isinstance(trunk, MoeWeights) or trunk.done()):
-                    if not isinstance(trunk, MoeWeights):
-                        trunk = MoeWeights(self.routers[layer], SharedExpertWeights.from_tensors(trunk.result()))
-                    shared_done = True
-                    yield [(SHARED, trunk.shared)]  # the shared expert needs no expert read
+                if not shared.done and shared.ready():
+                    yield [(SHARED, shared.take())]  # the shared expert needs no expert read
                     continue
                 if not pending and not promoted:
-                    self.reader.promote(trunk)  # the trunk is all this layer still waits for
+                    self.reader.promote(shared.trunk)  # the trunk is all this layer still waits for
                     promoted = True
                 t0 = time.perf_counter()
                 self._landed.wait(0.05)
@@ -167,6 +162,43 @@ class Streamer:
 
     def finish_layer(self, layer: int, ids: np.ndarray) -> None:
         self.requests.leave(layer, ids)
+
+    # -- a chunk of prompt tokens, layer by layer (model.prefill) -------------------------------
+    def start_chunk(self, token_ids) -> None:
+        """A chunk of prompt tokens starts (instead of start_token for each): the first unpinned
+        trunk layer's read starts; every expert is requested layer by layer (chunk_arrivals)."""
+        self._chunk_first = self.tokens
+        self.tokens += len(token_ids)
+        self._trunk = {}
+        self._chunk_protected: set = set()
+        self._trunk_next = self._read_ahead(0) if self.unpinned else None
+
+    def chunk_arrivals(self, layer: int, ids: np.ndarray) -> Iterator[list[tuple[int, object]]]:
+        """The chunk's routing at `layer` is known (ids: int32 [tokens, top_k]): each distinct
+        expert is read once (runtime.schedule's chunk order, in batches the cache holds, the next
+        batch's reads under way while one computes). Batches of (expert id, weights) as they land;
+        [(SHARED, shared expert weights)] once, when the layer's trunk is there."""
+        shared = _Shared(self, layer, self._layer_trunk(layer))
+        keys = chunk_layer_keys(layer, ids)
+        for batch, slots in chunk_layer_requests(self.cache, self._chunk_protected, self._chunk_first, layer, keys,
+                                                 issue=lambda pairs: self._issue(layer, pairs)):
+            for landed in self._land(layer, slots, shared, final=False):
+                yield [(e if e == SHARED else batch[e][1], w) for e, w in landed]
+        if not shared.done:
+            yield from self._land(layer, [], shared, final=True)
+
+    def finish_chunk_layer(self, layer: int) -> None:
+        self._chunk_protected.clear()
+
+    def _layer_trunk(self, layer: int):
+        """The layer's trunk (pinned, or the read-ahead job) and the next unpinned layer's read started."""
+        if layer in self.pinned:
+            return self.pinned[layer]
+        trunk = self._trunk_next
+        i = self.unpinned.index(layer)
+        if i + 1 < len(self.unpinned):  # into the buffer the previous unpinned layer used
+            self._trunk_next = self._read_ahead(i + 1)
+        return trunk
 
     # -- reads ----------------------------------------------------------------------------------
     def _read_ahead(self, unpinned_index: int) -> TrunkJob:
@@ -225,3 +257,21 @@ class Streamer:
                 break  # no slot free of the current token's needs: prefetch is best effort
             self.prefetch_counts["issued"] += 1
             self._prefetched[key] = self._read(slot, key, PREFETCH)
+
+
+class _Shared:
+    """A layer's shared expert on its way: the trunk (pinned MoeWeights, or the read-ahead job)
+    and whether its weights have been handed out."""
+
+    def __init__(self, streamer: Streamer, layer: int, trunk) -> None:
+        self.streamer, self.layer, self.trunk = streamer, layer, trunk
+        self.done = False
+
+    def ready(self) -> bool:
+        return isinstance(self.trunk, MoeWeights) or self.trunk.done()
+
+    def take(self) -> SharedExpertWeights:
+        if not isinstance(self.trunk, MoeWeights):
+            self.trunk = MoeWeights(self.streamer.routers[self.layer], SharedExpertWeights.from_tensors(self.trunk.result()))
+        self.done = True
+        return self.trunk.shared

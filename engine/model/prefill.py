@@ -1,0 +1,142 @@
+"""The forward pass of a chunk of prompt tokens, layer by layer (prefill).
+
+    X[c] = embed[token c] in each stream, for every token c of the chunk
+    for each layer l:
+        for c in order:  X[c] = attention sublayer (hyper-connection, KV cache at position pos0 + c)
+        for c:           h[c], post[c], C[c] = hc_pre(X[c]);  x[c], ids[c], w[c] = route(h[c])
+        for each distinct expert e of the chunk's ids (each read once):
+            ys[c, rank] = expert e on x[c], for every (c, rank) that chose e
+        for c:           X[c] = hc_post(X[c], sum over ranks of ys[c] + shared(x[c]), post[c], C[c])
+    logits[c] = head(hc_head(X[c])) for every c
+
+Every token's arithmetic is the token-by-token forward's (model.forward) operation for
+operation: the same functions on the same inputs, the routed outputs summed in rank order, the
+attention run token after token so its caches advance in order. Only the order in which the
+chunk's tokens visit the layers differs, so a chunk's records and logits are byte-identical to
+those of the tokens fed one at a time, at any chunk size. What changes is the reads: an expert
+that several of the chunk's tokens chose is read and applied once per layer per chunk.
+"""
+from __future__ import annotations
+
+from time import perf_counter
+
+import numpy as np
+
+from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
+                                       check_finite, head, moe_route)
+from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre
+from ds4f.engine.model.moe import MoeBuffers, routed_experts, shared_expert, sum_outputs
+
+
+class ChunkBuffers:
+    """A chunk's working memory and its tokens' records, allocated once per session."""
+
+    def __init__(self, g: Geometry, chunk: int) -> None:
+        att = g.attention
+        streams = att.hc_mult if att is not None else 1
+        self.chunk = chunk
+        self.streams = np.empty((chunk, streams, g.hidden), np.float32)  # each token's residual streams X
+        self.xs = np.empty((chunk, g.hidden), np.float32)        # each token's normed MoE input
+        self.ys = np.empty((chunk, g.top_k, g.hidden), np.float32)  # each token's routed outputs, by rank
+        self.shared_out = np.empty((chunk, g.hidden), np.float32)
+        self.y = np.empty(g.hidden, np.float32)
+        self.x = np.empty(g.hidden, np.float32)                  # a norm's output, used at once
+        self.h64 = np.empty(g.hidden, np.float64)
+        self.router_logits = np.empty(g.n_experts, np.float32)
+        self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)   # one token's kernel scratch
+        # the tokens' records (the state dump's), as ForwardBuffers keeps one token's
+        self.ids = np.empty((chunk, g.n_layers, g.top_k), np.int32)
+        self.weights = np.empty((chunk, g.n_layers, g.top_k), np.float32)
+        self.hidden = np.empty((chunk, g.n_layers, streams * g.hidden), np.float32)
+        self.attn = np.zeros((chunk, g.n_layers, g.hidden if att is not None else 0), np.float32)
+        self.logits = np.empty((chunk, g.vocab), np.float32)
+        self.times = np.zeros(3, np.float64)       # attention, MoE (reads waited for included), head
+
+    @property
+    def nbytes(self) -> int:
+        return self.moe.nbytes + sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
+    @staticmethod
+    def nbytes_for(g: Geometry, chunk: int) -> int:
+        """What ChunkBuffers(g, chunk) holds, without allocating it (the memory plan counts it)."""
+        att = g.attention
+        streams = att.hc_mult if att is not None else 1
+        per_token = 4 * (streams * g.hidden + 2 * g.hidden + g.top_k * g.hidden
+                         + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab)
+        fixed = 4 * (3 * g.hidden + g.n_experts) + 8 * g.hidden + 3 * 8
+        return chunk * per_token + fixed + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
+
+
+def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, pos0: int) -> np.ndarray:
+    """The chunk's logits (fp32 [len(token_ids), vocab], buf.logits' rows); buf.ids / weights /
+    hidden / attn hold each token's record. The tokens sit at positions pos0, pos0 + 1, ... of
+    the sequence; kv (the whole model's attention state) advances past them."""
+    g = source.geometry
+    n = len(token_ids)
+    if not 0 < n <= buf.chunk:
+        raise ValueError(f"a chunk of {n} tokens in buffers for {buf.chunk}")
+    att, eps = g.attention, g.rms_norm_eps
+    times = buf.times
+    times[:] = 0.0
+    X = buf.streams[:n]
+    for c, t in enumerate(token_ids):
+        X[c] = source.globals.embed[t]             # bf16 -> fp32, exact, in every stream
+    source.start_chunk(token_ids)
+    for layer in range(g.n_layers):
+        t0 = perf_counter()
+        mixes = [None] * n                         # each token's hyper-connection around the MoE
+        if att is not None:
+            la = source.attention(layer)
+            for c in range(n):                     # in order: the caches advance token by token
+                buf.attn[c, layer] = attention_sublayer(la, X[c], kv.layers[layer], pos0 + c, g, layer,
+                                                        token_ids[c], buf.x, buf.h64)
+        t1 = perf_counter()
+        for c in range(n):
+            if att is not None:
+                h, post, comb = hc_pre(X[c], la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+                mixes[c] = (post, comb)
+            else:
+                h = X[c, 0]
+            x, ids, weights = moe_route(source, layer, h, token_ids[c], buf.x, buf.h64, buf.router_logits)
+            buf.xs[c] = x
+            buf.ids[c, layer], buf.weights[c, layer] = ids, weights
+        _experts(source, layer, buf, n)
+        for c in range(n):
+            check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
+            y = sum_outputs(buf.ys[c], buf.shared_out[c], buf.y)
+            if att is not None:
+                hc_post(X[c], y, *mixes[c])
+            else:
+                X[c, 0] += y
+            buf.hidden[c, layer] = X[c].reshape(-1)
+        source.finish_chunk_layer(layer)
+        t2 = perf_counter()
+        times[ATTENTION] += t1 - t0
+        times[MOE] += t2 - t1
+    t0 = perf_counter()
+    for c in range(n):
+        h = hc_head(X[c], source.globals.hc_head, eps, att.hc_eps) if att is not None else X[c, 0]
+        head(source, h, token_ids[c], buf.logits[c], buf.x, buf.h64)
+    times[HEAD] += perf_counter() - t0
+    return buf.logits[:n]
+
+
+def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int) -> None:
+    """buf.ys and buf.shared_out for the chunk's n tokens at `layer`: each distinct routed expert
+    is applied, as it lands, to every token that chose it; the shared expert to every token."""
+    g = source.geometry
+    users: dict[int, list[tuple[int, int]]] = {}      # expert -> [(token, rank)] that chose it
+    for c in range(n):
+        for rank, e in enumerate(buf.ids[c, layer]):
+            users.setdefault(int(e), []).append((c, rank))
+    moe = buf.moe
+    for batch in source.chunk_arrivals(layer, buf.ids[:n, layer]):
+        for e, w in batch:
+            if e == SHARED:
+                for c in range(n):
+                    buf.shared_out[c] = shared_expert(w, buf.xs[c], moe)
+                continue
+            for c, rank in users[e]:
+                routed_experts([(rank, w)], buf.weights[c, layer], buf.xs[c], g.swiglu_limit, moe)
+                buf.ys[c, rank] = moe.ys[rank]

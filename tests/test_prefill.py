@@ -1,0 +1,123 @@
+"""Layer-major prefill: the prompt in chunks, each layer for all of a chunk's tokens, each chosen
+expert read once per layer per chunk. Its state dump is byte-identical to token-by-token
+processing at every chunk size and thread count; its reads are counted against the routing the
+dump itself records."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4f.engine import kernels
+from ds4f.engine.checkpoint.convert import convert_checkpoint
+from ds4f.engine.errors import Ds4fError
+from ds4f.engine.runs import RunConfig, start_run
+from ds4f.engine.statedump import read_state
+from ds4f.engine.text.sampling import SamplingParams
+
+WHOLE = Path(__file__).resolve().parent / "fixtures" / "whole"
+PROMPT = (0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8)     # 17 tokens, within every vocabulary
+BEST = kernels.best_backend()
+
+
+def _run(model, tmp_path, name, chunk, threads=2, backend=BEST, **kw):
+    kw.setdefault("prompt", PROMPT)
+    kw.setdefault("gen", 4)
+    run = start_run(RunConfig(model=str(model), backend=backend, kernel_threads=threads, probe_floor=False,
+                              prefill_chunk=chunk, dump_path=str(tmp_path / f"{name}.bin"), **kw))
+    assert run.wait(120), "run did not finish"
+    assert run.state == "done", run.error
+    return run
+
+
+@pytest.fixture(scope="module")
+def ratios_model(tmp_path_factory):
+    """The transformers fixture with CSA and HCA layers at small ratios, in the ds4f layout."""
+    src = tmp_path_factory.mktemp("ratios") / "official"
+    shutil.copytree(WHOLE / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
+    return convert_checkpoint(src, src.parent / "ds4f", progress=False)
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
+def test_the_dump_is_the_same_at_every_chunk_size_and_thread_count(request, which, tmp_path):
+    model = request.getfixturevalue(which)
+    token = _run(model, tmp_path, "token", 0)
+    assert token.summary_report["summary"]["prefill"] is None
+    want = token.dump_path.read_bytes()
+    for chunk, threads in ((1, 2), (3, 1), (5, 2), (16, 2), (64, 1)):
+        run = _run(model, tmp_path, f"c{chunk}t{threads}", chunk, threads)
+        assert run.dump_path.read_bytes() == want, (chunk, threads)
+        pre = run.summary_report["summary"]["prefill"]
+        assert pre["tokens"] == len(PROMPT) and pre["chunk"] == min(chunk, len(PROMPT))
+
+
+def test_each_chosen_expert_is_read_once_per_layer_per_chunk(tiny_model, tmp_path):
+    """The cache is asked once per distinct (layer, expert) of each chunk, so the prefill's
+    requests equal the distinct experts the dump records per chunk and layer, and its reads are
+    at most that."""
+    chunk = 8
+    run = _run(tiny_model, tmp_path, "layer", chunk)
+    ids = read_state(run.dump_path).records["ids"]                  # [steps, layers, top_k]
+    distinct = sum(len(set(ids[a:min(a + chunk, len(PROMPT)), layer].reshape(-1).tolist()))
+                   for a in range(0, len(PROMPT), chunk) for layer in range(ids.shape[1]))
+    pre = run.summary_report["summary"]["prefill"]
+    assert pre["hits"] + pre["misses"] == distinct
+    assert pre["misses"] <= distinct
+    # the whole prompt in one chunk reads each layer's experts at most once: fewer reads than
+    # token by token, whose small cache cannot keep what every token needs
+    whole = _run(tiny_model, tmp_path, "whole", len(PROMPT)).summary_report["summary"]["prefill"]
+    n_experts = int(ids.max()) + 1
+    assert whole["misses"] <= ids.shape[1] * n_experts
+    token = _run(tiny_model, tmp_path, "token", 0)
+    rows = token.report["tokens"][:len(PROMPT)]
+    assert whole["misses"] < sum(t["misses"] for t in rows)
+    assert whole["gb_per_token"] * 1e9 * len(PROMPT) < sum(t["bytes_read"] for t in rows)
+    per_token = [t for t in run.report["tokens"][:len(PROMPT)]]
+    assert all(t["prefill"] for t in per_token) and not any(t["prefill"] for t in run.report["tokens"][len(PROMPT):])
+    assert sum(t["misses"] for t in per_token) == pre["misses"]     # the chunks' counts shared out, adding up
+
+
+def test_belady_replays_the_requests_the_prefill_made(tiny_model, tmp_path):
+    """Belady's optimum on the run's own request sequence (prefill chunks included) is never
+    below the policy's own hit rate on the same requests."""
+    run = _run(tiny_model, tmp_path, "belady", 8, gen=12, preset="minimal")
+    s = run.summary_report["summary"]
+    assert s["optimum_hit_rate"] is not None and s["policy_hit_rate"] is not None
+    assert s["optimum_hit_rate"] >= s["policy_hit_rate"] - 1e-12
+
+
+def test_sampling_after_a_prefill_is_the_same(tiny_model, tmp_path):
+    params = SamplingParams(temperature=1.3, top_p=0.9, seed=11)
+    a = _run(tiny_model, tmp_path, "tok", 0, text="The cache keeps hot experts near the disk.", prompt=None,
+             sampling=params, gen=6, stop_at_eos=False)
+    b = _run(tiny_model, tmp_path, "chunk", 4, text="The cache keeps hot experts near the disk.", prompt=None,
+             sampling=params, gen=6, stop_at_eos=False)
+    assert a.dump_path.read_bytes() == b.dump_path.read_bytes() and a.output_text == b.output_text
+
+
+def test_prefill_past_the_context_and_bad_chunks_are_refused(tiny_model, tmp_path):
+    with pytest.raises(Ds4fError) as e:
+        start_run(RunConfig(model=str(tiny_model), prompt=PROMPT, gen=2, prefill_chunk=-1, probe_floor=False))
+    assert e.value.param == "prefill_chunk"
+    with pytest.raises(Ds4fError) as e:
+        start_run(RunConfig(model=str(tiny_model), prompt=tuple(i % 200 for i in range(2100)), gen=2, preset="minimal",
+                            probe_floor=False))
+    assert e.value.param == "gen" and "context" in str(e.value)
+
+
+def test_a_cancelled_prefill_leaves_nothing(tiny_model, tmp_path):
+    seen = []
+
+    def stop_early(record):
+        seen.append(record)
+        if len(seen) == 3:
+            run.cancel()
+
+    run = start_run(RunConfig(model=str(tiny_model), prompt=PROMPT * 4, gen=2, prefill_chunk=8, probe_floor=False,
+                              dump_path=str(tmp_path / "c.bin")), on_token=stop_early)
+    assert run.wait(120)
+    assert run.state == "cancelled" and len(seen) == 8          # the chunk in progress ends, then the run
+    assert not list(tmp_path.iterdir())
+    assert all(r.prefill for r in seen) and np.all([r.index for r in seen] == np.arange(8))
