@@ -35,6 +35,7 @@ from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
 from ds4f.engine.bench.cache import bench_cache
 from ds4f.engine.bench.engine import bench_engine
+from ds4f.engine.bench.prefill import bench_prefill
 from ds4f.engine.bench.kernels import KERNELS as KERNEL_NAMES
 from ds4f.engine.bench.kernels import run_bench as run_kernel_bench
 from ds4f.engine.bench.probe import FLOOR_CAVEAT, cached_floor, probe_floor
@@ -55,7 +56,7 @@ __all__ = [
     "GEOMETRIES", "CONFIG_KEYS", "Geometry", "get_geometry",
     "load_trace", "export_trace", "parse_policy", "replay", "sweep", "format_table", "plot_sweep",
     "ONLINE_POLICIES", "DEFAULT_POLICY",
-    "bench_engine", "bench_cache", "run_kernel_bench", "KERNEL_NAMES",
+    "bench_engine", "bench_prefill", "bench_cache", "run_kernel_bench", "KERNEL_NAMES",
     "BACKENDS", "probe_floor", "cached_floor", "FLOOR_CAVEAT",
     # pruning the run history
     "PrunePlan", "plan_prune", "prune_runs", "run_files",

@@ -47,9 +47,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache", "console"],
+        parser.add_argument("what", choices=["engine", "cache", "console", "prefill"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
-                                 "console (key-to-action latency and bytes per refresh during a run)")
+                                 "console (key-to-action latency and bytes per refresh during a run), "
+                                 "prefill (the prompt token by token against layer-major chunks)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
                             help="tokens to generate per run (default: bench engine 8, bench cache 24)")
@@ -57,6 +58,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--config", help="ds4f.toml to use")
         add_json_option(parser)
         add_output_option(parser)
+        parser.add_argument("--lengths", default=None,
+                            help="bench prefill: prompt lengths, comma-separated (default 16,128,512,2048)")
         parser.add_argument("--backend", default=None,
                             help="bench cache: kernel backend of the prefetch runs (default: ds4f.toml's "
                                  "engine.backend; with auto, DS4F_KERNELS if set); "
@@ -310,12 +313,55 @@ def _bench(args) -> int:
         r = bench_engine(model, args.preset, args.gen, args.config, log=_announce, progress=True)
         _show(args, [_engine_table(r), _depth_table(r)], lambda out: _print_bench_engine(r, out), r)
         return 0
+    if args.what == "prefill":
+        return _bench_prefill(args, model)
     from ds4f.api import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
                     log=_announce, progress=True)
     _show(args, _cache_tables(r), lambda out: _print_bench_cache(r, out), r)
     return 0
+
+
+def _bench_prefill(args, model) -> int:
+    from ds4f.api import bench_prefill
+
+    lengths = (16, 128, 512, 2048)
+    if args.lengths:
+        try:
+            lengths = tuple(int(v) for v in args.lengths.split(",") if v.strip())
+        except ValueError:
+            raise Ds4fError(f"--lengths: expected comma-separated prompt lengths, got {args.lengths!r}") from None
+    records = bench_prefill(model, args.preset, lengths, args.gen, args.config, log=_announce, progress=True)
+    table = _prefill_table(records)
+    _show(args, [table], lambda out: _print_prefill(records, table, out), records)
+    return 0
+
+
+def _prefill_table(records: list[dict]) -> Table:
+    t = Table("prefill", [Column("prompt_tokens", "prompt"), Column("mode", align="left"), Column("chunk"),
+                          Column("tokens_per_s", "prompt tok/s", ".2f"), Column("gb_per_token", "GB/prompt tok", ".4f"),
+                          Column("experts_read_per_layer_chunk", "experts read/layer/chunk", ".1f"),
+                          Column("decode_tokens_per_s", "decode tok/s", ".2f"),
+                          Column("prefill_over_decode", "prefill/decode", ".1f")],
+              title="the prompt token by token against layer-major chunks (cold cache each run)")
+    for r in records:
+        ratio = r["tokens_per_s"] / r["decode_tokens_per_s"] if r["tokens_per_s"] and r["decode_tokens_per_s"] else None
+        t.add(r["prompt_tokens"], r["mode"], r["chunk"], r["tokens_per_s"], r["gb_per_token"],
+              r["experts_read_per_layer_chunk"], r["decode_tokens_per_s"], ratio)
+    return t
+
+
+def _print_prefill(records: list[dict], table: Table, out) -> None:
+    print = functools.partial(builtins.print, file=out)
+    print()
+    print(table.text())
+    by = {(r["prompt_tokens"], r["mode"]): r for r in records}
+    for n in sorted({r["prompt_tokens"] for r in records}):
+        tok, lay = by.get((n, "token")), by.get((n, "layer"))
+        if tok and lay and tok["tokens_per_s"] and lay["tokens_per_s"] and lay["gb_per_token"]:
+            print(f"{n} prompt tokens: layer-major {lay['tokens_per_s'] / tok['tokens_per_s']:.1f}x the tokens/s of"
+                  f" token by token, {tok['gb_per_token'] / lay['gb_per_token']:.1f}x fewer GB per prompt token")
 
 
 def _show(args, tables: list, print_text, result) -> None:

@@ -121,3 +121,26 @@ def test_a_cancelled_prefill_leaves_nothing(tiny_model, tmp_path):
     assert run.state == "cancelled" and len(seen) == 8          # the chunk in progress ends, then the run
     assert not list(tmp_path.iterdir())
     assert all(r.prefill for r in seen) and np.all([r.index for r in seen] == np.arange(8))
+
+
+def test_bench_prefill_writes_one_record_per_length_and_mode(tiny_model, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), XDG_DATA_HOME=str(tmp_path / "data"))
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "bench", "prefill", str(tiny_model), "--lengths", "8,20",
+                          "-n", "3", "--json", str(tmp_path / "p.json"), "-o", "csv"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    records = json.loads((tmp_path / "p.json").read_text())
+    assert [(r["prompt_tokens"], r["mode"]) for r in records] == [(8, "token"), (8, "layer"), (20, "token"),
+                                                                   (20, "layer")]
+    for r in records:
+        assert {"prompt_tokens", "mode", "tokens_per_s", "gb_per_token", "decode_tokens_per_s"} <= set(r)
+        assert r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["gb_per_token"] > 0
+    by = {(r["prompt_tokens"], r["mode"]): r for r in records}
+    assert by[(20, "layer")]["chunk"] == 20 and by[(20, "token")]["chunk"] == 1
+    assert by[(20, "layer")]["gb_per_token"] < by[(20, "token")]["gb_per_token"]   # one chunk: each expert once
+    assert out.stdout.startswith("prompt_tokens,mode,chunk,")
