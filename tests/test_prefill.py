@@ -144,3 +144,13 @@ def test_bench_prefill_writes_one_record_per_length_and_mode(tiny_model, tmp_pat
     assert by[(20, "layer")]["chunk"] == 20 and by[(20, "token")]["chunk"] == 1
     assert by[(20, "layer")]["gb_per_token"] < by[(20, "token")]["gb_per_token"]   # one chunk: each expert once
     assert out.stdout.startswith("prompt_tokens,mode,chunk,")
+
+
+@pytest.mark.parametrize("geometry", ["tiny", "bench", "flash"])
+def test_the_memory_plan_counts_the_chunk_buffers_a_session_allocates(geometry):
+    from ds4f.engine.model.geometry import get_geometry
+    from ds4f.engine.model.prefill import ChunkBuffers
+
+    g = get_geometry(geometry)
+    for n in (1, 7, 64) if geometry != "flash" else (2,):
+        assert ChunkBuffers(g, n).nbytes == ChunkBuffers.nbytes_for(g, n)

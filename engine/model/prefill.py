@@ -64,7 +64,7 @@ class ChunkBuffers:
         streams = att.hc_mult if att is not None else 1
         per_token = 4 * (streams * g.hidden + 2 * g.hidden + g.top_k * g.hidden
                          + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab)
-        fixed = 4 * (3 * g.hidden + g.n_experts) + 8 * g.hidden + 3 * 8
+        fixed = 4 * (2 * g.hidden + g.n_experts) + 8 * g.hidden + 3 * 8
         return chunk * per_token + fixed + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
 
 
