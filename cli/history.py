@@ -123,8 +123,21 @@ def _show(args) -> int:
     print(f"preset         {r.config.get('preset_detail') or r.preset}")
     print(f"kernels        {', '.join(r.backends) or '—'} · {r.config.get('kernel_threads', '—')} kernel threads · "
           f"{r.config.get('io_threads', '—')} I/O threads")
-    print(f"tokens         {r.tokens_done} of {r.gen if r.gen is not None else '—'} generated · "
-          f"prompt {r.config.get('prompt')}")
+    prompt = r.config.get("prompt") or []
+    made = r.config.get("generated_tokens", max(0, r.tokens_done - max(0, len(prompt) - 1)))
+    print(f"tokens         {made} generated of {r.gen if r.gen is not None else '—'} asked · "
+          f"prompt of {len(prompt)} {prompt if len(prompt) <= 16 else str(prompt[:16])[:-1] + ', …]'}")
+    c = r.config
+    if c.get("text") is not None or c.get("messages"):
+        if c.get("messages"):
+            turns = " | ".join(f"{m.get('role')}: {m.get('content')}" for m in c["messages"])
+            print(f"chat           {turns}{' (thinking)' if c.get('thinking') else ''}")
+        else:
+            print(f"prompt text    {c['text']!r}")
+        sampling = c.get("sampling")
+        how = "greedy" if not sampling else " · ".join(f"{k} {v}" for k, v in sampling.items())
+        print(f"sampling       {how}" + (f" · stop {c['stop']}" if c.get("stop") else ""))
+        print(f"output         {c.get('output_text', '')!r} ({c.get('finish_reason') or r.state})")
     if s:
         sp = s.get("s_per_token")
         print(f"s/token        {_fmt(sp, '.3f')} warm (median) · {_fmt(_per_second(sp), '.2f')} tokens/s · "
@@ -138,6 +151,10 @@ def _show(args) -> int:
         else:  # a record written before the split
             print(f"cache          {_fmt(s.get('hit_rate'), '.1%')} hits (with prefetch) · stall "
                   f"{_fmt(s.get('stall_s_per_token'), '.3f', ' s/token')}")
+        pre = s.get("prefill")
+        if pre:
+            print(f"prefill        {pre['tokens']} prompt tokens in chunks of {pre['chunk']} · "
+                  f"{_fmt(pre.get('tokens_per_s'), '.2f')} tokens/s · {pre['gb_per_token']:.3f} GB/prompt token")
         if s.get("rss_bytes") is not None:
             print(f"memory         RSS {s['rss_bytes'] / 2**30:.2f} GiB of "
                   f"{(s.get('rss_budget_bytes') or 0) / 2**30:.2f} GiB budget")

@@ -71,3 +71,14 @@ def test_chat_keeps_the_conversation_and_resets_it(tiny_model, tmp_path):
     assert counts[1] > counts[0] and counts[2] == counts[0]   # the second turn carries the first; /reset drops it
     answers = [a for a in out.stdout.split("> ") if a]     # each answer after its prompt, "/reset" printed none
     assert len(answers) == 3 and answers[0] == answers[2]   # greedy: the same first answer again
+
+
+def test_history_shows_a_text_run_with_its_prompt_output_and_sampling(tiny_model, tmp_path):
+    out = _cli("generate", tiny_model, "-p", "Hello", "-n", "5", "--seed", "4", "--history", tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    runs = json.loads(_cli("history", "list", "-o", "json", tmp_path=tmp_path).stdout)
+    show = _cli("history", "show", runs[0]["run_id"], tmp_path=tmp_path)
+    assert show.returncode == 0, show.stderr
+    assert "prompt text    'Hello'" in show.stdout and "seed 4" in show.stdout
+    assert f"output         {out.stdout[:-1]!r}" in show.stdout      # the text generate printed
+    assert "tokens         5 generated of 5 asked" in show.stdout and "sha256" in show.stdout
