@@ -1,8 +1,9 @@
-"""`ds4f serve`: the engine over HTTP (see ds4f.server.routes for the endpoints).
+"""`ds4f serve`: the engine over HTTP, with an OpenAI-compatible API (see ds4f.server.app).
 
 Prints "ds4f serve: listening on http://HOST:PORT" on stdout once it accepts connections.
-SIGINT or SIGTERM: refuse new runs, cancel the active one, wait for it (the run API removes
-its partial files), stop serving, exit 0 (1 if the run did not stop within --stop-timeout).
+SIGINT or SIGTERM: refuse new runs, turn queued requests away, cancel the active run and wait
+for it (the run API removes its partial files), stop serving, exit 0 (1 if the run did not stop
+within --stop-timeout).
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from ds4f.api import Ds4fError
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    from ds4f.server.app import DEFAULT_HOST, DEFAULT_PORT
+    from ds4f.server.app import DEFAULT_HOST, DEFAULT_PORT, ServerOptions
 
+    defaults = ServerOptions()
     parser.allow_abbrev = False   # `--token X` must not be taken for --token-file
-    parser.add_argument("--model", metavar="PATH",
+    parser.add_argument("-m", "--model", metavar="PATH",
                         help="checkpoint (default: ds4f.toml's [model] path, else the demo model)")
-    parser.add_argument("--preset", metavar="NAME", help="default preset of runs (default: ds4f.toml's engine.preset)")
+    parser.add_argument("--preset", metavar="NAME", help="preset of runs (default: ds4f.toml's engine.preset)")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to bind (default {DEFAULT_HOST}; beyond loopback needs --token-file)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
@@ -30,11 +32,17 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="file holding the bearer token every request must send (Authorization: Bearer ...)")
     parser.add_argument("--token", metavar="TOKEN", help=argparse.SUPPRESS)
     parser.add_argument("--config", metavar="PATH", help="ds4f.toml to use")
+    parser.add_argument("--queue", type=int, default=defaults.queue_size, metavar="N",
+                        help=f"requests that may wait for the engine; more get 429 (default {defaults.queue_size})")
+    parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens, metavar="N",
+                        help=f"tokens a chat completion generates when the request does not say "
+                             f"(default {defaults.default_max_tokens})")
     parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
                         help="on SIGINT/SIGTERM, how long to wait for the active run to cancel (default 60)")
-    parser.add_argument("--quiet", action="store_true", help="no per-request log lines on stderr")
-    parser.epilog = ("endpoints: GET /status, POST /runs, GET /run?gen=N, GET /runs, GET|DELETE /runs/ID, "
-                     "GET /runs/ID/state, GET /metrics")
+    parser.add_argument("--quiet", action="store_true", help="no access log lines on stderr")
+    parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
+                     "GET /metrics, GET /status, POST /runs, GET /runs, GET|PATCH|DELETE /runs/ID, "
+                     "GET /runs/ID/state (GET / lists them)")
 
 
 def _say(message: str) -> None:
@@ -42,7 +50,7 @@ def _say(message: str) -> None:
 
 
 def run(args) -> int:
-    from ds4f.server.app import ServerOptions, is_loopback, make_server, read_token_file
+    from ds4f.server.app import Server, ServerOptions, read_token_file
 
     if args.token is not None:
         raise Ds4fError("--token: the token is read from a file, never from the command line "
@@ -51,14 +59,14 @@ def run(args) -> int:
     if args.token_file:
         token = read_token_file(args.token_file)
         try:
-            mode = os.stat(args.token_file).st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            if os.stat(args.token_file).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
                 _say(f"warning: {args.token_file} is readable by other users; chmod 600 it")
         except OSError:
             pass
     options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
-                            port=args.port, token=token, access_log=not args.quiet)
-    server = make_server(options)
+                            port=args.port, token=token, queue_size=args.queue,
+                            default_max_tokens=args.max_tokens, access_log=not args.quiet)
+    server = Server(options)
     service = server.service
 
     stop = threading.Event()
@@ -70,26 +78,20 @@ def run(args) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                              name="ds4f-serve", daemon=True)
     try:
-        thread.start()
+        server.start()
         auth = "bearer token required" if token else "no token (loopback only)"
-        if not token and not is_loopback(args.host):   # make_server refuses this; belt and braces
-            raise Ds4fError("refusing to serve beyond loopback without a token")
-        _say(f"model {service.model} ({service.checkpoint_kind}), preset {service.preset}, "
-             f"kernels {service.best_backend}, history {service.history.path}, {auth}")
+        _say(f"model {service.model} ({service.checkpoint_kind}) as {service.model_id!r}, preset {service.preset}, "
+             f"kernels {service.best_backend}, queue {options.queue_size}, history {service.history.path}, {auth}")
         print(f"ds4f serve: listening on {server.url}", flush=True)
         while not stop.wait(0.5):
-            if not thread.is_alive():
-                _say("error: the HTTP loop stopped unexpectedly")
+            if not server.serving:
+                _say("error: the HTTP server stopped unexpectedly")
                 break
         current = service.current_run
         if current is not None and not current.finished:
             _say(f"stopping: cancelling run {current.id}")
-        stopped = service.close(timeout=args.stop_timeout)
-        server.shutdown()
-        server.server_close()
+        stopped = server.stop(timeout=args.stop_timeout)
         if not stopped:
             _say(f"error: run {current.id} did not stop within {args.stop_timeout:g} s")
             return 1

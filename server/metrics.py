@@ -1,139 +1,154 @@
-"""The live figures as Prometheus text exposition (format 0.0.4), for GET /metrics.
+"""GET /metrics: Prometheus metrics, by prometheus_client, in base units (bytes, seconds).
 
-Names are ds4f_-prefixed with their unit in the name and in base units (seconds, bytes,
-ratios 0..1; GB/s stays in gigabytes because that is the figure operators compare with the
-NVMe floor). Counters end in _total. A figure the run does not have yet (None) is left out
-rather than exported as a fake 0. Per-layer cache counters are cumulative over the run and
-start again at 0 with the next run, which Prometheus treats as a counter reset.
+Counters grow across runs for the life of the server, so `rate()` works on them: tokens, bytes
+and reads, expert-cache hits, misses and evictions, prefetch guesses by outcome, runs by how they
+ended, HTTP requests by endpoint and status class. Per-token figures are counted as each token
+is computed (from the run's on_token records); evictions as the run goes (from its snapshots);
+prefetch guesses when the run ends, when every guess it issued has an outcome, so the outcomes
+always add up to the issued total. No label takes a value that changes from run to run: labels
+are a fixed handful of words (phase, outcome, state, endpoint, method, status class).
+Gauges say what the engine is doing now (busy, queue, threads, cache); process_* come from
+prometheus_client's ProcessCollector.
 """
 from __future__ import annotations
 
-import math
-from typing import Iterable
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from ds4f import __version__
 
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _format_value(value) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+READ_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+PHASES = ("prefill", "decode")
+PREFETCH_OUTCOMES = ("useful", "wasted", "cancelled", "unresolved")
+RUN_STATES = ("done", "cancelled", "failed")
+REJECTIONS = ("queue_full", "client_share", "busy", "client_requests")
+METHODS = ("GET", "HEAD", "POST", "PATCH", "DELETE")
 
 
-class Exposition:
-    """Collects metric families and renders them; families without samples are left out."""
+class Metrics:
+    """One server's registry and the counters its runs and requests feed."""
 
-    def __init__(self) -> None:
-        self._families: list[tuple[str, str, str, list[tuple[dict, object]]]] = []
-        self._index: dict[str, int] = {}
+    def __init__(self, live=None):
+        """live: a callable returning the gauges' values now (see LiveGauges)."""
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.tokens = Counter("ds4f_tokens", "Tokens the engine computed: prefill (a prompt token read) or decode "
+                              "(a token generated).", ["phase"], registry=r)
+        self.token_latency = Histogram("ds4f_token_latency_seconds", "Wall time of one token.", ["phase"],
+                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.read_bytes = Counter("ds4f_read_bytes", "Bytes read from disk: expert records and unpinned trunk "
+                                  "layers.", registry=r)
+        self.reads = Counter("ds4f_reads", "Disk reads started: expert records, prefetch guesses, trunk layers.",
+                             registry=r)
+        self.read_seconds = Counter("ds4f_read_seconds", "Reads in flight integrated over time: the sum of the "
+                                    "reads' latencies (over ds4f_reads_total: the mean read latency).", registry=r)
+        self.read_latency = Histogram("ds4f_read_latency_seconds", "Mean latency of a token's disk reads (reads in "
+                                      "flight integrated over the token, over the reads it started); one "
+                                      "observation per token that read.", buckets=READ_BUCKETS, registry=r)
+        self.hits = Counter("ds4f_expert_hits", "Expert-cache hits (hits on prefetched experts included).",
+                            registry=r)
+        self.prefetch_hits = Counter("ds4f_expert_prefetch_hits", "Of the expert-cache hits, those on an expert a "
+                                     "prefetch guess brought in.", registry=r)
+        self.misses = Counter("ds4f_expert_misses", "Expert-cache misses (each one a read).", registry=r)
+        self.evictions = Counter("ds4f_expert_evictions", "Experts evicted from the cache.", registry=r)
+        self.prefetch_issued = Counter("ds4f_prefetch_issued", "Prefetch guesses issued; counted when their run "
+                                       "ends.", registry=r)
+        self.prefetch_outcomes = Counter("ds4f_prefetch_outcomes", "Prefetch guesses by outcome (useful: hit; "
+                                         "wasted: read, not used; cancelled: dropped before its read; unresolved:"
+                                         " pending when the run ended); they add up to ds4f_prefetch_issued_total.",
+                                         ["outcome"], registry=r)
+        self.prefetch_late = Counter("ds4f_prefetch_late", "Of the useful guesses, those still being read when the "
+                                     "expert was needed.", registry=r)
+        self.runs = Counter("ds4f_runs", "Runs ended, by how: done, cancelled, failed.", ["state"], registry=r)
+        self.requests = Counter("ds4f_http_requests", "HTTP requests answered, by endpoint (the route, or "
+                                "`other`), method and status class (2xx, 4xx...).", ["endpoint", "method", "code"],
+                                registry=r)
+        self.rejections = Counter("ds4f_rejections", "Requests refused with 429: the engine queue full, the "
+                                  "client's share of it taken, a run busy, or too many requests from the client.",
+                                  ["reason"], registry=r)
+        self.queue_wait = Histogram("ds4f_queue_wait_seconds", "Time a request waited for the engine.",
+                                    buckets=WAIT_BUCKETS, registry=r)
+        for phase in PHASES:
+            self.tokens.labels(phase)
+            self.token_latency.labels(phase)
+        for values, family in ((PREFETCH_OUTCOMES, self.prefetch_outcomes), (RUN_STATES, self.runs),
+                               (REJECTIONS, self.rejections)):
+            for v in values:
+                family.labels(v)
+        if live is not None:
+            r.register(LiveGauges(live))
 
-    def add(self, name: str, kind: str, help_text: str, value, labels: dict | None = None) -> None:
-        if value is None:
+    # -- feeding --------------------------------------------------------------------------------
+    def token(self, record, phase: str) -> None:
+        """One computed token (a TokenRecord)."""
+        self.tokens.labels(phase).inc()
+        self.token_latency.labels(phase).observe(record.seconds)
+        self.read_bytes.inc(max(0, record.bytes_read))
+        self.reads.inc(max(0, record.reads))
+        self.read_seconds.inc(max(0.0, record.disk_depth_s))
+        if record.reads > 0:
+            self.read_latency.observe(max(0.0, record.disk_depth_s) / record.reads)
+        self.hits.inc(max(0, record.hits))
+        self.prefetch_hits.inc(max(0, record.prefetch_hits))
+        self.misses.inc(max(0, record.misses))
+
+    def run_ended(self, state: str, prefetch: dict) -> None:
+        """A run's end: its state and its prefetch counts (Snapshot.prefetch; empty: prefetch off)."""
+        if state in RUN_STATES:
+            self.runs.labels(state).inc()
+        if not prefetch:
             return
-        if name not in self._index:
-            self._index[name] = len(self._families)
-            self._families.append((name, kind, help_text, []))
-        self._families[self._index[name]][3].append((labels or {}, value))
+        issued = int(prefetch.get("issued", 0))
+        useful, wasted, cancelled = (int(prefetch.get(k, 0)) for k in ("useful", "wasted", "cancelled"))
+        self.prefetch_issued.inc(max(0, issued))
+        for outcome, n in (("useful", useful), ("wasted", wasted), ("cancelled", cancelled),
+                           ("unresolved", issued - useful - wasted - cancelled)):
+            self.prefetch_outcomes.labels(outcome).inc(max(0, n))
+        self.prefetch_late.inc(max(0, int(prefetch.get("late", 0))))
 
-    def add_many(self, name: str, kind: str, help_text: str, samples: Iterable[tuple[dict, object]]) -> None:
-        for labels, value in samples:
-            self.add(name, kind, help_text, value, labels)
+    def request(self, endpoint: str, method: str, status: int) -> None:
+        code = f"{status // 100}xx" if status else "none"   # none: the client left before an answer
+        self.requests.labels(endpoint, method if method in METHODS else "other", code).inc()
 
-    def render(self) -> str:
-        lines: list[str] = []
-        for name, kind, help_text, samples in self._families:
-            lines.append(f"# HELP {name} {_escape_help(help_text)}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                if labels:
-                    body = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
-                    lines.append(f"{name}{{{body}}} {_format_value(value)}")
-                else:
-                    lines.append(f"{name} {_format_value(value)}")
-        return "\n".join(lines) + "\n"
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition the scraper asked for (text format, or OpenMetrics) and its content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
 
 
-def render_metrics(snapshot, server: dict) -> str:
-    """The exposition for one Snapshot (or None before the first run) plus server counters.
+class LiveGauges:
+    """Gauges read when scraped: what the engine does now. `read()` returns a dict with busy,
+    queue_waiting, queue_capacity and, with a run, that run's snapshot (or None)."""
 
-    `server` holds: busy (bool), runs_started, busy_rejections, requests (dict code -> count),
-    gen (the tokens the current or last run generates, as requested; None without a run).
-    """
-    ex = Exposition()
-    ex.add("ds4f_up", "gauge", "1 while the ds4f server answers.", 1)
-    ex.add("ds4f_busy", "gauge", "1 while a run is starting or running (new runs get 429).", bool(server["busy"]))
-    ex.add("ds4f_runs_started_total", "counter", "Runs this server started.", server["runs_started"])
-    ex.add("ds4f_busy_rejections_total", "counter", "Run requests refused with 429 because a run was busy.",
-           server["busy_rejections"])
-    ex.add_many("ds4f_http_responses_total", "counter", "HTTP responses sent, by status code.",
-                (({"code": str(code)}, n) for code, n in sorted(server["requests"].items())))
-    s = snapshot
-    if s is None:
-        return ex.render()
-    ex.add("ds4f_run_info", "gauge", "The current or last run: its id, state, preset, backend and model.", 1,
-           {"run_id": s.run_id, "state": s.state, "preset": s.preset, "backend": s.backend, "model": s.model,
-            "io_mode": s.io_mode, "policy": s.policy})
-    ex.add("ds4f_run_active", "gauge", "1 while the current run is starting or running.",
-           s.state in ("starting", "running"))
-    ex.add("ds4f_tokens_done", "gauge", "Decode steps done so far by the current or last run (of ds4f_run_steps).",
-           s.tokens_done)
-    ex.add("ds4f_run_gen_tokens", "gauge", "Tokens the current or last run generates, as requested (its gen).",
-           server.get("gen"))
-    ex.add("ds4f_run_steps", "gauge", "Decode steps of the current or last run: the prompt's tokens after the "
-           "first plus the tokens it generates.", s.gen)
-    ex.add("ds4f_seconds_per_token", "gauge", "Median wall time per warm token (all but the first), seconds.",
-           s.s_per_token)
-    ex.add("ds4f_first_token_seconds", "gauge", "Wall time of the cold first token, seconds.", s.s_first_token)
-    ex.add("ds4f_read_gigabytes_per_token", "gauge", "Mean disk gigabytes (1e9 B) read per warm token.",
-           s.gb_per_token)
-    ex.add("ds4f_read_gigabytes_per_second", "gauge", "Effective read rate: GB/token over s/token.", s.eff_read_gbps)
-    ex.add("ds4f_floor_gigabytes_per_second", "gauge", "NVMe floor measured by the engine's direct-read probe.",
-           s.floor_gbps)
-    ex.add("ds4f_io_efficiency_ratio", "gauge", "Effective read rate over the NVMe floor (1 = read-bound at the disk's limit).",
-           s.io_efficiency)
-    ex.add("ds4f_cache_hit_ratio", "gauge", "Expert-cache hits over routed expert requests, cumulative over the run"
-           " (hits on prefetched experts included).", s.hit_rate)
-    ex.add("ds4f_cache_policy_hit_ratio", "gauge", "The cache policy's own hits (without prefetch's help) over routed"
-           " expert requests: the rate comparable with Belady's.", s.policy_hit_rate)
-    ex.add("ds4f_cache_belady_hit_ratio", "gauge", "Belady's optimal hit rate on the run's own requests with the same"
-           " cache.", s.optimum_hit_rate)
-    ex.add_many("ds4f_cache_layer_prefetch_hits_total", "counter", "Expert-cache hits on prefetched experts per layer"
-                " in the current run.", (({"layer": str(i)}, v) for i, v in enumerate(s.layer_prefetch_hits)))
-    ex.add_many("ds4f_cache_layer_hits_total", "counter", "Expert-cache hits per layer in the current run.",
-                (({"layer": str(i)}, v) for i, v in enumerate(s.layer_hits)))
-    ex.add_many("ds4f_cache_layer_misses_total", "counter", "Expert-cache misses per layer in the current run.",
-                (({"layer": str(i)}, v) for i, v in enumerate(s.layer_misses)))
-    ex.add_many("ds4f_cache_layer_evictions_total", "counter", "Expert-cache evictions per layer in the current run.",
-                (({"layer": str(i)}, v) for i, v in enumerate(s.layer_evictions)))
-    ex.add("ds4f_cache_bytes", "gauge", "Bytes of expert-cache slots in use.", s.cache_bytes)
-    ex.add("ds4f_cache_budget_bytes", "gauge", "Expert-cache capacity from the preset's budget.", s.budget_bytes)
-    ex.add("ds4f_rss_bytes", "gauge", "Resident set size of the engine process.", s.rss_bytes)
-    ex.add("ds4f_rss_budget_bytes", "gauge", "Memory the preset expects: pinned trunk, cache and buffers.",
-           s.rss_budget_bytes)
-    ex.add("ds4f_read_latency_seconds", "gauge", "Mean latency of one expert read, seconds.",
-           s.read_latency_ms / 1e3 if s.read_latency_ms is not None else None)
-    ex.add("ds4f_stall_seconds_per_token", "gauge", "Mean time per token the compute waited for expert reads.",
-           s.stall_s_per_token)
-    ex.add_many("ds4f_prefetch_experts_total", "counter", "Router-lookahead expert prefetches, by outcome.",
-                (({"outcome": str(k)}, v) for k, v in sorted((s.prefetch or {}).items())
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)))
-    ex.add("ds4f_kernel_threads", "gauge", "Native kernel threads of the current run.", s.kernel_threads)
-    ex.add("ds4f_io_threads", "gauge", "Expert-read threads of the current run.", s.io_threads)
-    ex.add("ds4f_elapsed_seconds", "gauge", "Wall time of the current or last run so far.", s.elapsed_s)
-    ex.add("ds4f_eta_seconds", "gauge", "Estimated time until the current run finishes.", s.eta_s)
-    return ex.render()
+    def __init__(self, read):
+        self.read = read
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        d = self.read()
+        yield _info()
+        yield GaugeMetricFamily("ds4f_engine_busy", "1 while a run holds the engine.", value=int(d["busy"]))
+        yield GaugeMetricFamily("ds4f_queue_waiting", "Requests waiting for the engine.", value=d["queue_waiting"])
+        yield GaugeMetricFamily("ds4f_queue_capacity", "Requests the engine queue holds.", value=d["queue_capacity"])
+        s = d.get("snapshot")
+        if s is None:
+            return
+        yield GaugeMetricFamily("ds4f_kernel_threads", "Native kernel threads of the current or last run.",
+                                value=s.kernel_threads)
+        yield GaugeMetricFamily("ds4f_io_threads", "Disk-read threads of the current or last run.", value=s.io_threads)
+        yield GaugeMetricFamily("ds4f_cache_bytes", "Bytes of expert-cache slots in use.", value=s.cache_bytes)
+        yield GaugeMetricFamily("ds4f_cache_capacity_bytes", "Expert-cache capacity from the preset's budget.",
+                                value=s.budget_bytes)
+        yield GaugeMetricFamily("ds4f_plan_bytes", "Memory the preset plans for the engine and the run.",
+                                value=s.plan_bytes)
+
+
+def _info() -> GaugeMetricFamily:
+    g = GaugeMetricFamily("ds4f_build_info", "This server's version (always 1).", labels=["version"])
+    g.add_metric([__version__], 1)
+    return g

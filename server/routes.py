@@ -1,53 +1,55 @@
-"""The URL table of `ds4f serve` and the parsing of run parameters.
+"""The operator's endpoints of `ds4f serve` (the OpenAI-compatible ones are in ds4f.server.v1).
 
-    GET    /status            engine state, model geometry, preset, backend, live figures, last report
-    POST   /runs              start a run (JSON body); 202 + id, 429 + Retry-After while busy
-    GET    /run?gen=N         the same with query parameters, a compatibility alias of POST /runs
+    GET    /                  what this server is, and its endpoints
+    GET    /health            {"status": "ok"} while it takes requests (503 while shutting down)
+    GET    /status            engine state, queue, model, preset, backends, live figures, last report
+    GET    /metrics           Prometheus metrics (see ds4f.server.metrics)
+    POST   /runs              start a run (JSON body); 202 + id, 429 + Retry-After while the engine is taken
+    GET    /run?gen=N         the same with query parameters: a compatibility alias of POST /runs
     GET    /runs              recent runs (this server's and the history's)
     GET    /runs/{id}         state, live figures, and when done the summary report with its state sha256
+    PATCH  /runs/{id}         switch the kernel backend and threads of a live run (at its next token)
     DELETE /runs/{id}         cancel
     GET    /runs/{id}/report  the whole report of a done run, per-token records included
-    GET    /runs/{id}/state   the state dump (state.bin), checked to be that run's before it is sent
-    GET    /metrics           live figures in the Prometheus text format
+    GET    /runs/{id}/state   the state dump (state.bin), checked to be that run's before and while it is sent
 
-`gen` is the number of tokens a run generates and `steps` its decode steps (the prompt's
-tokens after the first plus gen), in every answer. Requests that start or cancel a run (every
-method but GET, and GET /run) are refused with 403 when an Origin or Referer header names
-another site (see ds4f.server.transport).
-
-Parameters are parsed here: a query string holds text and a JSON body typed values, and each
-must be of the right type (a whole number, a list of token ids...). Whether a value is in
-range is the run API's to say (ds4f.api.start_run); its Ds4fError names the parameter, and a
-400 names it as the request did. Checked here are the limits the run API states but leaves to
-front ends (ds4f.api.MAX_GEN, MAX_PROMPT) and the preset's name, which the run API would report
-as a problem of ds4f.toml rather than of the request.
+HEAD is answered wherever GET is (never for /run: it would start a run). Parameters are parsed
+here: a query string holds text and a JSON body typed values, and each must be of the right
+type. Whether a value is in range is the run API's to say (ds4f.api.start_run, Run.switch);
+its Ds4fError names the parameter, and a 400 names it as the request did.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import sys
 from urllib.parse import parse_qs
 
-from ds4f.api import BACKEND_NAMES, MAX_GEN, MAX_PROMPT, Ds4fError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .service import RunParams
-from .transport import FileResponse, HttpError, Request, Response, bad, changes_state, json_response
+from ds4f import __version__
+from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig
+
+from .errors import HttpError, bad, json_response
+from .queue import Ticket
 
 RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt")
+SWITCH_PARAMS = ("backend", "threads", "kernel_threads", "io_threads")
 MAX_LIST_LIMIT = 200
 DEFAULT_LIST_LIMIT = 20
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _INT_RE = re.compile(r"^[0-9]{1,9}$")
 
 # The status of a run the run API refused, by the Ds4fError's kind.
-STATUS_BY_KIND = {
-    "invalid": 400,     # a parameter is wrong; the answer names it when the request gave it
-    "busy": 429,        # another run is active; Retry-After says when to try again
-    "not_found": 404,
-    "data": 400,        # the run could not start from the server's files (ds4f.toml, the checkpoint)
-    "internal": 500,
-}
+STATUS_BY_KIND = {"invalid": 400, "busy": 429, "not_found": 404, "data": 400, "internal": 500}
+
+
+class AbortBody(Exception):
+    """Stop sending a body short of its Content-Length: the client must not take it as whole."""
 
 
 # -- parameters ----------------------------------------------------------------------------------
@@ -62,12 +64,29 @@ def whole_number(name: str, value, from_query: bool) -> int:
     return value
 
 
-def parse_run_params(raw: dict, presets, from_query: bool) -> RunParams:
-    """The run parameters of a request, typed; HttpError(400) naming the first malformed one."""
+def _threads(raw: dict, from_query: bool) -> dict:
+    """kernel_threads / io_threads / backend of a request (`threads` is kernel_threads)."""
+    out: dict = {}
+    if "threads" in raw and "kernel_threads" in raw:
+        raise bad("threads", "give threads or kernel_threads, not both")
+    for key, field_name in (("threads", "kernel_threads"), ("kernel_threads", "kernel_threads"),
+                            ("io_threads", "io_threads")):
+        if key in raw:
+            out[field_name] = whole_number(key, raw[key], from_query)
+    if "backend" in raw:
+        backend = raw["backend"]
+        if not isinstance(backend, str):
+            raise bad("backend", f"unknown backend {json.dumps(backend)} (known: {', '.join(BACKEND_NAMES)})")
+        out["backend"] = backend
+    return out
+
+
+def parse_run_params(raw: dict, presets, from_query: bool) -> dict:
+    """The run parameters of a request as RunConfig fields; 400 naming the first malformed one."""
     unknown = [k for k in raw if k not in RUN_PARAMS]
     if unknown:
-        raise bad(unknown[0], f"unknown parameter (known: {', '.join(RUN_PARAMS)})")
-    out: dict = {}
+        raise bad(unknown[0], f"unknown parameter (known: {', '.join(RUN_PARAMS)})", code="unknown_parameter")
+    out: dict = {"gen": DEFAULT_GEN}
     if "gen" in raw:
         gen = whole_number("gen", raw["gen"], from_query)
         if gen > MAX_GEN:
@@ -80,17 +99,7 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> RunParams:
         if preset not in presets:
             raise bad("preset", f"no preset named {preset!r} (have: {', '.join(presets)})")
         out["preset"] = preset
-    if "threads" in raw and "kernel_threads" in raw:
-        raise bad("threads", "give threads or kernel_threads, not both")
-    for key, field_name in (("threads", "kernel_threads"), ("kernel_threads", "kernel_threads"),
-                            ("io_threads", "io_threads")):
-        if key in raw:
-            out[field_name] = whole_number(key, raw[key], from_query)
-    if "backend" in raw:
-        backend = raw["backend"]
-        if not isinstance(backend, str):
-            raise bad("backend", f"unknown backend {json.dumps(backend)!r} (known: {', '.join(BACKEND_NAMES)})")
-        out["backend"] = backend
+    out.update(_threads(raw, from_query))
     if "prompt" in raw:
         prompt = raw["prompt"]
         if from_query:
@@ -105,27 +114,33 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> RunParams:
         if len(prompt) > MAX_PROMPT:
             raise bad("prompt", f"at most {MAX_PROMPT} token ids, got {len(prompt)}")
         out["prompt"] = tuple(prompt)
-    return RunParams(**out)
+    return out
 
 
-def refused(exc: Ds4fError, raw: dict) -> HttpError:
-    """The answer to a run the run API refused. A parameter of the request is named as the
-    request spelled it (`threads` is kernel_threads); `model` is the server's own checkpoint,
-    so a problem with it is the server's (500)."""
+def refused(exc: Ds4fError, raw: dict, names: dict | None = None) -> HttpError:
+    """The answer to something the run API refused. A parameter is named as the request spelled
+    it (`names` maps the run API's names to the request's: gen -> max_tokens; `threads` is
+    kernel_threads); `model` is the server's own checkpoint, so a problem with it is the server's."""
     if exc.param == "model":
-        return HttpError(500, exc.message, param="model")
-    name = "threads" if exc.param == "kernel_threads" and "threads" in raw else exc.param
-    if exc.kind == "invalid" and name in RUN_PARAMS:
+        return HttpError(500, exc.message, param="model", code="model_error")
+    name = exc.param
+    if names and name in names:
+        name = names[name]
+    elif name == "kernel_threads" and "threads" in raw:
+        name = "threads"
+    if exc.kind == "invalid" and name:
         message = exc.message
         if name != exc.param and message.startswith(f"{exc.param}:"):
             message = name + message[len(exc.param):]
-        return HttpError(400, message, param=name)
+        elif not message.startswith(f"{name}:"):
+            message = f"{name}: {message}"
+        return HttpError(400, message, param=name, code="invalid_value")
     if exc.kind == "busy":
-        return HttpError(429, f"busy: {exc.message}", headers={"Retry-After": "1"})
-    return HttpError(STATUS_BY_KIND[exc.kind], exc.message)
+        return HttpError(429, f"busy: {exc.message}", code="busy", headers={"Retry-After": "1"})
+    return HttpError(STATUS_BY_KIND.get(exc.kind, 500), exc.message, code=exc.kind)
 
 
-def parse_json_body(body: bytes) -> dict:
+def parse_json_object(body: bytes, what: str = "run parameters") -> dict:
     if not body.strip():
         return {}
     try:
@@ -135,8 +150,20 @@ def parse_json_body(body: bytes) -> dict:
     except ValueError as exc:
         raise bad("body", f"malformed JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise bad("body", f"expected a JSON object of run parameters, got {type(value).__name__}")
+        raise bad("body", f"expected a JSON object of {what}, got {type(value).__name__}")
     return value
+
+
+async def json_body(request: Request, what: str = "run parameters") -> dict:
+    """The request's JSON object; 415 for a body that is not application/json (a browser can send
+    a form or text/plain to another site without asking, but not JSON)."""
+    body = await request.body()
+    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if body.strip() and ctype != "application/json":
+        raise HttpError(415, f"Content-Type: send the body as application/json, got {ctype or 'none'!r} "
+                             f"(curl: -H 'Content-Type: application/json')", param="Content-Type",
+                        code="unsupported_media_type")
+    return parse_json_object(body, what)
 
 
 def parse_query(query: str) -> dict:
@@ -153,102 +180,174 @@ def parse_query(query: str) -> dict:
     return out
 
 
-def _check_id(run_id: str) -> None:
+def _query(request: Request) -> str:
+    return request.scope.get("query_string", b"").decode("latin-1")
+
+
+def _run_id(request: Request) -> str:
+    run_id = request.path_params["id"]
     if not _RUN_ID_RE.match(run_id):
-        raise HttpError(404, f"no run {run_id!r}")
+        raise HttpError(404, f"no run {run_id!r}", code="not_found")
+    return run_id
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "-"
 
 
 # -- endpoints ----------------------------------------------------------------------------------
-def status(req: Request) -> Response:
-    req.no_body()
-    return json_response(200, req.service.status())
+ENDPOINTS = [
+    ("GET", "/", "what this server is"), ("GET", "/health", "liveness"), ("GET", "/status", "engine, queue, model"),
+    ("GET", "/metrics", "Prometheus metrics"), ("GET", "/v1/models", "OpenAI: the model served"),
+    ("POST", "/v1/chat/completions", "OpenAI: chat, stream or not"),
+    ("POST", "/v1/completions", "OpenAI: text completion, stream or not"),
+    ("POST", "/runs", "start a run (token ids)"), ("GET", "/run?gen=N", "compatibility alias of POST /runs"),
+    ("GET", "/runs", "recent runs"), ("GET", "/runs/{id}", "a run"), ("PATCH", "/runs/{id}", "switch backend, threads"),
+    ("DELETE", "/runs/{id}", "cancel"), ("GET", "/runs/{id}/report", "the whole report"),
+    ("GET", "/runs/{id}/state", "the state dump"),
+]
 
 
-def metrics(req: Request) -> Response:
-    req.no_body()
-    return Response(200, req.service.metrics().encode(), METRICS_CONTENT_TYPE)
+async def about(request: Request) -> Response:
+    svc = request.app.state.service
+    return json_response(200, {
+        "name": "ds4f", "version": __version__,
+        "what": "ds4f serve: the ds4f disk-streaming inference engine over HTTP, with an OpenAI-compatible API",
+        "model": svc.model_id, "endpoints": [{"method": m, "path": p, "what": w} for m, p, w in ENDPOINTS]})
 
 
-def list_runs(req: Request) -> Response:
-    req.no_body()
-    params = parse_query(req.query)
+async def health(request: Request) -> Response:
+    svc = request.app.state.service
+    if svc.closing:
+        return json_response(503, {"status": "shutting down"}, {"Retry-After": "5"})
+    return json_response(200, {"status": "ok", "busy": svc.busy, "queue_waiting": len(svc.queue.waiting)})
+
+
+async def status(request: Request) -> Response:
+    return json_response(200, request.app.state.service.status())
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.service.metrics.render(request.headers.get("accept"))
+    return Response(body, 200, media_type=content_type)
+
+
+async def list_runs(request: Request) -> Response:
+    params = parse_query(_query(request))
     unknown = [k for k in params if k != "limit"]
     if unknown:
-        raise bad(unknown[0], "unknown parameter (known: limit)")
+        raise bad(unknown[0], "unknown parameter (known: limit)", code="unknown_parameter")
     limit = DEFAULT_LIST_LIMIT
     if "limit" in params:
         limit = whole_number("limit", params["limit"], from_query=True)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise bad("limit", f"must be between 1 and {MAX_LIST_LIMIT}, got {limit}")
-    runs, history_error = req.service.list_runs(limit)
+    runs, history_error = await run_in_threadpool(request.app.state.service.list_runs, limit)
     return json_response(200, {"runs": runs, "history_error": history_error})
 
 
-def _start(req: Request, raw: dict, from_query: bool) -> Response:
-    svc = req.service
-    params = parse_run_params(raw, svc.cfg.presets, from_query)
+async def _start(request: Request, raw: dict, from_query: bool) -> Response:
+    svc = request.app.state.service
+    fields = parse_run_params(raw, svc.cfg.presets, from_query)
+    fields.setdefault("preset", svc.preset)
+    fields.setdefault("backend", svc.cfg.backend)
+    config = RunConfig(model=svc.model, config_path=svc.options.config_path, **fields)
+    ticket = Ticket("run", _client(request))
+    svc.take_now(ticket)
     try:
-        run = svc.start(params)
+        run, _feed = await svc.start(config, ticket)
     except Ds4fError as exc:
         raise refused(exc, raw) from None
     snap = run.snapshot()
-    return json_response(202, {"id": run.id, "state": snap.state, "gen": run.config.gen, "steps": snap.gen,
+    return json_response(202, {"id": run.id, "state": snap.state, "gen": run.config.gen, "steps": snap.steps,
                                "preset": snap.preset,
                                "links": {"self": f"/runs/{run.id}", "state": f"/runs/{run.id}/state"}},
                          headers={"Location": f"/runs/{run.id}"})
 
 
-def start_json(req: Request) -> Response:
-    if req.query:
+async def start_json(request: Request) -> Response:
+    if _query(request):
         raise bad("query", "POST /runs takes its parameters in a JSON body, not the query string")
-    body = req.body()
-    ctype = (req.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-    if body.strip() and ctype != "application/json":
-        raise HttpError(415, f"Content-Type: send the parameters as application/json, got {ctype or 'none'!r} "
-                             f"(curl: -H 'Content-Type: application/json')", param="Content-Type")
-    return _start(req, parse_json_body(body), from_query=False)
+    return await _start(request, await json_body(request), from_query=False)
 
 
-@changes_state
-def start_query(req: Request) -> Response:
-    req.no_body()
-    return _start(req, parse_query(req.query), from_query=True)
+async def start_query(request: Request) -> Response:
+    if request.method == "HEAD":   # HEAD must not act
+        raise HttpError(405, "HEAD is not allowed on /run (it would start a run; use GET or POST /runs)",
+                        code="method_not_allowed", headers={"Allow": "GET"})
+    return await _start(request, parse_query(_query(request)), from_query=True)
 
 
-def get_run(req: Request, id: str) -> Response:
-    req.no_body()
-    _check_id(id)
-    return json_response(200, req.service.get(id))
+async def get_run(request: Request) -> Response:
+    run_id = _run_id(request)
+    return json_response(200, await run_in_threadpool(request.app.state.service.get, run_id))
 
 
-def cancel_run(req: Request, id: str) -> Response:
-    req.no_body()
-    _check_id(id)
-    code, view = req.service.cancel(id)
+async def cancel_run(request: Request) -> Response:
+    run_id = _run_id(request)
+    code, view = await run_in_threadpool(request.app.state.service.cancel, run_id)
     return json_response(code, view)
 
 
-def get_report(req: Request, id: str) -> Response:
-    req.no_body()
-    _check_id(id)
-    return json_response(200, req.service.full_report(id))
+async def switch_run(request: Request) -> Response:
+    """Switch a live run's kernel backend and threads; they apply at its next token."""
+    run_id = _run_id(request)
+    raw = await json_body(request, "settings to switch")
+    unknown = [k for k in raw if k not in SWITCH_PARAMS]
+    if unknown:
+        raise bad(unknown[0], f"unknown parameter (known: {', '.join(SWITCH_PARAMS)})", code="unknown_parameter")
+    if not raw:
+        raise bad("body", f"nothing to switch: give one of {', '.join(SWITCH_PARAMS)}")
+    settings = _threads(raw, from_query=False)
+    svc = request.app.state.service
+    run = await run_in_threadpool(svc.live_run, run_id)
+    try:
+        run.switch(**settings)
+    except Ds4fError as exc:
+        raise refused(exc, raw) from None
+    snap = run.snapshot()
+    return json_response(202, {"id": run.id, "state": snap.state, "switch": settings, "applies": "at the next token",
+                               "now": {"backend": snap.backend, "kernel_threads": snap.kernel_threads,
+                                       "io_threads": snap.io_threads}})
 
 
-def download_state(req: Request, id: str) -> FileResponse:
-    req.no_body()
-    _check_id(id)
-    f, sha = req.service.open_state(id)
-    headers = {"Content-Disposition": f'attachment; filename="{id}-state.bin"', "ETag": f'"{sha}"',
-               "X-Ds4f-State-Sha256": sha}
-    return FileResponse(f, "application/octet-stream", headers, sha256=sha)
+async def get_report(request: Request) -> Response:
+    run_id = _run_id(request)
+    return json_response(200, await run_in_threadpool(request.app.state.service.full_report, run_id))
 
 
-ROUTES = (
-    (re.compile(r"^/status$"), {"GET": status}),
-    (re.compile(r"^/metrics$"), {"GET": metrics}),
-    (re.compile(r"^/runs$"), {"GET": list_runs, "POST": start_json}),
-    (re.compile(r"^/run$"), {"GET": start_query}),
-    (re.compile(r"^/runs/(?P<id>[^/]+)$"), {"GET": get_run, "DELETE": cancel_run}),
-    (re.compile(r"^/runs/(?P<id>[^/]+)/report$"), {"GET": get_report}),
-    (re.compile(r"^/runs/(?P<id>[^/]+)/state$"), {"GET": download_state}),
-)
+async def download_state(request: Request) -> Response:
+    run_id = _run_id(request)
+    f, sha = await run_in_threadpool(request.app.state.service.open_state, run_id)
+    size = os.fstat(f.fileno()).st_size
+    headers = {"Content-Disposition": f'attachment; filename="{run_id}-state.bin"', "ETag": f'"{sha}"',
+               "X-Ds4f-State-Sha256": sha, "Content-Length": str(size)}
+    if request.method == "HEAD":
+        f.close()
+        return Response(b"", 200, headers=headers, media_type="application/octet-stream")
+    return StreamingResponse(_checked_chunks(f, size, sha, request.url.path), 200, headers=headers,
+                             media_type="application/octet-stream")
+
+
+async def _checked_chunks(f, size: int, sha: str, path: str):
+    """The file's bytes, the last chunk held back until everything read hashes to `sha`: if it does
+    not (the file changed while sent), the body stops short of Content-Length, so the client never
+    gets a whole body that is not the one named."""
+    try:
+        digest, held, remaining = hashlib.sha256(), b"", size
+        while remaining > 0:
+            chunk = await run_in_threadpool(f.read, min(1 << 20, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            digest.update(chunk)
+            if held:
+                yield held
+            held = chunk
+        if remaining or digest.hexdigest() != sha:
+            sys.stderr.write(f"ds4f serve: {path}: the file changed while it was sent; the connection was closed "
+                             f"before the end of the body\n")
+            raise AbortBody(path)
+        yield held
+    finally:
+        f.close()

@@ -1,49 +1,46 @@
-"""What the server's routes act on: the model, one loaded engine, the current run, the history.
+"""What the endpoints act on: the model, one loaded engine, its queue, the runs, the history.
 
-The Service starts runs through ds4f.api.start_run with one EngineHost, so a run after the
-first reuses the loaded engine (pinned trunk, routers, cache slots, I/O threads). One run at a
-time: the run API refuses a second one while one is active, and the Service answers that with
-429 and the active run's ETA. Finished runs older than the current one are served from the
-history database, which the console and `ds4f run` share.
+Runs start through ds4f.api.start_run with one EngineHost, so a run after the first reuses the
+loaded engine (pinned trunk, routers, cache slots, I/O threads). One run at a time: a request
+takes a Ticket in the EngineQueue and starts its run once the ticket holds the engine; a
+watcher gives the engine to the next ticket when the run has ended, and counts the run's end
+for /metrics. Finished runs older than the current one are served from the history database,
+which the console and `ds4f run` share.
 
-In every answer `gen` is the number of tokens a run generates (as requested) and `steps` its
-decode steps: the prompt's tokens after the first plus `gen` (the engine's Snapshot.gen and
-tokens_done count steps). Polling answers use a run's summary report, kept in memory; only
-GET /runs/{id}/report reads the whole report, per-token records included, from its file.
+In every answer `gen` is the number of tokens a run generates at most (as requested) and
+`steps` its decode steps: the prompt's tokens after the first plus `gen`. Polling answers use a
+run's summary report, kept in memory; only GET /runs/{id}/report reads the whole report, per-
+token records included, from its file.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import inspect
 import json
 import math
 import os
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from starlette.concurrency import run_in_threadpool
+
 from ds4f import __version__
-from ds4f.api import (DEFAULT_GEN, LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, Ds4fError, EngineHost, History,
-                      RunConfig, active_run, available_backends, best_backend, checkpoint_summary,
-                      ensure_demo_model, load_config)
+from ds4f.api import (LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
+                      History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
+                      load_config)
 from ds4f.api import start_run as api_start_run
 
-from .metrics import render_metrics
-from .transport import HttpError, ServerOptions
+from .errors import HttpError
+from .feed import RunFeed
+from .metrics import Metrics
+from .options import ServerOptions
+from .queue import EngineQueue, QueueFull, Ticket
 
-
-@dataclass(frozen=True)
-class RunParams:
-    """A run as a request asked for it; None: the server's default (its preset, ds4f.toml's)."""
-    gen: int = DEFAULT_GEN
-    preset: str | None = None
-    kernel_threads: int | None = None
-    io_threads: int | None = None
-    backend: str | None = None
-    prompt: tuple[int, ...] | None = None
+WATCH_S = 0.02        # how often a watcher looks whether its run has ended
+EVICTIONS_EVERY_S = 1.0   # and how often it reads the run's snapshot for the evictions
 
 
 def resolve_model(explicit: str | None, cfg) -> str:
@@ -56,10 +53,9 @@ def resolve_model(explicit: str | None, cfg) -> str:
 
 
 def snapshot_view(snap, gen: int) -> dict:
-    """The live figures without the per-token list (its last few records are kept); `gen` is
-    the tokens the run generates and `steps` its decode steps (the Snapshot's gen)."""
+    """The live figures without the per-token list (its last few records are kept); `gen` is the
+    tokens the run generates at most and `steps` its decode steps."""
     d = asdict(snap)
-    d["steps"] = d.pop("gen")
     d["gen"] = gen
     tokens = d.pop("tokens")
     d["recent_tokens"] = tokens[-8:]
@@ -105,20 +101,11 @@ class RecordingHistory:
         return getattr(self.history, name)
 
 
-def _accepts_engines(fn) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "engines" or p.kind is p.VAR_KEYWORD for p in params)
-
-
 class Service:
-    """The model, the engine host, the current and recent runs, the history and the counters.
+    """The model, the engine host and its queue, the current and recent runs, the history, the
+    metrics.
 
-    start_run: ds4f.api.start_run, or a stand-in with its contract (tests): it validates the
-    config (Ds4fError with `param`) and refuses while a run is active (Ds4fError, kind "busy").
-    It is given `engines=` when its signature takes it.
+    start_run: ds4f.api.start_run, or a stand-in with its signature (tests).
     """
 
     def __init__(self, options: ServerOptions, start_run=None):
@@ -130,30 +117,27 @@ class Service:
         self.geometry = summary["geometry"]
         self.checkpoint_kind = summary["kind"]
         self.io_mode = summary["io_mode"]
+        self.model_id = Path(self.model).resolve().name or "ds4f"   # the name OpenAI clients ask for
+        self.generation_defaults = GenerationDefaults.load(self.model)   # sampling a request leaves out
         self.history = History(self.cfg.history_path)
         self.run_history = RecordingHistory(self.history)   # what runs record themselves in
         self.backends = list(available_backends())
         self.best_backend = best_backend()
         self.engines = EngineHost()            # one loaded engine, kept between runs; closed by close()
         self._start_run = start_run or api_start_run
-        self._run_kwargs = {"engines": self.engines} if _accepts_engines(self._start_run) else {}
-        self._lock = threading.Lock()          # guards starting a run and _current
-        self._counts_lock = threading.Lock()   # response counters: never waits behind a run's start
+        self.queue = EngineQueue(options.queue_size, options.queue_share)
+        self.metrics = Metrics(self._live_gauges)
+        self.loop: asyncio.AbstractEventLoop | None = None   # the server's, from its startup
+        self._lock = threading.Lock()          # guards starting a run, _current and _closing
         self._hashes_lock = threading.Lock()
         self._dump_hashes: dict[tuple, str] = {}   # state dumps hashed: (dev, inode, size, mtime, ctime) -> sha256
+        self._watchers: set[asyncio.Task] = set()
         # Only the current (or last) Run stays in memory; older runs are served from the history.
         self._current = None
         self._closing = False
         self.started_at = time.time()
         self.runs_started = 0
-        self.busy_rejections = 0
-        self._responses: Counter = Counter()
         self._last_report = self._last_report_from_history()
-
-    # -- counters ---------------------------------------------------------------------------------
-    def count_response(self, code: int) -> None:
-        with self._counts_lock:
-            self._responses[int(code)] += 1
 
     def _last_report_from_history(self) -> dict | None:
         try:
@@ -165,7 +149,7 @@ class Service:
             pass
         return None
 
-    # -- runs --------------------------------------------------------------------------------------
+    # -- the engine and its queue -----------------------------------------------------------------
     @property
     def current_run(self):
         """The run started last (live or finished), or None."""
@@ -173,44 +157,131 @@ class Service:
 
     @property
     def busy(self) -> bool:
-        run = self._current
-        return run is not None and not run.finished
+        return self.queue.holder is not None
 
-    def _busy_error(self, exc: Ds4fError) -> HttpError:
-        """429 for a start refused because a run is active: Retry-After is that run's ETA."""
-        self.busy_rejections += 1
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def join(self, ticket: Ticket) -> None:
+        """Into the queue (the engine at once if it is free); 429 with Retry-After when full."""
+        if self._closing:
+            raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        try:
+            self.queue.join(ticket)
+        except QueueFull as exc:
+            raise self._refusal(exc.message, exc.code) from None
+
+    def take_now(self, ticket: Ticket) -> None:
+        """The engine at once, or 429 (POST /runs does not wait in line)."""
+        if self._closing:
+            raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        if not self.queue.take_now(ticket):
+            waiting = len(self.queue.waiting)
+            raise self._refusal("busy: " + (f"run {self.queue.holder.run_id} holds the engine"
+                                            if self.queue.holder and self.queue.holder.run_id else "the engine is taken")
+                                + (f" and {waiting} requests wait for it" if waiting else "") + "; one run at a time",
+                                "busy")
+
+    def _refusal(self, message: str, code: str) -> HttpError:
+        """429 for a request the engine cannot take now: Retry-After is the active run's ETA."""
+        if code == "shutting_down":
+            return HttpError(503, "the server is shutting down", code=code, headers={"Retry-After": "5"})
+        self.metrics.rejections.labels(code if code in ("queue_full", "client_share") else "busy").inc()
         run = active_run()
-        if run is None:   # it ended after refusing this one
-            return HttpError(429, f"busy: {exc.message}", headers={"Retry-After": "1"})
-        snap = run.snapshot()
-        retry = max(1, min(3600, math.ceil(snap.eta_s))) if snap.eta_s else 1
-        return HttpError(429, f"busy: run {run.id} is {snap.state} (step {snap.tokens_done} of {snap.gen}); "
-                              f"one run at a time", headers={"Retry-After": str(retry)},
-                         extra={"run_id": run.id, "retry_after_s": retry})
+        extra, retry = {}, 1
+        if run is not None:
+            snap = run.snapshot()
+            retry = max(1, min(3600, math.ceil(snap.eta_s))) if snap.eta_s else 1
+            message += f" (run {run.id} is {snap.state}, step {snap.tokens_done} of {snap.steps})"
+            extra = {"run_id": run.id}
+        return HttpError(429, message, code=code, headers={"Retry-After": str(retry)},
+                         extra={**extra, "retry_after_s": retry})
 
-    def start(self, params: RunParams):
-        """Start a run; HttpError 503 while shutting down, 429 while a run is active, and the
-        run API's Ds4fError for a run it refuses (the caller names the parameter)."""
+    async def start(self, config: RunConfig, ticket: Ticket) -> tuple[object, RunFeed]:
+        """Start the ticket's run (the ticket holds the engine). Shielded: once started, the run
+        is watched and the engine handed on when it ends, even if the request is cancelled
+        meanwhile (ticket.abandon() then cancels the run). Errors release the engine: the run
+        API's Ds4fError (the caller names the parameter), 503 while shutting down."""
+        ticket.starting = True
+        return await asyncio.shield(self._start(config, ticket))
+
+    async def _start(self, config: RunConfig, ticket: Ticket):
+        feed = RunFeed(asyncio.get_running_loop(), self.metrics)
+        try:
+            if ticket.abandoned:   # the client left before its turn came
+                raise HttpError(503, "the client left", code="client_left")
+            run = await run_in_threadpool(self._start_locked, config, feed.on_token)
+        except BaseException:
+            self.queue.leave(ticket)
+            raise
+        finally:
+            ticket.starting = False
+        ticket.run_id = run.id
+        ticket.run = run
+        feed.attach(run)
+        task = asyncio.create_task(self._watch(run, ticket, feed))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        if ticket.abandoned:
+            run.cancel()
+        return run, feed
+
+    def abandon(self, ticket: Ticket) -> None:
+        """The request is over or its client gone: a run it started is cancelled if still going
+        (the watcher then hands the engine on), a place in the queue is given up."""
+        ticket.abandon()
+        if ticket.run is None and not ticket.starting:
+            self.queue.leave(ticket)
+
+    def abandon_factory(self, ticket: Ticket):
+        return lambda: self.abandon(ticket)
+
+    def _start_locked(self, config: RunConfig, on_token):
         with self._lock:
             if self._closing:
-                raise HttpError(503, "the server is shutting down", headers={"Retry-After": "5"})
-            cur = self._current
-            if cur is not None and not cur.finished and cur.state not in LIVE_STATES:
-                cur.wait(5.0)   # ended a moment ago; its thread is recording it in the history
-            config = RunConfig(model=self.model, preset=params.preset or self.preset, gen=params.gen,
-                               prompt=params.prompt, io_threads=params.io_threads,
-                               kernel_threads=params.kernel_threads, backend=params.backend or self.cfg.backend,
-                               config_path=self.options.config_path)
+                raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
             try:
-                run = self._start_run(config, history=self.run_history, **self._run_kwargs)
+                run = self._start_run(config, history=self.run_history, engines=self.engines, on_token=on_token)
             except Ds4fError as exc:
-                if exc.kind == "busy":
-                    raise self._busy_error(exc) from None
+                if exc.kind == "busy":   # a run this server did not start
+                    raise self._refusal(f"busy: {exc.message}", "busy") from None
                 raise
             self._current = run
             self.runs_started += 1
             return run
 
+    async def _watch(self, run, ticket: Ticket, feed: RunFeed) -> None:
+        """Until the run ends: its evictions for /metrics; then its end, and the engine to the next."""
+        loop = asyncio.get_running_loop()
+        counted = 0
+        next_look = loop.time() + EVICTIONS_EVERY_S
+        try:
+            while not run.finished:
+                await asyncio.sleep(WATCH_S)
+                if loop.time() >= next_look:
+                    counted = self._count_evictions(run.snapshot(), counted)
+                    next_look = loop.time() + EVICTIONS_EVERY_S
+            await asyncio.sleep(0)   # the last token's record, handed over just before the run ended
+            snap = run.snapshot()
+            self._count_evictions(snap, counted)
+            self.metrics.run_ended(snap.state, snap.prefetch)
+        finally:
+            self.queue.leave(ticket)
+            feed.close()
+
+    def _count_evictions(self, snap, counted: int) -> int:
+        total = sum(snap.layer_evictions)
+        if total > counted:
+            self.metrics.evictions.inc(total - counted)
+        return max(total, counted)
+
+    def _live_gauges(self) -> dict:
+        run = self._current
+        return {"busy": self.busy, "queue_waiting": len(self.queue.waiting), "queue_capacity": self.queue.capacity,
+                "snapshot": run.snapshot() if run is not None else None}
+
+    # -- runs --------------------------------------------------------------------------------------
     def _find(self, run_id: str):
         run = self._current
         return run if run is not None and run.id == run_id else None
@@ -222,10 +293,12 @@ class Service:
         if report is not None:
             self._note_report(run.id, report)
         return {"id": run.id, "state": snap.state, "error": snap.error, "source": "server",
-                "gen": run.config.gen, "steps": snap.gen,
+                "gen": run.config.gen, "steps": snap.steps, "finish_reason": snap.finish_reason,
+                "prompt_tokens": snap.prompt_tokens, "generated_tokens": snap.generated_tokens,
                 "config": run.config_dict(), "live": snapshot_view(snap, run.config.gen),
                 "state_sha256": (report or {}).get("state_sha256"), "report": report,
                 "history_error": self.run_history.failures.get(run.id),
+                "started_at": run.started_at, "finished_at": run.finished_at,
                 "links": self._links(run.id, snap.state)}
 
     @staticmethod
@@ -241,7 +314,7 @@ class Service:
         try:
             return self.history.get(run_id)
         except Ds4fError as exc:
-            raise HttpError(503, f"the run history cannot be read: {exc.message}",
+            raise HttpError(503, f"the run history cannot be read: {exc.message}", code="history_unavailable",
                             headers={"Retry-After": "5"}) from None
 
     def _note_report(self, run_id: str, report: dict) -> None:
@@ -258,22 +331,30 @@ class Service:
             return self.run_view(run)
         rec = self._history_get(run_id)
         if rec is None:
-            raise HttpError(404, f"no run {run_id!r}")
+            raise HttpError(404, f"no run {run_id!r}", code="not_found")
         return {"id": rec.run_id, "state": rec.state, "error": rec.error, "source": "history",
-                "gen": rec.gen, "steps": record_steps(rec.config),
+                "gen": rec.gen, "steps": record_steps(rec.config), "finish_reason": rec.config.get("finish_reason"),
+                "generated_tokens": rec.config.get("generated_tokens"),
                 "config": rec.config, "live": None, "state_sha256": rec.state_sha256, "report": rec.report,
                 "started_at": rec.started_at, "finished_at": rec.finished_at,
                 "links": self._links(rec.run_id, rec.state)}
 
-    def cancel(self, run_id: str) -> tuple[int, dict]:
+    def live_run(self, run_id: str):
+        """This server's run `run_id` while it can still be switched or cancelled; 404 / 409 else."""
         run = self._find(run_id)
         if run is None:
             rec = self._history_get(run_id)
             if rec is None:
-                raise HttpError(404, f"no run {run_id!r}")
-            raise HttpError(409, f"run {run_id} already ended ({rec.state})", extra={"state": rec.state})
+                raise HttpError(404, f"no run {run_id!r}", code="not_found")
+            raise HttpError(409, f"run {run_id} already ended ({rec.state})", code="run_ended",
+                            extra={"state": rec.state})
         if run.finished or run.state not in LIVE_STATES:
-            raise HttpError(409, f"run {run_id} already ended ({run.state})", extra={"state": run.state})
+            raise HttpError(409, f"run {run_id} already ended ({run.state})", code="run_ended",
+                            extra={"state": run.state})
+        return run
+
+    def cancel(self, run_id: str) -> tuple[int, dict]:
+        run = self.live_run(run_id)
         run.cancel()
         stopped = run.wait(self.options.cancel_wait_s)
         return (200 if stopped else 202), self.run_view(run)
@@ -284,13 +365,14 @@ class Service:
         if run is not None:
             if run.state != "done":
                 raise HttpError(409, f"run {run_id} is {run.state}: its report exists only once it is done",
-                                extra={"state": run.state})
+                                code="not_done", extra={"state": run.state})
             return run.report
         rec = self._history_get(run_id)
         if rec is None:
-            raise HttpError(404, f"no run {run_id!r}")
+            raise HttpError(404, f"no run {run_id!r}", code="not_found")
         if rec.state != "done" or not rec.report:
-            raise HttpError(409, f"run {run_id} is {rec.state}: it has no report", extra={"state": rec.state})
+            raise HttpError(409, f"run {run_id} is {rec.state}: it has no report", code="not_done",
+                            extra={"state": rec.state})
         for path in self._report_files(rec):
             try:
                 with open(path, "rb") as f:
@@ -323,16 +405,16 @@ class Service:
         else:
             rec = self._history_get(run_id)
             if rec is None:
-                raise HttpError(404, f"no run {run_id!r}")
+                raise HttpError(404, f"no run {run_id!r}", code="not_found")
             state, report = rec.state, rec.report or {}
             if rec.state_path:
                 report = {**report, "state_path": rec.state_path, "state_sha256": rec.state_sha256}
         if state != "done" or not report or not report.get("state_path"):
             raise HttpError(409, f"run {run_id} is {state}: its state dump exists only once it is done",
-                            extra={"state": state})
+                            code="not_done", extra={"state": state})
         path = Path(report["state_path"])
         if not path.is_file():
-            raise HttpError(410, f"run {run_id}: the state dump {path} is gone")
+            raise HttpError(410, f"run {run_id}: the state dump {path} is gone", code="gone")
         nbytes = report.get("state_nbytes")
         return path, report.get("state_sha256"), nbytes if isinstance(nbytes, int) else None
 
@@ -342,11 +424,13 @@ class Service:
         path, sha, nbytes = self.state_file(run_id)
         if not sha:
             raise HttpError(409, f"run {run_id}: no sha256 is recorded for its state dump, so {path} cannot "
-                                 f"be checked to be its own; it is not served", extra={"state": "done"})
+                                 f"be checked to be its own; it is not served", code="unverifiable",
+                            extra={"state": "done"})
         try:
             f = open(path, "rb")
         except OSError as exc:
-            raise HttpError(410, f"run {run_id}: cannot open the state dump {path}: {exc.strerror}") from None
+            raise HttpError(410, f"run {run_id}: cannot open the state dump {path}: {exc.strerror}",
+                            code="gone") from None
         try:
             st = os.fstat(f.fileno())
             if nbytes is not None and st.st_size != nbytes:
@@ -356,7 +440,7 @@ class Service:
                 found = None if got == sha else f"its sha256 is {got[:16]}…, the run's is {sha[:16]}…"
             if found:
                 raise HttpError(409, f"run {run_id}: {path} is not this run's state dump any more ({found}): "
-                                     f"it was changed or replaced after the run; not serving it",
+                                     f"it was changed or replaced after the run; not serving it", code="replaced",
                                 extra={"state": "done", "state_sha256": sha})
         except BaseException:
             f.close()
@@ -395,7 +479,9 @@ class Service:
             seen.add(run.id)
             out.append({"id": run.id, "state": snap.state, "source": "server", "started_at": run.started_at,
                         "finished_at": run.finished_at, "preset": snap.preset, "gen": run.config.gen,
-                        "steps": snap.gen, "tokens_done": snap.tokens_done, "s_per_token": snap.s_per_token,
+                        "steps": snap.steps, "tokens_done": snap.tokens_done,
+                        "generated_tokens": snap.generated_tokens, "finish_reason": snap.finish_reason,
+                        "s_per_token": snap.s_per_token,
                         "state_sha256": (run.summary_report or {}).get("state_sha256")})
         try:
             records, history_error = self.history.list_runs(limit=limit), None
@@ -407,11 +493,13 @@ class Service:
             out.append({"id": rec.run_id, "state": rec.state, "source": "history", "started_at": rec.started_at,
                         "finished_at": rec.finished_at, "preset": rec.preset, "gen": rec.gen,
                         "steps": record_steps(rec.config), "tokens_done": rec.tokens_done,
+                        "generated_tokens": rec.config.get("generated_tokens"),
+                        "finish_reason": rec.config.get("finish_reason"),
                         "s_per_token": rec.s_per_token, "state_sha256": rec.state_sha256})
         out.sort(key=lambda r: r["started_at"] or 0, reverse=True)
         return out[:limit], history_error
 
-    # -- status and metrics ------------------------------------------------------------------------
+    # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:
         run = self._current
         snap = run.snapshot() if run is not None else None
@@ -423,34 +511,37 @@ class Service:
                        "auth": bool(self.options.token), "uptime_s": time.time() - self.started_at,
                        "runs_started": self.runs_started, "config": self.cfg.source,
                        "history": str(self.history.path), "history_error": self.run_history.last_failure},
-            "engine": {"state": snap.state if snap is not None and run is not None and not run.finished else "idle",
-                       "current_run": run.id if run is not None else None},
-            "model": {"path": self.model, "kind": self.checkpoint_kind, "io_mode": self.io_mode,
-                      "geometry": self.geometry},
+            "engine": {"state": snap.state if snap is not None and not run.finished else "idle",
+                       "current_run": run.id if run is not None else None, "loaded_engines": self.engines.loads},
+            "queue": self.queue.view(),
+            "model": {"id": self.model_id, "path": self.model, "kind": self.checkpoint_kind,
+                      "io_mode": self.io_mode, "geometry": self.geometry},
             "preset": {"name": preset.name, "detail": preset.describe(), "available": list(self.cfg.presets)},
             "backend": {"default": self.cfg.backend, "best": self.best_backend, "available": self.backends},
             "limits": {"max_gen": MAX_GEN, "max_prompt": MAX_PROMPT, "max_threads": MAX_THREADS,
-                       "max_body_bytes": self.options.max_body_bytes},
+                       "max_body_bytes": self.options.max_body_bytes, "queue_size": self.options.queue_size,
+                       "client_queue_share": self.options.queue_share,
+                       "max_client_requests": self.options.max_client_requests,
+                       "header_timeout_s": self.options.header_timeout_s,
+                       "body_timeout_s": self.options.body_timeout_s},
             "run": snapshot_view(snap, run.config.gen) if snap is not None else None,
             "last_report": self._last_report,
         }
 
-    def metrics(self) -> str:
-        run = self._current
-        with self._counts_lock:
-            responses = dict(self._responses)
-        snap = run.snapshot() if run is not None else None
-        return render_metrics(snap, {"busy": self.busy, "runs_started": self.runs_started,
-                                     "busy_rejections": self.busy_rejections, "requests": responses,
-                                     "gen": run.config.gen if run is not None else None})
-
     # -- shutdown -----------------------------------------------------------------------------------
     def close(self, timeout: float = 60.0) -> bool:
-        """Refuse new runs, cancel the current one and wait for it, then release the loaded
-        engine; False if the run did not stop in time (the engine stays with it)."""
+        """Refuse new runs, turn the waiting requests away, cancel the current run and wait for
+        it, then release the loaded engine; False if the run did not stop in time (the engine
+        stays with it). Not from the event loop's thread (it waits)."""
         with self._lock:
             self._closing = True
             run = self._current
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self.queue.close)
+            except RuntimeError:
+                pass
         if run is not None and not run.finished:
             run.cancel()
             if not run.wait(timeout):

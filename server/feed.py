@@ -1,0 +1,51 @@
+"""A run's tokens, handed from the run's thread to the server's event loop.
+
+The run API calls on_token(record) in the run's thread after each token; the feed passes the
+record to the loop (call_soon_threadsafe), where it is counted for /metrics and its text is
+queued for whoever streams the answer. Records that arrive before the feed knows its run (the
+run's thread can be faster than start_run's return) wait until attach().
+"""
+from __future__ import annotations
+
+import asyncio
+
+END = None   # what `pieces` yields once the run has ended
+
+
+class RunFeed:
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics):
+        self.loop = loop
+        self.metrics = metrics
+        self.run = None
+        self._early: list = []
+        self._prefill_steps = 0
+        self.pieces: asyncio.Queue = asyncio.Queue()   # text pieces, in order, then END
+        self.ended = asyncio.Event()
+
+    def on_token(self, record) -> None:
+        """The run's thread, after each token."""
+        try:
+            self.loop.call_soon_threadsafe(self._take, record)
+        except RuntimeError:   # the loop is closed: the server is gone, nobody to tell
+            pass
+
+    def attach(self, run) -> None:
+        self.run = run
+        self._prefill_steps = len(run.prompt) - 1   # steps that read the prompt; the rest generate
+        early, self._early = self._early, []
+        for record in early:
+            self._take(record)
+
+    def _take(self, record) -> None:
+        if self.run is None:
+            self._early.append(record)
+            return
+        self.metrics.token(record, "prefill" if record.index < self._prefill_steps else "decode")
+        if record.text:
+            self.pieces.put_nowait(record.text)
+
+    def close(self) -> None:
+        """The run has ended and every record it handed over is taken."""
+        if not self.ended.is_set():
+            self.ended.set()
+            self.pieces.put_nowait(END)

@@ -1,0 +1,87 @@
+"""What `ds4f serve` is told: the listener, the token, the limits that keep one client from
+starving the others, and the engine queue."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds4f.api import Ds4fError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8734
+MIN_TOKEN_CHARS = 16
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")   # RFC 6750 b64token
+
+
+@dataclass
+class ServerOptions:
+    model: str | None = None            # checkpoint; None: ds4f.toml's [model] path, else the demo model
+    preset: str | None = None           # default preset of runs; None: ds4f.toml's engine.preset
+    config_path: str | None = None      # ds4f.toml to use (passed on to every run)
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    token: str | None = None            # bearer token; set: every endpoint requires it
+    max_body_bytes: int = 256 * 1024    # request bodies; larger ones get 413
+    header_timeout_s: float = 10.0      # a request's line and headers must arrive within this
+    body_timeout_s: float = 30.0        # its whole body within this of its headers (408 else)
+    keep_alive_s: float = 5.0           # an idle keep-alive connection is closed after this
+    max_connections: int = 512          # open connections in all; requests beyond get 503
+    max_client_connections: int = 128   # open connections from one address; more are closed at once
+    max_client_requests: int = 32       # requests in progress from one address; more get 429
+    queue_size: int = 8                 # requests waiting for the engine; more get 429
+    client_queue_share: int | None = None   # of them, from one address; None: half the queue (at least 1)
+    default_max_tokens: int = 256       # chat completions without max_tokens (completions: 16, as OpenAI)
+    cancel_wait_s: float = 5.0          # DELETE waits this long for the run to stop before answering 202
+    access_log: bool = True             # one stderr line per request
+
+    @property
+    def queue_share(self) -> int:
+        if self.client_queue_share is not None:
+            return self.client_queue_share
+        return max(1, (self.queue_size + 1) // 2)
+
+    def check(self) -> None:
+        """Ds4fError naming the option an operator must fix."""
+        if not is_loopback(self.host) and not self.token:
+            raise Ds4fError(f"--host {self.host}: serving beyond loopback requires a bearer token; "
+                            f"write one to a file readable only by you and pass --token-file PATH")
+        if not 0 <= self.port <= 65535:
+            raise Ds4fError(f"--port: must be between 0 and 65535, got {self.port}")
+        if not 0 <= self.queue_size <= 10_000:
+            raise Ds4fError(f"--queue: must be between 0 and 10000, got {self.queue_size}")
+        if not 1 <= self.max_client_requests <= 10_000:
+            raise Ds4fError(f"--max-client-requests: must be between 1 and 10000, got {self.max_client_requests}")
+        if not 1 <= self.default_max_tokens:
+            raise Ds4fError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """The bearer token in `path` (surrounding whitespace stripped); Ds4fError if unusable."""
+    where = f"--token-file {path}"
+    try:
+        text = Path(path).read_text(encoding="ascii")
+    except UnicodeDecodeError:
+        raise Ds4fError(f"{where}: the token must be ASCII") from None
+    except OSError as exc:
+        raise Ds4fError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    token = text.strip()
+    if not token:
+        raise Ds4fError(f"{where}: the file is empty")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise Ds4fError(f"{where}: the token is {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
+                        f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    if not _TOKEN_RE.match(token):
+        raise Ds4fError(f"{where}: the token may only hold letters, digits and -._~+/ (one line)")
+    return token

@@ -1,0 +1,121 @@
+"""The engine's waiting line: one sequence computes at a time, the others wait in order.
+
+A request takes a Ticket and joins; it holds the engine when its ticket is granted, and leaves
+when its run has ended (or it gave up). The line is bounded, in all and per client address (a
+client's fair share), so a full line answers at once (429) instead of letting requests pile up.
+Everything here runs in the server's event loop: no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+@dataclass(eq=False)
+class Ticket:
+    kind: str                   # what waits: "run" (POST /runs), "chat.completion", "text_completion"
+    client: str                 # the client's address
+    joined_at: float = field(default_factory=time.monotonic)
+    granted: asyncio.Future | None = None
+    run_id: str | None = None   # the run it started, once it has
+    run: object = None
+    starting: bool = False      # its run is being started
+    abandoned: bool = False     # the client left: its run, started or to come, is cancelled
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        if self.run is not None and not self.run.finished:
+            self.run.cancel()
+
+
+class EngineQueue:
+    def __init__(self, capacity: int, client_share: int):
+        self.capacity = capacity
+        self.client_share = client_share
+        self.holder: Ticket | None = None
+        self.waiting: deque[Ticket] = deque()
+        self.closed = False
+
+    def join(self, ticket: Ticket) -> None:
+        """Take the engine at once if it is free and nobody waits, else wait in line; QueueFull
+        if the line is full, or holds this client's share already."""
+        if self.closed:
+            raise QueueFull("the server is shutting down", "shutting_down")
+        ticket.granted = asyncio.get_running_loop().create_future()
+        if self.holder is None and not self.waiting:
+            self._grant(ticket)
+            return
+        if len(self.waiting) >= self.capacity:
+            raise QueueFull(f"the engine is busy and {len(self.waiting)} requests wait for it already "
+                            f"(the queue holds {self.capacity})", "queue_full")
+        mine = sum(1 for t in self.waiting if t.client == ticket.client)
+        if mine >= self.client_share:
+            raise QueueFull(f"{mine} of your requests wait for the engine already (each client may have "
+                            f"{self.client_share} of the {self.capacity} places in the queue)", "client_share")
+        self.waiting.append(ticket)
+
+    def take_now(self, ticket: Ticket) -> bool:
+        """Take the engine if it is free and nobody waits; False otherwise (nothing joined)."""
+        if self.closed or self.holder is not None or self.waiting:
+            return False
+        ticket.granted = asyncio.get_running_loop().create_future()
+        self._grant(ticket)
+        return True
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Until the ticket holds the engine; cancelled (the client left): out of the line."""
+        try:
+            await asyncio.shield(ticket.granted)
+        except asyncio.CancelledError:
+            self.leave(ticket)
+            raise
+
+    def position(self, ticket: Ticket) -> int | None:
+        """0 while it holds the engine, 1.. while it waits, None once it left."""
+        if ticket is self.holder:
+            return 0
+        for i, t in enumerate(self.waiting, 1):
+            if t is ticket:
+                return i
+        return None
+
+    def leave(self, ticket: Ticket) -> None:
+        """The ticket's run ended or it gave up: the next in line gets the engine."""
+        if ticket is self.holder:
+            self.holder = None
+            while self.waiting and self.holder is None:
+                self._grant(self.waiting.popleft())
+        elif ticket in self.waiting:
+            self.waiting.remove(ticket)
+        if ticket.granted is not None and not ticket.granted.done():
+            ticket.granted.cancel()
+
+    def close(self) -> None:
+        """Refuse new tickets and turn the waiting ones away."""
+        self.closed = True
+        while self.waiting:
+            t = self.waiting.popleft()
+            if not t.granted.done():
+                t.granted.set_exception(QueueFull("the server is shutting down", "shutting_down"))
+
+    def _grant(self, ticket: Ticket) -> None:
+        if not ticket.granted.done():   # done: it gave up (a cancelled future)
+            self.holder = ticket
+            ticket.granted.set_result(True)
+
+    def view(self) -> dict:
+        now = time.monotonic()
+        holder = self.holder
+        return {"capacity": self.capacity, "client_share": self.client_share, "waiting": len(self.waiting),
+                "active": None if holder is None else {"kind": holder.kind, "run_id": holder.run_id,
+                                                       "held_s": now - holder.joined_at},
+                "queued": [{"position": i, "kind": t.kind, "waited_s": now - t.joined_at}
+                           for i, t in enumerate(self.waiting, 1)]}
