@@ -198,12 +198,32 @@ class Tokenizer:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+_LOADED: dict[tuple, Tokenizer] = {}   # the last tokenizers loaded, by their files' identity
+_KEEP = 4
+
+
 def find_tokenizer(path: Path | str) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None if it has no tokenizer.json (a corrupt one is a Ds4fError)."""
+    """The checkpoint's tokenizer, or None if it has no tokenizer.json (a corrupt one is a Ds4fError).
+    A tokenizer whose files are unchanged (path, size, mtime) is loaded once and reused: the
+    release's tokenizer.json takes a moment to parse, and a server asks for it every request."""
     root = _checkpoint_dir(path)
     if not (root / TOKENIZER_NAME).is_file():
         return None
-    return Tokenizer.load(root)
+    stamps = []
+    for name in (TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, GENERATION_CONFIG_NAME):
+        try:
+            st = (root / name).stat()
+            stamps.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+        except OSError:
+            stamps.append((name, None))
+    key = (str(root.resolve()), tuple(stamps))
+    tok = _LOADED.get(key)
+    if tok is None:
+        tok = Tokenizer.load(root)
+        if len(_LOADED) >= _KEEP:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = tok
+    return tok
 
 
 # DeepSeek's recommendation for local use (and the release's generation_config.json)
