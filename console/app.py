@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -23,16 +24,29 @@ from textual.app import App
 from textual.css.query import NoMatches
 
 from ds4f.api import (DEFAULT_GEN, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
-                      ensure_demo_model, load_config, user_cache_dir)
+                      ensure_demo_model, load_config)
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
 from .bindings import APP_BINDINGS
+from .chat import MODE_NAMES, PROMPT_KINDS, Command, TextSupport, parse_command
 from .commands import ActionCommands
-from .controller import Controller, default_start_run, next_refresh, simd_scalar_pair
+from .controller import Controller, default_start_run, demo_dir, next_refresh, probe_text, simd_scalar_pair
+from .figures import ENDINGS, fmt_s_per_token, model_name, sampling_text
 from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen
 
 NO_PAIR = ("Needs a finished SIMD run and a scalar run of the same model and length: "
            "k switches the kernels, r runs.")
+CHAT_REFRESH_S = 0.1   # how often a streaming answer's text is read (run.output_text: a string, no snapshot)
+DEMO_NOTE = ("This is the demo model: its weights are random, so what it writes is noise. It is here to show "
+             "what a run costs (s/token, GB/s, hit rate, memory), not what a model says.")
+
+
+@dataclass
+class Answer:
+    """The answer being written: the request it answers and its run (None while it starts)."""
+
+    request: dict
+    run: object = None
 
 
 def _default_validate(path: str) -> None:
@@ -82,6 +96,8 @@ class Ds4fConsole(App):
         self._booted = False
         self._starting = False
         self._seen_state: dict[str, str] = {}
+        self._answer: Answer | None = None   # the chat answer being written
+        self._chat_timer = None
         self.engines = EngineHost()  # one loaded engine, reused by every run of this session
         for t in THEMES:
             self.register_theme(t)
@@ -113,6 +129,7 @@ class Ds4fConsole(App):
         dash.next_run = self.controller.next_run() if self.controller is not None else None
         dash.refresh_s = self.refresh_s
         dash.frozen = self.frozen
+        dash.live = self._starting or (self.controller is not None and self.controller.live)
         return dash
 
     def on_mount(self) -> None:
@@ -171,7 +188,7 @@ class Ds4fConsole(App):
             if self._validate is not None:
                 self._validate_model(model, "--model" if self._model_arg else f"model.path in {config.source}")
             else:
-                self.tick(force=True)
+                self._model_ready(model)
         else:
             self._make_demo()
 
@@ -196,10 +213,10 @@ class Ds4fConsole(App):
             self.call_from_thread(self.show_error, "The checkpoint could not be opened",
                                   f"{model}: {type(exc).__name__}: {exc}")
         else:
-            self.call_from_thread(self.tick, True)
+            self.call_from_thread(self._model_ready, model)
 
     def _make_demo(self) -> None:
-        where = str(user_cache_dir() / "demo-ds4f")
+        where = str(demo_dir())
         screen = SetupScreen(where)
         self.push_screen(screen)
         self._demo_worker(screen)
@@ -223,12 +240,45 @@ class Ds4fConsole(App):
         if screen.is_current:
             self.pop_screen()
         self.log_event(f"demo model ready: {path}", "dim")
-        self.tick(force=True)
+        self._model_ready(path, demo=True)
 
     def _demo_failed(self, screen: SetupScreen, message: str) -> None:
         if screen.is_current:
             self.pop_screen()
         self.show_error("The demo model could not be made", message, offer_demo=False)
+
+    def _model_ready(self, model: str, demo: bool = False) -> None:
+        """The checkpoint opened: show it, and find out whether it reads and writes text."""
+        self.tick(force=True)
+        self._probe_text(model, demo)
+
+    @work(thread=True, exclusive=True, group="text", exit_on_error=False)
+    def _probe_text(self, model: str, demo: bool) -> None:
+        support = probe_text(model, demo)
+        self.call_from_thread(self._text_ready, model, support)
+
+    def _text_ready(self, model: str, support: TextSupport) -> None:
+        ctl = self.controller
+        if ctl is None or ctl.model != model:
+            return  # the model changed meanwhile
+        ctl.text = support
+        self._show_prompt()
+        transcript = self.dashboard.chat.transcript
+        if support.demo:
+            transcript.add_note(DEMO_NOTE, "dim italic")
+        if not support.ok:
+            transcript.add_note(support.detail, "bold")
+        else:
+            transcript.add_note(f"{model_name(model)} · {sampling_text(ctl.text.sampling(ctl.chat.seed))} · answers "
+                                f"of up to {ctl.gen} tokens (n changes it)", "dim")
+
+    def _show_prompt(self) -> None:
+        """The prompt line's mode, sampling and state, as the controller has them."""
+        ctl = self.controller
+        if ctl is None:
+            return
+        self.dashboard.chat.set_prompt(ctl.chat.mode, sampling_text(ctl.text.sampling(ctl.chat.seed)),
+                                       ctl.text.ok, ctl.text.message)
 
     # -- the refresh timer ----------------------------------------------------------------
     def _start_timer(self) -> None:
@@ -295,11 +345,15 @@ class Ds4fConsole(App):
         if self._starting or ctl.live:
             self.notify("A run is already live: s stops it.", severity="warning")
             return
+        self._start(ctl)
+
+    def _start(self, ctl: Controller, request: dict | None = None) -> None:
         self._starting = True
-        self.log_event(f"· starting: {ctl.model}, preset {ctl.preset}, {ctl.gen} tokens, "
+        what = f"a {PROMPT_KINDS[ctl.chat.mode]} prompt on " if request is not None else ""
+        self.log_event(f"· starting: {what}{ctl.model}, preset {ctl.preset}, {ctl.gen} tokens, "
                        f"{ctl.next_backend()}, k{ctl.effective_kernel_threads()} "
                        f"io{ctl.effective_io_threads()}", "italic")
-        self._start_worker(ctl)
+        self._start_worker(ctl, request)
 
     def on_dashboard_screen_stop_run(self, _message: DashboardScreen.StopRun) -> None:
         ctl = self.controller
@@ -340,6 +394,114 @@ class Ds4fConsole(App):
     def on_dashboard_screen_compare_simd_scalar(self, _message: DashboardScreen.CompareSimdScalar) -> None:
         self._open_pair(self.controller.simd_scalar_pair() if self.controller else None)
 
+    # -- the chat --------------------------------------------------------------------------
+    def on_dashboard_screen_submit_prompt(self, message: DashboardScreen.SubmitPrompt) -> None:
+        ctl, dash = self.controller, self.dashboard
+        if ctl is None:
+            return
+        transcript = dash.chat.transcript
+        try:
+            command = parse_command(message.line)
+        except Ds4fError as exc:
+            transcript.add_note(str(exc), "bold red")
+            return
+        if command is not None:
+            dash.prompt_taken()
+            self._chat_command(command)
+            return
+        if self._starting or ctl.live:
+            self.notify("A run is live: ctrl+c (or s) stops it; your prompt waits in the prompt line.",
+                        severity="warning")
+            return
+        try:
+            request = ctl.chat.request(message.line)
+            ctl.text_run_config(request)   # a prompt the model cannot take is refused here, not in a thread
+        except Ds4fError as exc:
+            transcript.add_note(str(exc), "bold red")
+            return
+        dash.prompt_taken()
+        transcript.add_prompt(message.line, ctl.chat.mode)
+        transcript.start_answer("starting…")
+        self._answer = Answer(request)
+        self._start(ctl, request)
+
+    def _chat_command(self, command: Command) -> None:
+        ctl, transcript = self.controller, self.dashboard.chat.transcript
+        if command.name == "reset":
+            self._clear_chat()
+            return
+        if command.name == "seed":
+            try:
+                ctl.chat.set_seed(int(command.arg))
+            except Ds4fError as exc:
+                transcript.add_note(str(exc), "bold red")
+                return
+            transcript.add_note(f"· seed {ctl.chat.seed}: {sampling_text(ctl.text.sampling(ctl.chat.seed))}", "dim")
+        else:
+            ctl.chat.set_mode(command.name)
+            transcript.add_note(f"· mode: {MODE_NAMES[ctl.chat.mode]}", "dim")
+        self._show_prompt()
+
+    def on_dashboard_screen_cycle_mode(self, _message: DashboardScreen.CycleMode) -> None:
+        if self.controller is not None:
+            self._chat_command(Command(self.controller.chat.next_mode()))
+
+    def on_dashboard_screen_clear_chat(self, _message: DashboardScreen.ClearChat) -> None:
+        self._clear_chat()
+
+    def _clear_chat(self) -> None:
+        ctl, transcript = self.controller, self.dashboard.chat.transcript
+        if ctl is None:
+            return
+        if self._answer is not None:
+            self.notify("An answer is being written: ctrl+c stops it, then clear.", severity="warning")
+            return
+        ctl.chat.reset()
+        transcript.clear()
+        transcript.add_note("· conversation cleared", "dim")
+
+    def _chat_tick(self) -> None:
+        """Show the answer so far; at its end, say how it ended and keep the turn."""
+        answer = self._answer
+        if answer is None or answer.run is None:
+            self._stop_chat_timer()
+            return
+        run = answer.run
+        ended = run.finished        # read first: the text read after it is then the whole output
+        text = run.output_text
+        try:
+            transcript = self.dashboard.chat.transcript
+        except NoMatches:           # shutting down
+            return
+        status = f"reading the prompt: {run.prompt_tokens} tokens…" if run.generated_tokens == 0 else "…"
+        thinking = bool(answer.request.get("thinking"))
+        transcript.show_answer(text, thinking, status)
+        if ended:
+            self._answer_ended(answer, text)
+
+    def _answer_ended(self, answer: Answer, text: str) -> None:
+        run, ctl = answer.run, self.controller
+        self._answer = None
+        self._stop_chat_timer()
+        n = run.generated_tokens
+        snap = run.snapshot()
+        spt = f" · {fmt_s_per_token(snap.s_per_token)} s/token" if snap.s_per_token is not None else ""
+        if run.state == "done":
+            ending = ENDINGS.get(run.finish_reason, run.finish_reason or "done")
+            line, style = f"✓ {ending} · {n} tokens{spt} · run {run.id}", "dim"
+        elif run.state == "cancelled":
+            line, style = f"■ stopped after {n} tokens{spt} · run {run.id}", "bold yellow"
+        else:
+            line, style = f"✗ failed: {run.error}", "bold red"
+        if run.state in ("done", "cancelled") and ctl is not None:
+            ctl.chat.answered(answer.request, text)
+        self.dashboard.chat.transcript.end_answer(line, style)
+
+    def _stop_chat_timer(self) -> None:
+        if self._chat_timer is not None:
+            self._chat_timer.stop()
+            self._chat_timer = None
+
     # -- the history's keys -----------------------------------------------------------------
     def on_history_screen_open_diff(self, message: HistoryScreen.OpenDiff) -> None:
         self._open_diff(message.a, message.b)
@@ -349,9 +511,9 @@ class Ds4fConsole(App):
 
     # -- run control ----------------------------------------------------------------------
     @work(thread=True, group="start", exit_on_error=False)
-    def _start_worker(self, ctl: Controller) -> None:
+    def _start_worker(self, ctl: Controller, request: dict | None = None) -> None:
         try:
-            run = ctl.start()
+            run = ctl.start(request)
         except Ds4fError as exc:
             self.call_from_thread(self._start_failed, str(exc), ctl.model)
         except Exception as exc:
@@ -361,10 +523,16 @@ class Ds4fConsole(App):
 
     def _started(self, run) -> None:
         self._starting = False
+        if self._answer is not None and self._answer.run is None:
+            self._answer.run = run
+            self._chat_timer = self.set_interval(CHAT_REFRESH_S, self._chat_tick, name="chat")
         self.tick(force=True)
 
     def _start_failed(self, message: str, model: str) -> None:
         self._starting = False
+        if self._answer is not None and self._answer.run is None:
+            self._answer = None
+            self.dashboard.chat.transcript.end_answer(f"✗ not started: {message}", "bold red")
         self.log_event(f"cannot start the run: {message}", "bold red")
         self.notify(message, title="cannot start the run", severity="error", timeout=10)
         if model and model in message:

@@ -5,6 +5,9 @@ Conventions borrowed where they exist: q quits and ? helps (htop, btop, k9s); + 
 the update period (btop); space freezes the display; ctrl+p or : opens the command palette
 (k9s uses : for its command line;
 the palette lists these actions only, not a focused widget's scroll keys); escape goes back (k9s); [ ] and { } step a number down/up.
+The chat: i opens it (vi's insert); in the prompt line letters are typed, so what acts there is
+enter, esc, ctrl+c (stops the answer, as in `ds4f chat` and a shell; with nothing live it copies,
+as Textual's ctrl+c does) and ctrl+l (clears, as in a shell).
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ APP_BINDINGS = [
 DASHBOARD_BINDINGS = [
     Binding("r", "run", "run", tooltip="Start a run with the settings in the status line"),
     Binding("s", "stop", "stop", tooltip="Stop the live run (cancelled runs write no files)"),
+    Binding("i", "chat", "chat",
+            tooltip="Show the transcript (in the run and event panels' place) and put the cursor in the "
+                    "prompt line"),
     Binding("p", "cycle_preset", "preset", tooltip="Cycle the preset for the next run"),
     Binding("left_square_bracket", "io_threads(-1)", "I/O threads down", key_display="[", group=IO,
             tooltip="One I/O thread fewer: live at the next token, and for the next run"),
@@ -48,7 +54,31 @@ DASHBOARD_BINDINGS = [
             tooltip="Refresh the dashboard less often (less SSH traffic)"),
     Binding("minus", "refresh_period(-1)", "shorter refresh period", key_display="-", group=PERIOD,
             tooltip="Refresh the dashboard more often"),
-    Binding("space", "freeze", "freeze", key_display="␣", tooltip="Freeze or unfreeze the display (the run goes on)"),
+    Binding("space", "freeze", "freeze", key_display="␣",
+            tooltip="Freeze or unfreeze the panels (the run, and an answer in the transcript, go on)"),
+]
+
+# The dashboard's keys while the transcript is shown (i); only then are they active.
+CHAT_BINDINGS = [
+    Binding("m", "cycle_mode", "mode",
+            tooltip="Prompt mode for the next prompt: chat, chat with thinking, plain completion (or /chat, "
+                    "/think, /text)"),
+    Binding("ctrl+l", "clear_chat", "clear",
+            tooltip="Clear the conversation and the transcript (or /reset); works while typing"),
+    Binding("ctrl+c", "interrupt", "stop", show=False, priority=True,
+            tooltip="Stop the answer, also while typing; the partial answer stays, marked stopped "
+                    "(with nothing live, ctrl+c copies as usual)"),
+    Binding("escape", "back", "back", key_display="esc",
+            tooltip="Back to the run and event panels (the conversation is kept)"),
+]
+
+# The prompt line's keys, while it has the cursor (letters, space, : and the like are typed).
+PROMPT_BINDINGS = [
+    Binding("enter", "submit", "send",
+            tooltip="Send the prompt (chat: with the conversation so far); a line starting with / is a command: "
+                    "/reset, /chat, /think, /text, /seed N"),
+    Binding("escape", "leave", "leave", key_display="esc",
+            tooltip="Leave the prompt line: the dashboard's keys work again"),
 ]
 
 HISTORY_BINDINGS = [
@@ -78,11 +108,16 @@ TITLES = {
     "freeze": "Freeze / unfreeze the display", "back": "Back", "mark": "Mark run for diff",
     "diff_marked": "Diff the marked runs", "same_hash": "Next run with the same state hash",
     "swap": "Swap runs A and B",
+    "chat": "Chat: type a prompt", "cycle_mode": "Prompt mode: chat, thinking, completion",
+    "clear_chat": "Clear the conversation", "interrupt": "Stop the answer", "submit": "Send the prompt",
+    "leave": "Leave the prompt line",
 }
 
 SCREENS_FOR_HELP = (
     ("Everywhere", APP_BINDINGS),
     ("Dashboard", DASHBOARD_BINDINGS),
+    ("Dashboard with the transcript (i)", CHAT_BINDINGS),
+    ("Prompt line (while typing)", PROMPT_BINDINGS),
     ("History", HISTORY_BINDINGS),
     ("Diff", DIFF_BINDINGS),
 )
@@ -90,7 +125,7 @@ SCREENS_FOR_HELP = (
 KEY_NAMES = {
     "question_mark": "?", "colon": ":", "left_square_bracket": "[", "right_square_bracket": "]",
     "left_curly_bracket": "{", "right_curly_bracket": "}", "plus": "+", "minus": "-", "space": "space",
-    "escape": "esc", "f1": "F1", "ctrl+p": "ctrl+p",
+    "escape": "esc", "f1": "F1", "ctrl+p": "ctrl+p", "enter": "enter",
 }
 
 
@@ -110,6 +145,20 @@ def by_action(bindings: list[Binding]) -> list[tuple[str, str, Binding]]:
 # the scroll and cursor keys of whatever widget has focus)
 OWN_KEYS: dict[tuple[str, str], Binding] = {
     (b.action, k.strip()): b
-    for bindings in (APP_BINDINGS, DASHBOARD_BINDINGS, HISTORY_BINDINGS, DIFF_BINDINGS)
+    for bindings in (APP_BINDINGS, DASHBOARD_BINDINGS, CHAT_BINDINGS, PROMPT_BINDINGS, HISTORY_BINDINGS,
+                     DIFF_BINDINGS)
     for b in bindings for k in b.key.split(",")
 }
+
+# keys that are not typed characters, whatever their name
+NOT_TYPED = {"escape", "enter", "tab", "backspace", "delete", "insert", "home", "end", "pageup", "pagedown", "up",
+             "down", "left", "right"}
+
+
+def typed(key: str) -> bool:
+    """Whether a text field takes this key as a character (r, space, :, +...), so that a binding
+    on it does not act while the field has the cursor."""
+    key = key.strip()
+    if "+" in key.rstrip("+") or key in NOT_TYPED:   # ctrl+l, shift+tab, ...
+        return False
+    return not (key[0] == "f" and key[1:].isdigit())

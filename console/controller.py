@@ -3,16 +3,21 @@
 The dashboard's keys change *pending* settings (preset, threads, backend, token count) that
 the next run starts with; thread and backend changes also go to the live run, where they land
 at the next token boundary. Everything the console knows about a run comes from
-Run.snapshot(); it never opens a checkpoint or calls a kernel.
+Run.snapshot() (and a chat answer's text from Run.output_text); it never opens a checkpoint or
+calls a kernel. Whether a checkpoint reads and writes text, and its default sampling, come from
+the run API's tokenizer and generation-config loaders (probe_text).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 from ds4f import api
 from ds4f.api import Config, Ds4fError, EngineHost, History, RunConfig, RunRecord, Snapshot
+
+from .chat import CHECKING, Chat, TextSupport
 
 REFRESH_STEPS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
 MAX_IO_THREADS = 64     # where the ] key stops (the engine itself accepts up to api.MAX_THREADS)
@@ -53,6 +58,8 @@ class Controller:
     # tokens decoded by this session's earlier runs, by run id: the history has no count for a
     # cancelled or failed run (no report), but the console saw it
     seen_tokens: dict[str, int] = field(default_factory=dict)
+    chat: Chat = field(default_factory=Chat)               # the conversation and the prompt mode
+    text: TextSupport = CHECKING                           # whether the model reads and writes text
 
     def __post_init__(self) -> None:
         self.preset = self.preset or self.config.preset
@@ -90,11 +97,20 @@ class Controller:
     def live(self) -> bool:
         return self.run is not None and self.run.state in api.LIVE_STATES
 
-    def start(self):
-        """Start a run with the pending settings (blocking: it opens the checkpoint)."""
+    def text_run_config(self, request: dict) -> RunConfig:
+        """The pending settings with a text prompt (`request`: Chat.request's fields), sampled with
+        the checkpoint's generation defaults and the chat's seed."""
+        if not self.text.ok:
+            raise Ds4fError(f"prompt: {self.text.detail or self.text.message}", param="prompt")
+        return replace(self.run_config(), **request, sampling=self.text.sampling(self.chat.seed))
+
+    def start(self, request: dict | None = None):
+        """Start a run with the pending settings (blocking: it opens the checkpoint); `request`:
+        a text prompt's fields (Chat.request), else the run is on token ids as before."""
         if self.live:
             raise Ds4fError(f"run {self.run.id} is still {self.run.state}; stop it first (s)")
-        run = self.start_run(self.run_config(), self.history, self.engines)
+        config = self.text_run_config(request) if request is not None else self.run_config()
+        run = self.start_run(config, self.history, self.engines)
         self._remember(self.run)
         self.run = run
         return run
@@ -179,6 +195,35 @@ class Controller:
     def simd_scalar_pair(self) -> tuple[RunRecord, RunRecord] | None:
         """The newest scalar run and the newest SIMD run comparable with it (same model, prompt, length)."""
         return simd_scalar_pair(self.runs(200))
+
+
+def demo_dir() -> Path:
+    """Where the console makes the demo model (ensure_demo_model's default)."""
+    return api.user_cache_dir() / "demo-ds4f"
+
+
+def is_demo(model: str) -> bool:
+    try:
+        return bool(model) and Path(model).resolve() == demo_dir().resolve()
+    except OSError:
+        return False
+
+
+def probe_text(model: str, demo: bool = False) -> TextSupport:
+    """Whether `model` reads and writes text: its tokenizer and generation defaults (blocking:
+    reads tokenizer.json and generation_config.json through the run API's loaders)."""
+    demo = demo or is_demo(model)
+    try:
+        tokenizer = api.find_tokenizer(model) if model and Path(model).is_dir() else None
+        if tokenizer is None:
+            return TextSupport(False, "needs a tokenizer: the checkpoint has no tokenizer.json",
+                               f"{model} has no tokenizer.json, so it cannot read or write text; r still runs "
+                               f"it on token ids", demo=demo)
+        defaults = api.GenerationDefaults.load(model)
+    except Ds4fError as exc:
+        return TextSupport(False, "text is off: the checkpoint's tokenizer files cannot be used",
+                           f"{exc}; r still runs the checkpoint on token ids", demo=demo)
+    return TextSupport(True, defaults=defaults, demo=demo)
 
 
 def simd_scalar_pair(records: list[RunRecord]) -> tuple[RunRecord, RunRecord] | None:

@@ -290,3 +290,68 @@ def record_tokens_text(r: RunRecord, known: int | None = None) -> str:
         return DASH if n is None else str(n)
     gen = r.gen
     return f"{'?' if n is None else n}/{gen if gen is not None else '?'}"
+
+
+# -- text runs ------------------------------------------------------------------------------
+ENDINGS = {"eos": "end of answer", "stop": "stop string", "length": "token limit"}
+_CONTROL = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
+
+
+def printable(text: str) -> str:
+    """Model output made safe for a terminal: control characters as their visible pictures
+    (U+2400..), tabs and newlines kept."""
+    return text.translate(_CONTROL)
+
+
+def sampling_text(sampling) -> str:
+    """'greedy' or 'T 0.7 · top-p 0.95 · top-k 40 · min-p 0.05 · seed 3' (the settings that limit
+    anything); `sampling`: SamplingParams, its dict (as a run's record has it), or None (greedy)."""
+    if sampling is None or sampling == "greedy":
+        return "greedy"
+    d = sampling.to_dict() if hasattr(sampling, "to_dict") else dict(sampling)
+    t, k = d.get("temperature", 1.0), d.get("top_k", 0)
+    if t == 0 or k == 1:
+        return "greedy"
+    parts = [f"T {t:g}"]
+    if d.get("top_p", 1.0) < 1:
+        parts.append(f"top-p {d['top_p']:g}")
+    if k:
+        parts.append(f"top-k {k}")
+    if d.get("min_p", 0.0) > 0:
+        parts.append(f"min-p {d['min_p']:g}")
+    parts.append(f"seed {d.get('seed', 0)}")
+    return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class RecordText:
+    """What a text run was asked and wrote, as its history record has it."""
+
+    mode: str          # "chat", "chat, thinking" or "plain completion"
+    prompt: str        # the text, or the chat's last user message
+    turns: int         # user turns in the chat (1 for a completion)
+    output: str        # the output text ("" when the record has none)
+    settings: str      # 'chat · T 1 · seed 0 · end of answer · 9 + 57 tokens'
+
+
+def record_text(r: RunRecord) -> RecordText | None:
+    """A text run's prompt, output and settings from its record; None for a run on token ids."""
+    c = r.config
+    messages = c.get("messages") or []
+    if c.get("text") is None and not messages:
+        return None
+    if messages:
+        mode = "chat, thinking" if c.get("thinking") else "chat"
+        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        prompt, turns = str(users[-1].get("content", "")) if users else "", len(users)
+    else:
+        mode, prompt, turns = "plain completion", str(c["text"]), 1
+    if r.state == "done":
+        ending = ENDINGS.get(c.get("finish_reason"), c.get("finish_reason") or "done")
+    else:
+        ending = "stopped" if r.state == "cancelled" else r.state
+    prompt_ids, generated = c.get("prompt"), c.get("generated_tokens")
+    counts = (f"{len(prompt_ids) if isinstance(prompt_ids, list) else '?'} + "
+              f"{generated if isinstance(generated, int) else '?'} tokens")
+    settings = " · ".join((mode, sampling_text(c.get("sampling")), ending, counts))
+    return RecordText(mode, prompt, turns, str(c.get("output_text") or ""), settings)

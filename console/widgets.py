@@ -12,8 +12,9 @@ from textual.containers import Vertical
 from textual.geometry import Size
 from textual.events import Resize
 from textual.widget import Widget
-from textual.widgets import RichLog
+from textual.widgets import Input, RichLog
 
+from .bindings import OWN_KEYS, typed
 from .thresholds import LEVELS
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -274,7 +275,9 @@ class Meter(_Styled):
 
 class KeyBar(_Styled):
     """The key footer, htop-style, wrapping onto as many lines as the width needs so that every
-    key of the screen stays visible even at 80 columns. Keys in a Binding.Group share one label."""
+    key of the screen stays visible even at 80 columns. Keys in a Binding.Group share one label.
+    While a text field has the cursor, the keys it takes as characters (letters, space, :...)
+    type rather than act, so the bar shows the console's keys that still act (enter, esc, ctrl+…)."""
 
     COMPONENT_CLASSES = {"keybar--key", "keybar--label"}
     DEFAULT_CSS = """
@@ -295,11 +298,17 @@ class KeyBar(_Styled):
             active = self.screen.active_bindings
         except Exception:
             return items
-        for _key, (_node, binding, enabled, _tooltip) in active.items():
-            if not binding.show or binding.action in actions:
+        focused = self.screen.focused
+        typing = isinstance(focused, Input) and not focused.disabled
+        for key, (_node, binding, enabled, _tooltip) in active.items():
+            if typing:
+                shown = (binding.show or (binding.action, key) in OWN_KEYS) and binding.action != "command_palette"
+                if typed(key) or not shown or binding.action in actions:
+                    continue
+            elif not binding.show or binding.action in actions:
                 continue
             actions.add(binding.action)
-            key = self.app.get_key_display(binding)
+            key = self.app.get_key_display(binding)   # one key each: Textual splits "a,b" bindings
             if binding.group is not None:
                 label = binding.group.description
                 if label in seen:

@@ -1,30 +1,37 @@
-"""The dashboard: the live panels over the current (or last) run's Snapshot.
+"""The dashboard: the live panels over the current (or last) run's Snapshot, and the chat.
 
 The app hands the screen a Snapshot at each refresh and the next run's settings when they
 change; the screen hands the Snapshot to each panel. Keys become messages the app acts on.
+With the chat shown (i), the transcript and the prompt line take the place of the run and
+event panels (of the event panel alone on a wide terminal); the other panels stay.
 """
 from __future__ import annotations
 
+from textual import on
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.containers import Container
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
+from textual.widgets import Input
 
 from ds4f.api import Snapshot
 
-from ..bindings import DASHBOARD_BINDINGS
+from ..bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS
 from ..controller import NextRun
 from ..panels import (DashboardPanel, EventsPanel, HitRatePanel, KernelsPanel, MemoryPanel, ProgressPanel,
                       ReadRatePanel, SpeedPanel, StatusLine)
-from ..widgets import KeyBar, SizeNotice
+from ..transcript import ChatPanel, PromptInput, Transcript
+from ..widgets import EventLog, KeyBar, SizeNotice
 from .modals import TokenCountScreen
 
 
 class DashboardScreen(Screen):
     """Live panels over the current (or last) run's Snapshot, refreshed by the app's timer."""
 
-    BINDINGS = DASHBOARD_BINDINGS
+    BINDINGS = DASHBOARD_BINDINGS + CHAT_BINDINGS
+    CHAT_ACTIONS = frozenset(b.action for b in CHAT_BINDINGS)   # active while the chat is shown
 
     # -- what the keys ask of the app ---------------------------------------------------------
     class StartRun(Message):
@@ -82,6 +89,19 @@ class DashboardScreen(Screen):
     class Shown(Message):
         """The dashboard is the current screen again and wants a fresh Snapshot."""
 
+    class SubmitPrompt(Message):
+        """The operator sent a line from the prompt line (a prompt, or a /command)."""
+
+        def __init__(self, line: str) -> None:
+            super().__init__()
+            self.line = line
+
+    class CycleMode(Message):
+        """The next prompt mode: chat, chat with thinking, plain completion."""
+
+    class ClearChat(Message):
+        """Clear the conversation and the transcript."""
+
     # -----------------------------------------------------------------------------------------
     def __init__(self, refresh_s: float = 1.0, snapshot: Snapshot | None = None) -> None:
         """`snapshot`: what the panels show from the first frame (None: no run yet)."""
@@ -91,6 +111,8 @@ class DashboardScreen(Screen):
         self.refresh_s = refresh_s
         self.frozen = False
         self.shown = snapshot  # the snapshot the panels show (kept while frozen)
+        self.live = False      # a run is live (the app says): ctrl+c stops it rather than copying
+        self.chat_shown = False
 
     def compose(self) -> ComposeResult:
         yield StatusLine()
@@ -103,6 +125,7 @@ class DashboardScreen(Screen):
                 yield KernelsPanel()
             yield ProgressPanel()
             yield EventsPanel()
+            yield ChatPanel()
         yield KeyBar()
         yield SizeNotice()
 
@@ -137,7 +160,64 @@ class DashboardScreen(Screen):
         """Redraw the status line alone (after a settings change, or while frozen)."""
         self.query_one(StatusLine).show(snap, self.next_run, self.refresh_s, self.frozen)
 
+    # -- the chat ------------------------------------------------------------------------------
+    @property
+    def chat(self) -> ChatPanel:
+        return self.query_one(ChatPanel)
+
+    def show_chat(self, shown: bool) -> None:
+        """Show the transcript and the prompt line in place of the run and event panels, or not."""
+        if shown == self.chat_shown:
+            return
+        self.chat_shown = shown
+        self.set_class(shown, "-chat")
+        if not shown and (self.focused is None or not self.focused.display or
+                          self.chat in self.focused.ancestors):
+            self.query_one(EventLog).focus()
+        self.refresh_bindings()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The chat's keys act (and show) only while the chat is shown."""
+        if action in self.CHAT_ACTIONS and not self.chat_shown:
+            return False
+        return True
+
+    @on(Input.Submitted, "#prompt")
+    def _prompt_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        if event.value.strip():
+            self.post_message(self.SubmitPrompt(event.value))
+
+    @on(PromptInput.Leave)
+    def _prompt_left(self, event: PromptInput.Leave) -> None:
+        event.stop()
+        self.query_one(Transcript).focus()
+
+    def prompt_taken(self) -> None:
+        """The app took the prompt line's text: empty it for the next one."""
+        self.chat.prompt.value = ""
+
     # -- actions: each asks the app by a message ----------------------------------------------
+    def action_chat(self) -> None:
+        self.show_chat(True)
+        prompt = self.chat.prompt
+        if not prompt.disabled:
+            self.call_after_refresh(prompt.focus)
+
+    def action_back(self) -> None:
+        self.show_chat(False)
+
+    def action_cycle_mode(self) -> None:
+        self.post_message(self.CycleMode())
+
+    def action_clear_chat(self) -> None:
+        self.post_message(self.ClearChat())
+
+    def action_interrupt(self) -> None:
+        if not self.live:
+            raise SkipAction()   # nothing to stop: ctrl+c copies, as it does elsewhere
+        self.post_message(self.StopRun())
+
     def action_run(self) -> None:
         self.post_message(self.StartRun())
 

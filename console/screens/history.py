@@ -157,6 +157,15 @@ class HistoryScreen(Screen):
             out.append(f"model {F.short_path(r.model, 60)}\n")
             out.append(f"preset {r.preset} · gen {c.get('gen', F.DASH)} · kernels {'→'.join(r.backends) or F.DASH}"
                        f" · k{c.get('kernel_threads', '?')} io{c.get('io_threads', '?')}\n")
+            text = F.record_text(r)
+            if text is not None:
+                width = max(20, self.query_one("#run-detail", Static).content_region.width or 76)
+                out.append(f"text {text.settings}\n")
+                turns = f"(turn {text.turns}) " if text.turns > 1 else ""
+                for line in F.clip_text(F.printable(f"› {turns}{text.prompt}"), width, 1):
+                    out.append(line + "\n", "bold")
+                for line in F.clip_text(F.printable(f"‹ {text.output}") if text.output else "‹ (no text)", width, 2):
+                    out.append(line + "\n")
             if r.state != "done":
                 n, gen = F.record_tokens(r, self._known(r)), c.get("gen", "?")
                 out.append(f"{r.state} after {n} of {gen} tokens\n" if n is not None else
