@@ -11,29 +11,9 @@
  */
 #include <stdint.h>
 
-#include "kernels_internal.h"
+#include "kernels_avx2.h"
 
 #ifdef DS4F_X86
-#include <immintrin.h>
-
-#define T256 __attribute__((target("avx2,fma,f16c")))
-#define INL static inline __attribute__((always_inline)) T256
-
-typedef struct {
-    __m256 pos, neg;
-} lut8;
-
-INL lut8 scaled_lut(uint8_t s) {
-    const __m256 sc = _mm256_set1_ps(DS4F_SCALE(s));
-    lut8 l = {_mm256_mul_ps(_mm256_loadu_ps(ds4f_e2m1), sc), _mm256_mul_ps(_mm256_loadu_ps(ds4f_e2m1 + 8), sc)};
-    return l;
-}
-
-/* lane value: bits 2:0 magnitude index, bit `signbit` the sign (moved to bit 31 for blendv) */
-INL __m256 lookup(lut8 l, __m256i idx, __m256i sign31) {
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(l.pos, idx), _mm256_permutevar8x32_ps(l.neg, idx),
-                            _mm256_castsi256_ps(sign31));
-}
 
 /* decode: duplicate each code byte (c0 c0 c1 c1 ...), widen to dwords, shift odd lanes by 4:
  * lane j then holds code j in bits 3:0.  Large 64-byte-aligned outputs use non-temporal
@@ -75,29 +55,11 @@ T256 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t
     if (stream) _mm_sfence();
 }
 
-/* x[0..15] -> even elements and odd elements, each in order */
-INL void deinterleave(const float *x, __m256 *xe, __m256 *xo) {
-    const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
-    const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    *xe = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
-    *xo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
-}
-
 INL void mxfp4_half(const uint8_t *c, lut8 l, __m256 xe, __m256 xo, __m256 *alo, __m256 *ahi) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-    const __m256 wlo = lookup(l, v, _mm256_slli_epi32(v, 28));
-    const __m256 whi = lookup(l, _mm256_srli_epi32(v, 4), _mm256_slli_epi32(v, 24));
+    __m256 wlo, whi;
+    mxfp4_half8(c, l, &wlo, &whi);
     *alo = _mm256_fmadd_ps(wlo, xe, *alo);
     *ahi = _mm256_fmadd_ps(whi, xo, *ahi);
-}
-
-INL float finish(__m256 alo, __m256 ahi) {
-    const __m256 s = _mm256_add_ps(alo, ahi);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    return _mm_cvtss_f32(v);
 }
 
 /* one row, one 32-element block: two halves of 16 */
@@ -146,9 +108,10 @@ T256 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
 }
 
 INL void bf16_half(const uint16_t *w, __m256 xe, __m256 xo, __m256 *alo, __m256 *ahi) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
-    *alo = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xe, *alo);
-    *ahi = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))), xo, *ahi);
+    __m256 we, wo;
+    bf16_half8(w, &we, &wo);
+    *alo = _mm256_fmadd_ps(we, xe, *alo);
+    *ahi = _mm256_fmadd_ps(wo, xo, *ahi);
 }
 
 #define BF16_BLOCK(wr, a, bb)                                 \
@@ -217,18 +180,6 @@ INL void fp8_row_init(fp8_row *s) {
     s->nan = _mm256_setzero_si256();
 }
 
-/* x[j..j+31] (zero past k) in the lane order of the even/odd split */
-INL void fp8_x_perm(const float *x, size_t j, size_t k, __m256 xv[4]) {
-    float tail[32];
-    const float *src = x + j;
-    if (j + 32 > k) {
-        for (size_t i = 0; i < 32; i++) tail[i] = j + i < k ? x[j + i] : 0.0f;
-        src = tail;
-    }
-    deinterleave(src, &xv[0], &xv[2]);
-    deinterleave(src + 16, &xv[1], &xv[3]);
-}
-
 INL void fp8_x_chunk(const float *x, const float *xb, size_t j, size_t k, __m256 xv[4]) {
     if (xb) {
         xv[0] = _mm256_load_ps(xb + j), xv[1] = _mm256_load_ps(xb + j + 8);
@@ -239,50 +190,23 @@ INL void fp8_x_chunk(const float *x, const float *xb, size_t j, size_t k, __m256
 }
 
 INL void fp8_chunk(__m256i v, const __m256 xv[4], fp8_row *s) {
-    const __m256i m = _mm256_set1_epi16((short)0xBFFF);
-    const __m256i he = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16(0x0080), v), m);
-    const __m256i ho = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16((short)0x8000), v), m);
-    s->nan = _mm256_max_epu8(s->nan, _mm256_and_si256(v, _mm256_set1_epi8(0x7F)));
+    __m256 f[4];
+    fp8_widen32(v, f);
+    s->nan = fp8_nan_max(s->nan, v);
     __m256 p = s->p;
-    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(he)), xv[0], p);
-    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(he, 1)), xv[1], p);
-    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(ho)), xv[2], p);
-    p = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(ho, 1)), xv[3], p);
+    p = _mm256_fmadd_ps(f[0], xv[0], p);
+    p = _mm256_fmadd_ps(f[1], xv[1], p);
+    p = _mm256_fmadd_ps(f[2], xv[2], p);
+    p = _mm256_fmadd_ps(f[3], xv[3], p);
     s->p = p;
 }
 
-/* n < 32 trailing bytes of a row, zero-filled (code 0 = +0, against x = 0) */
-INL __m256i fp8_load_tail(const uint8_t *w, size_t n) {
-    uint8_t b[32] = {0};
-    for (size_t i = 0; i < n; i++) b[i] = w[i];
-    return _mm256_loadu_si256((const __m256i *)b);
-}
-
-/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
-INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
-
 INL void fp8_tile_end(fp8_row *s, uint8_t b) {
-    if (b < 247 || b == 255)
-        s->acc = _mm256_fmadd_ps(s->p, _mm256_set1_ps(fp8_factor(b)), s->acc);
-    else /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
-        s->acc = _mm256_fmadd_ps(_mm256_mul_ps(s->p, _mm256_set1_ps(256.0f)), _mm256_set1_ps(DS4F_SCALE(b)),
-                                 s->acc);
+    s->acc = fp8_tile_add(s->p, b, s->acc);
     s->p = _mm256_setzero_ps();
 }
 
-INL float fp8_row_end(const fp8_row *s) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s->acc), _mm256_extractf128_ps(s->acc, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(s->nan, _mm256_set1_epi8(0x7F)))) {
-        const union {
-            uint32_t u;
-            float f;
-        } q = {DS4F_QNAN_BITS};
-        return q.f;
-    }
-    return _mm_cvtss_f32(v);
-}
+INL float fp8_row_end(const fp8_row *s) { return fp8_result(s->acc, s->nan); }
 
 /* Rows r..r+R-1 (R = 1 or 4, the same op sequence per row either way); a full tile is four
  * 32-byte chunks, the last tile may be ragged.  Row loops unrolled: row state in registers. */

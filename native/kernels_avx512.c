@@ -28,17 +28,9 @@
  */
 #include <stdint.h>
 
-#include "kernels_internal.h"
+#include "kernels_avx512.h"
 
 #ifdef DS4F_X86
-#include <immintrin.h>
-
-#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#define INL static inline __attribute__((always_inline)) T512
-
-INL __m512 scaled_lut(uint8_t s) {
-    return _mm512_mul_ps(_mm512_loadu_ps(ds4f_e2m1), _mm512_set1_ps(DS4F_SCALE(s)));
-}
 
 /* decode: elements in natural order.  The 16 code bytes are broadcast to all four 128-bit
  * lanes (a load, no shuffle uop); vpshufb puts byte j/2 in dword lane j, and a variable shift
@@ -88,19 +80,15 @@ T512 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t
 
 INL void mxfp4_block(const uint8_t *c, uint8_t s, __m512 xe, __m512 xo, __m512 *alo,
                      __m512 *ahi) {
-    const __m512 lut = scaled_lut(s);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-    *alo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, lut), xe, *alo);
-    *ahi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), xo, *ahi);
+    __m512 wlo, whi;
+    mxfp4_eo(c, s, &wlo, &whi);
+    *alo = _mm512_fmadd_ps(wlo, xe, *alo);
+    *ahi = _mm512_fmadd_ps(whi, xo, *ahi);
 }
-
-INL float finish(__m512 alo, __m512 ahi) { return _mm512_reduce_add_ps(_mm512_add_ps(alo, ahi)); }
 
 T512 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
                              size_t k, const float *x, float *y) {
     const size_t kb = k / 2, ks = k / 32;
-    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     size_t r = r0;
     for (; r + 4 <= r1; r += 4) {
         const uint8_t *c0 = codes + r * kb, *c1 = c0 + kb, *c2 = c1 + kb, *c3 = c2 + kb;
@@ -109,8 +97,8 @@ T512 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
         const int ahead = r + 4 < r1; /* the next group's bytes follow this one's (see MXFP4_PREFETCH) */
         for (size_t b = 0; b < ks; b++) {
             if (ahead) MXFP4_PREFETCH(c0, s0, kb, ks, b);
-            const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-            const __m512 xe = _mm512_permutex2var_ps(x0, ie, x1), xo = _mm512_permutex2var_ps(x0, io, x1);
+            __m512 xe, xo;
+            x_eo(x + 32 * b, &xe, &xo);
             mxfp4_block(c0 + 16 * b, s0[b], xe, xo, &a0, &b0);
             mxfp4_block(c1 + 16 * b, s1[b], xe, xo, &a1, &b1);
             mxfp4_block(c2 + 16 * b, s2[b], xe, xo, &a2, &b2);
@@ -125,8 +113,8 @@ T512 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
         const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
         __m512 a0 = _mm512_setzero_ps(), b0 = a0;
         for (size_t b = 0; b < ks; b++) {
-            const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-            const __m512 xe = _mm512_permutex2var_ps(x0, ie, x1), xo = _mm512_permutex2var_ps(x0, io, x1);
+            __m512 xe, xo;
+            x_eo(x + 32 * b, &xe, &xo);
             mxfp4_block(c0 + 16 * b, s0[b], xe, xo, &a0, &b0);
         }
         y[r] = finish(a0, b0);
@@ -136,25 +124,22 @@ T512 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
 /* bf16: 32 weights per 64-byte load; the even elements are the low halves (<< 16), the odd
  * ones the high halves (mask); x de-interleaved the same way as above. */
 INL void bf16_block(const uint16_t *w, __m512 xe, __m512 xo, __m512 *alo, __m512 *ahi) {
-    const __m512i v = _mm512_loadu_si512((const void *)w);
-    const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    __m512 we, wo;
+    bf16_eo(w, &we, &wo);
     *alo = _mm512_fmadd_ps(we, xe, *alo);
     *ahi = _mm512_fmadd_ps(wo, xo, *ahi);
 }
 
 T512 static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, const float *x,
                            float *y) {
-    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const size_t nb = k / 32;
     size_t r = r0;
     for (; r + 4 <= r1; r += 4) {
         const uint16_t *w0 = w + r * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
         for (size_t b = 0; b < nb; b++) {
-            const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-            const __m512 xe = _mm512_permutex2var_ps(x0, ie, x1), xo = _mm512_permutex2var_ps(x0, io, x1);
+            __m512 xe, xo;
+            x_eo(x + 32 * b, &xe, &xo);
             bf16_block(w0 + 32 * b, xe, xo, &a0, &b0);
             bf16_block(w1 + 32 * b, xe, xo, &a1, &b1);
             bf16_block(w2 + 32 * b, xe, xo, &a2, &b2);
@@ -169,8 +154,8 @@ T512 static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, co
         const uint16_t *w0 = w + r * k;
         __m512 a0 = _mm512_setzero_ps(), b0 = a0;
         for (size_t b = 0; b < nb; b++) {
-            const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-            const __m512 xe = _mm512_permutex2var_ps(x0, ie, x1), xo = _mm512_permutex2var_ps(x0, io, x1);
+            __m512 xe, xo;
+            x_eo(x + 32 * b, &xe, &xo);
             bf16_block(w0 + 32 * b, xe, xo, &a0, &b0);
         }
         y[r] = finish(a0, b0);
@@ -216,27 +201,6 @@ INL void fp8_row_init(fp8_row *s) {
     s->nan = _mm512_setzero_si512();
 }
 
-/* x[j..j+63] (zero past k) in the lane order of the even/odd split */
-INL void fp8_x_perm(const float *x, size_t j, size_t k, __m512 xv[4]) {
-    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    __m512 a[4];
-    if (j + 64 <= k) {
-        a[0] = _mm512_loadu_ps(x + j), a[1] = _mm512_loadu_ps(x + j + 16);
-        a[2] = _mm512_loadu_ps(x + j + 32), a[3] = _mm512_loadu_ps(x + j + 48);
-    } else {
-        for (int i = 0; i < 4; i++) {
-            const size_t lo = j + 16 * (size_t)i;
-            const size_t n = lo >= k ? 0 : k - lo >= 16 ? 16 : k - lo;
-            a[i] = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), x + lo);
-        }
-    }
-    xv[0] = _mm512_permutex2var_ps(a[0], ie, a[1]);
-    xv[1] = _mm512_permutex2var_ps(a[2], ie, a[3]);
-    xv[2] = _mm512_permutex2var_ps(a[0], io, a[1]);
-    xv[3] = _mm512_permutex2var_ps(a[2], io, a[3]);
-}
-
 /* the 4 x vectors of chunk j: from the permuted buffer, or permuted now */
 INL void fp8_x_chunk(const float *x, const float *xb, size_t j, size_t k, __m512 xv[4]) {
     if (xb) {
@@ -248,46 +212,23 @@ INL void fp8_x_chunk(const float *x, const float *xb, size_t j, size_t k, __m512
 }
 
 INL void fp8_chunk(__m512i v, const __m512 xv[4], fp8_row *s) {
-    const __m512i m = _mm512_set1_epi16((short)0xBFFF);
-    const __m512i he = _mm512_and_si512(_mm512_maddubs_epi16(_mm512_set1_epi16(0x0080), v), m);
-    const __m512i ho = _mm512_and_si512(_mm512_maddubs_epi16(_mm512_set1_epi16((short)0x8000), v), m);
-    s->nan = _mm512_max_epu8(s->nan, _mm512_and_si512(v, _mm512_set1_epi8(0x7F)));
+    __m512 f[4];
+    fp8_widen64(v, f);
+    s->nan = fp8_nan_max(s->nan, v);
     __m512 p = s->p;
-    p = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(he)), xv[0], p);
-    p = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(he, 1)), xv[1], p);
-    p = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(ho)), xv[2], p);
-    p = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(ho, 1)), xv[3], p);
+    p = _mm512_fmadd_ps(f[0], xv[0], p);
+    p = _mm512_fmadd_ps(f[1], xv[1], p);
+    p = _mm512_fmadd_ps(f[2], xv[2], p);
+    p = _mm512_fmadd_ps(f[3], xv[3], p);
     s->p = p;
 }
 
-/* n < 64 trailing bytes of a row (masked off = code 0 = +0, against x = 0) */
-INL __m512i fp8_load_tail(const uint8_t *w, size_t n) {
-    return _mm512_maskz_loadu_epi8(((__mmask64)1 << n) - 1, w);
-}
-
-/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
-INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
-
 INL void fp8_tile_end(fp8_row *s, uint8_t b) {
-    if (b < 247 || b == 255)
-        s->acc = _mm512_fmadd_ps(s->p, _mm512_set1_ps(fp8_factor(b)), s->acc);
-    else /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
-        s->acc = _mm512_fmadd_ps(_mm512_mul_ps(s->p, _mm512_set1_ps(256.0f)), _mm512_set1_ps(DS4F_SCALE(b)),
-                                 s->acc);
+    s->acc = fp8_tile_add(s->p, b, s->acc);
     s->p = _mm512_setzero_ps();
 }
 
-INL float fp8_row_end(const fp8_row *s) {
-    const float y = _mm512_reduce_add_ps(s->acc);
-    if (_mm512_cmpeq_epi8_mask(s->nan, _mm512_set1_epi8(0x7F))) {
-        const union {
-            uint32_t u;
-            float f;
-        } q = {DS4F_QNAN_BITS};
-        return q.f;
-    }
-    return y;
-}
+INL float fp8_row_end(const fp8_row *s) { return fp8_result(s->acc, s->nan); }
 
 /* Rows r..r+R-1 (R = 1 or 4: the same op sequence per row either way).  Full tiles are two
  * 64-byte chunks; the last tile may be ragged (a full chunk and/or a masked one).  The row loops

@@ -7,37 +7,9 @@
  * give the bf16 high and low bytes of each code; zip them into bf16 words and widen with a
  * 16-bit left shift to fp32 (sign kept, so code 8 is -0.0), then multiply by the scale.
  */
-#include "kernels_internal.h"
+#include "kernels_neon.h"
 
 #ifdef DS4F_ARM64
-#include <arm_neon.h>
-
-#define INL static inline __attribute__((always_inline))
-
-static const uint8_t BF16_HI[16] = {0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40,
-                                    0x80, 0xbf, 0xbf, 0xbf, 0xc0, 0xc0, 0xc0, 0xc0};
-static const uint8_t BF16_LO[16] = {0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0,
-                                    0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0};
-
-/* 16 codes (one per byte, natural order) -> 16 unscaled fp32 in w[0..3] */
-INL void e2m1x16(uint8x16_t n, uint8x16_t thi, uint8x16_t tlo, float32x4_t w[4]) {
-    const uint8x16_t h = vqtbl1q_u8(thi, n), l = vqtbl1q_u8(tlo, n);
-    const uint16x8_t a = vreinterpretq_u16_u8(vzip1q_u8(l, h)), b = vreinterpretq_u16_u8(vzip2q_u8(l, h));
-    w[0] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16));
-    w[1] = vreinterpretq_f32_u32(vshll_high_n_u16(a, 16));
-    w[2] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16));
-    w[3] = vreinterpretq_f32_u32(vshll_high_n_u16(b, 16));
-}
-
-/* one 32-element block of codes -> 32 scaled fp32 in natural order */
-INL void decode_block(const uint8_t *c, uint8_t s, uint8x16_t thi, uint8x16_t tlo, float32x4_t w[8]) {
-    const uint8x16_t cb = vld1q_u8(c);
-    const uint8x16_t lo = vandq_u8(cb, vdupq_n_u8(15)), hi = vshrq_n_u8(cb, 4);
-    e2m1x16(vzip1q_u8(lo, hi), thi, tlo, w);
-    e2m1x16(vzip2q_u8(lo, hi), thi, tlo, w + 4);
-    const float32x4_t sc = vdupq_n_f32(DS4F_SCALE(s));
-    for (int i = 0; i < 8; i++) w[i] = vmulq_f32(w[i], sc);
-}
 
 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
                         size_t k, float *out) {
@@ -63,8 +35,6 @@ INL void mxfp4_block(const uint8_t *c, uint8_t s, uint8x16_t thi, uint8x16_t tlo
         *bb = vfmaq_f32(*bb, w[i + 1], xv[i + 1]);
     }
 }
-
-INL float finish(float32x4_t a, float32x4_t b) { return vaddvq_f32(vaddq_f32(a, b)); }
 
 INL void load_x(const float *x, float32x4_t xv[8]) {
     for (int i = 0; i < 8; i++) xv[i] = vld1q_f32(x + 4 * i);
@@ -106,10 +76,11 @@ static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, 
 
 /* bf16: widen with a 16-bit left shift, FMA; 32 elements per block like the rest */
 INL void bf16_block(const uint16_t *w, const float32x4_t xv[8], float32x4_t *a, float32x4_t *bb) {
+    float32x4_t f[8];
+    bf16_widen32(w, f);
     for (int i = 0; i < 4; i++) {
-        const uint16x8_t v = vld1q_u16(w + 8 * i);
-        *a = vfmaq_f32(*a, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(v), 16)), xv[2 * i]);
-        *bb = vfmaq_f32(*bb, vreinterpretq_f32_u32(vshll_high_n_u16(v, 16)), xv[2 * i + 1]);
+        *a = vfmaq_f32(*a, f[2 * i], xv[2 * i]);
+        *bb = vfmaq_f32(*bb, f[2 * i + 1], xv[2 * i + 1]);
     }
 }
 
@@ -168,51 +139,24 @@ INL void load_x16(const float *x, float32x4_t xv[4]) {
     for (int i = 0; i < 4; i++) xv[i] = vld1q_f32(x + 4 * i);
 }
 
-/* n < 16 trailing bytes of a row, zero-filled (code 0 = +0, against x = 0) */
-INL uint8x16_t fp8_load_tail(const uint8_t *w, size_t n) {
-    uint8_t b[16] = {0};
-    for (size_t i = 0; i < n; i++) b[i] = w[i];
-    return vld1q_u8(b);
-}
-
-/* 8 E4M3 bytes -> the fp16 words e4m3/2^8 */
-INL float16x8_t fp8_half8(int8x8_t b) {
-    return vreinterpretq_f16_u16(vandq_u16(vreinterpretq_u16_s16(vshll_n_s8(b, 7)), vdupq_n_u16(0xBFFF)));
-}
-
 INL void fp8_chunk(uint8x16_t v, const float32x4_t xv[4], fp8_row *s) {
-    const float16x8_t h0 = fp8_half8(vreinterpret_s8_u8(vget_low_u8(v)));
-    const float16x8_t h1 = fp8_half8(vreinterpret_s8_u8(vget_high_u8(v)));
-    s->nan = vmaxq_u8(s->nan, vandq_u8(v, vdupq_n_u8(0x7F)));
+    float32x4_t f[4];
+    fp8_widen16(v, f);
+    s->nan = fp8_nan_max(s->nan, v);
     float32x4_t p = s->p;
-    p = vfmaq_f32(p, vcvt_f32_f16(vget_low_f16(h0)), xv[0]);
-    p = vfmaq_f32(p, vcvt_high_f32_f16(h0), xv[1]);
-    p = vfmaq_f32(p, vcvt_f32_f16(vget_low_f16(h1)), xv[2]);
-    p = vfmaq_f32(p, vcvt_high_f32_f16(h1), xv[3]);
+    p = vfmaq_f32(p, f[0], xv[0]);
+    p = vfmaq_f32(p, f[1], xv[1]);
+    p = vfmaq_f32(p, f[2], xv[2]);
+    p = vfmaq_f32(p, f[3], xv[3]);
     s->p = p;
 }
 
-/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
-INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
-
 INL void fp8_tile_end(fp8_row *s, uint8_t b) {
-    if (b < 247 || b == 255)
-        s->acc = vfmaq_f32(s->acc, s->p, vdupq_n_f32(fp8_factor(b)));
-    else /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
-        s->acc = vfmaq_f32(s->acc, vmulq_f32(s->p, vdupq_n_f32(256.0f)), vdupq_n_f32(DS4F_SCALE(b)));
+    s->acc = fp8_tile_add(s->p, b, s->acc);
     s->p = vdupq_n_f32(0.0f);
 }
 
-INL float fp8_row_end(const fp8_row *s) {
-    if (vmaxvq_u8(s->nan) == 0x7F) {
-        const union {
-            uint32_t u;
-            float f;
-        } q = {DS4F_QNAN_BITS};
-        return q.f;
-    }
-    return vaddvq_f32(s->acc);
-}
+INL float fp8_row_end(const fp8_row *s) { return fp8_result(s->acc, s->nan); }
 
 #define FP8_FOR_ROWS(R, stmt)                                                                      \
     do {                                                                                           \

@@ -1,0 +1,126 @@
+/* kernels_avx2.h — the AVX2 steps that the single-vector kernels (kernels_avx2.c) and the
+ * multi-token ones (multi_avx2.c) share, so that both compute every result with the same
+ * decode, lane order, per-tile scaling and final reduction.
+ */
+#ifndef DS4F_KERNELS_AVX2_H
+#define DS4F_KERNELS_AVX2_H
+#include "kernels_internal.h"
+
+#ifdef DS4F_X86
+#include <immintrin.h>
+
+#define T256 __attribute__((target("avx2,fma,f16c")))
+#define INL static inline __attribute__((always_inline)) T256
+
+typedef struct {
+    __m256 pos, neg;
+} lut8;
+
+INL lut8 scaled_lut(uint8_t s) {
+    const __m256 sc = _mm256_set1_ps(DS4F_SCALE(s));
+    lut8 l = {_mm256_mul_ps(_mm256_loadu_ps(ds4f_e2m1), sc), _mm256_mul_ps(_mm256_loadu_ps(ds4f_e2m1 + 8), sc)};
+    return l;
+}
+
+/* lane value: bits 2:0 magnitude index, bit `signbit` the sign (moved to bit 31 for blendv) */
+INL __m256 lookup(lut8 l, __m256i idx, __m256i sign31) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(l.pos, idx), _mm256_permutevar8x32_ps(l.neg, idx),
+                            _mm256_castsi256_ps(sign31));
+}
+
+/* 8 code bytes (16 elements): wlo = elements 0, 2, .., 14, whi = 1, 3, .., 15 */
+INL void mxfp4_half8(const uint8_t *c, lut8 l, __m256 *wlo, __m256 *whi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    *wlo = lookup(l, v, _mm256_slli_epi32(v, 28));
+    *whi = lookup(l, _mm256_srli_epi32(v, 4), _mm256_slli_epi32(v, 24));
+}
+
+/* 16 bf16 weights: the even elements are the low halves (<< 16), the odd ones the high halves */
+INL void bf16_half8(const uint16_t *w, __m256 *we, __m256 *wo) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    *we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* x[0..15] -> even elements and odd elements, each in order */
+INL void deinterleave(const float *x, __m256 *xe, __m256 *xo) {
+    const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
+    const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    *xe = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+    *xo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* an MXFP4 / bf16 row's result from its two accumulators */
+INL float finish(__m256 alo, __m256 ahi) {
+    const __m256 s = _mm256_add_ps(alo, ahi);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+
+/* ---- FP8 (see kernels_avx2.c and kernels_avx512.c for the method) ---- */
+
+/* x[j..j+31] (zero past k) in the lane order of fp8_widen32 */
+INL void fp8_x_perm(const float *x, size_t j, size_t k, __m256 xv[4]) {
+    float tail[32];
+    const float *src = x + j;
+    if (j + 32 > k) {
+        for (size_t i = 0; i < 32; i++) tail[i] = j + i < k ? x[j + i] : 0.0f;
+        src = tail;
+    }
+    deinterleave(src, &xv[0], &xv[2]);
+    deinterleave(src + 16, &xv[1], &xv[3]);
+}
+
+/* 32 E4M3 bytes -> e4m3(b) / 2^8 as fp32, exact, in the lane order of fp8_x_perm */
+INL void fp8_widen32(__m256i v, __m256 f[4]) {
+    const __m256i m = _mm256_set1_epi16((short)0xBFFF);
+    const __m256i he = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16(0x0080), v), m);
+    const __m256i ho = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16((short)0x8000), v), m);
+    f[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(he));
+    f[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(he, 1));
+    f[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(ho));
+    f[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(ho, 1));
+}
+
+/* bytewise max of (b & 0x7F): 0x7F somewhere = a NaN code */
+INL __m256i fp8_nan_max(__m256i nan, __m256i v) {
+    return _mm256_max_epu8(nan, _mm256_and_si256(v, _mm256_set1_epi8(0x7F)));
+}
+
+/* n < 32 trailing bytes of a row, zero-filled (code 0 = +0, against x = 0) */
+INL __m256i fp8_load_tail(const uint8_t *w, size_t n) {
+    uint8_t b[32] = {0};
+    for (size_t i = 0; i < n; i++) b[i] = w[i];
+    return _mm256_loadu_si256((const __m256i *)b);
+}
+
+/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
+INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
+
+/* acc + a tile's partial sum p times its scale (and the 2^8 of the fp16 trick) */
+INL __m256 fp8_tile_add(__m256 p, uint8_t b, __m256 acc) {
+    if (b < 247 || b == 255) return _mm256_fmadd_ps(p, _mm256_set1_ps(fp8_factor(b)), acc);
+    /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
+    return _mm256_fmadd_ps(_mm256_mul_ps(p, _mm256_set1_ps(256.0f)), _mm256_set1_ps(DS4F_SCALE(b)), acc);
+}
+
+/* a row's result: the sum of its lanes, or the quiet NaN if it holds a NaN code */
+INL float fp8_result(__m256 acc, __m256i nan) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8(0x7F)))) {
+        const union {
+            uint32_t u;
+            float f;
+        } q = {DS4F_QNAN_BITS};
+        return q.f;
+    }
+    return _mm_cvtss_f32(v);
+}
+
+#endif
+#endif
