@@ -5,6 +5,10 @@ shape (FP8) and output sizes and raises ValueError naming the offending argument
 reaches C that could make it read or write out of bounds.  Arrays may be views into larger buffers (expert-cache slots): any C-contiguous
 array of the right dtype and shape is used in place, never copied.
 
+The *_matmul functions and experts_forward_tokens take several input vectors at once (the
+tokens of a prompt): each weight block is decoded once and applied to all of them, and each
+result row is bit-identical to the single-vector kernel's on that vector (same backend).
+
 The GIL is released while a kernel runs: these are cffi API-mode (out-of-line, compiled) calls,
 and cffi wraps every such call in Py_BEGIN_ALLOW_THREADS / Py_END_ALLOW_THREADS
 (tests/test_kernels.py::test_gil_released checks it).  Native jobs are serialised by the
@@ -234,6 +238,25 @@ def experts_scratch(n: int, hidden: int, inter: int) -> np.ndarray:
     return np.zeros(int(lib.ds4f_experts_scratch_floats(n, hidden, inter)), _F32)
 
 
+def _expert_buffers(e: int, ex, hidden: int, inter: int, ce, keep: list) -> None:
+    """Check expert e's six arrays and point the native struct ce (ds4f_expert or
+    ds4f_expert_tokens) at them; the buffers go to keep, which must outlive the call."""
+    if len(ex) != 6:
+        raise ValueError(f"experts[{e}]: expected ExpertWeights(w1, s1, w3, s3, w2, s2)")
+    specs = (
+        ("w1", (inter, hidden // 2)), ("s1", (inter, hidden // 32)),
+        ("w3", (inter, hidden // 2)), ("s3", (inter, hidden // 32)),
+        ("w2", (hidden, inter // 2)), ("s2", (hidden, inter // 32)),
+    )  # fmt: skip
+    for (field, shape), a in zip(specs, ex):
+        # fast path first (called once per layer per token); the full check names the culprit
+        if type(a) is not np.ndarray or a.dtype != _U8 or a.shape != shape or not a.flags.c_contiguous:
+            _arr(f"experts[{e}].{field}", a, _U8, shape)
+        buf = ffi.from_buffer("uint8_t[]", a)
+        keep.append(buf)
+        setattr(ce, field, buf)
+
+
 def _experts_args(experts: Sequence[ExpertWeights], weights, x: np.ndarray, out, out_name: str, each: bool,
                   scratch: np.ndarray):
     """The checks experts_forward and experts_forward_each share; returns the native expert array
@@ -264,24 +287,11 @@ def _experts_args(experts: Sequence[ExpertWeights], weights, x: np.ndarray, out,
     if np.may_share_memory(scratch, out) or np.may_share_memory(scratch, x):
         raise ValueError(f"scratch: must not overlap x or {out_name}")
 
-    specs = (
-        ("w1", (inter, hidden // 2)), ("s1", (inter, hidden // 32)),
-        ("w3", (inter, hidden // 2)), ("s3", (inter, hidden // 32)),
-        ("w2", (hidden, inter // 2)), ("s2", (hidden, inter // 32)),
-    )  # fmt: skip
     cex = ffi.new("ds4f_expert[]", n)
     keep = []  # the from_buffer objects must outlive the call
     for e, ex in enumerate(experts):
-        if len(ex) != 6:
-            raise ValueError(f"experts[{e}]: expected ExpertWeights(w1, s1, w3, s3, w2, s2)")
         ce = cex[e]
-        for (field, shape), a in zip(specs, ex):
-            # fast path first (called once per layer per token); the full check names the culprit
-            if type(a) is not np.ndarray or a.dtype != _U8 or a.shape != shape or not a.flags.c_contiguous:
-                _arr(f"experts[{e}].{field}", a, _U8, shape)
-            buf = ffi.from_buffer("uint8_t[]", a)
-            keep.append(buf)
-            setattr(ce, field, buf)
+        _expert_buffers(e, ex, hidden, inter, ce, keep)
         try:
             ce.weight = float(weights[e])
         except (TypeError, ValueError):
@@ -331,6 +341,165 @@ def experts_forward_each(
     if rc != 0:  # unreachable after the checks above; kept as a guard
         raise ValueError("experts_forward_each: the native kernel rejected its arguments")
     return out_each
+
+
+# ---- several vectors at once ----------------------------------------------------------------
+#
+# The multi-token kernels: x holds n input vectors as rows [n, k], the result one row per vector
+# [n, rows].  Each weight block is decoded once per call (per 32 vectors) and applied to all of
+# them, and row t of the result is bit-identical to the single-vector kernel on x[t] with the same
+# backend, whatever n and the thread count: batching never changes a result.
+
+
+def _x_rows(x, k: int) -> int:
+    """n of an input batch x [n, k] (float32, C-contiguous)."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        got = x.shape if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"x: expected a 2-D float32 array [n, {k}] (one input vector per row), got {got}")
+    _arr("x", x, _F32, (x.shape[0], k))
+    return x.shape[0]
+
+
+def _scratch(scratch, need: int, what: str, *others: np.ndarray) -> np.ndarray:
+    """The caller's float32 work buffer (checked), or a new one when scratch is None."""
+    if scratch is None:
+        return np.empty(max(need, 1), _F32)
+    if not isinstance(scratch, np.ndarray) or scratch.dtype != _F32 or not scratch.flags.c_contiguous:
+        raise ValueError(f"scratch: expected a C-contiguous float32 array (see {what})")
+    if not scratch.flags.writeable:
+        raise ValueError("scratch: array is read-only")
+    if scratch.size < need:
+        raise ValueError(f"scratch: holds {scratch.size} floats, this call needs {need} (see {what})")
+    for a in others:
+        if np.may_share_memory(scratch, a):
+            raise ValueError("scratch: must not overlap the inputs or the output")
+    return scratch
+
+
+def matmul_scratch(n: int, k: int) -> np.ndarray:
+    """The float32 work buffer a multi-token matmul of n vectors of length k needs (the same size
+    for every backend and format): allocate once, reuse."""
+    return np.empty(max(int(lib.ds4f_matmul_scratch_floats(n, k)), 1), _F32)
+
+
+def _matmul(fn, w_ptr, scales_ptr, rows: int, k: int, x, out, scratch):
+    n = _x_rows(x, k)
+    out = _out("out", out, (n, rows))
+    if np.may_share_memory(out, x):
+        raise ValueError("out: must not overlap x")
+    scratch = _scratch(scratch, int(lib.ds4f_matmul_scratch_floats(n, k)), "matmul_scratch", x, out)
+    args = (rows, k, n, _ptr("float[]", x), _ptr("float[]", out), _ptr("float[]", scratch))
+    rc = fn(w_ptr, *args) if scales_ptr is None else fn(w_ptr, scales_ptr, *args)
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("matmul: the native kernel rejected its arguments")
+    return out
+
+
+def mxfp4_matmul(codes: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
+                 scratch: np.ndarray | None = None) -> np.ndarray:
+    """out[t] = W . x[t] for MXFP4 W [rows, k] and float32 x [n, k]; out is float32 [n, rows].
+    Row t equals mxfp4_matvec(codes, scales, x[t]) bit for bit.  scratch: see matmul_scratch
+    (None: allocated for this call)."""
+    rows, k = _mxfp4_shape(codes, scales)
+    return _matmul(lib.ds4f_mxfp4_matmul, _ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales), rows, k, x, out,
+                   scratch)
+
+
+def bf16_matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
+                scratch: np.ndarray | None = None) -> np.ndarray:
+    """out[t] = W . x[t] for bf16 W [rows, k] (ml_dtypes.bfloat16 or uint16 bits) and float32
+    x [n, k]; row t equals bf16_matvec(w, x[t]) bit for bit."""
+    if not isinstance(w, np.ndarray) or w.ndim != 2:
+        got = w.shape if isinstance(w, np.ndarray) else type(w).__name__
+        raise ValueError(f"w: expected a 2-D bfloat16 or uint16 array [rows, k], got {got}")
+    if w.dtype != _U16 and w.dtype != _BF16:
+        raise ValueError(f"w: expected dtype bfloat16 or uint16, got {w.dtype}")
+    rows, k = w.shape
+    if k % 32:
+        raise ValueError(f"w: k = {k} is not a multiple of 32")
+    _arr("w", w, w.dtype, (rows, k))
+    return _matmul(lib.ds4f_bf16_matmul, _ptr("uint16_t[]", w.view(_U16)), None, rows, k, x, out, scratch)
+
+
+def fp8_matmul(w: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
+               scratch: np.ndarray | None = None) -> np.ndarray:
+    """out[t] = W . x[t] for FP8 W [rows, k] (E4M3, E8M0 scales per 128x128 tile) and float32
+    x [n, k]; row t equals fp8_matvec(w, scales, x[t]) bit for bit (NaN rows included)."""
+    rows, k = _fp8_shape(w, scales)
+    return _matmul(lib.ds4f_fp8_matmul, _ptr("uint8_t[]", w.view(_U8)), _ptr("uint8_t[]", scales.view(_U8)),
+                   rows, k, x, out, scratch)
+
+
+def experts_tokens_scratch(pairs: int, hidden: int, inter: int) -> np.ndarray:
+    """The float32 work buffer experts_forward_tokens needs for `pairs` (token, expert) pairs."""
+    _check_dims(1, hidden, inter)
+    return np.empty(max(int(lib.ds4f_experts_tokens_scratch_floats(pairs, hidden, inter)), 1), _F32)
+
+
+def experts_forward_tokens(
+    experts: Sequence[ExpertWeights],
+    tokens: Sequence,
+    weights: Sequence,
+    x: np.ndarray,
+    limit: float,
+    out: np.ndarray | None = None,
+    scratch: np.ndarray | None = None,
+) -> np.ndarray:
+    """Routed experts applied to the tokens routed to them, each expert read once for all of
+    its tokens: x is float32 [n_tokens, hidden]; tokens[e] lists the rows of x expert e applies
+    to and weights[e] their routing weights.  out [pairs, hidden] (pairs = all the tokens
+    lists' lengths added) gets one row per pair, expert by expert in order and within an
+    expert in its tokens' order:
+        w2_e . (silu(min(w1_e.x[t], limit)) * clip(w3_e.x[t], -limit, limit) * weight),
+    bit-identical to experts_forward_each's row for that expert, token and weight.  scratch: see
+    experts_tokens_scratch (None: allocated for this call).  Returns out."""
+    n = len(experts)
+    if n == 0:
+        raise ValueError("experts: expected at least one expert")
+    if len(tokens) != n or len(weights) != n:
+        raise ValueError(f"tokens, weights: expected one list per expert ({n}), got {len(tokens)} and {len(weights)}")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError("x: expected a 2-D float32 array [n_tokens, hidden]")
+    ntok, hidden = x.shape
+    w1 = experts[0][0]
+    if not isinstance(w1, np.ndarray) or w1.ndim != 2:
+        raise ValueError("experts[0].w1: expected a 2-D uint8 array [inter, hidden//2]")
+    inter = w1.shape[0]
+    _check_dims(1, hidden, inter)
+    _arr("x", x, _F32, (ntok, hidden))
+    cex = ffi.new("ds4f_expert_tokens[]", n)
+    keep = []
+    pairs = 0
+    for e, ex in enumerate(experts):
+        t = np.asarray(tokens[e])
+        if t.ndim != 1 or (t.size and not np.issubdtype(t.dtype, np.integer)):
+            raise ValueError(f"tokens[{e}]: expected a 1-D array of row indices into x, got {t.dtype} {t.shape}")
+        if t.size and (t.min() < 0 or t.max() >= ntok):
+            raise ValueError(f"tokens[{e}]: row indices must be in 0..{ntok - 1} (x has {ntok} rows)")
+        wt = np.asarray(weights[e])
+        if wt.shape != t.shape:
+            raise ValueError(f"weights[{e}]: expected {t.size} routing weights (one per token), got shape {wt.shape}")
+        try:
+            wt = np.ascontiguousarray(wt, dtype=_F32)
+        except (TypeError, ValueError):
+            raise ValueError(f"weights[{e}]: expected numbers, got {wt.dtype}") from None
+        t = np.ascontiguousarray(t, dtype=np.int32)
+        ce = cex[e]
+        _expert_buffers(e, ex, hidden, inter, ce, keep)
+        bt, bw = ffi.from_buffer("int32_t[]", t), ffi.from_buffer("float[]", wt)
+        keep += [bt, bw]
+        ce.tokens, ce.weights, ce.n = bt, bw, t.size
+        pairs += t.size
+    out = _out("out", out, (pairs, hidden))
+    if np.may_share_memory(out, x):
+        raise ValueError("out: must not overlap x")
+    need = int(lib.ds4f_experts_tokens_scratch_floats(pairs, hidden, inter))
+    scratch = _scratch(scratch, need, "experts_tokens_scratch", x, out)
+    rc = lib.ds4f_experts_forward_tokens(cex, n, _ptr("float[]", x), ntok, hidden, inter, float(limit),
+                                         _ptr("float[]", out), _ptr("float[]", scratch))
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("experts_forward_tokens: the native kernel rejected its arguments")
+    return out
 
 
 def _check_env() -> None:

@@ -18,7 +18,12 @@ SOURCES = [
     "kernels_avx2.c",
     "kernels_avx512.c",
     "kernels_neon.c",
+    "multi_scalar.c",
+    "multi_avx2.c",
+    "multi_avx512.c",
+    "multi_neon.c",
     "dispatch.c",
+    "dispatch_multi.c",
     "threadpool.c",
     "membench.c",
 ]

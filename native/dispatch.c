@@ -124,6 +124,8 @@ static const ds4f_ktable *table(int backend) {
     }
 }
 
+const ds4f_ktable *ds4f_ktable_of(int backend) { return table(backend); }
+
 int ds4f_set_threads(int n) { return ds4f_pool_set_threads(n); }
 int ds4f_get_threads(void) { return ds4f_pool_get_threads(); }
 

@@ -68,4 +68,39 @@ int ds4f_experts_forward(const ds4f_expert *ex, int n, const float *x, size_t hi
 int ds4f_experts_forward_each(const ds4f_expert *ex, int n, const float *x, size_t hidden, size_t inter,
                               float limit, float *y_each, float *scratch);
 
+/* ---- several input vectors at once -------------------------------------------------------------
+ * x is [n][k] fp32 row-major (n input vectors), y is [n][rows] fp32 row-major: y[t] = W . x[t].
+ * Every weight block is decoded once per call (once per 32 vectors) and applied to all
+ * n vectors, and y[t] is bit-identical to the single-vector kernel on x[t] (ds4f_mxfp4_matvec,
+ * ds4f_bf16_matvec, ds4f_fp8_matvec) on the same backend, at any n and thread count: batching
+ * never changes a result.  Shapes as for the single-vector kernels.  scratch holds at least
+ * ds4f_matmul_scratch_floats(n, k) floats (x in the backend's lane order; the size does not depend
+ * on the backend) and must not overlap x or y.  Returns 0, or -1 for bad arguments. */
+size_t ds4f_matmul_scratch_floats(size_t n, size_t k);
+int ds4f_mxfp4_matmul(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k, size_t n,
+                      const float *x, float *y, float *scratch);
+int ds4f_bf16_matmul(const uint16_t *w, size_t rows, size_t k, size_t n, const float *x, float *y,
+                     float *scratch);
+int ds4f_fp8_matmul(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, size_t n,
+                    const float *x, float *y, float *scratch);
+
+/* A routed expert applied to a set of tokens (the pairs routed to it in a batch of tokens):
+ * tokens[i] is a row of the caller's x [ntok][hidden], weights[i] that pair's routing weight. */
+typedef struct {
+    const uint8_t *w1, *s1, *w3, *s3, *w2, *s2; /* as in ds4f_expert */
+    const int32_t *tokens;                      /* n row indices into x, each < ntok */
+    const float *weights;                       /* n routing weights */
+    size_t n;                                   /* 0 is allowed (the expert is skipped) */
+} ds4f_expert_tokens;
+
+/* For every expert e (in order) and every pair i of it (in order), one row of y [pairs][hidden]:
+ *   w2_e . ( silu(min(w1_e.x[tokens[i]], limit)) * clamp(w3_e.x[tokens[i]], -limit, limit) * weights[i] )
+ * where pairs = the sum of the n's: bit-identical to ds4f_experts_forward_each's row for that
+ * expert, token row and weight.  n_experts >= 1 (no upper bound).  scratch holds
+ * ds4f_experts_tokens_scratch_floats(pairs, hidden, inter) floats, apart from x and y.
+ * Returns 0, or -1 for bad arguments (a token index >= ntok, sizes not multiples of 32, ...). */
+size_t ds4f_experts_tokens_scratch_floats(size_t pairs, size_t hidden, size_t inter);
+int ds4f_experts_forward_tokens(const ds4f_expert_tokens *ex, int n_experts, const float *x, size_t ntok,
+                                size_t hidden, size_t inter, float limit, float *y, float *scratch);
+
 #endif

@@ -71,6 +71,47 @@ extern const ds4f_ktable ds4f_kt_avx512; /* kernels_avx512.c */
 extern const ds4f_ktable ds4f_kt_neon;   /* kernels_neon.c */
 #endif
 
+/* ---- multi-token kernels (multi_*.c, dispatched by dispatch_multi.c) ---------------------------
+ *
+ * A multi-token kernel applies rows r0..r1 of one matrix to nt input vectors at once: vector t is
+ * the prepared row xp + t*ldx, and row r's result for it goes to y[t*ldy + r].  Each block of
+ * weights is decoded once (into a small L1 tile) and then applied to every vector, yet for every
+ * (t, r) the arithmetic is exactly that of the same backend's single-vector kernel on vector t:
+ * the same decoded weights times the same x elements, accumulated by the same instruction into
+ * the same lanes in the same order, and reduced by the same code.  So y[t*ldy + r] equals the
+ * single-vector y[r] for x = vector t bit for bit, whatever nt, the row split or the thread count.
+ *
+ * "Prepared" = x in the lane order the backend's kernel reads (prep), zero-padded to a multiple
+ * of xpad floats; prep NULL means natural order.  A prep works block by block (32 floats for
+ * MXFP4 and bf16), so a slice of a row that starts at a multiple of 32 can be prepared alone. */
+enum { DS4F_MM_MXFP4 = 0, DS4F_MM_BF16 = 1, DS4F_MM_FP8 = 2, DS4F_MM_KINDS = 3 };
+#define DS4F_MM_XPAD_MAX 64 /* the largest xpad of any backend: scratch is sized with it */
+
+typedef void (*ds4f_mm_fn)(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                           size_t nt, const float *xp, size_t ldx, float *y, size_t ldy);
+typedef void (*ds4f_prep_fn)(const float *x, size_t k, float *xp); /* one row (or block-aligned slice) */
+
+typedef struct {
+    ds4f_mm_fn mm[DS4F_MM_KINDS];     /* MXFP4 (w = codes), bf16 (w = uint16, scales unused), FP8 */
+    ds4f_prep_fn prep[DS4F_MM_KINDS]; /* NULL: natural order */
+    size_t xpad[DS4F_MM_KINDS];       /* 1, or the multiple a prepared row is zero-padded to */
+} ds4f_mtable;
+
+extern const ds4f_mtable ds4f_mt_scalar; /* multi_scalar.c */
+#ifdef DS4F_X86
+extern const ds4f_mtable ds4f_mt_avx2;   /* multi_avx2.c */
+extern const ds4f_mtable ds4f_mt_avx512; /* multi_avx512.c */
+#endif
+#ifdef DS4F_ARM64
+extern const ds4f_mtable ds4f_mt_neon;   /* multi_neon.c */
+#endif
+const ds4f_ktable *ds4f_ktable_of(int backend);  /* dispatch.c */
+const ds4f_mtable *ds4f_mtable_of(int backend);  /* dispatch_multi.c */
+
+/* The tokens a multi-token kernel keeps accumulators for at a time (its stack tile); more tokens
+ * are taken in blocks of this many, each block decoding the weights again (from L1/L2). */
+#define DS4F_MM_TB 32
+
 /* threadpool.c: a persistent pool; the caller takes part.  Jobs are serialised (one at a time,
  * whatever the number of calling threads); tasks are claimed dynamically, so a task must give
  * the same result whichever thread runs it. */

@@ -3,7 +3,9 @@ native/tests/neon_driver.c are cross-compiled for aarch64 and run under qemu-aar
 fixtures written here.  NEON output is checked against the scalar backend of the same binary
 (decode bit-identical) and, independently, against ml_dtypes / float64 numpy references:
 MXFP4 and bf16, FP8 E4M3 with 128x128 E8M0 tiles, and the routed experts (experts_forward_each
-against experts_forward)."""
+against experts_forward).  The multi-token kernels (*_matmul, experts_forward_tokens) are checked
+bit for bit against the same binary's single-vector kernels on each vector, per backend and
+thread count, and against float64."""
 from __future__ import annotations
 
 import importlib.util
@@ -40,6 +42,13 @@ FP8_EDGE_SCALES = (127, 0, 1, 100, 200, 254, 255)
 FP8_NAN_ROWS = {3: [128, 129], 4: [5, 20]}  # case -> rows made NaN (a 255 scale tile, NaN codes)
 TILE = 128
 EXPERTS = (3, 256, 128, 7.0)  # n, hidden, inter, limit
+# several vectors at once: tmax input rows per case, matmuls of the first t of them (odd counts,
+# and one beyond the kernels' 32-token accumulator block)
+MULTI_TMAX, MULTI_T = 33, (1, 2, 3, 7, 33)
+# experts_forward_tokens: the tokens routed to each of the EXPERTS (one token alone, repeats of
+# the fixture's order, all of them)
+EXPERT_NTOK = 9
+EXPERT_TOKENS = ([0, 2, 3, 8], [5], list(range(EXPERT_NTOK)))
 
 
 def _build_config():
@@ -133,13 +142,18 @@ def neon_run(tmp_path_factory):
         mscales = rng.integers(118, 130, (rows, k // 32), dtype=np.uint8)
         x = rng.standard_normal(k).astype(np.float32)
         w16 = rng.standard_normal((rows, k)).astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-        for ext, a in (("codes", codes), ("dscales", dscales), ("mscales", mscales), ("x", x), ("bf16", w16)):
+        xs = rng.standard_normal((MULTI_TMAX, k)).astype(np.float32)
+        for ext, a in (("codes", codes), ("dscales", dscales), ("mscales", mscales), ("x", x), ("bf16", w16),
+                       ("xs", xs)):
             (tmp / f"{i}.{ext}").write_bytes(np.ascontiguousarray(a).tobytes())
-        fixtures.append((codes, dscales, mscales, x, w16))
+        fixtures.append((codes, dscales, mscales, x, w16, xs))
     (tmp / "cases.txt").write_text("".join(f"{r} {k}\n" for r, k in CASES))
+    (tmp / "multi.txt").write_text(" ".join(map(str, (MULTI_TMAX, *MULTI_T))) + "\n")
     fp8 = fp8_fixtures(rng)
+    fp8_xs = []
     for i, (w, ds, ms, x) in enumerate(fp8):
-        for ext, a in (("w", w), ("ds", ds), ("ms", ms), ("x", x)):
+        fp8_xs.append(rng.standard_normal((MULTI_TMAX, w.shape[1])).astype(np.float32))
+        for ext, a in (("w", w), ("ds", ds), ("ms", ms), ("x", x), ("xs", fp8_xs[-1])):
             (tmp / f"f{i}.{ext}").write_bytes(np.ascontiguousarray(a).tobytes())
     (tmp / "fp8.txt").write_text("".join(f"{r} {k}\n" for r, k in FP8_CASES))
     n, hidden, inter, limit = EXPERTS
@@ -154,17 +168,24 @@ def neon_run(tmp_path_factory):
     (tmp / "e.weights").write_bytes(ew.tobytes())
     (tmp / "e.x").write_bytes(ex.tobytes())
     (tmp / "experts.txt").write_text(f"{n} {hidden} {inter} {limit}\n")
+    exs = (rng.standard_normal((EXPERT_NTOK, hidden)) * 0.05).astype(np.float32)
+    etw = rng.uniform(0.05, 0.5, sum(map(len, EXPERT_TOKENS))).astype(np.float32)
+    (tmp / "e.tok.txt").write_text(f"{EXPERT_NTOK}\n" + "".join(f"{len(t)} {' '.join(map(str, t))}\n"
+                                                                for t in EXPERT_TOKENS))
+    (tmp / "e.xs").write_bytes(exs.tobytes())
+    (tmp / "e.tw").write_bytes(etw.tobytes())
 
     run = subprocess.run([QEMU, str(exe), str(tmp)], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, f"neon_driver failed ({run.returncode}):\n{run.stdout}\n{run.stderr}"
     assert "neon_supported=1" in run.stdout and "best=3" in run.stdout, run.stdout
 
     assert f"fp8 case {len(FP8_CASES) - 1}:" in run.stdout and "experts:" in run.stdout, run.stdout
+    assert "expert tokens:" in run.stdout, run.stdout
 
     def load(i, ext):
         return np.fromfile(tmp / f"{i}.{ext}", dtype=np.float32)
 
-    return fixtures, load, fp8, (experts, ew, ex)
+    return fixtures, load, fp8, (experts, ew, ex), (fp8_xs, exs, etw)
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{r}x{k}" for r, k in CASES])
@@ -181,7 +202,7 @@ def test_neon_decode_bit_identical(neon_run, i):
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{r}x{k}" for r, k in CASES])
 def test_neon_matvecs_within_tolerance(neon_run, i, kind):
     fixtures, load, *_ = neon_run
-    codes, _, mscales, x, w16 = fixtures[i]
+    codes, _, mscales, x, w16, _ = fixtures[i]
     if kind == "matvec":
         w = ref_decode(codes, mscales).astype(np.float64)
     else:
@@ -198,7 +219,7 @@ def test_neon_matvecs_within_tolerance(neon_run, i, kind):
 @pytest.mark.parametrize("i", range(len(FP8_CASES)), ids=[f"{r}x{k}" for r, k in FP8_CASES])
 def test_neon_fp8_decode_bit_identical(neon_run, i):
     """NEON's FP8 decode = scalar's, bit for bit (one quiet NaN pattern), = ml_dtypes x 2^(b-127)."""
-    _, load, fp8, _ = neon_run
+    _, load, fp8, *_ = neon_run
     w, ds, _, _ = fp8[i]
     neon, scalar = load(f"f{i}", "neon.decode"), load(f"f{i}", "scalar.decode")
     np.testing.assert_array_equal(neon.view(np.uint32), scalar.view(np.uint32))
@@ -214,7 +235,7 @@ def test_neon_fp8_decode_bit_identical(neon_run, i):
 def test_neon_fp8_matvec(neon_run, i):
     """Within 1e-5 * sum |w*x| of float64, NaN exactly in the rows with a NaN code or a 255
     scale, the same bits for 1, 2 and 3 threads."""
-    _, load, fp8, _ = neon_run
+    _, load, fp8, *_ = neon_run
     w, _, ms, x = fp8[i]
     w64 = ref_fp8_decode64(w, ms)
     want_nan = np.isnan(w64).any(axis=1)
@@ -234,7 +255,7 @@ def test_neon_fp8_matvec(neon_run, i):
 def test_neon_experts_forward_each(neon_run):
     """Summing experts_forward_each's rows in order in float32 gives experts_forward's bits; each
     row is within tolerance of that expert in float64; 1, 2 and 3 threads agree bit for bit."""
-    _, load, _, (experts, ew, ex) = neon_run
+    _, load, _, (experts, ew, ex), _ = neon_run
     n, hidden, _, limit = EXPERTS
     refs = [ref_expert(experts[e], float(ew[e]), ex, limit) for e in range(n)]
     for backend in ("neon", "scalar"):
@@ -249,3 +270,60 @@ def test_neon_experts_forward_each(neon_run):
             for kind in ("each", "sum"):
                 np.testing.assert_array_equal(load("e", f"{backend}.t{t}.{kind}").view(np.uint32),
                                               load("e", f"{backend}.t1.{kind}").view(np.uint32))
+
+
+# ---- several vectors at once ----------------------------------------------------------------------
+
+
+def _check_matmul(load, prefix, tag, rows, w64, xs):
+    """Each backend's matmul of the first t vectors = its single-vector kernel on each of them, bit
+    for bit, at 1, 2 and 3 threads; and within 1e-5 * sum |w*x| of float64 (NaN rows aside)."""
+    nan_rows = np.isnan(w64).any(axis=1)
+    w64 = np.where(np.isnan(w64), 0.0, w64)
+    x64 = xs.astype(np.float64)
+    ref, bound = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    for backend in ("neon", "scalar"):
+        single = load(prefix, f"{backend}.{tag}rows").reshape(MULTI_TMAX, rows)
+        ok = ~nan_rows
+        assert np.all(np.abs(single[:, ok] - ref[:, ok]) <= 1e-5 * bound[:, ok]), backend
+        assert np.isnan(single[:, nan_rows]).all()
+        for threads in (1, 2, 3):
+            for t in MULTI_T:
+                got = load(prefix, f"{backend}.t{threads}.{tag}mm{t}").reshape(t, rows)
+                np.testing.assert_array_equal(got.view(np.uint32), single[:t].view(np.uint32),
+                                              err_msg=f"{backend}, {threads} threads, {t} vectors")
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "bf16"])
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{r}x{k}" for r, k in CASES])
+def test_neon_matmul_bit_identical_to_matvec(neon_run, i, kind):
+    fixtures, load, *_ = neon_run
+    codes, _, mscales, _, w16, xs = fixtures[i]
+    if kind == "mxfp4":
+        w64 = ref_decode(codes, mscales).astype(np.float64)
+    else:
+        w64 = w16.view(ml_dtypes.bfloat16).astype(np.float64)
+    _check_matmul(load, i, "" if kind == "mxfp4" else "bf", CASES[i][0], w64, xs)
+
+
+@pytest.mark.parametrize("i", range(len(FP8_CASES)), ids=[f"{r}x{k}" for r, k in FP8_CASES])
+def test_neon_fp8_matmul_bit_identical_to_matvec(neon_run, i):
+    _, load, fp8, _, (fp8_xs, _, _) = neon_run
+    w, _, ms, _ = fp8[i]
+    _check_matmul(load, f"f{i}", "", FP8_CASES[i][0], ref_fp8_decode64(w, ms), fp8_xs[i])
+
+
+def test_neon_experts_forward_tokens(neon_run):
+    """experts_forward_tokens' rows = experts_forward_each on each (expert, token, weight) pair
+    bit for bit (both backends, 1..3 threads), and within tolerance of float64."""
+    _, load, _, (experts, _, _), (_, exs, etw) = neon_run
+    _, hidden, _, limit = EXPERTS
+    pairs = [(e, t) for e, toks in enumerate(EXPERT_TOKENS) for t in toks]
+    for backend in ("neon", "scalar"):
+        each = load("e", f"{backend}.pairs").reshape(len(pairs), hidden)
+        for p, (e, t) in enumerate(pairs):
+            ref, bound = ref_expert(experts[e], float(etw[p]), exs[t], limit)
+            assert np.all(np.abs(each[p] - ref) <= 1e-5 * bound), (backend, e, t)
+        for threads in (1, 2, 3):
+            got = load("e", f"{backend}.t{threads}.tokens").reshape(len(pairs), hidden)
+            np.testing.assert_array_equal(got.view(np.uint32), each.view(np.uint32), err_msg=f"{backend}, {threads}")

@@ -16,6 +16,15 @@
  *   DIR/e<e>.w1 .s1 .w3 .s3 .w2 .s2 (MXFP4, as ds4f_expert), DIR/e.weights n float32, DIR/e.x
  *   hidden float32 -> DIR/e.B.tT.each (n*hidden float32, experts_forward_each) and DIR/e.B.tT.sum
  *   (hidden float32, experts_forward)
+ * Several vectors at once (if DIR/multi.txt exists: "tmax t1 t2 ..."):
+ *   DIR/<i>.xs, DIR/f<i>.xs   tmax*k float32 (tmax input vectors per case)
+ *   -> DIR/<i>.B.rows, .bfrows, DIR/f<i>.B.rows: the single-vector matvec of each of the tmax rows
+ *      (tmax*rows float32), and for every t in the list and thread count T:
+ *      DIR/<i>.B.tT.mm<t>, .bfmm<t> (MXFP4, bf16 matmul of the first t rows), DIR/f<i>.B.tT.mm<t>
+ *   Routed experts on tokens (with experts.txt; DIR/e.tok.txt: "ntok" then one line per expert
+ *   "n tok..."), DIR/e.xs ntok*hidden float32, DIR/e.tw one float32 weight per pair
+ *   -> DIR/e.B.tT.tokens (pairs*hidden float32, experts_forward_tokens) and DIR/e.B.pairs (the
+ *      same pairs through experts_forward_each, one call per pair)
  * The comparisons (bit identity, tolerance against float64) are made in Python.
  */
 #include <stdio.h>
@@ -64,6 +73,11 @@ static void use_backend(int b) {
     if (ds4f_set_backend(backends[b]) != 0 || ds4f_get_backend() != backends[b]) exit(4);
 }
 
+static void run_multi(const char *dir, const char *prefix, int i, int kind, const void *w, const uint8_t *sc,
+                      size_t rows, size_t k);
+static void run_expert_tokens(const char *dir, const ds4f_expert *ex, int n, size_t hidden, size_t inter,
+                              float limit);
+
 static void run_fp8(const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/fp8.txt", dir);
@@ -91,6 +105,7 @@ static void run_fp8(const char *dir) {
                 spit_f(dir, "f", i, ext, y, rows * sizeof(float));
             }
         }
+        run_multi(dir, "f", i, 2, w, ms, rows, k);
         printf("fp8 case %d: %zu x %zu done\n", i, rows, k);
         free(w), free(ds), free(ms), free(x), free(out), free(y);
     }
@@ -137,6 +152,113 @@ static void run_experts(const char *dir) {
         }
     }
     printf("experts: %d x %zu x %zu done\n", n, hidden, inter);
+    run_expert_tokens(dir, ex, n, hidden, inter, limit);
+}
+
+/* DIR/multi.txt: tmax, then the token counts to run; returns how many (0: no file) */
+static int multi_counts(const char *dir, size_t *tmax, size_t *ts, int cap) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/multi.txt", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int n = 0;
+    if (fscanf(f, "%zu", tmax) != 1) exit(7);
+    while (n < cap && fscanf(f, "%zu", &ts[n]) == 1) n++;
+    fclose(f);
+    return n;
+}
+
+/* kind 0 MXFP4, 1 bf16, 2 FP8: the single-vector kernel on each of tmax rows, then the matmul of
+ * the first t rows for each t, at 1..3 threads */
+static void run_multi(const char *dir, const char *prefix, int i, int kind, const void *w, const uint8_t *sc,
+                      size_t rows, size_t k) {
+    size_t tmax, ts[16];
+    const int nts = multi_counts(dir, &tmax, ts, 16);
+    if (!nts) return;
+    static const char *tag[3] = {"", "bf", ""};
+    float *xs = slurp_f(dir, prefix, i, "xs", tmax * k * sizeof(float));
+    float *y = malloc(tmax * rows * sizeof(float) + 1);
+    float *scratch = malloc(ds4f_matmul_scratch_floats(tmax, k) * sizeof(float) + 4);
+    char ext[64];
+    for (int b = 0; b < 2; b++) {
+        use_backend(b);
+        ds4f_set_threads(1);
+        for (size_t t = 0; t < tmax; t++) {
+            if (kind == 0) ds4f_mxfp4_matvec(w, sc, rows, k, xs + t * k, y + t * rows);
+            else if (kind == 1) ds4f_bf16_matvec(w, rows, k, xs + t * k, y + t * rows);
+            else ds4f_fp8_matvec(w, sc, rows, k, xs + t * k, y + t * rows);
+        }
+        snprintf(ext, sizeof ext, "%s.%srows", names[b], tag[kind]);
+        spit_f(dir, prefix, i, ext, y, tmax * rows * sizeof(float));
+        for (int th = 1; th <= 3; th++) {
+            ds4f_set_threads(th);
+            for (int j = 0; j < nts; j++) {
+                const size_t t = ts[j];
+                memset(y, 0xff, t * rows * sizeof(float));
+                int rc;
+                if (kind == 0) rc = ds4f_mxfp4_matmul(w, sc, rows, k, t, xs, y, scratch);
+                else if (kind == 1) rc = ds4f_bf16_matmul(w, rows, k, t, xs, y, scratch);
+                else rc = ds4f_fp8_matmul(w, sc, rows, k, t, xs, y, scratch);
+                if (rc != 0) exit(8);
+                snprintf(ext, sizeof ext, "%s.t%d.%smm%zu", names[b], th, tag[kind], t);
+                spit_f(dir, prefix, i, ext, y, t * rows * sizeof(float));
+            }
+        }
+    }
+    free(xs), free(y), free(scratch);
+}
+
+/* routed experts on tokens: experts_forward_tokens against experts_forward_each pair by pair */
+static void run_expert_tokens(const char *dir, const ds4f_expert *ex, int n, size_t hidden, size_t inter,
+                              float limit) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/e.tok.txt", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    size_t ntok, pairs = 0;
+    if (fscanf(f, "%zu", &ntok) != 1) exit(9);
+    ds4f_expert_tokens et[DS4F_MAX_EXPERTS];
+    int32_t *tok = malloc(64 * DS4F_MAX_EXPERTS * sizeof(int32_t));
+    for (int e = 0; e < n; e++) {
+        size_t m;
+        if (fscanf(f, "%zu", &m) != 1 || m > 64) exit(9);
+        et[e] = (ds4f_expert_tokens){ex[e].w1, ex[e].s1, ex[e].w3, ex[e].s3, ex[e].w2, ex[e].s2, tok + pairs, NULL, m};
+        for (size_t i = 0; i < m; i++)
+            if (fscanf(f, "%d", &tok[pairs + i]) != 1) exit(9);
+        pairs += m;
+    }
+    fclose(f);
+    snprintf(path, sizeof path, "%s/e.tw", dir);
+    float *tw = slurp_path(path, pairs * sizeof(float));
+    for (int e = 0, o = 0; e < n; o += (int)et[e].n, e++) et[e].weights = tw + o;
+    snprintf(path, sizeof path, "%s/e.xs", dir);
+    float *xs = slurp_path(path, ntok * hidden * sizeof(float));
+    float *y = malloc(pairs * hidden * sizeof(float));
+    float *scratch = malloc(ds4f_experts_tokens_scratch_floats(pairs, hidden, inter) * sizeof(float));
+    float *one = malloc(ds4f_experts_scratch_floats(1, hidden, inter) * sizeof(float));
+    for (int b = 0; b < 2; b++) {
+        use_backend(b);
+        ds4f_set_threads(1);
+        for (int e = 0, p = 0; e < n; e++)
+            for (size_t i = 0; i < et[e].n; i++, p++) {
+                ds4f_expert x1 = ex[e];
+                x1.weight = et[e].weights[i];
+                if (ds4f_experts_forward_each(&x1, 1, xs + (size_t)et[e].tokens[i] * hidden, hidden, inter, limit,
+                                              y + (size_t)p * hidden, one) != 0)
+                    exit(10);
+            }
+        snprintf(path, sizeof path, "%s/e.%s.pairs", dir, names[b]);
+        spit_path(path, y, pairs * hidden * sizeof(float));
+        for (int t = 1; t <= 3; t++) {
+            ds4f_set_threads(t);
+            memset(y, 0xff, pairs * hidden * sizeof(float));
+            if (ds4f_experts_forward_tokens(et, n, xs, ntok, hidden, inter, limit, y, scratch) != 0) exit(11);
+            snprintf(path, sizeof path, "%s/e.%s.t%d.tokens", dir, names[b], t);
+            spit_path(path, y, pairs * hidden * sizeof(float));
+        }
+    }
+    printf("expert tokens: %zu pairs done\n", pairs);
+    free(tok), free(tw), free(xs), free(y), free(scratch), free(one);
 }
 
 /* the MXFP4 / bf16 cases: DIR/<i>.<ext> */
@@ -187,6 +309,8 @@ int main(int argc, char **argv) {
                 spit(dir, i, ext, y, rows * sizeof(float));
             }
         }
+        run_multi(dir, "", i, 0, codes, msc, rows, k);
+        run_multi(dir, "", i, 1, w16, NULL, rows, k);
         printf("case %d: %zu x %zu done\n", i, rows, k);
         free(codes), free(dsc), free(msc), free(x), free(w16), free(out), free(y);
     }

@@ -1,0 +1,232 @@
+/* multi_avx2.c — AVX2 multi-token kernels (contract: kernels_internal.h; structure: see
+ * multi_avx512.c).
+ *
+ * 4 rows at a time, k in chunks decoded once into an L1 tile with kernels_avx2.h's steps, then
+ * every token runs over the tile.  MXFP4 / bf16: per 32-block the lane order of matvec_rows, i.e.
+ * [x_even, x_odd] of elements 0..15, then of 16..31, into the row's two accumulators (alo gets
+ * the even halves, ahi the odd ones, in that order).  FP8: fp8_x_perm's order per 32-chunk into
+ * the tile partial, then fp8_tile_add, two tokens at a time (four rows give only 4 dependency
+ * chains, too few to keep two FMA ports busy).
+ */
+#include "kernels_avx2.h"
+
+#ifdef DS4F_X86
+
+#define MM_R 4   /* rows decoded together */
+#define MM_KC 8  /* MXFP4 / bf16: 32-element blocks per chunk (4 KiB tile for 4 rows) */
+#define FP8_KT 2 /* FP8: 128-element tiles per chunk */
+
+/* ---- MXFP4 and bf16 ----------------------------------------------------------------------- */
+
+/* per 32-block: deinterleave(x), deinterleave(x + 16) */
+T256 static void prep_h(const float *x, size_t k, float *xp) {
+    for (size_t j = 0; j < k; j += 32) {
+        __m256 v[4];
+        deinterleave(x + j, &v[0], &v[1]);
+        deinterleave(x + j + 16, &v[2], &v[3]);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(xp + j + 8 * i, v[i]);
+    }
+}
+
+/* blocks b0..b0+nb-1 of rows r..r+R-1 -> wb[b][i] = the 4 weight vectors in prep_h's order */
+INL void h_decode(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t b0, size_t nb,
+                  float *wb) {
+    const size_t kb = k / 2, ks = k / 32;
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        for (size_t b = 0; b < nb; b++) {
+            __m256 v[4];
+            if (kind == DS4F_MM_MXFP4) {
+                const uint8_t *c = (const uint8_t *)w + (r + i) * kb + 16 * (b0 + b);
+                const lut8 l = scaled_lut(scales[(r + i) * ks + b0 + b]);
+                mxfp4_half8(c, l, &v[0], &v[1]);
+                mxfp4_half8(c + 8, l, &v[2], &v[3]);
+            } else {
+                const uint16_t *wr = (const uint16_t *)w + (r + i) * k + 32 * (b0 + b);
+                bf16_half8(wr, &v[0], &v[1]);
+                bf16_half8(wr + 16, &v[2], &v[3]);
+            }
+            for (int m = 0; m < 4; m++) _mm256_store_ps(wb + (b * R + i) * 32 + 8 * m, v[m]);
+        }
+        const size_t nx = (r + i) * ks + b0 + nb; /* the row's next block */
+        if (b0 + nb < ks && kind == DS4F_MM_MXFP4) {
+            const uint8_t *c = (const uint8_t *)w + nx * 16;
+            _mm_prefetch((const char *)c, _MM_HINT_T0);
+            _mm_prefetch((const char *)c + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)(scales + nx), _MM_HINT_T0);
+        } else if (b0 + nb < ks) {
+            const char *c = (const char *)((const uint16_t *)w + nx * 32);
+            for (int l = 0; l < MM_KC; l++) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
+        }
+    }
+}
+
+INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt,
+                const float *xp, size_t ldx, float *y, size_t ldy) {
+    const size_t ks = k / 32;
+    float wb[MM_R * MM_KC * 32] __attribute__((aligned(32)));
+    __m256 accm[DS4F_MM_TB][MM_R][2];
+    for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
+        const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
+        for (size_t c = 0; c < ks; c += MM_KC) {
+            const size_t nb = ks - c < MM_KC ? ks - c : MM_KC;
+            const int first = c == 0, last = c + nb == ks;
+            h_decode(kind, w, scales, r, R, k, c, nb, wb);
+            for (size_t t = 0; t < tn; t++) {
+                __m256 a[MM_R][2];
+                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                    a[i][0] = first ? _mm256_setzero_ps() : accm[t][i][0];
+                    a[i][1] = first ? _mm256_setzero_ps() : accm[t][i][1];
+                }
+                const float *xr = xp + (t0 + t) * ldx + 32 * c;
+                for (size_t b = 0; b < nb; b++) {
+                    const __m256 x0 = _mm256_loadu_ps(xr + 32 * b), x1 = _mm256_loadu_ps(xr + 32 * b + 8);
+                    const __m256 x2 = _mm256_loadu_ps(xr + 32 * b + 16), x3 = _mm256_loadu_ps(xr + 32 * b + 24);
+                    const float *wr = wb + b * R * 32;
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                        a[i][0] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i), x0, a[i][0]);
+                        a[i][1] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i + 8), x1, a[i][1]);
+                        a[i][0] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i + 16), x2, a[i][0]);
+                        a[i][1] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i + 24), x3, a[i][1]);
+                    }
+                }
+                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                    if (last) {
+                        y[(t0 + t) * ldy + r + i] = finish(a[i][0], a[i][1]);
+                    } else {
+                        accm[t][i][0] = a[i][0];
+                        accm[t][i][1] = a[i][1];
+                    }
+                }
+            }
+        }
+    }
+}
+
+T256 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                          const float *xp, size_t ldx, float *y, size_t ldy) {
+    size_t r = r0;
+    for (; r + MM_R <= r1; r += MM_R) h_rows(DS4F_MM_MXFP4, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
+    for (; r < r1; r++) h_rows(DS4F_MM_MXFP4, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+}
+
+T256 static void bf16_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                         const float *xp, size_t ldx, float *y, size_t ldy) {
+    size_t r = r0;
+    for (; r + MM_R <= r1; r += MM_R) h_rows(DS4F_MM_BF16, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
+    for (; r < r1; r++) h_rows(DS4F_MM_BF16, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+}
+
+/* ---- FP8 ---------------------------------------------------------------------------------- */
+
+/* x as fp8_matvec_rows permutes it: per 32-chunk fp8_x_perm's 4 vectors, zero past k */
+T256 static void prep_fp8(const float *x, size_t k, float *xp) {
+    for (size_t j = 0; j < k; j += 32) {
+        __m256 xv[4];
+        fp8_x_perm(x, j, k, xv);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(xp + j + 8 * i, xv[i]);
+    }
+}
+
+/* 32-chunks in the tile starting at element j0: 4, or fewer for a ragged last tile */
+static inline size_t fp8_chunks(size_t j0, size_t k) {
+    const size_t n = k - j0 < DS4F_FP8_TILE ? k - j0 : DS4F_FP8_TILE;
+    return (n + 31) / 32;
+}
+
+/* tiles t0..t0+ntl-1 of rows r..r+R-1 -> wb[tile][chunk][i] = fp8_widen32's 4 vectors */
+INL void fp8_decode(const uint8_t *w, size_t r, int R, size_t k, size_t t0, size_t ntl, float *wb, __m256i *nan) {
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        const uint8_t *wr = w + (r + i) * k;
+        for (size_t tt = 0; tt < ntl; tt++) {
+            const size_t j0 = (t0 + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
+            for (size_t q = 0; q < nq; q++) {
+                const size_t j = j0 + 32 * q;
+                const __m256i v = j + 32 <= k ? _mm256_loadu_si256((const __m256i *)(wr + j)) : fp8_load_tail(wr + j, k - j);
+                nan[i] = fp8_nan_max(nan[i], v);
+                __m256 f[4];
+                fp8_widen32(v, f);
+                float *o = wb + ((tt * 4 + q) * R + i) * 32;
+                for (int m = 0; m < 4; m++) _mm256_store_ps(o + 8 * m, f[m]);
+            }
+        }
+        const size_t nx = (t0 + ntl) * DS4F_FP8_TILE; /* the row's next chunk */
+        if (nx < k) {
+            _mm_prefetch((const char *)wr + nx, _MM_HINT_T0);
+            _mm_prefetch((const char *)wr + nx + 64, _MM_HINT_T0);
+        }
+    }
+}
+
+/* NT tokens (1 or 2): per tile a partial p per row and token from zero, then fp8_tile_add */
+INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, size_t t0, size_t ntl, size_t k,
+                    const float *const *xr, __m256 acc[2][MM_R]) {
+    for (size_t tt = 0; tt < ntl; tt++) {
+        const size_t j0 = (t0 + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
+        __m256 p[2][MM_R];
+        _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) p[n][i] = _mm256_setzero_ps();
+        for (size_t q = 0; q < nq; q++) {
+            const float *wq = wb + (tt * 4 + q) * R * 32;
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                const float *wi = wq + 32 * i;
+                _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) {
+                    const float *x = xr[n] + j0 + 32 * q;
+                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi), _mm256_loadu_ps(x), p[n][i]);
+                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi + 8), _mm256_loadu_ps(x + 8), p[n][i]);
+                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi + 16), _mm256_loadu_ps(x + 16), p[n][i]);
+                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi + 24), _mm256_loadu_ps(x + 24), p[n][i]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) acc[n][i] = fp8_tile_add(p[n][i], sr[i][t0 + tt], acc[n][i]);
+    }
+}
+
+INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt, const float *xp,
+                  size_t ldx, float *y, size_t ldy) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    float wb[FP8_KT * 4 * MM_R * 32] __attribute__((aligned(32)));
+    __m256 accm[DS4F_MM_TB][MM_R];
+    const uint8_t *sr[MM_R];
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) sr[i] = scales + (r + i) / DS4F_FP8_TILE * kt;
+    for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
+        const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
+        __m256i nan[MM_R];
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) nan[i] = _mm256_setzero_si256();
+        for (size_t c = 0; c < kt; c += FP8_KT) {
+            const size_t ntl = kt - c < FP8_KT ? kt - c : FP8_KT;
+            const int first = c == 0, last = c + ntl == kt;
+            fp8_decode(w, r, R, k, c, ntl, wb, nan);
+            for (size_t t = 0; t < tn; t += 2) {
+                const int NT = t + 1 < tn ? 2 : 1;
+                const float *xr[2] = {xp + (t0 + t) * ldx, xp + (t0 + t + NT - 1) * ldx};
+                __m256 acc[2][MM_R];
+                _Pragma("GCC unroll 2") for (int n = 0; n < 2; n++)
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+                        acc[n][i] = first || n >= NT ? _mm256_setzero_ps() : accm[t + n][i];
+                if (NT == 2)
+                    fp8_tokens(2, R, wb, sr, c, ntl, k, xr, acc);
+                else
+                    fp8_tokens(1, R, wb, sr, c, ntl, k, xr, acc);
+                for (int n = 0; n < NT; n++)
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                        if (last)
+                            y[(t0 + t + n) * ldy + r + i] = fp8_result(acc[n][i], nan[i]);
+                        else
+                            accm[t + n][i] = acc[n][i];
+                    }
+            }
+        }
+    }
+}
+
+T256 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                        const float *xp, size_t ldx, float *y, size_t ldy) {
+    size_t r = r0;
+    for (; r + MM_R <= r1; r += MM_R) fp8_rows(w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
+    for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+}
+
+const ds4f_mtable ds4f_mt_avx2 = {{mxfp4_mm, bf16_mm, fp8_mm}, {prep_h, prep_h, prep_fp8}, {32, 32, 32}};
+#endif

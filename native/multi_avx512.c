@@ -1,0 +1,266 @@
+/* multi_avx512.c — AVX-512 multi-token kernels (contract: kernels_internal.h).
+ *
+ * 4 rows at a time, k in chunks: the chunk's weights of the 4 rows are decoded once into an L1
+ * tile with the single-vector kernel's own steps (kernels_avx512.h), in its lane order; then the
+ * tokens run over the tile two at a time, their accumulators in registers within a chunk and in
+ * a stack tile between chunks (DS4F_MM_TB tokens per tile).  Per token and row that is the
+ * single-vector kernel's sequence: the same FMAs into the same two accumulators (MXFP4, bf16:
+ * even and odd elements of each 32-block) or the same tile partials and tile scaling (FP8), the
+ * same final reduction.  x is prepared once per call (prep_*): the xe | xo of every 32-block, or
+ * FP8's permuted 64-chunks zero-padded to a multiple of 64, as the single-vector kernels permute
+ * it themselves.
+ *
+ * Measured on the Sapphire Rapids VM (thread CPU time, 1 thread; perf has no counters here):
+ * the core does 2 zmm FMAs per cycle at ~3.5 GHz (~110 G lanes/s) but only ~1.25 zmm loads per
+ * cycle from L1.  Bit identity fixes the lanes: each (row, token) owns two 16-lane accumulators
+ * along k, so every FMA needs a weight vector and an x vector, and with R rows x NT tokens in
+ * registers a block costs 2R + 2NT loads for 2*R*NT FMAs.  The single-vector kernel (R = 4,
+ * NT = 1, decode in registers) does ~22-24 G weights/s.  Here R = 4, NT = 2: ~50 G weights x
+ * tokens/s at 32 tokens on the 2048x4096 MXFP4 shape, ~2.1x the single-vector calls; the same
+ * loop alone on L1-resident data tops out near 77 G (R = 4, NT = 3: 86 G, with spills in the
+ * full kernel), so 4x (~95 G) is beyond this core for these exact FMAs.  GCC folds the weight
+ * loads into the FMAs' memory operands (a load per FMA, undoing NT = 2): an empty asm keeps each
+ * weight vector in a register for both tokens.  A 256-bit version (FMAs split by lane halves, the
+ * same bits) reached only ~23 G.
+ */
+#include "kernels_avx512.h"
+
+#ifdef DS4F_X86
+
+#define MM_R 4   /* rows decoded together */
+#define MM_KC 8  /* MXFP4 / bf16: 32-element blocks per chunk (4 KiB tile for 4 rows) */
+#define MM_NT 2  /* tokens in registers at a time (their accumulators; each weight load serves all) */
+#define FP8_KT 2  /* FP8: 128-element tiles per chunk */
+
+/* ---- MXFP4 and bf16: the even/odd lane order ---------------------------------------------- */
+
+T512 static void prep_eo(const float *x, size_t k, float *xp) {
+    for (size_t j = 0; j < k; j += 32) {
+        __m512 xe, xo;
+        x_eo(x + j, &xe, &xo);
+        _mm512_storeu_ps(xp + j, xe);
+        _mm512_storeu_ps(xp + j + 16, xo);
+    }
+}
+
+/* blocks b0..b0+nb-1 of rows r..r+R-1 -> wb[b][i] = w_lo (16) | w_hi (16), and a prefetch of
+ * the row's next chunk */
+INL void eo_decode(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t b0,
+                   size_t nb, float *wb) {
+    const size_t kb = k / 2, ks = k / 32;
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        for (size_t b = 0; b < nb; b++) {
+            __m512 lo, hi;
+            if (kind == DS4F_MM_MXFP4)
+                mxfp4_eo((const uint8_t *)w + (r + i) * kb + 16 * (b0 + b), scales[(r + i) * ks + b0 + b], &lo, &hi);
+            else
+                bf16_eo((const uint16_t *)w + (r + i) * k + 32 * (b0 + b), &lo, &hi);
+            _mm512_store_ps(wb + (b * R + i) * 32, lo);
+            _mm512_store_ps(wb + (b * R + i) * 32 + 16, hi);
+        }
+        const size_t nx = (r + i) * ks + b0 + nb; /* the row's next block */
+        if (b0 + nb < ks && kind == DS4F_MM_MXFP4) {
+            const uint8_t *c = (const uint8_t *)w + nx * 16;
+            _mm_prefetch((const char *)c, _MM_HINT_T0);
+            _mm_prefetch((const char *)c + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)(scales + nx), _MM_HINT_T0);
+        } else if (b0 + nb < ks) {
+            const char *c = (const char *)((const uint16_t *)w + nx * 32);
+            for (int l = 0; l < MM_KC; l++) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
+        }
+    }
+}
+
+/* NT tokens (1 or 2) from token t over the chunk's nb blocks, their accumulators in
+ * registers; each row's two weight vectors are loaded once per block for all NT tokens */
+INL void eo_tokens(int NT, int R, const float *wb, size_t nb, const float *xp, size_t ldx, int first, int last,
+                   __m512 (*accm)[MM_R][2], float *y, size_t ldy) {
+    __m512 a[MM_NT][MM_R][2];
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+            a[n][i][0] = first ? _mm512_setzero_ps() : accm[n][i][0];
+            a[n][i][1] = first ? _mm512_setzero_ps() : accm[n][i][1];
+        }
+    for (size_t b = 0; b < nb; b++) {
+        __m512 xe[MM_NT], xo[MM_NT];
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+            xe[n] = _mm512_loadu_ps(xp + n * ldx + 32 * b);
+            xo[n] = _mm512_loadu_ps(xp + n * ldx + 32 * b + 16);
+        }
+        const float *wr = wb + b * R * 32;
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+            __m512 wlo = _mm512_load_ps(wr + 32 * i), whi = _mm512_load_ps(wr + 32 * i + 16);
+            __asm__("" : "+v"(wlo), "+v"(whi)); /* one load per vector for all NT tokens, not one per FMA */
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                a[n][i][0] = _mm512_fmadd_ps(wlo, xe[n], a[n][i][0]);
+                a[n][i][1] = _mm512_fmadd_ps(whi, xo[n], a[n][i][1]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+            if (last) {
+                y[n * ldy + i] = finish(a[n][i][0], a[n][i][1]);
+            } else {
+                accm[n][i][0] = a[n][i][0];
+                accm[n][i][1] = a[n][i][1];
+            }
+        }
+}
+
+INL void eo_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt,
+                 const float *xp, size_t ldx, float *y, size_t ldy) {
+    const size_t ks = k / 32;
+    float wb[MM_R * MM_KC * 32] __attribute__((aligned(64)));
+    __m512 accm[DS4F_MM_TB][MM_R][2];
+    for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
+        const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
+        for (size_t c = 0; c < ks; c += MM_KC) {
+            const size_t nb = ks - c < MM_KC ? ks - c : MM_KC;
+            const int first = c == 0, last = c + nb == ks;
+            eo_decode(kind, w, scales, r, R, k, c, nb, wb);
+            for (size_t t = 0; t < tn; t += MM_NT) {
+                const float *x = xp + (t0 + t) * ldx + 32 * c;
+                float *yt = y + (t0 + t) * ldy + r;
+                if (tn - t >= 2)
+                    eo_tokens(2, R, wb, nb, x, ldx, first, last, accm + t, yt, ldy);
+                else
+                    eo_tokens(1, R, wb, nb, x, ldx, first, last, accm + t, yt, ldy);
+            }
+        }
+    }
+}
+
+T512 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                          const float *xp, size_t ldx, float *y, size_t ldy) {
+    size_t r = r0;
+    for (; r + MM_R <= r1; r += MM_R) eo_rows(DS4F_MM_MXFP4, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
+    for (; r < r1; r++) eo_rows(DS4F_MM_MXFP4, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+}
+
+T512 static void bf16_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                         const float *xp, size_t ldx, float *y, size_t ldy) {
+    size_t r = r0;
+    for (; r + MM_R <= r1; r += MM_R) eo_rows(DS4F_MM_BF16, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
+    for (; r < r1; r++) eo_rows(DS4F_MM_BF16, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+}
+
+/* ---- FP8 ---------------------------------------------------------------------------------- */
+
+/* x as fp8_matvec_rows permutes it: per 64-chunk fp8_x_perm's 4 vectors, zero past k */
+T512 static void prep_fp8(const float *x, size_t k, float *xp) {
+    for (size_t j = 0; j < k; j += 64) {
+        __m512 xv[4];
+        fp8_x_perm(x, j, k, xv);
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(xp + j + 16 * i, xv[i]);
+    }
+}
+
+/* 64-chunks in the tile starting at element j0: 2, or fewer for a ragged last tile */
+static inline size_t fp8_chunks(size_t j0, size_t k) {
+    const size_t n = k - j0 < DS4F_FP8_TILE ? k - j0 : DS4F_FP8_TILE;
+    return (n + 63) / 64;
+}
+
+/* tiles t0..t0+nt-1 of rows r..r+R-1 -> wb[tile][chunk][i] = fp8_widen64's 4 vectors; NaN codes
+ * into nan[i] */
+INL void fp8_decode(const uint8_t *w, size_t r, int R, size_t k, size_t t0, size_t ntl, float *wb, __m512i *nan) {
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        const uint8_t *wr = w + (r + i) * k;
+        for (size_t tt = 0; tt < ntl; tt++) {
+            const size_t j0 = (t0 + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
+            for (size_t q = 0; q < nq; q++) {
+                const size_t j = j0 + 64 * q;
+                const __m512i v = j + 64 <= k ? _mm512_loadu_si512(wr + j) : fp8_load_tail(wr + j, k - j);
+                nan[i] = fp8_nan_max(nan[i], v);
+                __m512 f[4];
+                fp8_widen64(v, f);
+                float *o = wb + ((tt * 2 + q) * R + i) * 64;
+                for (int m = 0; m < 4; m++) _mm512_store_ps(o + 16 * m, f[m]);
+            }
+        }
+        /* the next chunk of this row (the hardware prefetcher follows within it) */
+        const size_t nx = (t0 + ntl) * DS4F_FP8_TILE;
+        if (nx < k) {
+            _mm_prefetch((const char *)wr + nx, _MM_HINT_T0);
+            _mm_prefetch((const char *)wr + nx + 64, _MM_HINT_T0);
+        }
+    }
+}
+
+/* NT tokens (1 or 2) from token t over the chunk's tiles: per tile a partial p per row and
+ * token from zero, then acc = fp8_tile_add(p, scale, acc).  A row's 4 weight vectors of a
+ * 64-chunk are loaded once for all NT tokens (whose partials are independent chains). */
+INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, size_t c, size_t ntl, size_t k,
+                    const float *xp, size_t ldx, int first, int last, const __m512i *nan, __m512 (*accm)[MM_R],
+                    float *y, size_t ldy) {
+    __m512 acc[MM_NT][MM_R];
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) acc[n][i] = first ? _mm512_setzero_ps() : accm[n][i];
+    for (size_t tt = 0; tt < ntl; tt++) {
+        const size_t j0 = (c + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
+        __m512 p[MM_NT][MM_R];
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) p[n][i] = _mm512_setzero_ps();
+        for (size_t q = 0; q < nq; q++) {
+            const float *wq = wb + (tt * 2 + q) * R * 64, *x = xp + j0 + 64 * q;
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                __m512 f0 = _mm512_load_ps(wq + 64 * i), f1 = _mm512_load_ps(wq + 64 * i + 16);
+                __m512 f2 = _mm512_load_ps(wq + 64 * i + 32), f3 = _mm512_load_ps(wq + 64 * i + 48);
+                __asm__("" : "+v"(f0), "+v"(f1), "+v"(f2), "+v"(f3)); /* loaded once for all NT tokens */
+                _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                    p[n][i] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x + n * ldx), p[n][i]);
+                    p[n][i] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + n * ldx + 16), p[n][i]);
+                    p[n][i] = _mm512_fmadd_ps(f2, _mm512_loadu_ps(x + n * ldx + 32), p[n][i]);
+                    p[n][i] = _mm512_fmadd_ps(f3, _mm512_loadu_ps(x + n * ldx + 48), p[n][i]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) acc[n][i] = fp8_tile_add(p[n][i], sr[i][c + tt], acc[n][i]);
+    }
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+            if (last)
+                y[n * ldy + i] = fp8_result(acc[n][i], nan[i]);
+            else
+                accm[n][i] = acc[n][i];
+        }
+}
+
+INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt, const float *xp,
+                  size_t ldx, float *y, size_t ldy) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    float wb[FP8_KT * 2 * MM_R * 64] __attribute__((aligned(64)));
+    __m512 accm[DS4F_MM_TB][MM_R];
+    const uint8_t *sr[MM_R];
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) sr[i] = scales + (r + i) / DS4F_FP8_TILE * kt;
+    for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
+        const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
+        __m512i nan[MM_R];
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) nan[i] = _mm512_setzero_si512();
+        for (size_t c = 0; c < kt; c += FP8_KT) {
+            const size_t ntl = kt - c < FP8_KT ? kt - c : FP8_KT;
+            const int first = c == 0, last = c + ntl == kt;
+            fp8_decode(w, r, R, k, c, ntl, wb, nan);
+            for (size_t t = 0; t < tn; t += MM_NT) {
+                const float *x = xp + (t0 + t) * ldx;
+                float *yt = y + (t0 + t) * ldy + r;
+                if (tn - t >= 2)
+                    fp8_tokens(2, R, wb, sr, c, ntl, k, x, ldx, first, last, nan, accm + t, yt, ldy);
+                else
+                    fp8_tokens(1, R, wb, sr, c, ntl, k, x, ldx, first, last, nan, accm + t, yt, ldy);
+            }
+        }
+    }
+}
+
+T512 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                        const float *xp, size_t ldx, float *y, size_t ldy) {
+    size_t r = r0;
+    for (; r + MM_R <= r1; r += MM_R) fp8_rows(w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
+    for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+}
+
+const ds4f_mtable ds4f_mt_avx512 = {{mxfp4_mm, bf16_mm, fp8_mm}, {prep_eo, prep_eo, prep_fp8}, {32, 32, 64}};
+#endif
