@@ -23,7 +23,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-t", "--threads", help="comma-separated thread counts (default: 1 and all cores)")
     parser.add_argument("--kernels", help="comma-separated subset of memory,decode,matvec,bf16_matvec,experts,"
-                                          "fp8_matvec (memory = the RAM floor the others are divided by)")
+                                          "fp8_matvec,multi (memory = the RAM floor the others are divided by; "
+                                          "multi = several vectors per call against single-vector calls)")
     parser.add_argument("--cases", choices=CASES, default="all",
                         help="hot (weights reused, in cache), cold (a working set beyond 2x the last-level cache, "
                              "read from RAM: experts and fp8_matvec) or all (default)")
@@ -92,11 +93,15 @@ def run(args: argparse.Namespace) -> int:
     if memory:
         console.print(_floor_table(memory, head))
     rest = [r for r in records if r.kernel != "memory"]
-    if rest:
-        console.print(_kernel_table(rest, head, bool(memory)))
+    single = [r for r in rest if r.kernel != "multi"]  # multi has its own table below
+    if single:
+        console.print(_kernel_table(single, head, bool(memory)))
     ratio = _experts_table(rest)
     if ratio is not None:
         console.print(ratio)
+    multi = _multi_table(rest)
+    if multi is not None:
+        console.print(multi)
     for line in _working_sets(records) + notes:
         console.print(line, highlight=False)
     if args.output != "text":
@@ -188,6 +193,25 @@ def _experts_table(records):
     return t
 
 
+def _multi_table(records):
+    """The multi-token kernels against single-vector calls on the same vectors."""
+    from rich.table import Table as RichTable
+
+    rows = [r for r in records if r.kernel == "multi"]
+    if not rows:
+        return None
+    t = RichTable(title="several vectors per call against single-vector calls",
+                  caption="Gw/s = G weights/s, each weight counted once per vector · batched = one call on all "
+                          "vectors · single = one call per vector, measured in turn · ratio = batched / single")
+    for col, just in (("format", "left"), ("vectors", "right"), ("backend", "left"), ("thr", "right"),
+                      ("batched Gw/s", "right"), ("single Gw/s", "right"), ("ratio", "right")):
+        t.add_column(col, justify=just)
+    for r in rows:
+        t.add_row(r.shape, str(r.tokens), r.backend, str(r.threads), f"{r.gweights_per_s:.2f}",
+                  f"{r.single_gweights_per_s:.2f}", f"{r.vs_single:.2f}")
+    return t
+
+
 def _working_sets(records) -> list[str]:
     lines, seen = [], set()
     for r in records:
@@ -210,10 +234,11 @@ def _table(records) -> Table:
                           Column("gweights_per_s", "Gw/s", ".2f"), Column("fraction_of_floor", "of floor", ".2f"),
                           Column("x_scalar", "×scalar", ".1f"), Column("x_numpy", "×numpy", ".0f"),
                           Column("x_1thread", "×1T", ".2f"), Column("vs_hot_matvec", "÷ hot matvec", ".2f"),
+                          Column("tokens", "vectors"), Column("vs_single", "×single", ".2f"),
                           Column("working_set_bytes", "working set"),
                           Column("huge_page_bytes", "on huge pages")])
     for r in records:
         t.add(r.kernel, r.shape, r.cold, r.pages, r.backend, r.threads if r.threads else "numpy", r.median_s * 1e3,
               r.gb_per_s, r.gweights_per_s, r.fraction_of_floor, r.speedup_vs_scalar, r.speedup_vs_numpy,
-              r.speedup_vs_1thread, r.vs_hot_matvec, r.working_set_bytes, r.huge_page_bytes)
+              r.speedup_vs_1thread, r.vs_hot_matvec, r.tokens, r.vs_single, r.working_set_bytes, r.huge_page_bytes)
     return t

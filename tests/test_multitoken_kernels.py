@@ -340,3 +340,23 @@ def test_gil_released_during_matmul():
     worker.join()
     assert max(gaps) < work.duration / 2, (max(gaps), work.duration)
 
+
+# ---- the bench's multi case (structure only: no figure is asserted) ---------------------------------
+
+
+def test_bench_multi_records(monkeypatch):
+    from ds4f.engine.bench import kernels as B
+
+    monkeypatch.setattr(B, "MULTI_CASES", (("mxfp4", 64, 256), ("bf16", 32, 128), ("fp8", 16, 300)))
+    backends = K.available_backends()
+    records = B.run_bench(repeat=1, backends=backends, threads=[1, 2], kernels=("multi",), cases="hot")
+    assert {(r.shape, r.tokens, r.backend, r.threads) for r in records} == {
+        (f"{f} {rows}x{k}", n, b, nt) for f, rows, k in B.MULTI_CASES for n in B.MULTI_TOKENS
+        for b in backends for nt in (1, 2)}
+    sizes = {f"{f} {rows}x{k}": rows * k for f, rows, k in B.MULTI_CASES}
+    for r in records:
+        assert r.kernel == "multi" and not r.cold
+        assert r.gweights_per_s == pytest.approx(sizes[r.shape] * r.tokens / r.median_s / 1e9)
+        assert r.vs_single == pytest.approx(r.gweights_per_s / r.single_gweights_per_s)
+        assert r.to_dict()["tokens"] == r.tokens
+    assert B.run_bench(repeat=1, backends=["scalar"], threads=[1], kernels=("multi",), cases="cold") == []

@@ -13,6 +13,10 @@ weights from RAM: 6 routed experts at the real shape (experts_forward), and FP8 
 attention projections.  Cold buffers are allocated on transparent huge pages, 4 KiB pages or
 both (`pages`), one working set at a time.
 
+The "multi" records compare the multi-token kernels (several input vectors per call, each weight
+decoded once) with as many single-vector calls on the same vectors, measured in turn in the same
+run: MXFP4, bf16 and FP8 at 1, 8 and 32 vectors; their Gw/s count every weight once per vector.
+
 Figures: median wall time of `repeat` calls, each after an untimed call at the same setting,
 with the thread counts measured in turn (time.perf_counter).
 G weights/s = matrix elements processed per second; GB/s = weight bytes read per second
@@ -40,7 +44,10 @@ HIDDEN, INTER, N_EXPERTS = 4096, 2048, 6
 # kv (512x4096) and o (4096x8192)
 FP8_SHAPES = ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192))
 FP8_TILE = 128
-KERNELS = ("memory", "decode", "matvec", "bf16_matvec", "experts", "fp8_matvec")
+KERNELS = ("memory", "decode", "matvec", "bf16_matvec", "experts", "fp8_matvec", "multi")
+# the multi-token kernels against single-vector calls: (format, rows, k) at MULTI_TOKENS vectors
+MULTI_CASES = (("mxfp4", 2048, 4096), ("mxfp4", 4096, 2048), ("bf16", 2048, 4096), ("fp8", 1024, 4096))
+MULTI_TOKENS = (1, 8, 32)
 COLD_KERNELS = ("experts", "fp8_matvec")
 CASES = ("hot", "cold", "all")
 PAGES = ("huge", "normal", "both")
@@ -69,6 +76,9 @@ class Record:
     vs_hot_matvec: float | None = None    # experts: Gw/s / hot matvec Gw/s on the same shapes
     working_set_bytes: int | None = None  # bytes the case cycles through (cold cases, the floor)
     huge_page_bytes: int | None = None    # of those, backed by transparent huge pages
+    tokens: int | None = None             # multi: input vectors per call
+    single_gweights_per_s: float | None = None  # multi: the same vectors through single-vector calls
+    vs_single: float | None = None        # multi: gweights_per_s / single_gweights_per_s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -368,6 +378,63 @@ def _hot_cases(rng, kernels: tuple[str, ...]) -> Iterator[_Case]:
                         lambda _i, w=w, s=s, x=x: np_fp8_matvec(w, s, x))
 
 
+# ---- several vectors per call -------------------------------------------------------------------
+
+
+def _multi_calls(rng, fmt: str, rows: int, k: int, n: int):
+    """(batched call, n single-vector calls on the same vectors, weight bytes) for one case."""
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    out, out1 = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
+    scratch = K.matmul_scratch(n, k)
+    if fmt == "mxfp4":
+        c, s = _mxfp4(rng, rows, k)
+        return (lambda: K.mxfp4_matmul(c, s, x, out, scratch),
+                lambda: [K.mxfp4_matvec(c, s, x[t], out1[t]) for t in range(n)], rows * k // 2 + rows * k // 32)
+    if fmt == "bf16":
+        w = (rng.standard_normal((rows, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return (lambda: K.bf16_matmul(w, x, out, scratch),
+                lambda: [K.bf16_matvec(w, x[t], out1[t]) for t in range(n)], 2 * rows * k)
+    w, s = _fp8(rng, rows, k)
+    return (lambda: K.fp8_matmul(w, s, x, out, scratch),
+            lambda: [K.fp8_matvec(w, s, x[t], out1[t]) for t in range(n)], _fp8_nbytes(rows, k))
+
+
+def _multi_records(rng, backends: list[str], threads: list[int], repeat: int,
+                   note: Callable[[str], None]) -> list[Record]:
+    """Per case, vector count, backend and thread count: the batched call and the single-vector
+    calls timed in turn (each after an untimed one), medians of `repeat`."""
+    records = []
+    for fmt, rows, k in MULTI_CASES:
+        for n in MULTI_TOKENS:
+            batched, singles, nbytes = _multi_calls(rng, fmt, rows, k, n)
+            nw = rows * k * n
+            scalar_t: dict[int, float] = {}
+            for backend in backends:
+                K.set_backend(backend)
+                note(f"multi {fmt} {rows}x{k} x{n}: {backend}")
+                tb: dict[int, list[float]] = {nt: [] for nt in threads}
+                ts: dict[int, list[float]] = {nt: [] for nt in threads}
+                for _ in range(repeat):
+                    for nt in threads:
+                        K.set_threads(nt)
+                        for fn, into in ((batched, tb[nt]), (singles, ts[nt])):
+                            fn()
+                            t0 = time.perf_counter()
+                            fn()
+                            into.append(time.perf_counter() - t0)
+                for nt in threads:
+                    t_b, t_s = statistics.median(tb[nt]), statistics.median(ts[nt])
+                    if backend == "scalar":
+                        scalar_t[nt] = t_b
+                    records.append(Record(
+                        "multi", f"{fmt} {rows}x{k}", backend, nt, t_b, nbytes / t_b / 1e9, nw / t_b / 1e9,
+                        scalar_t[nt] / t_b if nt in scalar_t else None, None,
+                        statistics.median(tb[threads[0]]) / t_b, tokens=n, single_gweights_per_s=nw / t_s / 1e9,
+                        vs_single=t_s / t_b,
+                    ))  # fmt: skip
+    return records
+
+
 # ---- the run -----------------------------------------------------------------------------------
 
 
@@ -488,6 +555,8 @@ def run_bench(
             for case in _hot_cases(rng, kernels):
                 if case.kernel in kernels:
                     measure(case)
+            if "multi" in kernels:
+                records.extend(_multi_records(rng, backends, threads, repeat, note))
         if cases in ("cold", "all"):
             builders = [("experts", _cold_experts, N_EXPERTS * _expert_slot_nbytes())]
             if has_fp8:
