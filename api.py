@@ -68,8 +68,19 @@ __all__ = [
 ]
 
 def checkpoint_summary(path: str) -> dict:
-    """Open a checkpoint, check it, and say what it is: {kind, path, geometry, io_mode}.
+    """Open a checkpoint, check it, and say what it is: {kind, path, geometry, io_mode, vocab, synthetic}.
     Raises Ds4fError naming the file and the problem."""
     with open_checkpoint(path) as ck:
         return {"kind": ck.kind, "path": str(ck.path), "geometry": ck.geometry.to_config(), "io_mode": ck.io_mode,
-                "vocab": ck.geometry.vocab}
+                "vocab": ck.geometry.vocab, "synthetic": _is_synthetic(ck.path)}
+
+
+def _is_synthetic(path) -> bool:
+    """A checkpoint `ds4f synth` made (random weights: its text is noise): config.json says so."""
+    import json
+    from pathlib import Path
+
+    try:
+        return "ds4f_synthetic" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False

@@ -37,7 +37,7 @@ from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, Histo
 NO_PAIR = ("Needs a finished SIMD run and a scalar run of the same model and length: "
            "k switches the kernels, r runs.")
 CHAT_REFRESH_S = 0.1   # how often a streaming answer's text is read (run.output_text: a string, no snapshot)
-DEMO_NOTE = ("This is the demo model: its weights are random, so what it writes is noise. It is here to show "
+DEMO_NOTE = ("This is a synthetic model (the demo, or one ds4f synth made): its weights are random, so what it writes is noise. It is here to show "
              "what a run costs (s/token, GB/s, hit rate, memory), not what a model says.")
 
 

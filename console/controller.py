@@ -209,10 +209,18 @@ def is_demo(model: str) -> bool:
         return False
 
 
+def _synthetic(model: str) -> bool:
+    """A checkpoint `ds4f synth` made: random weights, like the demo's."""
+    try:
+        return bool(api.checkpoint_summary(model).get("synthetic")) if model else False
+    except Ds4fError:
+        return False
+
+
 def probe_text(model: str, demo: bool = False) -> TextSupport:
     """Whether `model` reads and writes text: its tokenizer and generation defaults (blocking:
     reads tokenizer.json and generation_config.json through the run API's loaders)."""
-    demo = demo or is_demo(model)
+    demo = demo or is_demo(model) or _synthetic(model)
     try:
         tokenizer = api.find_tokenizer(model) if model and Path(model).is_dir() else None
         if tokenizer is None:

@@ -140,8 +140,9 @@ class RunRecord:
         return float(v) if isinstance(v, (int, float)) else None
 
     def comparable_with(self, other: "RunRecord") -> bool:
-        """Same model, prompt and token count: their state dumps can be compared token by token."""
-        keys = ("model", "gen", "prompt")
+        """Same model, prompt, token count and sampling (seed included): their state dumps can be
+        compared token by token (two draws with other seeds diverge by design)."""
+        keys = ("model", "gen", "prompt", "sampling")
         return all(self.config.get(k) == other.config.get(k) for k in keys)
 
 

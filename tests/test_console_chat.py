@@ -269,7 +269,7 @@ async def test_a_checkpoint_without_tokenizer_disables_the_prompt(tiny_model, hi
 
 
 @async_test
-async def test_the_demo_model_is_said_to_write_noise(tiny_model, history_path):
+async def test_the_demo_model_is_said_to_write_noise(tiny_model, history_path, tmp_path):
     # no model configured: the console makes (here: is handed) the demo model
     app = Ds4fConsole(config=None, model=None, history=History(history_path), refresh_s=0.1,
                       demo_factory=lambda progress=None: tiny_model)
@@ -281,9 +281,22 @@ async def test_the_demo_model_is_said_to_write_noise(tiny_model, history_path):
         await pilot.press("i")
         await pilot.pause(0.1)
         assert "weights are random, so what it writes is noise" in transcript(app).plain
-    app = make_app(tiny_model, history_path)   # the same checkpoint given as a model: no such note
+    app = make_app(tiny_model, history_path)   # the same checkpoint given as a model: synthetic, the same note
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(pilot)
+        await pilot.press("i")
+        await pilot.pause(0.1)
+        assert "weights are random, so what it writes is noise" in transcript(app).plain
+    real = tmp_path / "real"                   # a checkpoint whose config.json does not say ds4f synth made it
+    shutil.copytree(tiny_model, real)
+    cfg = json.loads((real / "config.json").read_text())
+    del cfg["ds4f_synthetic"]
+    (real / "config.json").write_text(json.dumps(cfg))
+    app = make_app(real, history_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await pilot.press("i")
+        await pilot.pause(0.1)
         assert "noise" not in transcript(app).plain
 
 

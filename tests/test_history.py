@@ -121,3 +121,15 @@ def test_a_cancelled_run_keeps_its_token_count_in_the_history(tiny_model, tmp_pa
     assert run.wait(120) and run.state == "cancelled"
     rec = history.get(run.id)
     assert rec.state == "cancelled" and rec.tokens_done == stop_at
+
+
+def test_runs_with_other_sampling_are_not_comparable(tmp_path):
+    h = History(tmp_path / "h.db")
+    base = {"model": "/m", "gen": 8, "prompt": [0, 5, 9]}
+    for i, sampling in enumerate((None, None, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2})):
+        h.record(run_id=f"r{i}", config={**base, "sampling": sampling}, state="done", report=None, state_path=None,
+                 state_sha256=None, error=None, started_at=1000.0 + i, finished_at=1001.0 + i)
+    r = {rec.run_id: rec for rec in h.list_runs()}
+    assert r["r0"].comparable_with(r["r1"])                 # both greedy
+    assert not r["r0"].comparable_with(r["r2"])             # greedy against a draw
+    assert not r["r2"].comparable_with(r["r3"])             # draws with other seeds diverge by design
