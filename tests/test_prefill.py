@@ -40,14 +40,17 @@ def ratios_model(tmp_path_factory):
     return convert_checkpoint(src, src.parent / "ds4f", progress=False)
 
 
-@pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
-def test_the_dump_is_the_same_at_every_chunk_size_and_thread_count(request, which, tmp_path):
+CASES = [("tiny_model", b) for b in ("scalar", "avx2", "avx512", "neon") if b in kernels.available_backends()]
+
+
+@pytest.mark.parametrize("which, backend", CASES + [("ratios_model", BEST)])
+def test_the_dump_is_the_same_at_every_chunk_size_and_thread_count(request, which, backend, tmp_path):
     model = request.getfixturevalue(which)
-    token = _run(model, tmp_path, "token", 0)
+    token = _run(model, tmp_path, "token", 0, backend=backend)
     assert token.summary_report["summary"]["prefill"] is None
     want = token.dump_path.read_bytes()
     for chunk, threads in ((1, 2), (3, 1), (5, 2), (16, 2), (64, 1)):
-        run = _run(model, tmp_path, f"c{chunk}t{threads}", chunk, threads)
+        run = _run(model, tmp_path, f"c{chunk}t{threads}", chunk, threads, backend=backend)
         assert run.dump_path.read_bytes() == want, (chunk, threads)
         pre = run.summary_report["summary"]["prefill"]
         assert pre["tokens"] == len(PROMPT) and pre["chunk"] == min(chunk, len(PROMPT))

@@ -157,7 +157,10 @@ def head(source: WeightSource, h: np.ndarray, token_id: int, out: np.ndarray, x_
     """The logits (into out, fp32 [vocab]) from the last layer's residual h (after hc_head)."""
     g = source.geometry
     final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, x_buf, h64)
-    logits = kernels.bf16_matvec(source.globals.head, final, out=out)
+    return check_logits(kernels.bf16_matvec(source.globals.head, final, out=out), token_id)
+
+
+def check_logits(logits: np.ndarray, token_id: int) -> np.ndarray:
     if not np.isfinite(logits).all():
         raise Ds4fError(f"the head gives non-finite logits (NaN or Inf) for token {token_id}:"
                         f" the head or final norm weights are corrupt", kind="data")

@@ -22,11 +22,13 @@ from time import perf_counter
 
 import numpy as np
 
+from ds4f.engine import kernels
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
-                                       check_finite, head, moe_route)
+                                       check_finite, check_logits, moe_route)
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre
-from ds4f.engine.model.moe import MoeBuffers, routed_experts, shared_expert, sum_outputs
+from ds4f.engine.model.moe import MoeBuffers, sum_outputs
+from ds4f.engine.model.ops import rms_norm, silu_mul
 
 
 class ChunkBuffers:
@@ -45,6 +47,15 @@ class ChunkBuffers:
         self.h64 = np.empty(g.hidden, np.float64)
         self.router_logits = np.empty(g.n_experts, np.float32)
         self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)   # one token's kernel scratch
+        # the multi-token kernels' inputs, outputs and work space: each weight decoded once per chunk
+        pairs = chunk * g.top_k
+        self.pair_out = np.empty((pairs, g.hidden), np.float32)       # routed outputs, expert by expert
+        self.pair_scratch = kernels.experts_tokens_scratch(pairs, g.hidden, g.inter)
+        self.gate = np.empty((chunk, g.shared_inter), np.float32)     # the shared expert's, per token
+        self.up = np.empty((chunk, g.shared_inter), np.float32)
+        self.act = np.empty((chunk, g.shared_inter), np.float32)
+        self.finals = np.empty((chunk, g.hidden), np.float32)         # the head's normed inputs
+        self.mm_scratch = kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter))
         # the tokens' records (the state dump's), as ForwardBuffers keeps one token's
         self.ids = np.empty((chunk, g.n_layers, g.top_k), np.int32)
         self.weights = np.empty((chunk, g.n_layers, g.top_k), np.float32)
@@ -63,9 +74,12 @@ class ChunkBuffers:
         att = g.attention
         streams = att.hc_mult if att is not None else 1
         per_token = 4 * (streams * g.hidden + 2 * g.hidden + g.top_k * g.hidden
-                         + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab)
+                         + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab
+                         + g.top_k * g.hidden + 3 * g.shared_inter + g.hidden)
         fixed = 4 * (2 * g.hidden + g.n_experts) + 8 * g.hidden + 3 * 8
-        return chunk * per_token + fixed + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
+        scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
+                   + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
+        return chunk * per_token + fixed + scratch + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
 
 
 def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, pos0: int) -> np.ndarray:
@@ -117,26 +131,46 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
     t0 = perf_counter()
     for c in range(n):
         h = hc_head(X[c], source.globals.hc_head, eps, att.hc_eps) if att is not None else X[c, 0]
-        head(source, h, token_ids[c], buf.logits[c], buf.x, buf.h64)
+        rms_norm(h, source.globals.final_norm, eps, buf.finals[c], buf.h64)
+    logits = kernels.bf16_matmul(source.globals.head, buf.finals[:n], out=buf.logits[:n], scratch=buf.mm_scratch)
     times[HEAD] += perf_counter() - t0
-    return buf.logits[:n]
+    for c in range(n):
+        check_logits(logits[c], token_ids[c])
+    return logits
 
 
 def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int) -> None:
-    """buf.ys and buf.shared_out for the chunk's n tokens at `layer`: each distinct routed expert
-    is applied, as it lands, to every token that chose it; the shared expert to every token."""
+    """buf.ys and buf.shared_out for the chunk's n tokens at `layer`: the routed experts that
+    land together go through one multi-token kernel call, each applied to every token that chose
+    it (its weights decoded once); the shared expert to all n tokens at once. Each token's outputs
+    are bit-identical to the single-vector kernels' (kernels.experts_forward_tokens, *_matmul)."""
     g = source.geometry
     users: dict[int, list[tuple[int, int]]] = {}      # expert -> [(token, rank)] that chose it
     for c in range(n):
         for rank, e in enumerate(buf.ids[c, layer]):
             users.setdefault(int(e), []).append((c, rank))
-    moe = buf.moe
+    xs = buf.xs[:n]
     for batch in source.chunk_arrivals(layer, buf.ids[:n, layer]):
+        routed = [(e, w) for e, w in batch if e != SHARED]
+        if routed:
+            tokens = [[c for c, _ in users[e]] for e, _ in routed]
+            weights = [[buf.weights[c, layer, rank] for c, rank in users[e]] for e, _ in routed]
+            pairs = sum(len(t) for t in tokens)
+            out = kernels.experts_forward_tokens([w for _, w in routed], tokens, weights, xs, g.swiglu_limit,
+                                                 out=buf.pair_out[:pairs], scratch=buf.pair_scratch)
+            i = 0
+            for e, _ in routed:
+                for c, rank in users[e]:
+                    buf.ys[c, rank] = out[i]
+                    i += 1
         for e, w in batch:
             if e == SHARED:
-                for c in range(n):
-                    buf.shared_out[c] = shared_expert(w, buf.xs[c], moe)
-                continue
-            for c, rank in users[e]:
-                routed_experts([(rank, w)], buf.weights[c, layer], buf.xs[c], g.swiglu_limit, moe)
-                buf.ys[c, rank] = moe.ys[rank]
+                _shared_expert(w, xs, buf, n)
+
+
+def _shared_expert(w, xs: np.ndarray, buf: ChunkBuffers, n: int) -> None:
+    """model.moe.shared_expert on each of the n tokens, each FP8 weight decoded once."""
+    w.w1.matmul(xs, buf.gate[:n], buf.mm_scratch)
+    w.w3.matmul(xs, buf.up[:n], buf.mm_scratch)
+    silu_mul(buf.gate[:n], buf.up[:n], out=buf.act[:n])
+    w.w2.matmul(buf.act[:n], buf.shared_out[:n], buf.mm_scratch)

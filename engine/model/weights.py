@@ -59,6 +59,10 @@ class Fp8Matrix:
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         return kernels.fp8_matvec(self.w, self.scale, x, out=out)
 
+    def matmul(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """out[t] = matvec(x[t]) for each row of x [n, k], bit for bit, the weights decoded once."""
+        return kernels.fp8_matmul(self.w, self.scale, x, out=out, scratch=scratch)
+
     def row_blocks(self, n: int) -> list:
         """The matrix cut into n equal row blocks (a grouped projection's groups): FP8 views where
         a block is whole tiles, else each block exactly decoded to fp32 once."""
