@@ -40,6 +40,7 @@ class Matrix(Protocol):
     shape: tuple[int, int]
 
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray: ...
+    def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray: ...   # row t: matvec(x[t]), bit for bit
 
 
 @dataclass
@@ -175,12 +176,13 @@ def weighted_rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return rms_rows(x[None, :], eps)[0] * weight
 
 
-def compressor_step(w: CompressorWeights, s: CompressorState, a: np.ndarray, pos: int, rope: Rope,
-                    eps: float) -> bool:
-    """Buffer this token; on a closing window append a compressed row. True if a row was appended."""
+def compressor_step(w: CompressorWeights, s: CompressorState, kv: np.ndarray, gate: np.ndarray, pos: int,
+                    rope: Rope, eps: float) -> bool:
+    """Buffer this token's kv = wkv . a and gate = wgate . a (projected beforehand, see project);
+    on a closing window append a compressed row. True if a row was appended."""
     slot = pos % s.ratio
-    w.wkv.matvec(a, s.kv[slot])
-    w.wgate.matvec(a, s.gate[slot])
+    s.kv[slot] = kv
+    s.gate[slot] = gate
     s.gate[slot] += w.ape[slot]
     if slot != s.ratio - 1:
         return False
@@ -203,37 +205,61 @@ def compressor_step(w: CompressorWeights, s: CompressorState, a: np.ndarray, pos
     return True
 
 
-def indexer_select(w: IndexerWeights, rows: np.ndarray, qr: np.ndarray, a: np.ndarray, pos: int, rope: Rope,
+def indexer_select(rows: np.ndarray, iq: np.ndarray, hw: np.ndarray, pos: int, rope: Rope,
                    shape: AttentionShape) -> np.ndarray:
     """Indices (ascending) of the compressed rows the query attends to: the top index_topk by
-    score, equal scores to the lower index."""
+    score, equal scores to the lower index. iq = wq_b . qr, hw = weights_proj . a (see project)."""
     T = len(rows)
     k = min(shape.index_topk, T)
     if k == T:
         return np.arange(T)
-    iq = np.empty(shape.index_heads * shape.index_dim, np.float32)
-    w.wq_b.matvec(qr, iq)
-    iq = rope.apply(iq.reshape(shape.index_heads, shape.index_dim), pos)
-    hw = np.empty(shape.index_heads, np.float32)
-    w.weights_proj.matvec(a, hw)
+    iq = rope.apply(iq.reshape(shape.index_heads, shape.index_dim).copy(), pos)
     scores = np.maximum(iq.astype(np.float64) @ rows.astype(np.float64).T, 0.0) * shape.index_dim ** -0.5
     score = ((hw.astype(np.float64) * shape.index_heads ** -0.5)[:, None] * scores).sum(axis=0)   # [T]
     order = np.argsort(-score, kind="stable")      # stable: equal scores keep the lower index first
     return np.sort(order[:k])
 
 
-def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,
+@dataclass
+class Projected:
+    """The projections of n tokens' normed inputs A [n, hidden] (row t: token t), everything the
+    attention computes before it needs the cache: they depend on each token's own input only,
+    so a chunk's tokens are projected together (each weight decoded once)."""
+
+    q: np.ndarray                   # [n, H, head_dim]  after the per-head norm (RoPE not yet)
+    kv: np.ndarray                  # [n, head_dim]     after kv_norm (RoPE not yet)
+    comp: tuple | None = None       # the compressor's (kv [n, width], gate [n, width]), ape not yet
+    index: tuple | None = None      # the indexer's (kv, gate, iq [n, ih id], hw [n, ih])
+
+
+def _matmul(m: Matrix, x: np.ndarray) -> np.ndarray:
+    return m.matmul(x, np.empty((len(x), m.shape[0]), np.float32))
+
+
+def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape) -> Projected:
+    """The projections of the rows of A [n, hidden] (see Projected)."""
+    n, eps = len(A), shape.eps
+    qr = rms_rows(_matmul(w.wq_a, A), eps) * w.q_norm                        # [n, q_lora], weighted_rms by row
+    q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps)
+    kv = rms_rows(_matmul(w.wkv, A), eps) * w.kv_norm
+    p = Projected(q.reshape(n, shape.heads, shape.head_dim), kv)
+    if shape.kind != "swa":
+        p.comp = (_matmul(w.compressor.wkv, A), _matmul(w.compressor.wgate, A))
+    if shape.kind == "csa":
+        ix = w.indexer
+        p.index = (_matmul(ix.compressor.wkv, A), _matmul(ix.compressor.wgate, A), _matmul(ix.wq_b, qr),
+                   _matmul(ix.weights_proj, A))
+    return p
+
+
+def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int, pos: int, shape: AttentionShape,
                    rope: Rope) -> np.ndarray:
-    """The attention sublayer's output (fp32 [hidden]) for the token at `pos` with normed input a;
-    updates the cache (window, compressors)."""
+    """Token t of `p` at position `pos`: its key into the window, the compressors' step, then
+    its attention over the window and the compressed rows: o (fp32 [H head_dim], inverse RoPE
+    applied). Tokens go through in position order: each one's cache is the one before it left."""
     H, hd, eps = shape.heads, shape.head_dim, shape.eps
-    qa = np.empty(w.wq_a.shape[0], np.float32)
-    qr = weighted_rms(w.wq_a.matvec(a, qa), w.q_norm, eps)
-    q = np.empty(H * hd, np.float32)
-    w.wq_b.matvec(qr, q)
-    q = rope.apply(rms_rows(q.reshape(H, hd), eps), pos)
-    kv = np.empty(hd, np.float32)
-    kv = rope.apply(weighted_rms(w.wkv.matvec(a, kv), w.kv_norm, eps), pos)
+    q = rope.apply(p.q[t].copy(), pos)
+    kv = rope.apply(p.kv[t].copy(), pos)
     cache.window[pos % shape.window] = kv
     cache.tokens = pos + 1
     n_win = min(pos + 1, shape.window)
@@ -242,28 +268,45 @@ def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: i
     keys = [cache.window[(first + j) % shape.window] for j in range(n_win)]
     if shape.kind != "swa":
         comp = cache.compressor
-        compressor_step(w.compressor, comp, a, pos, rope, eps)
+        compressor_step(w.compressor, comp, p.comp[0][t], p.comp[1][t], pos, rope, eps)
         rows = comp.rows[:comp.n_rows]
         if shape.kind == "csa":
-            compressor_step(w.indexer.compressor, cache.indexer, a, pos, rope, eps)
-            pick = indexer_select(w.indexer, cache.indexer.rows[:cache.indexer.n_rows], qr, a, pos, rope, shape)
-            rows = rows[pick]
+            ikv, igate, iq, hw = p.index
+            compressor_step(w.indexer.compressor, cache.indexer, ikv[t], igate[t], pos, rope, eps)
+            rows = rows[indexer_select(cache.indexer.rows[:cache.indexer.n_rows], iq[t], hw[t], pos, rope, shape)]
         keys.extend(rows)
     K = np.stack(keys).astype(np.float64)                        # [n, head_dim], K == V
     logits = (q.astype(np.float64) @ K.T) * hd ** -0.5            # [H, n]
     sink = w.sinks.astype(np.float64)[:, None]
     m = np.maximum(logits.max(axis=1, keepdims=True), sink)
     e = np.exp(logits - m)
-    p = e / (e.sum(axis=1, keepdims=True) + np.exp(sink - m))
-    o = rope.apply((p @ K).astype(np.float32), pos, inverse=True)  # [H, head_dim]
-    groups = len(w.wo_a)
-    og = o.reshape(groups, -1)
-    rank = w.wo_a[0].shape[0]
-    lo = np.empty(groups * rank, np.float32)
-    for g in range(groups):
-        w.wo_a[g].matvec(og[g], lo[g * rank:(g + 1) * rank])
-    y = np.empty(w.wo_b.shape[0], np.float32)
-    return w.wo_b.matvec(lo, y)
+    prob = e / (e.sum(axis=1, keepdims=True) + np.exp(sink - m))
+    return rope.apply((prob @ K).astype(np.float32), pos, inverse=True).reshape(-1)   # [H head_dim]
+
+
+def output_projection(w: AttentionWeights, O: np.ndarray) -> np.ndarray:
+    """y [n, hidden] = wo_b . concat_g(wo_a[g] . O[:, group g]) for the rows of O [n, H head_dim]."""
+    n, groups = len(O), len(w.wo_a)
+    og = O.reshape(n, groups, -1)
+    lo = np.concatenate([_matmul(w.wo_a[g], np.ascontiguousarray(og[:, g])) for g in range(groups)], axis=1)
+    return _matmul(w.wo_b, lo)
+
+
+def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
+                   rope: Rope) -> np.ndarray:
+    """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
+    pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
+    The projections go all tokens at once, the attention itself token after token."""
+    p = project(w, A, shape)
+    O = np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(len(A))])
+    return output_projection(w, O)
+
+
+def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,
+                   rope: Rope) -> np.ndarray:
+    """The attention sublayer's output (fp32 [hidden]) for the token at `pos` with normed input a;
+    updates the cache (window, compressors)."""
+    return attention_rows(w, cache, a[None, :], pos, shape, rope)[0]
 
 
 # ---- a model's layers ---------------------------------------------------------------------------

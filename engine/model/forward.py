@@ -40,7 +40,7 @@ import numpy as np
 
 from ds4f.engine import kernels
 from ds4f.engine.errors import Ds4fError
-from ds4f.engine.model.attention import KVCache, attention_step
+from ds4f.engine.model.attention import KVCache, attention_rows
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre
 from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
@@ -167,19 +167,25 @@ def check_logits(logits: np.ndarray, token_id: int) -> np.ndarray:
     return logits
 
 
-def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos: int, g: Geometry, layer: int, token_id: int,
-                       x_buf: np.ndarray, h64: np.ndarray) -> np.ndarray:
-    """The attention sublayer with its hyper-connection: X (the streams, [N, hidden]) updated in
-    place, the KV cache of the layer too; returns the attention's output y (fp32 [hidden])."""
+def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: Geometry, layer: int,
+                       token_ids, h64: np.ndarray) -> np.ndarray:
+    """The attention sublayer with its hyper-connections for n consecutive tokens: X (their
+    streams, [n, N, hidden]) updated in place, the layer's KV cache too (token after token);
+    returns the attention's outputs Y (fp32 [n, hidden]). One token: n = 1."""
     att, eps = g.attention, g.rms_norm_eps
-    h, post, comb = hc_pre(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
-    a = rms_norm(h, la.attn_norm, eps, x_buf, h64)
-    y = attention_step(la.attention, cache, a, pos, la.shape, la.rope)
-    if not np.isfinite(y).all():
-        raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
-                        f" {token_id} at position {pos}: its weights are corrupt", kind="data")
-    hc_post(X, y, post, comb)
-    return y
+    A = np.empty((len(X), g.hidden), np.float32)       # each token's normed input
+    mixes = []
+    for c in range(len(X)):
+        h, post, comb = hc_pre(X[c], la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+        rms_norm(h, la.attn_norm, eps, A[c], h64)
+        mixes.append((post, comb))
+    Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope)
+    for c in range(len(X)):
+        if not np.isfinite(Y[c]).all():
+            raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
+                            f" {token_ids[c]} at position {pos0 + c}: its weights are corrupt", kind="data")
+        hc_post(X[c], Y[c], *mixes[c])
+    return Y
 
 
 def _moe_only_layers(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
@@ -203,7 +209,7 @@ def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: 
     for layer in range(g.n_layers):
         t0 = perf_counter()
         la = source.attention(layer)
-        buf.attn[layer] = attention_sublayer(la, X, kv.layers[layer], pos, g, layer, token_id, buf.x, buf.h64)
+        buf.attn[layer] = attention_sublayer(la, X[None], kv.layers[layer], pos, g, layer, (token_id,), buf.h64)[0]
         t1 = perf_counter()
         h, post, comb = hc_pre(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
         ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)

@@ -2,7 +2,9 @@
 
     X[c] = embed[token c] in each stream, for every token c of the chunk
     for each layer l:
-        for c in order:  X[c] = attention sublayer (hyper-connection, KV cache at position pos0 + c)
+        X = attention sublayer for all c: the projections of every token together, then the
+            attention token after token (its KV cache at position pos0 + c), then the output
+            projections together
         for c:           h[c], post[c], C[c] = hc_pre(X[c]);  x[c], ids[c], w[c] = route(h[c])
         for each distinct expert e of the chunk's ids (each read once):
             ys[c, rank] = expert e on x[c], for every (c, rank) that chose e
@@ -100,11 +102,9 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
     for layer in range(g.n_layers):
         t0 = perf_counter()
         mixes = [None] * n                         # each token's hyper-connection around the MoE
-        if att is not None:
+        if att is not None:                        # projections together, the caches token after token
             la = source.attention(layer)
-            for c in range(n):                     # in order: the caches advance token by token
-                buf.attn[c, layer] = attention_sublayer(la, X[c], kv.layers[layer], pos0 + c, g, layer,
-                                                        token_ids[c], buf.x, buf.h64)
+            buf.attn[:n, layer] = attention_sublayer(la, X, kv.layers[layer], pos0, g, layer, token_ids, buf.h64)
         t1 = perf_counter()
         for c in range(n):
             if att is not None:

@@ -87,6 +87,10 @@ class Bf16Matrix:
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         return kernels.bf16_matvec(self.w, x, out=out)
 
+    def matmul(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """out[t] = matvec(x[t]) for each row of x [n, k], bit for bit, the weights read once."""
+        return kernels.bf16_matmul(self.w, x, out=out, scratch=scratch)
+
 
 @dataclass
 class F32Matrix:
@@ -100,6 +104,13 @@ class F32Matrix:
 
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         np.copyto(out, self.w.astype(np.float64) @ x.astype(np.float64))
+        return out
+
+    def matmul(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """out[t] = matvec(x[t]) for each row of x [n, k]: one float64 product per row (a product
+        of matrices would sum in another order)."""
+        for t in range(len(x)):
+            self.matvec(x[t], out[t])
         return out
 
 
