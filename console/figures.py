@@ -222,13 +222,27 @@ def clip_text(text: str, width: int = 0, lines: int = 0) -> list[str]:
     return out
 
 
+def prefill_items(snap: Snapshot) -> list[str]:
+    """The prompt's layer-major prefill: how far, how fast, what it read per prompt token."""
+    where = "prefill" if snap.phase == "prefill" else "prefilled"
+    items = [f"{where} {snap.prefill_tokens}/{snap.prompt_tokens} prompt tokens (chunks of {snap.prefill_chunk})"]
+    if snap.prefill_tokens_per_s is not None:
+        items.append(f"{snap.prefill_tokens_per_s:.2f} tok/s")
+    if snap.prefill_gb_per_token is not None:
+        items.append(f"{snap.prefill_gb_per_token:.3f} GB/prompt token")
+    return items
+
+
 def run_lines(snap: Snapshot, width: int = 0, height: int = 0) -> tuple[list[str], list[str]]:
     """The run panel's lines under its state line, as (figures, error) in `width` x `height`
-    (0: not known): ETA and elapsed time, the stall per token, the preset and the run id, then
+    (0: not known): ETA and elapsed time, the prompt's prefill (when it went layer by layer), the
+    stall per token, the preset and the run id, then
     the error of a failed run in what room is left (one line at least; the event log has all
     of it). The figures take more than one to a line when the panel is short."""
     groups: list[list[str]] = [[f"ETA {fmt_seconds(snap.eta_s)}"] if snap.state in LIVE_STATES else []]
     groups[0].append(f"elapsed {fmt_seconds(snap.elapsed_s)}")
+    if snap.prefill_tokens:
+        groups.append(prefill_items(snap))
     if snap.stall_s_per_token is not None:
         groups.append([f"stall {fmt_seconds(snap.stall_s_per_token)}/token"])
     groups.append([f"preset {snap.preset}", f"run {snap.run_id}"])

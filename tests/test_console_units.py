@@ -253,6 +253,12 @@ def test_run_panel_lines_fit_the_panel():
     # shorter still: the figures share lines
     assert F.run_lines(snap, 36, 3)[0] == ["ETA 1.5 s · elapsed 7.9 s", "stall 12 ms/token · preset server",
                                           "run 20261130-015508-a1b2"]
+    # a prompt read layer by layer: its progress, rate and reads per prompt token, from the snapshot
+    pre = dataclasses.replace(snap, phase="prefill", prompt_tokens=512, prefill_tokens=256, prefill_chunk=256,
+                              prefill_tokens_per_s=8.25, prefill_gb_per_token=0.0241)
+    lines, _ = F.run_lines(pre, 120, 10)
+    assert lines[1] == "prefill 256/512 prompt tokens (chunks of 256) · 8.25 tok/s · 0.024 GB/prompt token"
+    assert F.run_lines(dataclasses.replace(pre, phase="decode"), 120, 10)[0][1].startswith("prefilled 256/512")
     # a failed run's error gets what room is left, one line at least, cut with an ellipsis
     failed = dataclasses.replace(fixed_snapshot("failed"), error="reading expert 17 of layer 12: short read " * 3)
     lines, error = F.run_lines(failed, 36, 4)
