@@ -105,7 +105,7 @@ class Engine:
         resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self.globals.nbytes
                     + self.attention_nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
-                    + BOOKKEEPING_BYTES)
+                    + self.reader.trace_nbytes + BOOKKEEPING_BYTES)
         return EngineFigures(
             layer_hits=tuple(c.hits for c in cache.layers), layer_misses=tuple(c.misses for c in cache.layers),
             layer_evictions=tuple(c.evictions for c in cache.layers), cache_used_bytes=cache.used_bytes,

@@ -15,6 +15,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+import numpy as np
+
 
 class _Job:
     """A read that runs at most once, however often it is queued (promotion queues it again),
@@ -181,7 +183,8 @@ class Reader:
         self.trunk_stats = ReadStats()
         self.check_stats = ReadStats()      # crc32 checks of expert records and trunk layers, in the I/O threads
         self._trace_lock = threading.Lock()
-        self.trace: collections.deque = collections.deque(maxlen=self.TRACE_READS)
+        # a ring of the last TRACE_READS reads: (0 expert | 1 trunk, layer, expert or -1), fixed size
+        self._trace = np.zeros((self.TRACE_READS, 3), np.int32)
         self.started_reads = 0
         self._guesses: collections.deque = collections.deque()
         self._lane_cv = threading.Condition()
@@ -199,17 +202,25 @@ class Reader:
     TRACE_READS = 1 << 16
 
     def note_start(self, job: "_Job") -> None:
-        entry = ("expert", job.layer, job.expert) if isinstance(job, ReadJob) else ("trunk", job.layer, -1)
+        expert = isinstance(job, ReadJob)
         with self._trace_lock:
-            self.trace.append(entry)
+            self._trace[self.started_reads % self.TRACE_READS] = (0 if expert else 1, job.layer,
+                                                                  job.expert if expert else -1)
             self.started_reads += 1
 
+    @property
+    def trace_nbytes(self) -> int:
+        return self._trace.nbytes
+
     def recent_reads(self, n: int) -> list[tuple[str, int, int]] | None:
-        """The last n reads started, oldest first; None if the trace no longer holds n."""
+        """The last n reads started, oldest first, as ("expert", layer, expert) or ("trunk", layer,
+        -1); None if the trace no longer holds n."""
         with self._trace_lock:
-            if n > len(self.trace):
+            if n > min(self.started_reads, self.TRACE_READS):
                 return None
-            return list(self.trace)[len(self.trace) - n:]
+            idx = np.arange(self.started_reads - n, self.started_reads) % self.TRACE_READS
+            rows = self._trace[idx].tolist()
+        return [("expert" if kind == 0 else "trunk", layer, expert) for kind, layer, expert in rows]
 
     def reset_stats(self) -> None:
         """Zero the read counters and the occupancy (a new run on the same reader)."""
@@ -217,7 +228,6 @@ class Reader:
         self.trunk_stats = ReadStats()
         self.check_stats = ReadStats()
         with self._trace_lock:
-            self.trace.clear()
             self.started_reads = 0
         with self.occupancy.lock:
             self.occupancy.busy_s = self.occupancy.depth_s = 0.0
