@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
 from ds4f.cli.output import write_json
-from ds4f.cli.runs import _announce, _default_model, _model_options, _per_second
+from ds4f.cli.runs import _default_model, _model_options, _per_second
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 

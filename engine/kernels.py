@@ -173,8 +173,8 @@ def mxfp4_matvec(
     return out
 
 
-def bf16_matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """y = W . x for W [rows, k] of bfloat16 (ml_dtypes.bfloat16 or uint16 bits), float32 x."""
+def _bf16_shape(w) -> tuple[int, int]:
+    """(rows, k) of a bf16 weight, checked: 2-D, bfloat16 or uint16 bits, k a multiple of 32, contiguous."""
     if not isinstance(w, np.ndarray) or w.ndim != 2:
         got = w.shape if isinstance(w, np.ndarray) else type(w).__name__
         raise ValueError(f"w: expected a 2-D bfloat16 or uint16 array [rows, k], got {got}")
@@ -184,6 +184,12 @@ def bf16_matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> 
     if k % 32:
         raise ValueError(f"w: k = {k} is not a multiple of 32")
     _arr("w", w, w.dtype, (rows, k))
+    return rows, k
+
+
+def bf16_matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = W . x for W [rows, k] of bfloat16 (ml_dtypes.bfloat16 or uint16 bits), float32 x."""
+    rows, k = _bf16_shape(w)
     _arr("x", x, _F32, (k,))
     out = _out("out", out, (rows,))
     lib.ds4f_bf16_matvec(_ptr("uint16_t[]", w.view(_U16)), rows, k, _ptr("float[]", x), _ptr("float[]", out))
@@ -409,15 +415,7 @@ def bf16_matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
                 scratch: np.ndarray | None = None) -> np.ndarray:
     """out[t] = W . x[t] for bf16 W [rows, k] (ml_dtypes.bfloat16 or uint16 bits) and float32
     x [n, k]; row t equals bf16_matvec(w, x[t]) bit for bit."""
-    if not isinstance(w, np.ndarray) or w.ndim != 2:
-        got = w.shape if isinstance(w, np.ndarray) else type(w).__name__
-        raise ValueError(f"w: expected a 2-D bfloat16 or uint16 array [rows, k], got {got}")
-    if w.dtype != _U16 and w.dtype != _BF16:
-        raise ValueError(f"w: expected dtype bfloat16 or uint16, got {w.dtype}")
-    rows, k = w.shape
-    if k % 32:
-        raise ValueError(f"w: k = {k} is not a multiple of 32")
-    _arr("w", w, w.dtype, (rows, k))
+    rows, k = _bf16_shape(w)
     return _matmul(lib.ds4f_bf16_matmul, _ptr("uint16_t[]", w.view(_U16)), None, rows, k, x, out, scratch)
 
 

@@ -3,6 +3,9 @@ this CPU lacks it), an autouse fixture that restores the backend and thread coun
 helpers."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -56,3 +59,32 @@ def unaligned(a: np.ndarray, offset: int) -> np.ndarray:
 
 def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
+
+
+def main_thread_gaps(kernel, codes: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    """One kernel(codes, scales, x) call made to last about 0.4 s (the weights tiled), run in a
+    thread while this one counts: (the longest this thread went without running, the call's
+    duration). With the GIL released during the call, the first is far below the second."""
+    t0 = time.perf_counter()
+    kernel(codes, scales, x)
+    reps = max(1, int(0.4 / max(time.perf_counter() - t0, 1e-4)))
+    codes, scales = np.tile(codes, (reps, 1)), np.tile(scales, (reps, 1))
+    started = threading.Event()
+    duration = []
+
+    def work():
+        started.set()
+        t = time.perf_counter()
+        kernel(codes, scales, x)
+        duration.append(time.perf_counter() - t)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    gaps, last = [], time.perf_counter()
+    while worker.is_alive():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    return max(gaps), duration[0]

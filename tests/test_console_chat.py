@@ -7,12 +7,9 @@ config, the history file, the checkpoint's generation_config.json read with json
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -32,46 +29,11 @@ from ds4f.engine import kernels
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.history import History
 
+from console_helpers import _no_run_left_behind, async_test, history_path, make_app, wait_for  # noqa: F401 (fixtures)
+
 SIMD = [b for b in kernels.available_backends() if b != "scalar"]
 
 
-def async_test(fn):
-    """Run an async test with asyncio (the project has no pytest async plugin)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
-
-
-@pytest.fixture(autouse=True)
-def _no_run_left_behind():
-    yield
-    from ds4f.engine.runs import active_run
-
-    run = active_run()
-    if run is not None:
-        run.cancel()
-        run.wait(30)
-
-
-@pytest.fixture
-def history_path(tmp_path):
-    return tmp_path / "history.sqlite3"
-
-
-def make_app(model, history_path, **kw) -> Ds4fConsole:
-    kw.setdefault("refresh_s", 0.1)
-    return Ds4fConsole(model=str(model), history=History(history_path), **kw)
-
-
-async def wait_for(pilot, cond, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
 
 
 async def ready(pilot) -> None:

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import os
 import shutil
-import time
 
 import pytest
 from textual.widgets import DataTable, Input, Static
@@ -25,48 +23,11 @@ from ds4f.console.widgets import EventLog, KeyBar, Meter, Panel, SizeNotice
 from ds4f.engine import kernels
 from ds4f.engine.history import History
 
-def async_test(fn):
-    """Run an async test with asyncio (the project has no pytest async plugin)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
-
+from console_helpers import _no_run_left_behind, async_test, history_path, make_app, wait_for  # noqa: F401 (fixtures)
 
 SIMD = [b for b in kernels.available_backends() if b != "scalar"]
 needs_simd = pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
 SIZE = (100, 30)
-
-
-@pytest.fixture(autouse=True)
-def _no_run_left_behind():
-    yield
-    from ds4f.engine.runs import active_run
-
-    run = active_run()
-    if run is not None:
-        run.cancel()
-        run.wait(30)
-
-
-@pytest.fixture
-def history_path(tmp_path):
-    return tmp_path / "history.sqlite3"
-
-
-def make_app(model, history_path, **kw) -> Ds4fConsole:
-    kw.setdefault("refresh_s", 0.1)
-    return Ds4fConsole(model=str(model), history=History(history_path), **kw)
-
-
-async def wait_for(pilot, cond, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
 
 
 async def booted(pilot):

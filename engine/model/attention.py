@@ -257,7 +257,7 @@ def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int,
     """Token t of `p` at position `pos`: its key into the window, the compressors' step, then
     its attention over the window and the compressed rows: o (fp32 [H head_dim], inverse RoPE
     applied). Tokens go through in position order: each one's cache is the one before it left."""
-    H, hd, eps = shape.heads, shape.head_dim, shape.eps
+    hd, eps = shape.head_dim, shape.eps
     q = rope.apply(p.q[t].copy(), pos)
     kv = rope.apply(p.kv[t].copy(), pos)
     cache.window[pos % shape.window] = kv
