@@ -212,6 +212,11 @@ def _print_summary(run, s: dict, snap, out) -> None:
           f"{_fmt(_per_second(s['s_per_token']), '.2f')} tokens/s · "
           f"{_fmt(s['s_first_token'], '.3f')} first token (cold)")
     print(f"GB/token       {_fmt(s['gb_per_token'], '.3f')} warm · {_fmt(s['gb_first_token'], '.3f')} first token")
+    pre = s.get("prefill")
+    if pre:
+        print(f"prefill        {pre['tokens']} prompt tokens layer by layer in chunks of {pre['chunk']} · "
+              f"{_fmt(pre['tokens_per_s'], '.2f')} tokens/s · {pre['gb_per_token']:.3f} GB/prompt token · "
+              f"{pre['experts_read_per_layer_chunk']:.1f} experts read per layer per chunk")
     print(f"effective read {_fmt(s['eff_read_gbps'], '.2f', ' GB/s')} · floor {_fmt(s['floor_gbps'], '.2f', ' GB/s')}"
           f" (read / floor {_fmt(s.get('floor_ratio'), '.2f')}, a lower bound)")
     if s.get("floor_ratio") is not None and s["floor_ratio"] > 1.05:

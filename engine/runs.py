@@ -811,7 +811,7 @@ class Run:
         fig = self._engine.figures(self._session_nbytes)
         log = self._log_tokens
         rows = log.rows[:log.count]
-        cold = log.record(0) if log.count else None
+        cold = log.first
         disk_busy, read_depth = snap.disk_busy_fraction, snap.mean_read_depth
         summary = {
             "tokens": snap.tokens_done, "s_per_token": snap.s_per_token, "s_first_token": snap.s_first_token,

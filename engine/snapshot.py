@@ -183,7 +183,9 @@ class TokenLog:
 
     @property
     def first(self) -> TokenRecord | None:
-        return self.record(0) if self.count else None
+        """The cold first token: the run's first step, when it was a decode step (a prompt read in
+        layer-major chunks has its own figures, and warms the cache for the first decode step)."""
+        return self.record(0) if self.count and not self.rows["prefill"][0] else None
 
     def warm_gb_per_token(self) -> float | None:
         """Mean GB (1e9 B) read per warm decode token (the first token alone, if it is the only one)."""
