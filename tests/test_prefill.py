@@ -157,3 +157,10 @@ def test_the_memory_plan_counts_the_chunk_buffers_a_session_allocates(geometry):
     g = get_geometry(geometry)
     for n in (1, 7, 64) if geometry != "flash" else (2,):
         assert ChunkBuffers(g, n).nbytes == ChunkBuffers.nbytes_for(g, n)
+
+
+def test_the_moe_only_model_prefills_to_the_same_dump(tiny_moe_only, tmp_path):
+    runs = [_run(tiny_moe_only, tmp_path, f"m{chunk}", chunk, moe_only=True) for chunk in (0, 3, len(PROMPT))]
+    dumps = [r.dump_path.read_bytes() for r in runs]
+    assert dumps[0] == dumps[1] == dumps[2]
+    assert runs[2].summary_report["summary"]["prefill"]["chunk"] == len(PROMPT)
