@@ -295,6 +295,7 @@ class Service:
         return {"id": run.id, "state": snap.state, "error": snap.error, "source": "server",
                 "gen": run.config.gen, "steps": snap.steps, "finish_reason": snap.finish_reason,
                 "prompt_tokens": snap.prompt_tokens, "generated_tokens": snap.generated_tokens,
+                "tokens_done": snap.tokens_done,
                 "config": run.config_dict(), "live": snapshot_view(snap, run.config.gen),
                 "state_sha256": (report or {}).get("state_sha256"), "report": report,
                 "history_error": self.run_history.failures.get(run.id),
@@ -334,7 +335,7 @@ class Service:
             raise HttpError(404, f"no run {run_id!r}", code="not_found")
         return {"id": rec.run_id, "state": rec.state, "error": rec.error, "source": "history",
                 "gen": rec.gen, "steps": record_steps(rec.config), "finish_reason": rec.config.get("finish_reason"),
-                "generated_tokens": rec.config.get("generated_tokens"),
+                "generated_tokens": rec.config.get("generated_tokens"), "tokens_done": rec.tokens_done,
                 "config": rec.config, "live": None, "state_sha256": rec.state_sha256, "report": rec.report,
                 "started_at": rec.started_at, "finished_at": rec.finished_at,
                 "links": self._links(rec.run_id, rec.state)}
