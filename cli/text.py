@@ -168,7 +168,11 @@ def _summary(run, session: _Session) -> str:
     spt = s.get("s_per_token") or snap.s_per_token
     gb = s.get("gb_per_token") or snap.gb_per_token
     hit = s.get("hit_rate") if s else snap.hit_rate
-    parts = [f"{run.prompt_tokens} prompt tokens", f"{run.generated_tokens} generated ({run.finish_reason or run.state})"]
+    pre = s.get("prefill") if s else None
+    prompt = f"{run.prompt_tokens} prompt tokens"
+    if pre and pre.get("tokens_per_s"):
+        prompt += f" ({pre['tokens_per_s']:.2f} tokens/s layer by layer)"
+    parts = [prompt, f"{run.generated_tokens} generated ({run.finish_reason or run.state})"]
     if spt:
         parts.append(f"{_per_second(spt):.2f} tokens/s ({spt:.3f} s/token)")
     if gb is not None:
