@@ -108,6 +108,15 @@ extern const ds4f_mtable ds4f_mt_neon;   /* multi_neon.c */
 const ds4f_ktable *ds4f_ktable_of(int backend);  /* dispatch.c */
 const ds4f_mtable *ds4f_mtable_of(int backend);  /* dispatch_multi.c */
 
+/* A bf16 value (its 16 bits) widened to fp32: exact, the high half of the float's bits. */
+static inline float bf16_to_f32(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
 /* The tokens a multi-token kernel keeps accumulators for at a time (its stack tile); more tokens
  * are taken in blocks of this many, each block decoding the weights again (from L1/L2). */
 #define DS4F_MM_TB 32

@@ -80,14 +80,6 @@ static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, 
     }
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
 static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, const float *x,
                       float *y) {
     for (size_t r = r0; r < r1; r++) {

@@ -9,14 +9,6 @@
  */
 #include "kernels_internal.h"
 
-static inline float bf16_to_f32(uint16_t h) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
 /* acc[t] += w[i] * x_t[i] for i in 0..n-1, in order, for each of nt tokens */
 static void apply(const float *w, size_t n, size_t nt, const float *xp, size_t ldx, float *acc) {
     for (size_t t = 0; t < nt; t++) {
