@@ -163,10 +163,22 @@ def layer_cache_nbytes(shape: AttentionShape, context: int) -> int:
 # ---- the steps --------------------------------------------------------------------------------
 
 
+RMS_BLOCK = 256   # rows rms_rows normalises at a time (their float64 copy stays in the L2 cache)
+
+
 def rms_rows(x: np.ndarray, eps: float) -> np.ndarray:
-    """Each row of x [n, d] over sqrt(mean(row^2) + eps), no weight; fp32."""
-    x64 = x.astype(np.float64)
-    return (x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)).astype(np.float32)
+    """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; no weight; fp32.
+    Rows are independent (each one's mean is its own reduction), so they go RMS_BLOCK at a time:
+    the same bits as all at once, without [n, d] float64 temporaries."""
+    out = np.empty(x.shape, np.float32)
+    for a in range(0, len(x), RMS_BLOCK):
+        x64 = x[a:a + RMS_BLOCK].astype(np.float64)
+        ms = np.square(x64).mean(axis=-1, keepdims=True)
+        ms += eps
+        np.sqrt(ms, out=ms)
+        np.divide(x64, ms, out=x64)
+        out[a:a + RMS_BLOCK] = x64
+    return out
 
 
 def weighted_rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
