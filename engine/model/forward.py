@@ -175,8 +175,9 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: G
     att, eps = g.attention, g.rms_norm_eps
     A = np.empty((len(X), g.hidden), np.float32)       # each token's normed input
     mixes = []
+    fn64 = la.hc_attn.fn.astype(np.float64) if len(X) > 1 else None   # widened once for the chunk
     for c in range(len(X)):
-        h, post, comb = hc_pre(X[c], la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+        h, post, comb = hc_pre(X[c], la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters, fn64)
         rms_norm(h, la.attn_norm, eps, A[c], h64)
         mixes.append((post, comb))
     Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope)

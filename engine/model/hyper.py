@@ -35,16 +35,18 @@ def _sigmoid(v: np.ndarray) -> np.ndarray:
 
 
 def _mix(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+    """fn (fp32, or already widened to float64: the same values) times the normed streams, in float64."""
     x = X.reshape(-1).astype(np.float64)
     xn = x / np.sqrt(np.dot(x, x) / x.shape[0] + eps)
-    return fn.astype(np.float64) @ xn
+    return (fn if fn.dtype == np.float64 else fn.astype(np.float64)) @ xn
 
 
 def hc_pre(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
-           sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(h fp32 [hidden], post float64 [N], C float64 [N, N]) for the streams X [N, hidden]."""
+           sinkhorn_iters: int, fn64: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(h fp32 [hidden], post float64 [N], C float64 [N, N]) for the streams X [N, hidden].
+    fn64: w.fn widened to float64 once for many tokens (a prefill chunk), else widened here."""
     n = X.shape[0]
-    mix = _mix(X, w.fn, eps)
+    mix = _mix(X, w.fn if fn64 is None else fn64, eps)
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
     pre = _sigmoid(mix[:n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * _sigmoid(mix[n:2 * n] * scale[1] + base[n:2 * n])

@@ -106,9 +106,10 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
             la = source.attention(layer)
             buf.attn[:n, layer] = attention_sublayer(la, X, kv.layers[layer], pos0, g, layer, token_ids, buf.h64)
         t1 = perf_counter()
+        fn64 = la.hc_ffn.fn.astype(np.float64) if att is not None else None   # widened once for the chunk
         for c in range(n):
             if att is not None:
-                h, post, comb = hc_pre(X[c], la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+                h, post, comb = hc_pre(X[c], la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, fn64)
                 mixes[c] = (post, comb)
             else:
                 h = X[c, 0]
