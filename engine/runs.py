@@ -38,6 +38,7 @@ from ds4f.engine.errors import Ds4fError
 from ds4f.engine.lab.replay import replay
 from ds4f.engine.lab.trace import Trace
 from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
+from ds4f.engine.model.prefill import Stopped
 from ds4f.engine.output_text import OutputText
 from ds4f.engine.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
 from ds4f.engine.text.chat import chat_prompt_ids
@@ -603,7 +604,10 @@ class Run:
             part = list(prompt[step:step + chunk])
             n = len(part)
             t0 = time.perf_counter()
-            res = session.prefill(part)
+            try:
+                res = session.prefill(part, should_stop=self._cancel.is_set)
+            except Stopped:   # cancelled part way through the chunk: the run ends cancelled
+                break
             seconds = time.perf_counter() - t0
             costs = vars(res)
             shares = {k: _shares(costs[k], n) for k in ("hits", "misses", "bytes_read", "reads", "prefetch_hits")}

@@ -88,10 +88,12 @@ class Session:
         return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits, **self._since(before),
                           attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
 
-    def prefill(self, token_ids: list[int]) -> "ChunkResult":
+    def prefill(self, token_ids: list[int], should_stop=None) -> "ChunkResult":
         """A chunk of prompt tokens through the model layer by layer (model.prefill): the same
         records and logits as step() on each in turn, each chosen expert read once for the chunk.
-        At most `prefill_chunk` tokens; the chunk's reads, hits and stall together."""
+        At most `prefill_chunk` tokens; the chunk's reads, hits and stall together. should_stop:
+        asked before each layer; True stops the chunk with model.prefill.Stopped, and the session
+        is not to be used further (its KV cache holds part of the chunk)."""
         g = self.geometry
         n = len(token_ids)
         if self.chunk is None or not 0 < n <= self.chunk.chunk:
@@ -104,7 +106,7 @@ class Session:
             raise Ds4fError(f"position {self.position + n - 1} is past the context of {self.context} positions the"
                             f" preset {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
         before = self._counters()
-        logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position)
+        logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position, should_stop)
         self.position += n
         b = self.chunk
         return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._since(before),

@@ -164,3 +164,37 @@ def test_the_moe_only_model_prefills_to_the_same_dump(tiny_moe_only, tmp_path):
     dumps = [r.dump_path.read_bytes() for r in runs]
     assert dumps[0] == dumps[1] == dumps[2]
     assert runs[2].summary_report["summary"]["prefill"]["chunk"] == len(PROMPT)
+
+
+def test_a_cancel_stops_a_chunk_between_layers(tiny_model, tmp_path):
+    """A chunk of the real model takes minutes: a cancel lands at the next layer, not the next chunk."""
+    import threading
+
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.engine import Engine
+    from ds4f.engine.model.prefill import Stopped
+
+    preset = load_config(None).get_preset("laptop")
+    with open_checkpoint(tiny_model) as ck:
+        eng = Engine(ck, preset, 2, 1, "scalar")
+        try:
+            session = eng.new_session(prefill_chunk=8)
+            asked = []
+
+            def stop_at_layer_2():
+                asked.append(True)
+                return len(asked) > 2
+
+            with pytest.raises(Stopped, match="before layer 2"):
+                session.prefill(list(PROMPT[:8]), should_stop=stop_at_layer_2)
+            assert session.position == 0 and len(asked) == 3
+        finally:
+            eng.close()
+    # through the run API: a cancel before or while the one chunk computes ends the run with no record
+    started = threading.Event()
+    run = start_run(RunConfig(model=str(tiny_model), prompt=PROMPT * 3, gen=2, prefill_chunk=len(PROMPT) * 3,
+                              probe_floor=False, dump_path=str(tmp_path / "c.bin")), on_token=lambda r: started.set())
+    run.cancel()
+    assert run.wait(120) and run.state == "cancelled"
+    assert not started.is_set() and not list(tmp_path.iterdir())    # no record of the chunk, no files

@@ -84,10 +84,16 @@ class ChunkBuffers:
         return chunk * per_token + fixed + scratch + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
 
 
-def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, pos0: int) -> np.ndarray:
+class Stopped(Exception):
+    """A chunk left part way because `should_stop` said so: the sequence's state is not usable."""
+
+
+def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, pos0: int,
+            should_stop=None) -> np.ndarray:
     """The chunk's logits (fp32 [len(token_ids), vocab], buf.logits' rows); buf.ids / weights /
     hidden / attn hold each token's record. The tokens sit at positions pos0, pos0 + 1, ... of
-    the sequence; kv (the whole model's attention state) advances past them."""
+    the sequence; kv (the whole model's attention state) advances past them. should_stop: asked
+    before each layer (a chunk of the real model takes minutes); True raises Stopped."""
     g = source.geometry
     n = len(token_ids)
     if not 0 < n <= buf.chunk:
@@ -100,6 +106,8 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
         X[c] = source.globals.embed[t]             # bf16 -> fp32, exact, in every stream
     source.start_chunk(token_ids)
     for layer in range(g.n_layers):
+        if should_stop is not None and should_stop():
+            raise Stopped(f"stopped before layer {layer}")
         t0 = perf_counter()
         mixes = [None] * n                         # each token's hyper-connection around the MoE
         if att is not None:                        # projections together, the caches token after token
