@@ -60,12 +60,7 @@ class Session:
 
     def eval(self, token_id: int) -> np.ndarray:
         """The logits after `token_id` (fp32 [vocab], the session's buffer: copy to keep)."""
-        g = self.geometry
-        if not 0 <= token_id < g.vocab:
-            raise Ds4fError(f"token id {token_id} is outside the vocabulary (0..{g.vocab - 1})", param="token")
-        if self.position >= self.context:
-            raise Ds4fError(f"position {self.position} is past the context of {self.context} positions the preset"
-                            f" {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
+        self._check_tokens([token_id])
         logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
         self.position += 1
         return logits
@@ -94,23 +89,28 @@ class Session:
         At most `prefill_chunk` tokens; the chunk's reads, hits and stall together. should_stop:
         asked before each layer; True stops the chunk with model.prefill.Stopped, and the session
         is not to be used further (its KV cache holds part of the chunk)."""
-        g = self.geometry
         n = len(token_ids)
         if self.chunk is None or not 0 < n <= self.chunk.chunk:
             raise Ds4fError(f"a chunk of {n} prompt tokens; this session takes 1 to {self.prefill_chunk}",
                             param="prompt")
-        bad = [t for t in token_ids if not 0 <= t < g.vocab]
-        if bad:
-            raise Ds4fError(f"token id {bad[0]} is outside the vocabulary (0..{g.vocab - 1})", param="token")
-        if self.position + n > self.context:
-            raise Ds4fError(f"position {self.position + n - 1} is past the context of {self.context} positions the"
-                            f" preset {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
+        self._check_tokens(token_ids)
         before = self._counters()
         logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position, should_stop)
         self.position += n
         b = self.chunk
         return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._since(before),
                            attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
+
+    def _check_tokens(self, token_ids) -> None:
+        """The ids are in the vocabulary and their positions (from the session's) within the context."""
+        g = self.geometry
+        bad = [t for t in token_ids if not 0 <= t < g.vocab]
+        if bad:
+            raise Ds4fError(f"token id {bad[0]} is outside the vocabulary (0..{g.vocab - 1})", param="token")
+        last = self.position + len(token_ids) - 1
+        if last >= self.context:
+            raise Ds4fError(f"position {last} is past the context of {self.context} positions the preset"
+                            f" {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
 
     def _counters(self) -> tuple:
         cache, reader, source = self.engine.cache, self.engine.reader, self.source

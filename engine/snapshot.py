@@ -235,11 +235,12 @@ class TokenLog:
 
     def warm(self) -> np.ndarray:
         """The rows of the warm decode tokens: all but the first and the prefilled ones (the first
-        alone, if it is the only one)."""
+        alone, if it is the only one). Prefilled tokens are the prompt's, so they lead: a view, no
+        copy (snapshots ask for it every refresh)."""
         done = self.rows[:self.count]
         if self.count <= 1:
             return done[done["prefill"] == 0]
-        return done[1:][done["prefill"][1:] == 0]
+        return done[max(1, self.prefill_tokens):]
 
     def median_seconds(self) -> float | None:
         warm = self.warm()
