@@ -609,15 +609,14 @@ class Run:
             except Stopped:   # cancelled part way through the chunk: the run ends cancelled
                 break
             seconds = time.perf_counter() - t0
-            costs = vars(res)
+            costs = {k: v for k, v in vars(res).items() if not isinstance(v, np.ndarray)}   # the chunk's
             shares = {k: _shares(costs[k], n) for k in ("hits", "misses", "bytes_read", "reads", "prefetch_hits")}
             for c in range(n):
                 generating = step == len(prompt) - 1
                 logits = res.logits[c]
                 next_token = int(sampler.sample(logits)) if generating and sampler is not None \
                     else int(np.argmax(logits))
-                one = {k: (shares[k][c] if k in shares else v / n) for k, v in costs.items()
-                       if not isinstance(v, np.ndarray)}
+                one = {k: (shares[k][c] if k in shares else v / n) for k, v in costs.items()}
                 arrays = _Records(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], logits)
                 self._emit(eng, writer, step, part[c], next_token, arrays, one, seconds / n, prefill=True)
                 step += 1
