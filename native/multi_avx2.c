@@ -14,7 +14,8 @@
 
 #define MM_R 4   /* rows decoded together */
 #define MM_KC 8  /* MXFP4 / bf16: 32-element blocks per chunk (4 KiB tile for 4 rows) */
-#define FP8_KT 2 /* FP8: 128-element tiles per chunk */
+#define FP8_KT 4 /* FP8: 128-element tiles per chunk */
+#define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm; 3 spills) */
 
 /* ---- MXFP4 and bf16 ----------------------------------------------------------------------- */
 
@@ -157,29 +158,32 @@ INL void fp8_decode(const uint8_t *w, size_t r, int R, size_t k, size_t t0, size
     }
 }
 
-/* NT tokens (1 or 2): per tile a partial p per row and token from zero, then fp8_tile_add */
-INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, size_t t0, size_t ntl, size_t k,
-                    const float *const *xr, __m256 acc[2][MM_R]) {
+/* NT tokens (1..FP8_NT) from xt (row stride ldx) over the chunk's ntl tiles: per tile a partial
+ * p per (token, row) from zero in registers (each weight vector loaded once for all NT tokens,
+ * each x vector once for all R rows), then fp8_tile_add into the token's accumulators in accm */
+INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, const float (*fac)[MM_R], int big,
+                    size_t c, size_t ntl, size_t k, const float *xt, size_t ldx, __m256 (*accm)[MM_R]) {
     for (size_t tt = 0; tt < ntl; tt++) {
-        const size_t j0 = (t0 + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
-        __m256 p[2][MM_R];
-        _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+        const size_t j0 = (c + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
+        __m256 p[FP8_NT][MM_R];
+        _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++)
             _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) p[n][i] = _mm256_setzero_ps();
         for (size_t q = 0; q < nq; q++) {
             const float *wq = wb + (tt * 4 + q) * R * 32;
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                const float *wi = wq + 32 * i;
-                _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) {
-                    const float *x = xr[n] + j0 + 32 * q;
-                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi), _mm256_loadu_ps(x), p[n][i]);
-                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi + 8), _mm256_loadu_ps(x + 8), p[n][i]);
-                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi + 16), _mm256_loadu_ps(x + 16), p[n][i]);
-                    p[n][i] = _mm256_fmadd_ps(_mm256_load_ps(wi + 24), _mm256_loadu_ps(x + 24), p[n][i]);
+            _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++) {
+                __m256 xv[FP8_NT];
+                _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++) xv[n] = _mm256_loadu_ps(xt + n * ldx + j0 + 32 * q + 8 * m);
+                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                    __m256 wv = _mm256_load_ps(wq + 32 * i + 8 * m);
+                    __asm__("" : "+x"(wv)); /* one load for all NT tokens, not one folded into each FMA */
+                    _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++) p[n][i] = _mm256_fmadd_ps(wv, xv[n], p[n][i]);
                 }
             }
         }
-        _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) acc[n][i] = fp8_tile_add(p[n][i], sr[i][t0 + tt], acc[n][i]);
+        _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) accm[n][i] =
+                big ? fp8_tile_add(p[n][i], sr[i][c + tt], accm[n][i])
+                    : _mm256_fmadd_ps(p[n][i], _mm256_set1_ps(fac[tt][i]), accm[n][i]); /* fp8_tile_add's usual case */
     }
 }
 
@@ -194,30 +198,27 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
         const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
         __m256i nan[MM_R];
         _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) nan[i] = _mm256_setzero_si256();
+        for (size_t t = 0; t < tn; t++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) accm[t][i] = _mm256_setzero_ps();
         for (size_t c = 0; c < kt; c += FP8_KT) {
             const size_t ntl = kt - c < FP8_KT ? kt - c : FP8_KT;
-            const int first = c == 0, last = c + ntl == kt;
             fp8_decode(w, r, R, k, c, ntl, wb, nan);
-            for (size_t t = 0; t < tn; t += 2) {
-                const int NT = t + 1 < tn ? 2 : 1;
-                const float *xr[2] = {xp + (t0 + t) * ldx, xp + (t0 + t + NT - 1) * ldx};
-                __m256 acc[2][MM_R];
-                _Pragma("GCC unroll 2") for (int n = 0; n < 2; n++)
-                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
-                        acc[n][i] = first || n >= NT ? _mm256_setzero_ps() : accm[t + n][i];
-                if (NT == 2)
-                    fp8_tokens(2, R, wb, sr, c, ntl, k, xr, acc);
-                else
-                    fp8_tokens(1, R, wb, sr, c, ntl, k, xr, acc);
-                for (int n = 0; n < NT; n++)
-                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                        if (last)
-                            y[(t0 + t + n) * ldy + r + i] = fp8_result(acc[n][i], nan[i]);
-                        else
-                            accm[t + n][i] = acc[n][i];
-                    }
-            }
+            float fac[FP8_KT][MM_R]; /* each tile's factor, hoisted out of the token loop */
+            int big = 0;             /* a scale whose factor overflows: fp8_tile_add's slow case */
+            for (size_t tt = 0; tt < ntl; tt++)
+                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                    const uint8_t b = sr[i][c + tt];
+                    big |= b >= 247 && b != 255;
+                    fac[tt][i] = fp8_factor(b);
+                }
+            size_t t = 0;
+            for (; t + FP8_NT <= tn; t += FP8_NT)
+                fp8_tokens(FP8_NT, R, wb, sr, fac, big, c, ntl, k, xp + (t0 + t) * ldx, ldx, accm + t);
+            if (tn - t == 2) fp8_tokens(2, R, wb, sr, fac, big, c, ntl, k, xp + (t0 + t) * ldx, ldx, accm + t);
+            else if (tn - t == 1) fp8_tokens(1, R, wb, sr, fac, big, c, ntl, k, xp + (t0 + t) * ldx, ldx, accm + t);
         }
+        for (size_t t = 0; t < tn; t++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) y[(t0 + t) * ldy + r + i] = fp8_result(accm[t][i], nan[i]);
     }
 }
 
