@@ -275,9 +275,8 @@ def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int,
     cache.window[pos % shape.window] = kv
     cache.tokens = pos + 1
     n_win = min(pos + 1, shape.window)
-    # the window's rows oldest first (positions pos - n_win + 1 .. pos)
-    first = pos + 1 - n_win
-    keys = [cache.window[(first + j) % shape.window] for j in range(n_win)]
+    first = (pos + 1 - n_win) % shape.window      # the ring slot of the oldest row in the window
+    rows = cache.window[:0]
     if shape.kind != "swa":
         comp = cache.compressor
         compressor_step(w.compressor, comp, p.comp[0][t], p.comp[1][t], pos, rope, eps)
@@ -286,8 +285,13 @@ def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int,
             ikv, igate, iq, hw = p.index
             compressor_step(w.indexer.compressor, cache.indexer, ikv[t], igate[t], pos, rope, eps)
             rows = rows[indexer_select(cache.indexer.rows[:cache.indexer.n_rows], iq[t], hw[t], pos, rope, shape)]
-        keys.extend(rows)
-    K = np.stack(keys).astype(np.float64)                        # [n, head_dim], K == V
+    # K == V [n, head_dim]: the window's rows oldest first (positions pos - n_win + 1 .. pos), then
+    # the compressed rows; widened exactly
+    K = np.empty((n_win + len(rows), hd), np.float64)
+    tail = min(n_win, shape.window - first)
+    K[:tail] = cache.window[first:first + tail]
+    K[tail:n_win] = cache.window[:n_win - tail]
+    K[n_win:] = rows
     logits = (q.astype(np.float64) @ K.T) * hd ** -0.5            # [H, n]
     sink = w.sinks.astype(np.float64)[:, None]
     m = np.maximum(logits.max(axis=1, keepdims=True), sink)

@@ -42,7 +42,7 @@ from ds4f.engine import kernels
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_rows
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre
+from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
@@ -174,18 +174,15 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: G
     returns the attention's outputs Y (fp32 [n, hidden]). One token: n = 1."""
     att, eps = g.attention, g.rms_norm_eps
     A = np.empty((len(X), g.hidden), np.float32)       # each token's normed input
-    mixes = []
-    fn64 = la.hc_attn.fn.astype(np.float64) if len(X) > 1 else None   # widened once for the chunk
+    H, post, comb = hc_pre_rows(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
     for c in range(len(X)):
-        h, post, comb = hc_pre(X[c], la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters, fn64)
-        rms_norm(h, la.attn_norm, eps, A[c], h64)
-        mixes.append((post, comb))
+        rms_norm(H[c], la.attn_norm, eps, A[c], h64)
     Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope)
     for c in range(len(X)):
         if not np.isfinite(Y[c]).all():
             raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
                             f" {token_ids[c]} at position {pos0 + c}: its weights are corrupt", kind="data")
-        hc_post(X[c], Y[c], *mixes[c])
+        hc_post(X[c], Y[c], post[c], comb[c])
     return Y
 
 

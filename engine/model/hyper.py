@@ -41,23 +41,40 @@ def _mix(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
     return (fn if fn.dtype == np.float64 else fn.astype(np.float64)) @ xn
 
 
+HC_BLOCK = 32   # tokens whose float64 streams hc_pre_rows holds at a time (4 MiB at the real width)
+
+
 def hc_pre(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
-           sinkhorn_iters: int, fn64: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(h fp32 [hidden], post float64 [N], C float64 [N, N]) for the streams X [N, hidden].
-    fn64: w.fn widened to float64 once for many tokens (a prefill chunk), else widened here."""
-    n = X.shape[0]
-    mix = _mix(X, w.fn if fn64 is None else fn64, eps)
+           sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(h fp32 [hidden], post float64 [N], C float64 [N, N]) for the streams X [N, hidden]:
+    hc_pre_rows on one token."""
+    h, post, comb = hc_pre_rows(X[None], w, eps, hc_eps, sinkhorn_iters)
+    return h[0], post[0], comb[0]
+
+
+def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
+                sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """hc_pre of n tokens at once, X [n, N, hidden]: (h fp32 [n, hidden], post float64 [n, N],
+    C float64 [n, N, N]); fn is widened to float64 once for all of them.
+    Each token's mix is its own matrix-vector product, as for a token alone; everything after it
+    works element by element or sums N terms in order along one axis, so a token's results do
+    not depend on the others in the batch (a prefill chunk's equal decode's, bit for bit)."""
+    n, N = X.shape[0], X.shape[1]
+    fn = w.fn.astype(np.float64)
+    mix = np.stack([_mix(X[t], fn, eps) for t in range(n)])                     # [n, (2 + N) N]
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
-    pre = _sigmoid(mix[:n] * scale[0] + base[:n]) + hc_eps
-    post = 2.0 * _sigmoid(mix[n:2 * n] * scale[1] + base[n:2 * n])
-    logits = mix[2 * n:].reshape(n, n) * scale[2] + base[2 * n:].reshape(n, n)
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    comb = e / e.sum(axis=1, keepdims=True) + hc_eps
-    comb = comb / (comb.sum(axis=0, keepdims=True) + hc_eps)          # columns first
+    pre = _sigmoid(mix[:, :N] * scale[0] + base[:N]) + hc_eps
+    post = 2.0 * _sigmoid(mix[:, N:2 * N] * scale[1] + base[N:2 * N])
+    logits = mix[:, 2 * N:].reshape(n, N, N) * scale[2] + base[2 * N:].reshape(N, N)
+    e = np.exp(logits - logits.max(axis=2, keepdims=True))
+    comb = e / e.sum(axis=2, keepdims=True) + hc_eps
+    comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)          # columns first
     for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)      # rows
-        comb = comb / (comb.sum(axis=0, keepdims=True) + hc_eps)      # columns
-    h = (pre[:, None] * X.astype(np.float64)).sum(axis=0).astype(np.float32)
+        comb = comb / (comb.sum(axis=2, keepdims=True) + hc_eps)      # rows
+        comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)      # columns
+    h = np.empty((n, X.shape[2]), np.float32)
+    for a in range(0, n, HC_BLOCK):                                  # sum_k pre[k] X[k], k in order
+        h[a:a + HC_BLOCK] = (pre[a:a + HC_BLOCK, :, None] * X[a:a + HC_BLOCK].astype(np.float64)).sum(axis=1)
     return h, post, comb
 
 

@@ -5,7 +5,7 @@
         X = attention sublayer for all c: the projections of every token together, then the
             attention token after token (its KV cache at position pos0 + c), then the output
             projections together
-        for c:           h[c], post[c], C[c] = hc_pre(X[c]);  x[c], ids[c], w[c] = route(h[c])
+        h[c], post[c], C[c] = hc_pre(X[c]) for all c at once;  x[c], ids[c], w[c] = route(h[c])
         for each distinct expert e of the chunk's ids (each read once):
             ys[c, rank] = expert e on x[c], for every (c, rank) that chose e
         for c:           X[c] = hc_post(X[c], sum over ranks of ys[c] + shared(x[c]), post[c], C[c])
@@ -28,7 +28,7 @@ from ds4f.engine import kernels
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
                                        check_finite, check_logits, moe_route)
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre
+from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, sum_outputs
 from ds4f.engine.model.ops import rms_norm, silu_mul
 
@@ -109,18 +109,14 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
         if should_stop is not None and should_stop():
             raise Stopped(f"stopped before layer {layer}")
         t0 = perf_counter()
-        mixes = [None] * n                         # each token's hyper-connection around the MoE
         if att is not None:                        # projections together, the caches token after token
             la = source.attention(layer)
             buf.attn[:n, layer] = attention_sublayer(la, X, kv.layers[layer], pos0, g, layer, token_ids, buf.h64)
         t1 = perf_counter()
-        fn64 = la.hc_ffn.fn.astype(np.float64) if att is not None else None   # widened once for the chunk
+        if att is not None:
+            H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
         for c in range(n):
-            if att is not None:
-                h, post, comb = hc_pre(X[c], la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, fn64)
-                mixes[c] = (post, comb)
-            else:
-                h = X[c, 0]
+            h = H[c] if att is not None else X[c, 0]
             x, ids, weights = moe_route(source, layer, h, token_ids[c], buf.x, buf.h64, buf.router_logits)
             buf.xs[c] = x
             buf.ids[c, layer], buf.weights[c, layer] = ids, weights
@@ -129,7 +125,7 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
             check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
             y = sum_outputs(buf.ys[c], buf.shared_out[c], buf.y)
             if att is not None:
-                hc_post(X[c], y, *mixes[c])
+                hc_post(X[c], y, post[c], comb[c])
             else:
                 X[c, 0] += y
             buf.hidden[c, layer] = X[c].reshape(-1)
