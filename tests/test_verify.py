@@ -251,3 +251,22 @@ def test_a_missing_or_misshapen_attention_tensor_in_the_ds4f_layout(tiny_model, 
     (root / "trunk.json").write_text(json.dumps(doc))
     expect(root, r"trunk\.json: no tensor layers\.2\.attn\.indexer\.wq_b\.scale", opens=True)
     expect(root, r"trunk\.json: layers\.3\.attn\.compressor\.ape: F32 \[\d+, \d+\], expected F32")
+
+
+def test_checksum_is_zlibs_crc32():
+    """The records' and regions' crc32 (ISA-L's, a dependency) gives zlib's values: whole buffers,
+    memoryview slices of odd lengths and offsets, a running value carried across pieces."""
+    import zlib
+
+    from ds4f.engine.checkpoint import checksum
+
+    assert checksum.IMPLEMENTATION == "isa-l"
+    rng = np.random.default_rng(11)
+    data = rng.integers(0, 256, 3 * 2**20 + 17, dtype=np.uint8).tobytes()
+    mv = memoryview(data)
+    for a, b in ((0, 0), (0, 1), (0, len(data)), (5, 4101), (4096, 2**20 + 3), (7, len(data) - 9)):
+        assert checksum.crc32(mv[a:b]) == zlib.crc32(mv[a:b])
+    running = 0
+    for a in range(0, len(data), 1 << 19):
+        running = checksum.crc32(mv[a:a + (1 << 19)], running)
+    assert running == zlib.crc32(data)

@@ -15,10 +15,10 @@ import math
 import os
 import re
 import shutil
-import zlib
 from pathlib import Path
 
 
+from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint import detect_kind
 from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POOL_BIN, POOL_FORMAT, POOL_JSON,
                                          PROMPTS_NAME, TENSOR_ALIGN, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON,
@@ -108,7 +108,7 @@ class _RegionWriter:
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
-        self.crc = zlib.crc32(mv, self.crc)
+        self.crc = crc32(mv, self.crc)
         _write_all(self.out, mv)
         self.pos += len(mv)
 
@@ -157,7 +157,7 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
             for L in range(g.n_layers):
                 for e in range(g.n_experts):
                     ck.read_expert(L, e, slot)
-                    crc = zlib.crc32(memoryview(slot)[: g.expert_nbytes])
+                    crc = crc32(memoryview(slot)[: g.expert_nbytes])
                     records.append([(L * g.n_experts + e) * rec_n, crc])
                     _write_all(out, memoryview(slot))
                     bar.advance(g.expert_nbytes, f"layer {L} expert {e}")

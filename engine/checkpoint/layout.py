@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, OFFSETS_HEADER, POOL_BIN,
                                          POOL_FORMAT, POOL_JSON, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON, TRUNK_OFFSETS,
                                          Checkpoint, _address, _check_buffer, _dontneed, _open_direct, _views,
@@ -109,12 +109,13 @@ class Ds4fCheckpoint(Checkpoint):
         return n
 
     def check_expert(self, layer: int, expert: int, buf) -> bool:
-        """Compare a record just read into buf with its crc32 (zlib releases the GIL, so the I/O
-        threads check in parallel with the compute); raise Ds4fError naming the record if it differs.
+        """Compare a record just read into buf with its crc32 (checksum.crc32 releases the GIL, so
+        the I/O threads check in parallel with the compute); raise Ds4fError naming the record if
+        it differs.
         True: checked."""
         index = layer * self.geometry.n_experts + expert
         mv = _check_buffer(buf, self.expert_nbytes, "check_expert")
-        crc = zlib.crc32(mv[: self.expert_nbytes])
+        crc = crc32(mv[: self.expert_nbytes])
         if crc != int(self.record_crc32[index]):
             raise Ds4fError(f"{self.pool_path}: the record of layer {layer}, expert {expert} (at byte"
                             f" {int(self.record_offsets[index])}) is corrupt: crc32 {crc:08x}, {POOL_JSON} says"
@@ -137,7 +138,7 @@ class Ds4fCheckpoint(Checkpoint):
     def check_trunk_layer(self, layer: int, buf) -> bool:
         """Compare a layer region just read into buf with its crc32; Ds4fError naming it if it differs."""
         off, n = self.regions[f"layer.{layer}"]
-        self._check_region(f"layer.{layer}", zlib.crc32(_check_buffer(buf, n, "check_trunk_layer")[:n]))
+        self._check_region(f"layer.{layer}", crc32(_check_buffer(buf, n, "check_trunk_layer")[:n]))
         return True
 
     def _check_region(self, region: str, crc: int) -> None:
@@ -156,7 +157,7 @@ class Ds4fCheckpoint(Checkpoint):
         while done < n:
             mv = memoryview(chunk)[: min(len(chunk), n - done)]
             pread_exact(self._trunk_buffered, mv, off + done, self.trunk_path, "the global region")
-            crc = zlib.crc32(mv, crc)
+            crc = crc32(mv, crc)
             done += len(mv)
         _dontneed(self._trunk_buffered, off, n)
         self._check_region("global", crc)

@@ -22,12 +22,12 @@ Every problem names the file and, where there is one, the tensor.
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from ds4f.engine.checkpoint import detect_kind
+from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.base import _views, aligned_buffer
 from ds4f.engine.checkpoint.layout import load_ds4f_layout
 from ds4f.engine.checkpoint.official import check_official_tensors
@@ -119,7 +119,7 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
                         skipped += 1
                         continue
                     checked += 1
-                    crc = zlib.crc32(memoryview(buf)[: g.expert_nbytes])
+                    crc = crc32(memoryview(buf)[: g.expert_nbytes])
                     if crc != int(crcs[i]):
                         bad_crc.append(f"{pool_path}: record (layer {L}, expert {e}) at offset {off}: crc32"
                                        f" {crc:08x}, pool-mxfp4.json says {int(crcs[i]):08x}")
@@ -176,7 +176,7 @@ def _trunk_problems(layout, trunk_path: Path, progress: ProgressArg) -> list[str
                 crc = 0
                 for pos in range(off, off + n, chunk):
                     data = os.pread(fd, min(chunk, off + n - pos), pos)
-                    crc = zlib.crc32(data, crc)
+                    crc = crc32(data, crc)
                     bar.advance(len(data), name)
                 if crc != layout.region_crc32[name]:
                     bad_crc.append(f"{trunk_path}: region {name} (bytes {off}..{off + n}): crc32 {crc:08x},"
