@@ -13,7 +13,7 @@
 #ifdef DS4F_X86
 
 #define MM_R 4   /* rows decoded together */
-#define MM_KC 8  /* MXFP4 / bf16: 32-element blocks per chunk (4 KiB tile for 4 rows) */
+#define MM_KC 16 /* MXFP4 / bf16: 32-element blocks per chunk (8 KiB tile for 4 rows) */
 #define FP8_KT 4 /* FP8: 128-element tiles per chunk */
 #define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm; 3 spills) */
 
