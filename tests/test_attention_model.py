@@ -157,3 +157,34 @@ def test_cache_sizes_are_what_is_allocated():
     model = FixtureModel(root, context=64)
     for _attn, shape, cache, *_ in model.layers:
         assert cache.nbytes == layer_cache_nbytes(shape, 64)
+
+
+def test_the_indexer_query_is_computed_for_the_tokens_that_select(monkeypatch):
+    """A token with at most index_topk compressed rows behind it attends to all of them, so the
+    indexer's query is projected only for the tokens from first_selecting on; a token the batch
+    did not expect to select gets its query computed alone. Both ways give the same bits as
+    projecting every token's query (the fixture's CSA layers select from position 11 on)."""
+    from ds4f.engine.model import attention as A
+
+    shape = next(s for _a, s, *_ in FixtureModel(FIXTURES / "ratios", context=8).layers if s.kind == "csa")
+    for pos0 in range(0, 40):
+        for n in (1, 3, 16):
+            want = next((t for t in range(n) if (pos0 + t + 1) // shape.ratio > shape.index_topk), n)
+            assert A.first_selecting(pos0, n, shape) == want, (pos0, n)
+
+    exp = np.load(FIXTURES / "ratios" / "expected.npz")
+    tokens = [int(t) for t in exp["tokens"]]
+
+    def run():
+        model = FixtureModel(FIXTURES / "ratios", context=len(tokens))
+        return [model.step(t, pos) for pos, t in enumerate(tokens)]
+
+    normal = run()
+    alone = []
+    real = A._index_query
+    monkeypatch.setattr(A, "first_selecting", lambda pos0, n, shape: n)   # no token expected to select
+    monkeypatch.setattr(A, "_index_query", lambda w, p, t: alone.append(t) or real(w, p, t))
+    fallback = run()
+    assert alone, "no token selected among the compressed rows: the fixture does not reach the indexer"
+    for (la, sa, aa), (lb, sb, ab) in zip(normal, fallback):
+        assert la.tobytes() == lb.tobytes() and sa.tobytes() == sb.tobytes() and aa.tobytes() == ab.tobytes()

@@ -241,15 +241,31 @@ class Projected:
     q: np.ndarray                   # [n, H, head_dim]  after the per-head norm (RoPE not yet)
     kv: np.ndarray                  # [n, head_dim]     after kv_norm (RoPE not yet)
     comp: tuple | None = None       # the compressor's (kv [n, width], gate [n, width]), ape not yet
-    index: tuple | None = None      # the indexer's (kv, gate, iq [n, ih id], hw [n, ih])
+    index: tuple | None = None      # the indexer's compressor (kv, gate)
+    # the indexer's query (iq [n - selecting, ih id], hw [n - selecting, ih]) for tokens
+    # selecting, selecting + 1, ...: a token with at most index_topk compressed rows behind it
+    # attends to all of them and needs no query (see first_selecting)
+    query: tuple | None = None
+    selecting: int = 0
+    qr: np.ndarray | None = None    # [n, q_lora] and the inputs A [n, hidden]: a query computed
+    A: np.ndarray | None = None     # for a token before `selecting` if its cache says it selects
+
+
+def first_selecting(pos0: int, n: int, shape: AttentionShape) -> int:
+    """The first of n tokens at positions pos0, pos0 + 1, ... whose attention chooses among the
+    compressed rows (a sequence from position 0 has (pos + 1) // ratio of them after its step at
+    pos): the indexer's query is computed from it on. n if none of them does."""
+    t = (shape.index_topk + 1) * shape.ratio - 1 - pos0
+    return min(max(t, 0), n)
 
 
 def _matmul(m: Matrix, x: np.ndarray) -> np.ndarray:
     return m.matmul(x, np.empty((len(x), m.shape[0]), np.float32))
 
 
-def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape) -> Projected:
-    """The projections of the rows of A [n, hidden] (see Projected)."""
+def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, pos0: int) -> Projected:
+    """The projections of the rows of A [n, hidden], tokens at positions pos0, pos0 + 1, ...
+    (see Projected)."""
     n, eps = len(A), shape.eps
     qr = rms_rows(_matmul(w.wq_a, A), eps) * w.q_norm                        # [n, q_lora], weighted_rms by row
     q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps)
@@ -259,9 +275,20 @@ def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape) -> Projec
         p.comp = (_matmul(w.compressor.wkv, A), _matmul(w.compressor.wgate, A))
     if shape.kind == "csa":
         ix = w.indexer
-        p.index = (_matmul(ix.compressor.wkv, A), _matmul(ix.compressor.wgate, A), _matmul(ix.wq_b, qr),
-                   _matmul(ix.weights_proj, A))
+        p.index = (_matmul(ix.compressor.wkv, A), _matmul(ix.compressor.wgate, A))
+        p.selecting, p.qr, p.A = first_selecting(pos0, n, shape), qr, A
+        if p.selecting < n:
+            p.query = (_matmul(ix.wq_b, qr[p.selecting:]), _matmul(ix.weights_proj, A[p.selecting:]))
     return p
+
+
+def _index_query(w: AttentionWeights, p: Projected, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token t's indexer query (iq [ih id], hw [ih]): from the batch, or for a token the batch
+    did not expect to select, computed alone (the same bits: a row of a batch is its own product)."""
+    if t >= p.selecting:
+        return p.query[0][t - p.selecting], p.query[1][t - p.selecting]
+    ix = w.indexer
+    return _matmul(ix.wq_b, p.qr[t:t + 1])[0], _matmul(ix.weights_proj, p.A[t:t + 1])[0]
 
 
 def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int, pos: int, shape: AttentionShape,
@@ -282,9 +309,11 @@ def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int,
         compressor_step(w.compressor, comp, p.comp[0][t], p.comp[1][t], pos, rope, eps)
         rows = comp.rows[:comp.n_rows]
         if shape.kind == "csa":
-            ikv, igate, iq, hw = p.index
-            compressor_step(w.indexer.compressor, cache.indexer, ikv[t], igate[t], pos, rope, eps)
-            rows = rows[indexer_select(cache.indexer.rows[:cache.indexer.n_rows], iq[t], hw[t], pos, rope, shape)]
+            ikv, igate = p.index
+            index = cache.indexer
+            compressor_step(w.indexer.compressor, index, ikv[t], igate[t], pos, rope, eps)
+            if index.n_rows > shape.index_topk:
+                rows = rows[indexer_select(index.rows[:index.n_rows], *_index_query(w, p, t), pos, rope, shape)]
     # K == V [n, head_dim]: the window's rows oldest first (positions pos - n_win + 1 .. pos), then
     # the compressed rows; widened exactly
     K = np.empty((n_win + len(rows), hd), np.float64)
@@ -313,7 +342,7 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
     """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
     pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
     The projections go all tokens at once, the attention itself token after token."""
-    p = project(w, A, shape)
+    p = project(w, A, shape, pos0)
     O = np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(len(A))])
     return output_projection(w, O)
 
