@@ -26,11 +26,12 @@ import numpy as np
 
 from ds4f.engine import kernels
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
-                                       check_finite, check_logits, moe_route)
+                                       check_finite, check_logits)
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, sum_outputs
-from ds4f.engine.model.ops import rms_norm, silu_mul
+from ds4f.engine.model.ops import rms_norm, silu_mul, sqrt_softplus
+from ds4f.engine.model.router import route
 
 
 class ChunkBuffers:
@@ -45,9 +46,8 @@ class ChunkBuffers:
         self.ys = np.empty((chunk, g.top_k, g.hidden), np.float32)  # each token's routed outputs, by rank
         self.shared_out = np.empty((chunk, g.hidden), np.float32)
         self.y = np.empty(g.hidden, np.float32)
-        self.x = np.empty(g.hidden, np.float32)                  # a norm's output, used at once
         self.h64 = np.empty(g.hidden, np.float64)
-        self.router_logits = np.empty(g.n_experts, np.float32)
+        self.router_rows = np.empty((chunk, g.n_experts), np.float32)   # each token's router logits
         self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)   # one token's kernel scratch
         # the multi-token kernels' inputs, outputs and work space: each weight decoded once per chunk
         pairs = chunk * g.top_k
@@ -77,8 +77,8 @@ class ChunkBuffers:
         streams = att.hc_mult if att is not None else 1
         per_token = 4 * (streams * g.hidden + 2 * g.hidden + g.top_k * g.hidden
                          + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab
-                         + g.top_k * g.hidden + 3 * g.shared_inter + g.hidden)
-        fixed = 4 * (2 * g.hidden + g.n_experts) + 8 * g.hidden + 3 * 8
+                         + g.top_k * g.hidden + 3 * g.shared_inter + g.hidden + g.n_experts)
+        fixed = 4 * g.hidden + 8 * g.hidden + 3 * 8
         scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
                    + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
         return chunk * per_token + fixed + scratch + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
@@ -115,11 +115,7 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
         t1 = perf_counter()
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
-        for c in range(n):
-            h = H[c] if att is not None else X[c, 0]
-            x, ids, weights = moe_route(source, layer, h, token_ids[c], buf.x, buf.h64, buf.router_logits)
-            buf.xs[c] = x
-            buf.ids[c, layer], buf.weights[c, layer] = ids, weights
+        _route_rows(source, layer, H if att is not None else X[:, 0], token_ids, buf)
         _experts(source, layer, buf, n)
         for c in range(n):
             check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
@@ -142,6 +138,21 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
     for c in range(n):
         check_logits(logits[c], token_ids[c])
     return logits
+
+
+def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int], buf: ChunkBuffers) -> None:
+    """forward.moe_route for the chunk's tokens (their MoE inputs H [n, hidden]): buf.xs, ids and
+    weights. The router's logits of all tokens in one multi-token call (each row the single-vector
+    product's bits), the norms and selections token by token."""
+    g = source.geometry
+    n = len(token_ids)
+    router = source.router(layer)
+    xs = buf.xs[:n]
+    for c in range(n):
+        rms_norm(H[c], router.ffn_norm, g.rms_norm_eps, xs[c], buf.h64)
+    logits = kernels.bf16_matmul(router.gate, xs, out=buf.router_rows[:n], scratch=buf.mm_scratch)
+    for c in range(n):
+        buf.ids[c, layer], buf.weights[c, layer] = route(sqrt_softplus(logits[c]), router, token_ids[c], g)
 
 
 def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int) -> None:
