@@ -11,6 +11,7 @@ import numpy as np
 from ds4f.engine import kernels
 from ds4f.engine.config import Preset, format_bytes
 from ds4f.engine.errors import Ds4fError
+from ds4f.engine.model.ops import pin_numpy_blas
 from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights
 from ds4f.engine.resident import load_attention
 from ds4f.engine.runtime.expert_cache import ExpertCache
@@ -51,6 +52,7 @@ class KernelSettings:
     def apply(self) -> None:
         kernels.set_backend(self.backend)
         kernels.set_threads(self.threads)
+        pin_numpy_blas()
 
 
 class Engine:
