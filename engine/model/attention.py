@@ -26,6 +26,7 @@ index_topk; equal scores keep the LOWER row index first (a documented rule: torc
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -329,22 +330,54 @@ def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int,
     return rope.apply((prob @ K).astype(np.float32), pos, inverse=True).reshape(-1)   # [H head_dim]
 
 
-def output_projection(w: AttentionWeights, O: np.ndarray) -> np.ndarray:
+def output_projection(w: AttentionWeights, O: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y [n, hidden] = wo_b . concat_g(wo_a[g] . O[:, group g]) for the rows of O [n, H head_dim]."""
     n, groups = len(O), len(w.wo_a)
     og = O.reshape(n, groups, -1)
     lo = np.concatenate([_matmul(w.wo_a[g], np.ascontiguousarray(og[:, g])) for g in range(groups)], axis=1)
-    return _matmul(w.wo_b, lo)
+    return w.wo_b.matmul(lo, np.empty((n, w.wo_b.shape[0]), np.float32) if out is None else out)
+
+
+OVERLAP_BLOCK = 32   # tokens whose output projection starts while the next ones attend
 
 
 def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
                    rope: Rope) -> np.ndarray:
     """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
     pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
-    The projections go all tokens at once, the attention itself token after token."""
+    The projections go all tokens at once, the attention itself token after token. With more than
+    OVERLAP_BLOCK tokens, a block's output projection (native kernels, the GIL released) runs on
+    a helper thread while this one attends the next block (numpy): each row of a product is its
+    own, so the outputs are those of one projection of all rows."""
     p = project(w, A, shape, pos0)
-    O = np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(len(A))])
-    return output_projection(w, O)
+    n = len(A)
+    if n <= OVERLAP_BLOCK:
+        return output_projection(w, np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(n)]))
+    O = np.empty((n, shape.heads * shape.head_dim), np.float32)
+    Y = np.empty((n, w.wo_b.shape[0]), np.float32)
+    pending = []
+    try:
+        for a in range(0, n, OVERLAP_BLOCK):
+            b = min(a + OVERLAP_BLOCK, n)
+            for t in range(a, b):
+                O[t] = attention_core(w, cache, p, t, pos0 + t, shape, rope)
+            pending.append(_helper().submit(output_projection, w, O[a:b], Y[a:b]))
+    finally:
+        wait(pending)                 # none left writing into Y, whatever happened here
+    for f in pending:
+        f.result()                    # a projection's error, raised in this thread
+    return Y
+
+
+_HELPER: ThreadPoolExecutor | None = None
+
+
+def _helper() -> ThreadPoolExecutor:
+    """The one thread that runs output projections beside the attention (made on first use)."""
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds4f-attention-out")
+    return _HELPER
 
 
 def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,
