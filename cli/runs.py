@@ -346,13 +346,14 @@ def _bench_prefill(args, model) -> int:
 def _prefill_table(records: list[dict]) -> Table:
     t = Table("prefill", [Column("prompt_tokens", "prompt"), Column("mode", align="left"), Column("chunk"),
                           Column("tokens_per_s", "prompt tok/s", ".2f"), Column("gb_per_token", "GB/prompt tok", ".4f"),
+                          Column("read_gb_per_s", "read GB/s", ".2f"),
                           Column("experts_read_per_layer_chunk", "experts read/layer/chunk", ".1f"),
                           Column("decode_tokens_per_s", "decode tok/s", ".2f"),
                           Column("prefill_over_decode", "prefill/decode", ".1f")],
               title="the prompt token by token against layer-major chunks (cold cache each run)")
     for r in records:
         ratio = r["tokens_per_s"] / r["decode_tokens_per_s"] if r["tokens_per_s"] and r["decode_tokens_per_s"] else None
-        t.add(r["prompt_tokens"], r["mode"], r["chunk"], r["tokens_per_s"], r["gb_per_token"],
+        t.add(r["prompt_tokens"], r["mode"], r["chunk"], r["tokens_per_s"], r["gb_per_token"], r["read_gb_per_s"],
               r["experts_read_per_layer_chunk"], r["decode_tokens_per_s"], ratio)
     return t
 

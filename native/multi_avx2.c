@@ -7,6 +7,13 @@
  * the even halves, ahi the odd ones, in that order).  FP8: fp8_x_perm's order per 32-chunk into
  * the tile partial, then fp8_tile_add, two tokens at a time (four rows give only 4 dependency
  * chains, too few to keep two FMA ports busy).
+ *
+ * Measured on a Zen 3 VM (1 thread, 32 vectors; 2 FMAs per cycle, ~51 G lanes/s peak): MXFP4
+ * ~28 G weights x tokens/s (the bare FMA loop with its 1.25 loads per FMA tops out near 39 G,
+ * the decode costs ~10%), FP8 ~29 G (2 tokens x 4 rows = 8 chains, 0.75 loads per FMA; what
+ * is left goes to the per-tile scaling every 16 FMAs of a chain and the decode).  Three tokens
+ * at a time (12 chains) spill with AVX2's 16 registers and are no faster; two tokens on two rows
+ * for MXFP4 (each weight loaded once for both) were slower (21 G).
  */
 #include "kernels_avx2.h"
 

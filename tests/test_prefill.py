@@ -141,8 +141,10 @@ def test_bench_prefill_writes_one_record_per_length_and_mode(tiny_model, tmp_pat
     assert [(r["prompt_tokens"], r["mode"]) for r in records] == [(8, "token"), (8, "layer"), (20, "token"),
                                                                    (20, "layer")]
     for r in records:
-        assert {"prompt_tokens", "mode", "tokens_per_s", "gb_per_token", "decode_tokens_per_s"} <= set(r)
+        assert {"prompt_tokens", "mode", "tokens_per_s", "gb_per_token", "decode_tokens_per_s", "read_gb_per_s"} <= set(r)
         assert r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["gb_per_token"] > 0
+        # bytes over the time a read was in flight: at least the rate over the prompt's whole time
+        assert r["read_gb_per_s"] >= r["gb_per_token"] * r["tokens_per_s"] * (1 - 1e-9)
     by = {(r["prompt_tokens"], r["mode"]): r for r in records}
     assert by[(20, "layer")]["chunk"] == 20 and by[(20, "token")]["chunk"] == 1
     assert by[(20, "layer")]["gb_per_token"] < by[(20, "token")]["gb_per_token"]   # one chunk: each expert once

@@ -5,8 +5,9 @@ For each prompt length, two runs on the same prompt (seeded random token ids) an
 number of generated tokens: `token` feeds the prompt one token at a time (as decode does),
 `layer` in the preset's prefill chunks. Both are measured the same way, from the runs' own
 per-token records: the prompt's tokens/s (its tokens over the wall time they took), GB read
-per prompt token (direct I/O), the experts read per layer per chunk (a token is a chunk of one
-in `token` mode), and the decode tokens/s of the tokens generated after it (warm median).
+per prompt token (direct I/O) and the rate it was read at, the experts read per layer per
+chunk (a token is a chunk of one in `token` mode), and the decode tokens/s of the tokens
+generated after it (warm median).
 """
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ def _one(model: Path, preset: str, prompt: tuple[int, ...], mode: str, gen: int,
     rows = report["tokens"][:n]           # the prompt's steps (the last one picks the first generated token)
     seconds = sum(t["seconds"] for t in rows)
     misses = sum(t["misses"] for t in rows)
+    nbytes, busy = sum(t["bytes_read"] for t in rows), sum(t["disk_busy_s"] for t in rows)
     s = report["summary"]
     g = report["geometry"]
     chunk = run.prefill_chunk if mode == "layer" else 1
     chunks = -(-n // chunk)
     return {"prompt_tokens": n, "mode": mode, "chunk": chunk, "tokens_per_s": n / seconds if seconds else None,
-            "seconds": seconds, "gb_per_token": sum(t["bytes_read"] for t in rows) / 1e9 / n,
+            "seconds": seconds, "gb_per_token": nbytes / 1e9 / n,
+            "read_gb_per_s": nbytes / 1e9 / busy if busy else None,
             "experts_read_per_layer_chunk": misses / (chunks * g["num_hidden_layers"]),
             "decode_tokens_per_s": 1 / s["s_per_token"] if s["s_per_token"] else None,
             "decode_gb_per_token": s["gb_per_token"], "backend": report["backend_by_token"][-1]}
@@ -57,8 +60,10 @@ def _one(model: Path, preset: str, prompt: tuple[int, ...], mode: str, gen: int,
 def bench_prefill(model: str | Path | None = None, preset: str = "laptop", lengths=LENGTHS, gen: int | None = None,
                   config_path: str | None = None, *, log: Log | None = None, progress=None) -> list[dict]:
     """One record per (prompt length, mode): prompt_tokens, mode ("token" or "layer"), chunk,
-    tokens_per_s, gb_per_token, experts_read_per_layer_chunk, decode_tokens_per_s (the same run's
-    decode), decode_gb_per_token."""
+    tokens_per_s, gb_per_token, read_gb_per_s (the prompt's bytes over the time a read was in
+    flight: token by token is bound by it, so a disk that serves re-read records from a cache of
+    its own makes that mode faster), experts_read_per_layer_chunk, decode_tokens_per_s (the same
+    run's decode), decode_gb_per_token."""
     from ds4f.engine.checkpoint import open_checkpoint
 
     log = log or _quiet
