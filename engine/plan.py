@@ -15,7 +15,7 @@ from ds4f.engine.checkpoint.tensors import attention_weight_bytes, global_tensor
 from ds4f.engine.config import Preset
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.prefill import ChunkBuffers
+from ds4f.engine.model.prefill import ChunkBuffers, transient_nbytes
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
 
 OS_HEADROOM = 2 << 30   # what the plan leaves the OS, the page cache of the checkpoint's metadata, the shell
@@ -65,8 +65,9 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int) -> MemoryPlan:
         "routers of the unpinned layers": routers,
         "read-ahead buffers": 2 * max(regions) if pinned < g.n_layers else 0,
         "bookkeeping": BOOKKEEPING_BYTES,
-        f"prefill chunk ({preset.prefill_chunk} tokens' activations and records)":
-            ChunkBuffers.nbytes_for(g, preset.prefill_chunk) if preset.prefill_chunk else 0,
+        f"prefill chunk ({preset.prefill_chunk} tokens' activations, records and temporaries)":
+            ChunkBuffers.nbytes_for(g, preset.prefill_chunk) + transient_nbytes(g, preset.prefill_chunk)
+            if preset.prefill_chunk else 0,
     }
     plan.attention_by_dtype = {k: v for k, v in att.items() if k != "total" and v}
     if g.attention is not None:

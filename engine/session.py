@@ -11,7 +11,7 @@ import numpy as np
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
-from ds4f.engine.model.prefill import ChunkBuffers, prefill
+from ds4f.engine.model.prefill import ChunkBuffers, prefill, transient_nbytes
 
 
 @dataclass
@@ -51,7 +51,10 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        return self.buffers.nbytes + self.kv_nbytes + (self.chunk.nbytes if self.chunk is not None else 0)
+        """Its buffers, the KV cache, and a prefill chunk's buffers with the temporaries of one of its
+        layers (model.prefill.transient_nbytes)."""
+        chunk = self.chunk.nbytes + transient_nbytes(self.geometry, self.chunk.chunk) if self.chunk is not None else 0
+        return self.buffers.nbytes + self.kv_nbytes + chunk
 
     @property
     def kv_nbytes(self) -> int:

@@ -200,3 +200,37 @@ def test_a_cancel_stops_a_chunk_between_layers(tiny_model, tmp_path):
     run.cancel()
     assert run.wait(120) and run.state == "cancelled"
     assert not started.is_set() and not list(tmp_path.iterdir())    # no record of the chunk, no files
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
+def test_a_chunks_temporaries_stay_within_what_the_plan_counts(request, which):
+    """numpy's allocations while a chunk runs (traced: numpy reports them to tracemalloc), beyond
+    the session's buffers, peak within model.prefill.transient_nbytes, which the memory plan and
+    the session's budget count; and not far below it, so the bound says something."""
+    import tracemalloc
+
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.engine import Engine
+    from ds4f.engine.model.prefill import transient_nbytes
+
+    model = request.getfixturevalue(which)
+    cfg = load_config()
+    engine = Engine(open_checkpoint(model), cfg.get_preset("laptop"), 2, 2, BEST)
+    try:
+        g = engine.geometry
+        chunk = 48
+        session = engine.new_session(chunk)
+        tokens = [int(t) % g.vocab for t in np.random.default_rng(5).integers(8, 10**6, chunk)]
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            session.prefill(tokens)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+    finally:
+        engine.close()
+    bound = transient_nbytes(g, chunk)
+    assert bound / 4 < peak <= bound, (peak, bound)

@@ -84,6 +84,28 @@ class ChunkBuffers:
         return chunk * per_token + fixed + scratch + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
 
 
+def transient_nbytes(g: Geometry, chunk: int) -> int:
+    """A bound on the numpy temporaries a layer of a `chunk`-token prefill holds at once, beyond
+    ChunkBuffers (the memory plan and the session's budget count it). Per token, the attention's:
+    the queries before and after their per-head norm and the attention outputs (3 H head_dim),
+    the indexer's query (twice), q_lora twice, the compressors' kv and gates, the output groups'
+    copies and low-rank products, and four hidden-sized rows (inputs, outputs, hyper-connection
+    sums); fixed, the float64 blocks of rms_rows and hc_pre_rows. tests/test_prefill.py holds a
+    traced chunk to it."""
+    from ds4f.engine.model.attention import RMS_BLOCK
+    from ds4f.engine.model.hyper import HC_BLOCK
+
+    att = g.attention
+    if att is None:
+        return 4 * chunk * 4 * g.hidden
+    hd, heads = att.head_dim, att.n_heads
+    per_token = (3 * heads * hd + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank
+                 + 2 * (2 * hd + 2 * att.index_head_dim) + att.o_groups * att.o_lora_rank
+                 + heads * hd // att.o_groups + 4 * g.hidden)
+    fixed = 2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 2 * RMS_BLOCK * max(hd, att.q_lora_rank) * 8
+    return 4 * chunk * per_token + fixed
+
+
 class Stopped(Exception):
     """A chunk left part way because `should_stop` said so: the sequence's state is not usable."""
 
