@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from threading import Lock
 from typing import Protocol
 
 import numpy as np
@@ -370,14 +371,16 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
 
 
 _HELPER: ThreadPoolExecutor | None = None
+_HELPER_LOCK = Lock()
 
 
 def _helper() -> ThreadPoolExecutor:
     """The one thread that runs output projections beside the attention (made on first use)."""
     global _HELPER
-    if _HELPER is None:
-        _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds4f-attention-out")
-    return _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds4f-attention-out")
+        return _HELPER
 
 
 def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,
