@@ -38,7 +38,6 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-
 def pin_numpy_blas() -> None:
     """numpy's BLAS (OpenBLAS) on one thread, for the whole process. OpenBLAS splits a float64
     dot product of more than 10k elements (the hyper-connections' norm at the real width) among

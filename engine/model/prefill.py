@@ -25,10 +25,11 @@ from time import perf_counter
 import numpy as np
 
 from ds4f.engine import kernels
+from ds4f.engine.model.attention import RMS_BLOCK
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
                                        check_finite, check_logits)
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre_rows
+from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, sum_outputs
 from ds4f.engine.model.ops import rms_norm, silu_mul, sqrt_softplus
 from ds4f.engine.model.router import route
@@ -92,9 +93,6 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
     copies and low-rank products, and four hidden-sized rows (inputs, outputs, hyper-connection
     sums); fixed, the float64 blocks of rms_rows and hc_pre_rows. tests/test_prefill.py holds a
     traced chunk to it."""
-    from ds4f.engine.model.attention import RMS_BLOCK
-    from ds4f.engine.model.hyper import HC_BLOCK
-
     att = g.attention
     if att is None:
         return 4 * chunk * 4 * g.hidden
