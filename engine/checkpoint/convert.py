@@ -17,13 +17,12 @@ import re
 import shutil
 from pathlib import Path
 
-
-from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint import detect_kind
 from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POOL_BIN, POOL_FORMAT, POOL_JSON,
                                          PROMPTS_NAME, TENSOR_ALIGN, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON,
                                          TRUNK_OFFSETS, align_up, aligned_buffer, expert_layout, moe_region_layout,
                                          official_name)
+from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.layout import write_trunk_offsets
 from ds4f.engine.checkpoint.official import OfficialCheckpoint
 from ds4f.engine.errors import Ds4fError

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, OFFSETS_HEADER, POOL_BIN,
                                          POOL_FORMAT, POOL_JSON, TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON, TRUNK_OFFSETS,
                                          Checkpoint, _address, _check_buffer, _dontneed, _open_direct, _views,
                                          align_up, expert_layout, moe_short_tensors, official_name)
+from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import pread_exact, read_json
 from ds4f.engine.checkpoint.tensors import attention_tensors, global_tensors
