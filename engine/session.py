@@ -12,6 +12,7 @@ from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
 from ds4f.engine.model.prefill import ChunkBuffers, prefill, transient_nbytes
+from ds4f.engine.runtime.beside import beside
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Session:
                             param="prompt")
         self._check_tokens(token_ids)
         before = self._counters()
-        logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position, should_stop)
+        logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position, should_stop, beside)
         self.position += n
         b = self.chunk
         return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._since(before),

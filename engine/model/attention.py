@@ -26,9 +26,7 @@ index_topk; equal scores keep the LOWER row index first (a documented rule: torc
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from threading import Lock
 from typing import Protocol
 
 import numpy as np
@@ -343,16 +341,16 @@ OVERLAP_BLOCK = 32   # tokens whose output projection starts while the next ones
 
 
 def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
-                   rope: Rope) -> np.ndarray:
+                   rope: Rope, beside=None) -> np.ndarray:
     """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
     pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
-    The projections go all tokens at once, the attention itself token after token. With more than
-    OVERLAP_BLOCK tokens, a block's output projection (native kernels, the GIL released) runs on
-    a helper thread while this one attends the next block (numpy): each row of a product is its
-    own, so the outputs are those of one projection of all rows."""
+    The projections go all tokens at once, the attention itself token after token. beside(fn,
+    *args): where a block of OVERLAP_BLOCK tokens' output projection runs (runtime.beside, a
+    helper thread) while the next block attends here; each row of a product is its own, so the
+    outputs are those of one projection of all rows. None: everything here, in order."""
     p = project(w, A, shape, pos0)
     n = len(A)
-    if n <= OVERLAP_BLOCK:
+    if beside is None or n <= OVERLAP_BLOCK:
         return output_projection(w, np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(n)]))
     O = np.empty((n, shape.heads * shape.head_dim), np.float32)
     Y = np.empty((n, w.wo_b.shape[0]), np.float32)
@@ -362,25 +360,17 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
             b = min(a + OVERLAP_BLOCK, n)
             for t in range(a, b):
                 O[t] = attention_core(w, cache, p, t, pos0 + t, shape, rope)
-            pending.append(_helper().submit(output_projection, w, O[a:b], Y[a:b]))
-    finally:
-        wait(pending)                 # none left writing into Y, whatever happened here
+            pending.append(beside(output_projection, w, O[a:b], Y[a:b]))
+    except BaseException:
+        for f in pending:             # none left writing into Y behind this error
+            try:
+                f.result()
+            except BaseException:
+                pass
+        raise
     for f in pending:
-        f.result()                    # a projection's error, raised in this thread
+        f.result()                    # in order; a projection's error is raised here
     return Y
-
-
-_HELPER: ThreadPoolExecutor | None = None
-_HELPER_LOCK = Lock()
-
-
-def _helper() -> ThreadPoolExecutor:
-    """The one thread that runs output projections beside the attention (made on first use)."""
-    global _HELPER
-    with _HELPER_LOCK:
-        if _HELPER is None:
-            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds4f-attention-out")
-        return _HELPER
 
 
 def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,

@@ -168,7 +168,7 @@ def check_logits(logits: np.ndarray, token_id: int) -> np.ndarray:
 
 
 def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: Geometry, layer: int,
-                       token_ids, h64: np.ndarray) -> np.ndarray:
+                       token_ids, h64: np.ndarray, beside=None) -> np.ndarray:
     """The attention sublayer with its hyper-connections for n consecutive tokens: X (their
     streams, [n, N, hidden]) updated in place, the layer's KV cache too (token after token);
     returns the attention's outputs Y (fp32 [n, hidden]). One token: n = 1."""
@@ -177,7 +177,7 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: G
     H, post, comb = hc_pre_rows(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
     for c in range(len(X)):
         rms_norm(H[c], la.attn_norm, eps, A[c], h64)
-    Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope)
+    Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope, beside)
     for c in range(len(X)):
         if not np.isfinite(Y[c]).all():
             raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"

@@ -109,11 +109,12 @@ class Stopped(Exception):
 
 
 def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, pos0: int,
-            should_stop=None) -> np.ndarray:
+            should_stop=None, beside=None) -> np.ndarray:
     """The chunk's logits (fp32 [len(token_ids), vocab], buf.logits' rows); buf.ids / weights /
     hidden / attn hold each token's record. The tokens sit at positions pos0, pos0 + 1, ... of
     the sequence; kv (the whole model's attention state) advances past them. should_stop: asked
-    before each layer (a chunk of the real model takes minutes); True raises Stopped."""
+    before each layer (a chunk of the real model takes minutes); True raises Stopped. beside:
+    where the attention may run its output projections beside this thread (runtime.beside)."""
     g = source.geometry
     n = len(token_ids)
     if not 0 < n <= buf.chunk:
@@ -131,7 +132,8 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
         t0 = perf_counter()
         if att is not None:                        # projections together, the caches token after token
             la = source.attention(layer)
-            buf.attn[:n, layer] = attention_sublayer(la, X, kv.layers[layer], pos0, g, layer, token_ids, buf.h64)
+            buf.attn[:n, layer] = attention_sublayer(la, X, kv.layers[layer], pos0, g, layer, token_ids, buf.h64,
+                                                     beside)
         t1 = perf_counter()
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
