@@ -281,8 +281,8 @@ INL void fp8_decode16(const uint8_t *c, uint8_t b, float *o) {
     __m256 f[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
     const __m256i nm[2] = {_mm256_cvtepi8_epi32(nan), _mm256_cvtepi8_epi32(_mm_srli_si128(nan, 8))};
     for (int i = 0; i < 2; i++) {
-        __m256 val = b < 247 || b == 255
-                         ? _mm256_mul_ps(f[i], _mm256_set1_ps(fp8_factor(b)))
+        __m256 val = ds4f_fp8_factor_fits(b)
+                         ? _mm256_mul_ps(f[i], _mm256_set1_ps(ds4f_fp8_factor(b)))
                          : _mm256_mul_ps(_mm256_mul_ps(f[i], _mm256_set1_ps(256.0f)), _mm256_set1_ps(DS4F_SCALE(b)));
         _mm256_storeu_ps(o + 8 * i, _mm256_blendv_ps(val, qnan, _mm256_castsi256_ps(nm[i])));
     }

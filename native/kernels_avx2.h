@@ -97,12 +97,9 @@ INL __m256i fp8_load_tail(const uint8_t *w, size_t n) {
     return _mm256_loadu_si256((const __m256i *)b);
 }
 
-/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
-INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
-
 /* acc + a tile's partial sum p times its scale (and the 2^8 of the fp16 trick) */
 INL __m256 fp8_tile_add(__m256 p, uint8_t b, __m256 acc) {
-    if (b < 247 || b == 255) return _mm256_fmadd_ps(p, _mm256_set1_ps(fp8_factor(b)), acc);
+    if (ds4f_fp8_factor_fits(b)) return _mm256_fmadd_ps(p, _mm256_set1_ps(ds4f_fp8_factor(b)), acc);
     /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
     return _mm256_fmadd_ps(_mm256_mul_ps(p, _mm256_set1_ps(256.0f)), _mm256_set1_ps(DS4F_SCALE(b)), acc);
 }

@@ -302,8 +302,8 @@ INL __m512 fp8_decode16(__m128i v, uint8_t b) {
     const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(v), 7),
                                        _mm256_set1_epi16((short)0xBFFF));
     const __m512 f = _mm512_cvtph_ps(h);
-    const __m512 val = b < 247 || b == 255
-                           ? _mm512_mul_ps(f, _mm512_set1_ps(fp8_factor(b)))
+    const __m512 val = ds4f_fp8_factor_fits(b)
+                           ? _mm512_mul_ps(f, _mm512_set1_ps(ds4f_fp8_factor(b)))
                            : _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.0f)), _mm512_set1_ps(DS4F_SCALE(b)));
     const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_or_si128(v, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF));
     return _mm512_mask_mov_ps(val, nan, _mm512_castsi512_ps(_mm512_set1_epi32((int)DS4F_QNAN_BITS)));

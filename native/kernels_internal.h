@@ -58,6 +58,11 @@ extern const ds4f_byte_table ds4f_e8m0;
 extern const ds4f_byte_table ds4f_e4m3;
 #define DS4F_FP8_TILE 128
 #define DS4F_QNAN_BITS 0x7fc00000u
+/* The SIMD FP8 kernels widen E4M3 through fp16, which leaves each value 2^8 too small, and scale
+ * a tile's partial sum by 2^(b-119) = 2^(b-127) * 2^8 in one multiply: exact in fp32 while it
+ * fits (b <= 246, and b = 255, the NaN); for b = 247..254 by 2^8 first, then by 2^(b-127). */
+static inline int ds4f_fp8_factor_fits(uint8_t b) { return b < 247 || b == 255; }
+static inline float ds4f_fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
 float ds4f_silu(float g);               /* g / (1 + expf(-g)); the same code for every backend */
 extern const ds4f_ktable ds4f_kt_scalar;
 

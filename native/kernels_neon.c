@@ -209,8 +209,8 @@ INL void fp8_decode16(uint8x16_t v, uint8_t b, float *o) {
     for (int i = 0; i < 4; i++) {
         const float16x8_t hh = h[i / 2];
         const float32x4_t f = i % 2 ? vcvt_high_f32_f16(hh) : vcvt_f32_f16(vget_low_f16(hh));
-        const float32x4_t val = b < 247 || b == 255
-                                    ? vmulq_f32(f, vdupq_n_f32(fp8_factor(b)))
+        const float32x4_t val = ds4f_fp8_factor_fits(b)
+                                    ? vmulq_f32(f, vdupq_n_f32(ds4f_fp8_factor(b)))
                                     : vmulq_f32(vmulq_f32(f, vdupq_n_f32(256.0f)), vdupq_n_f32(DS4F_SCALE(b)));
         const int16x8_t nn = n16[i / 2];
         const uint32x4_t m = vreinterpretq_u32_s32(i % 2 ? vmovl_high_s16(nn) : vmovl_s16(vget_low_s16(nn)));

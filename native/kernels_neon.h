@@ -75,12 +75,9 @@ INL void fp8_widen16(uint8x16_t v, float32x4_t f[4]) {
 /* bytewise max of (b & 0x7F): 0x7F somewhere = a NaN code */
 INL uint8x16_t fp8_nan_max(uint8x16_t nan, uint8x16_t v) { return vmaxq_u8(nan, vandq_u8(v, vdupq_n_u8(0x7F))); }
 
-/* 2^(b-119) = 2^(b-127) * 2^8 as an exact fp32, for b <= 246 and b = 255 (NaN) */
-INL float fp8_factor(uint8_t b) { return DS4F_SCALE(b == 255 ? 255 : b + 8); }
-
 /* acc + a tile's partial sum p times its scale (and the 2^8 of the fp16 trick) */
 INL float32x4_t fp8_tile_add(float32x4_t p, uint8_t b, float32x4_t acc) {
-    if (b < 247 || b == 255) return vfmaq_f32(acc, p, vdupq_n_f32(fp8_factor(b)));
+    if (ds4f_fp8_factor_fits(b)) return vfmaq_f32(acc, p, vdupq_n_f32(ds4f_fp8_factor(b)));
     /* 2^(b-119) overflows: scale p by 2^8 first (exact), then by 2^(b-127) */
     return vfmaq_f32(acc, vmulq_f32(p, vdupq_n_f32(256.0f)), vdupq_n_f32(DS4F_SCALE(b)));
 }

@@ -22,7 +22,7 @@
 #define MM_R 4   /* rows decoded together */
 #define MM_KC 16 /* MXFP4 / bf16: 32-element blocks per chunk (8 KiB tile for 4 rows) */
 #define FP8_KT 4 /* FP8: 128-element tiles per chunk */
-#define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm; 3 spills) */
+#define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm) */
 
 /* ---- MXFP4 and bf16 ----------------------------------------------------------------------- */
 
@@ -173,21 +173,21 @@ INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, co
     for (size_t tt = 0; tt < ntl; tt++) {
         const size_t j0 = (c + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
         __m256 p[FP8_NT][MM_R];
-        _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
             _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) p[n][i] = _mm256_setzero_ps();
         for (size_t q = 0; q < nq; q++) {
             const float *wq = wb + (tt * 4 + q) * R * 32;
             _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++) {
                 __m256 xv[FP8_NT];
-                _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++) xv[n] = _mm256_loadu_ps(xt + n * ldx + j0 + 32 * q + 8 * m);
+                _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) xv[n] = _mm256_loadu_ps(xt + n * ldx + j0 + 32 * q + 8 * m);
                 _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
                     __m256 wv = _mm256_load_ps(wq + 32 * i + 8 * m);
                     __asm__("" : "+x"(wv)); /* one load for all NT tokens, not one folded into each FMA */
-                    _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++) p[n][i] = _mm256_fmadd_ps(wv, xv[n], p[n][i]);
+                    _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) p[n][i] = _mm256_fmadd_ps(wv, xv[n], p[n][i]);
                 }
             }
         }
-        _Pragma("GCC unroll 3") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
             _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) accm[n][i] =
                 big ? fp8_tile_add(p[n][i], sr[i][c + tt], accm[n][i])
                     : _mm256_fmadd_ps(p[n][i], _mm256_set1_ps(fac[tt][i]), accm[n][i]); /* fp8_tile_add's usual case */
@@ -215,14 +215,16 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
             for (size_t tt = 0; tt < ntl; tt++)
                 _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
                     const uint8_t b = sr[i][c + tt];
-                    big |= b >= 247 && b != 255;
-                    fac[tt][i] = fp8_factor(b);
+                    big |= !ds4f_fp8_factor_fits(b);
+                    fac[tt][i] = ds4f_fp8_factor(b);
                 }
-            size_t t = 0;
-            for (; t + FP8_NT <= tn; t += FP8_NT)
-                fp8_tokens(FP8_NT, R, wb, sr, fac, big, c, ntl, k, xp + (t0 + t) * ldx, ldx, accm + t);
-            if (tn - t == 2) fp8_tokens(2, R, wb, sr, fac, big, c, ntl, k, xp + (t0 + t) * ldx, ldx, accm + t);
-            else if (tn - t == 1) fp8_tokens(1, R, wb, sr, fac, big, c, ntl, k, xp + (t0 + t) * ldx, ldx, accm + t);
+            for (size_t t = 0; t < tn; t += FP8_NT) {
+                const float *xt = xp + (t0 + t) * ldx;
+                if (t + FP8_NT <= tn)
+                    fp8_tokens(FP8_NT, R, wb, sr, fac, big, c, ntl, k, xt, ldx, accm + t);
+                else /* the block's last tokens, fewer than FP8_NT */
+                    fp8_tokens((int)(tn - t), R, wb, sr, fac, big, c, ntl, k, xt, ldx, accm + t);
+            }
         }
         for (size_t t = 0; t < tn; t++)
             _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) y[(t0 + t) * ldy + r + i] = fp8_result(accm[t][i], nan[i]);
