@@ -31,8 +31,8 @@ from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSourc
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, sum_outputs
-from ds4f.engine.model.ops import rms_norm, silu_mul, sqrt_softplus
-from ds4f.engine.model.router import route
+from ds4f.engine.model.ops import rms_norm, silu_mul
+from ds4f.engine.model.router import route, router_scores
 
 
 class ChunkBuffers:
@@ -172,9 +172,9 @@ def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list
     xs = buf.xs[:n]
     for c in range(n):
         rms_norm(H[c], router.ffn_norm, g.rms_norm_eps, xs[c], buf.h64)
-    logits = kernels.bf16_matmul(router.gate, xs, out=buf.router_rows[:n], scratch=buf.mm_scratch)
+    scores = router_scores(router, xs, buf.router_rows[:n], buf.mm_scratch)
     for c in range(n):
-        buf.ids[c, layer], buf.weights[c, layer] = route(sqrt_softplus(logits[c]), router, token_ids[c], g)
+        buf.ids[c, layer], buf.weights[c, layer] = route(scores[c], router, token_ids[c], g)
 
 
 def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int) -> None:

@@ -9,9 +9,15 @@ from ds4f.engine.model.ops import sqrt_softplus
 from ds4f.engine.model.weights import RouterWeights
 
 
-def router_scores(router: RouterWeights, x: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """scores = sqrt(softplus(gate . x)), fp32 [n_experts]; `logits` is the buffer for gate . x."""
-    kernels.bf16_matvec(router.gate, x, out=logits)
+def router_scores(router: RouterWeights, x: np.ndarray, logits: np.ndarray,
+                  scratch: np.ndarray | None = None) -> np.ndarray:
+    """scores = sqrt(softplus(gate . x)), fp32 [n_experts]; `logits` is the buffer for gate . x.
+    x may be rows [n, hidden] (a prefill chunk's tokens; logits [n, n_experts], scratch the
+    multi-token kernel's): each row's scores are those of the row alone, bit for bit."""
+    if x.ndim == 1:
+        kernels.bf16_matvec(router.gate, x, out=logits)
+    else:
+        kernels.bf16_matmul(router.gate, x, out=logits, scratch=scratch)
     return sqrt_softplus(logits)
 
 
