@@ -1,26 +1,36 @@
 /* multi_avx2.c — AVX2 multi-token kernels (contract: kernels_internal.h; structure: see
  * multi_avx512.c).
  *
- * 4 rows at a time, k in chunks decoded once into an L1 tile with kernels_avx2.h's steps, then
- * every token runs over the tile.  MXFP4 / bf16: per 32-block the lane order of matvec_rows, i.e.
- * [x_even, x_odd] of elements 0..15, then of 16..31, into the row's two accumulators (alo gets
- * the even halves, ahi the odd ones, in that order).  FP8: fp8_x_perm's order per 32-chunk into
- * the tile partial, then fp8_tile_add, two tokens at a time (four rows give only 4 dependency
- * chains, too few to keep two FMA ports busy).
+ * k in chunks decoded once into an L1 tile with kernels_avx2.h's steps, then every token runs
+ * over the tile.  MXFP4 / bf16: per 32-block the lane order of matvec_rows, i.e. [x_even, x_odd]
+ * of elements 0..15, then of 16..31, into the row's two accumulators (alo gets the even halves,
+ * ahi the odd ones, in that order).  FP8: fp8_x_perm's order per 32-chunk into the tile partial,
+ * then fp8_tile_add, two tokens at a time (four rows give only 4 dependency chains, too few to
+ * keep two FMA ports busy).
  *
- * Measured on a Zen 3 VM (1 thread, 32 vectors; 2 FMAs per cycle, ~51 G lanes/s peak): MXFP4
- * ~28 G weights x tokens/s (the bare FMA loop with its 1.25 loads per FMA tops out near 39 G,
- * the decode costs ~10%), FP8 ~29 G (2 tokens x 4 rows = 8 chains, 0.75 loads per FMA; what
- * is left goes to the per-tile scaling every 16 FMAs of a chain and the decode).  Three tokens
- * at a time (12 chains) spill with AVX2's 16 registers and are no faster; two tokens on two rows
- * for MXFP4 (each weight loaded once for both) were slower (21 G).
+ * MXFP4 / bf16 run 2 tokens x 3 rows = 12 accumulator chains: each weight vector is loaded once
+ * for both tokens, each x vector once for the 3 rows (0.83 loads per FMA), 15 of AVX2's 16
+ * registers.  GCC shuffles that many live vectors between registers, so the block's steps are
+ * written out in h_block_2x3 with fixed registers; a tile holds two such row groups, so each x
+ * slice read from L2 serves 6 rows.  Every chain gets its FMAs in the single-vector kernel's
+ * order, which is what keeps a token's result bit-identical whatever its neighbours.
+ *
+ * Measured on a Zen 3 VM (1 thread, 32 vectors; 2 FMAs per cycle, ~51 G lanes/s peak): the bare
+ * 2 x 3 block runs at ~95% of peak from L1, against ~77% for 1 token x 4 rows (8 chains, 1.25
+ * loads per FMA); in the kernel, with the decode (~17%) and x from L2, MXFP4 goes from ~27 to
+ * ~31 G weights x tokens/s, bf16 from ~28 to ~32.  FP8 ~29 G (2 tokens x 4 rows = 8 chains, 0.75
+ * loads per FMA; 3 tokens x 4 rows in fixed registers measured no faster: what is left goes to the
+ * per-tile scaling every 16 FMAs of a chain and to x from L2).
  */
 #include "kernels_avx2.h"
 
 #ifdef DS4F_X86
 
-#define MM_R 4   /* rows decoded together */
-#define MM_KC 16 /* MXFP4 / bf16: 32-element blocks per chunk (8 KiB tile for 4 rows) */
+#define MM_R 4   /* FP8: rows decoded together */
+#define H_T 2    /* MXFP4 / bf16: tokens in registers at a time */
+#define H_R 3    /* MXFP4 / bf16: rows in registers at a time */
+#define H_RB 6   /* MXFP4 / bf16: rows decoded together (two groups of H_R) */
+#define MM_KC 16 /* MXFP4 / bf16: 32-element blocks per chunk (12 KiB tile for H_RB rows) */
 #define FP8_KT 4 /* FP8: 128-element tiles per chunk */
 #define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm) */
 
@@ -68,42 +78,90 @@ INL void h_decode(int kind, const void *w, const uint8_t *scales, size_t r, int 
     }
 }
 
+/* One 32-block step of 2 tokens x 3 rows: a[n][i][0] += w[i][m] x[n][m] for m = 0, 2 and
+ * a[n][i][1] for m = 1, 3, in that order.  w: the block's 3 rows in the tile (32 floats each),
+ * x0, x1: the tokens' prepared 32 floats.  ymm13/14 hold x, ymm15 the weight vector. */
+#define H_STEP(m, p)                                                                                     \
+    "vmovups " #m "*32(%[x0]), %%ymm13\n\t"                                                            \
+    "vmovups " #m "*32(%[x1]), %%ymm14\n\t"                                                            \
+    "vmovaps " #m "*32(%[w]), %%ymm15\n\t"                                                             \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a00" #p "]\n\t"                                                   \
+    "vfmadd231ps %%ymm15, %%ymm14, %[a10" #p "]\n\t"                                                   \
+    "vmovaps 128+" #m "*32(%[w]), %%ymm15\n\t"                                                         \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a01" #p "]\n\t"                                                   \
+    "vfmadd231ps %%ymm15, %%ymm14, %[a11" #p "]\n\t"                                                   \
+    "vmovaps 256+" #m "*32(%[w]), %%ymm15\n\t"                                                         \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a02" #p "]\n\t"                                                   \
+    "vfmadd231ps %%ymm15, %%ymm14, %[a12" #p "]\n\t"
+INL void h_block_2x3(const float *w, const float *x0, const float *x1, __m256 a[H_T][H_R][2]) {
+    __asm__(H_STEP(0, 0) H_STEP(1, 1) H_STEP(2, 0) H_STEP(3, 1)
+            : [a000] "+x"(a[0][0][0]), [a001] "+x"(a[0][0][1]), [a010] "+x"(a[0][1][0]), [a011] "+x"(a[0][1][1]),
+              [a020] "+x"(a[0][2][0]), [a021] "+x"(a[0][2][1]), [a100] "+x"(a[1][0][0]), [a101] "+x"(a[1][0][1]),
+              [a110] "+x"(a[1][1][0]), [a111] "+x"(a[1][1][1]), [a120] "+x"(a[1][2][0]), [a121] "+x"(a[1][2][1])
+            : [w] "r"(w), [x0] "r"(x0), [x1] "r"(x1)
+            : "xmm13", "xmm14", "xmm15", "memory");
+}
+#undef H_STEP
+
+/* NT tokens (1..H_T) from xr (row stride ldx) on R rows (1..H_R) over the chunk's nb blocks
+ * (wb: block b's rows at wb + b * ws): their accumulators come from accm[n][i0 + i] (zero in the
+ * first chunk) and go back there, or, after the last chunk, the finished results to y. */
+INL void h_tokens(int NT, int R, const float *wb, size_t ws, size_t nb, int first, int last, const float *xr,
+                  size_t ldx, __m256 (*accm)[H_RB][2], int i0, float *y, size_t ldy, size_t r) {
+    __m256 a[H_T][H_R][2];
+    _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 3") for (int i = 0; i < R; i++) {
+            a[n][i][0] = first ? _mm256_setzero_ps() : accm[n][i0 + i][0];
+            a[n][i][1] = first ? _mm256_setzero_ps() : accm[n][i0 + i][1];
+        }
+    if (NT == H_T && R == H_R) {
+        for (size_t b = 0; b < nb; b++) h_block_2x3(wb + b * ws, xr + 32 * b, xr + ldx + 32 * b, a);
+    } else { /* the tile's last rows or tokens: the same steps, as the compiler lays them out */
+        for (size_t b = 0; b < nb; b++) {
+            const float *wr = wb + b * ws;
+            _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++) {
+                __m256 xv[H_T];
+                _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) xv[n] = _mm256_loadu_ps(xr + n * ldx + 32 * b + 8 * m);
+                _Pragma("GCC unroll 3") for (int i = 0; i < R; i++) {
+                    const __m256 wv = _mm256_load_ps(wr + 32 * i + 8 * m);
+                    _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) a[n][i][m & 1] = _mm256_fmadd_ps(wv, xv[n], a[n][i][m & 1]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 3") for (int i = 0; i < R; i++) {
+            if (last) {
+                y[n * ldy + r + i0 + i] = finish(a[n][i][0], a[n][i][1]);
+            } else {
+                accm[n][i0 + i][0] = a[n][i][0];
+                accm[n][i0 + i][1] = a[n][i][1];
+            }
+        }
+}
+
+/* rows r..r+R-1 (R <= H_RB) for all nt tokens */
 INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt,
                 const float *xp, size_t ldx, float *y, size_t ldy) {
     const size_t ks = k / 32;
-    float wb[MM_R * MM_KC * 32] __attribute__((aligned(32)));
-    __m256 accm[DS4F_MM_TB][MM_R][2];
+    float wb[H_RB * MM_KC * 32] __attribute__((aligned(32)));
+    __m256 accm[DS4F_MM_TB][H_RB][2];
     for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
         const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
         for (size_t c = 0; c < ks; c += MM_KC) {
             const size_t nb = ks - c < MM_KC ? ks - c : MM_KC;
             const int first = c == 0, last = c + nb == ks;
             h_decode(kind, w, scales, r, R, k, c, nb, wb);
-            for (size_t t = 0; t < tn; t++) {
-                __m256 a[MM_R][2];
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                    a[i][0] = first ? _mm256_setzero_ps() : accm[t][i][0];
-                    a[i][1] = first ? _mm256_setzero_ps() : accm[t][i][1];
-                }
+            for (size_t t = 0; t < tn; t += H_T) {
                 const float *xr = xp + (t0 + t) * ldx + 32 * c;
-                for (size_t b = 0; b < nb; b++) {
-                    const __m256 x0 = _mm256_loadu_ps(xr + 32 * b), x1 = _mm256_loadu_ps(xr + 32 * b + 8);
-                    const __m256 x2 = _mm256_loadu_ps(xr + 32 * b + 16), x3 = _mm256_loadu_ps(xr + 32 * b + 24);
-                    const float *wr = wb + b * R * 32;
-                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                        a[i][0] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i), x0, a[i][0]);
-                        a[i][1] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i + 8), x1, a[i][1]);
-                        a[i][0] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i + 16), x2, a[i][0]);
-                        a[i][1] = _mm256_fmadd_ps(_mm256_load_ps(wr + 32 * i + 24), x3, a[i][1]);
-                    }
-                }
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                    if (last) {
-                        y[(t0 + t) * ldy + r + i] = finish(a[i][0], a[i][1]);
-                    } else {
-                        accm[t][i][0] = a[i][0];
-                        accm[t][i][1] = a[i][1];
-                    }
+                float *yt = y + (t0 + t) * ldy;
+                const int nn = t + H_T <= tn ? H_T : (int)(tn - t);
+                for (int i0 = 0; i0 < R; i0 += H_R) {
+                    const int rr = R - i0 < H_R ? R - i0 : H_R;
+                    if (nn == H_T && rr == H_R) /* the usual case, spelled out for the compiler */
+                        h_tokens(H_T, H_R, wb + 32 * i0, 32 * (size_t)R, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
+                    else
+                        h_tokens(nn, rr, wb + 32 * i0, 32 * (size_t)R, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
                 }
             }
         }
@@ -113,15 +171,15 @@ INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R,
 T256 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                           const float *xp, size_t ldx, float *y, size_t ldy) {
     size_t r = r0;
-    for (; r + MM_R <= r1; r += MM_R) h_rows(DS4F_MM_MXFP4, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
-    for (; r < r1; r++) h_rows(DS4F_MM_MXFP4, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+    for (; r + H_RB <= r1; r += H_RB) h_rows(DS4F_MM_MXFP4, w, scales, r, H_RB, k, nt, xp, ldx, y, ldy);
+    if (r < r1) h_rows(DS4F_MM_MXFP4, w, scales, r, (int)(r1 - r), k, nt, xp, ldx, y, ldy);
 }
 
 T256 static void bf16_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                          const float *xp, size_t ldx, float *y, size_t ldy) {
     size_t r = r0;
-    for (; r + MM_R <= r1; r += MM_R) h_rows(DS4F_MM_BF16, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
-    for (; r < r1; r++) h_rows(DS4F_MM_BF16, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+    for (; r + H_RB <= r1; r += H_RB) h_rows(DS4F_MM_BF16, w, scales, r, H_RB, k, nt, xp, ldx, y, ldy);
+    if (r < r1) h_rows(DS4F_MM_BF16, w, scales, r, (int)(r1 - r), k, nt, xp, ldx, y, ldy);
 }
 
 /* ---- FP8 ---------------------------------------------------------------------------------- */
