@@ -166,11 +166,24 @@ def layer_cache_nbytes(shape: AttentionShape, context: int) -> int:
 RMS_BLOCK = 256   # rows rms_rows normalises at a time (their float64 copy stays in the L2 cache)
 
 
-def rms_rows(x: np.ndarray, eps: float) -> np.ndarray:
+def rms_rows(x: np.ndarray, eps: float, beside=None) -> np.ndarray:
     """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; no weight; fp32.
     Rows are independent (each one's mean is its own reduction), so they go RMS_BLOCK at a time:
-    the same bits as all at once, without [n, d] float64 temporaries."""
+    the same bits as all at once, without [n, d] float64 temporaries. beside(fn, *args)
+    (runtime.beside): where the first half of more than RMS_BLOCK rows runs meanwhile."""
     out = np.empty(x.shape, np.float32)
+    if beside is None or len(x) <= RMS_BLOCK:
+        return _rms_rows_into(x, eps, out)
+    half = len(x) // 2
+    first = beside(_rms_rows_into, x[:half], eps, out[:half])
+    try:
+        _rms_rows_into(x[half:], eps, out[half:])
+    finally:
+        first.result()                 # waited for even when this half failed: nothing left writing
+    return out
+
+
+def _rms_rows_into(x: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
     for a in range(0, len(x), RMS_BLOCK):
         x64 = x[a:a + RMS_BLOCK].astype(np.float64)
         ms = np.square(x64).mean(axis=-1, keepdims=True)
@@ -263,13 +276,13 @@ def _matmul(m: Matrix, x: np.ndarray) -> np.ndarray:
     return m.matmul(x, np.empty((len(x), m.shape[0]), np.float32))
 
 
-def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, pos0: int) -> Projected:
+def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, pos0: int, beside=None) -> Projected:
     """The projections of the rows of A [n, hidden], tokens at positions pos0, pos0 + 1, ...
-    (see Projected)."""
+    (see Projected); beside: for rms_rows."""
     n, eps = len(A), shape.eps
-    qr = rms_rows(_matmul(w.wq_a, A), eps) * w.q_norm                        # [n, q_lora], weighted_rms by row
-    q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps)
-    kv = rms_rows(_matmul(w.wkv, A), eps) * w.kv_norm
+    qr = rms_rows(_matmul(w.wq_a, A), eps, beside) * w.q_norm                # [n, q_lora], weighted_rms by row
+    q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps, beside)
+    kv = rms_rows(_matmul(w.wkv, A), eps, beside) * w.kv_norm
     p = Projected(q.reshape(n, shape.heads, shape.head_dim), kv)
     if shape.kind != "swa":
         p.comp = (_matmul(w.compressor.wkv, A), _matmul(w.compressor.wgate, A))
@@ -348,7 +361,7 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
     *args): where a block of OVERLAP_BLOCK tokens' output projection runs (runtime.beside, a
     helper thread) while the next block attends here; each row of a product is its own, so the
     outputs are those of one projection of all rows. None: everything here, in order."""
-    p = project(w, A, shape, pos0)
+    p = project(w, A, shape, pos0, beside)
     n = len(A)
     if beside is None or n <= OVERLAP_BLOCK:
         return output_projection(w, np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(n)]))

@@ -174,7 +174,7 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: G
     returns the attention's outputs Y (fp32 [n, hidden]). One token: n = 1."""
     att, eps = g.attention, g.rms_norm_eps
     A = np.empty((len(X), g.hidden), np.float32)       # each token's normed input
-    H, post, comb = hc_pre_rows(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+    H, post, comb = hc_pre_rows(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
     for c in range(len(X)):
         rms_norm(H[c], la.attn_norm, eps, A[c], h64)
     Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope, beside)

@@ -52,14 +52,23 @@ def hc_pre(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
     return h[0], post[0], comb[0]
 
 
-def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
-                sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkhorn_iters: int,
+                beside=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """hc_pre of n tokens at once, X [n, N, hidden]: (h fp32 [n, hidden], post float64 [n, N],
     C float64 [n, N, N]); fn is widened to float64 once for all of them.
     Each token's mix is its own matrix-vector product, as for a token alone; everything after it
     works element by element or sums N terms in order along one axis, so a token's results do
-    not depend on the others in the batch (a prefill chunk's equal decode's, bit for bit)."""
+    not depend on the others in the batch (a prefill chunk's equal decode's, bit for bit).
+    beside(fn, *args) (runtime.beside): where the first half of more than HC_BLOCK tokens runs
+    while this thread does the second (numpy and BLAS release the GIL for the bulk of it)."""
     n, N = X.shape[0], X.shape[1]
+    if beside is not None and n > HC_BLOCK:
+        first = beside(hc_pre_rows, X[:n // 2], w, eps, hc_eps, sinkhorn_iters)
+        try:
+            rest = hc_pre_rows(X[n // 2:], w, eps, hc_eps, sinkhorn_iters)
+        finally:
+            halves = first.result()   # waited for even when this half failed: nothing left reading X
+        return tuple(np.concatenate(p) for p in zip(halves, rest))
     fn = w.fn.astype(np.float64)
     mix = np.stack([_mix(X[t], fn, eps) for t in range(n)])                     # [n, (2 + N) N]
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)

@@ -90,17 +90,17 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
     ChunkBuffers (the memory plan and the session's budget count it). Per token, the attention's:
     the queries before and after their per-head norm and the attention outputs (3 H head_dim),
     the indexer's query (twice), q_lora twice, the compressors' kv and gates, the output groups'
-    copies and low-rank products, and four hidden-sized rows (inputs, outputs, hyper-connection
-    sums); fixed, the float64 blocks of rms_rows and hc_pre_rows. tests/test_prefill.py holds a
-    traced chunk to it."""
+    copies and low-rank products, and five hidden-sized rows (inputs, outputs, hyper-connection
+    sums, those of a half chunk before they are joined); fixed, the float64 blocks of rms_rows and
+    hc_pre_rows, two halves at once. tests/test_prefill.py holds a traced chunk to it."""
     att = g.attention
     if att is None:
         return 4 * chunk * 4 * g.hidden
     hd, heads = att.head_dim, att.n_heads
     per_token = (3 * heads * hd + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank
                  + 2 * (2 * hd + 2 * att.index_head_dim) + att.o_groups * att.o_lora_rank
-                 + heads * hd // att.o_groups + 4 * g.hidden)
-    fixed = 2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 2 * RMS_BLOCK * max(hd, att.q_lora_rank) * 8
+                 + heads * hd // att.o_groups + 5 * g.hidden)
+    fixed = 2 * (2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 2 * RMS_BLOCK * max(hd, att.q_lora_rank) * 8)
     return 4 * chunk * per_token + fixed
 
 
@@ -136,7 +136,7 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
                                                      beside)
         t1 = perf_counter()
         if att is not None:
-            H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+            H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
         _route_rows(source, layer, H if att is not None else X[:, 0], token_ids, buf)
         _experts(source, layer, buf, n)
         for c in range(n):
