@@ -18,20 +18,23 @@
  * Measured on a Zen 3 VM (1 thread, 32 vectors; 2 FMAs per cycle, ~51 G lanes/s peak): the bare
  * 2 x 3 block runs at ~95% of peak from L1, against ~77% for 1 token x 4 rows (8 chains, 1.25
  * loads per FMA); in the kernel, with the decode (~17%) and x from L2, MXFP4 goes from ~27 to
- * ~31 G weights x tokens/s, bf16 from ~28 to ~32.  FP8 ~29 G (2 tokens x 4 rows = 8 chains, 0.75
- * loads per FMA; 3 tokens x 4 rows in fixed registers measured no faster: what is left goes to the
- * per-tile scaling every 16 FMAs of a chain and to x from L2).
+ * ~31 G weights x tokens/s, bf16 from ~28 to ~32.  FP8: 2 tokens x 4 rows = 8 chains, 0.75 loads
+ * per FMA, over one 128-element tile of 32 decoded rows, so that each x slice read from L2 serves
+ * 32 rows: ~31 -> ~34 G at k = 4096 (~4% slower at k = 1024, where 32 rows' accumulators crowd
+ * L1).  3 tokens x 4 rows in fixed registers measured no faster; without the decode FP8 reaches
+ * ~37 G, without its tile scaling too ~39 G, with x in L1 ~47 G.
  */
 #include "kernels_avx2.h"
 
 #ifdef DS4F_X86
 
-#define MM_R 4   /* FP8: rows decoded together */
+#define MM_R 4   /* FP8: rows in registers at a time */
 #define H_T 2    /* MXFP4 / bf16: tokens in registers at a time */
 #define H_R 3    /* MXFP4 / bf16: rows in registers at a time */
 #define H_RB 6   /* MXFP4 / bf16: rows decoded together (two groups of H_R) */
 #define MM_KC 16 /* MXFP4 / bf16: 32-element blocks per chunk (12 KiB tile for H_RB rows) */
-#define FP8_KT 4 /* FP8: 128-element tiles per chunk */
+#define FP8_KT 1 /* FP8: 128-element tiles per chunk */
+#define FP8_RB 32 /* FP8: rows decoded together (groups of MM_R), so an x slice read from L2 serves 32 rows */
 #define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm) */
 
 /* ---- MXFP4 and bf16 ----------------------------------------------------------------------- */
@@ -223,18 +226,19 @@ INL void fp8_decode(const uint8_t *w, size_t r, int R, size_t k, size_t t0, size
     }
 }
 
-/* NT tokens (1..FP8_NT) from xt (row stride ldx) over the chunk's ntl tiles: per tile a partial
- * p per (token, row) from zero in registers (each weight vector loaded once for all NT tokens,
- * each x vector once for all R rows), then fp8_tile_add into the token's accumulators in accm */
-INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, const float (*fac)[MM_R], int big,
-                    size_t c, size_t ntl, size_t k, const float *xt, size_t ldx, __m256 (*accm)[MM_R]) {
+/* NT tokens (1..FP8_NT) from xt (row stride ldx) on R rows (1..MM_R) over the chunk's ntl tiles
+ * (wb: tile tt's 32-chunk q of these rows at wb + (tt * 4 + q) * ws): per tile a partial p per
+ * (token, row) from zero in registers (each weight vector loaded once for all NT tokens, each x
+ * vector once for all R rows), then fp8_tile_add into the token's accumulators in accm */
+INL void fp8_tokens(int NT, int R, const float *wb, size_t ws, const uint8_t *const *sr, const float (*fac)[FP8_RB],
+                    int big, size_t c, size_t ntl, size_t k, const float *xt, size_t ldx, __m256 (*accm)[FP8_RB]) {
     for (size_t tt = 0; tt < ntl; tt++) {
         const size_t j0 = (c + tt) * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
         __m256 p[FP8_NT][MM_R];
         _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
             _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) p[n][i] = _mm256_setzero_ps();
         for (size_t q = 0; q < nq; q++) {
-            const float *wq = wb + (tt * 4 + q) * R * 32;
+            const float *wq = wb + (tt * 4 + q) * ws;
             _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++) {
                 __m256 xv[FP8_NT];
                 _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) xv[n] = _mm256_loadu_ps(xt + n * ldx + j0 + 32 * q + 8 * m);
@@ -252,48 +256,56 @@ INL void fp8_tokens(int NT, int R, const float *wb, const uint8_t *const *sr, co
     }
 }
 
+/* rows r..r+R-1 (R <= FP8_RB) for all nt tokens, MM_R rows at a time over each decoded chunk */
 INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt, const float *xp,
                   size_t ldx, float *y, size_t ldy) {
     const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
-    float wb[FP8_KT * 4 * MM_R * 32] __attribute__((aligned(32)));
-    __m256 accm[DS4F_MM_TB][MM_R];
-    const uint8_t *sr[MM_R];
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) sr[i] = scales + (r + i) / DS4F_FP8_TILE * kt;
+    float wb[FP8_KT * 4 * FP8_RB * 32] __attribute__((aligned(32)));
+    __m256 accm[DS4F_MM_TB][FP8_RB];
+    const uint8_t *sr[FP8_RB];
+    for (int i = 0; i < R; i++) sr[i] = scales + (r + i) / DS4F_FP8_TILE * kt;
     for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
         const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
-        __m256i nan[MM_R];
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) nan[i] = _mm256_setzero_si256();
+        __m256i nan[FP8_RB];
+        for (int i = 0; i < R; i++) nan[i] = _mm256_setzero_si256();
         for (size_t t = 0; t < tn; t++)
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) accm[t][i] = _mm256_setzero_ps();
+            for (int i = 0; i < R; i++) accm[t][i] = _mm256_setzero_ps();
         for (size_t c = 0; c < kt; c += FP8_KT) {
             const size_t ntl = kt - c < FP8_KT ? kt - c : FP8_KT;
             fp8_decode(w, r, R, k, c, ntl, wb, nan);
-            float fac[FP8_KT][MM_R]; /* each tile's factor, hoisted out of the token loop */
-            int big = 0;             /* a scale whose factor overflows: fp8_tile_add's slow case */
+            float fac[FP8_KT][FP8_RB]; /* each tile's factor, hoisted out of the token loop */
+            int big = 0;               /* a scale whose factor overflows: fp8_tile_add's slow case */
             for (size_t tt = 0; tt < ntl; tt++)
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                for (int i = 0; i < R; i++) {
                     const uint8_t b = sr[i][c + tt];
                     big |= !ds4f_fp8_factor_fits(b);
                     fac[tt][i] = ds4f_fp8_factor(b);
                 }
             for (size_t t = 0; t < tn; t += FP8_NT) {
                 const float *xt = xp + (t0 + t) * ldx;
-                if (t + FP8_NT <= tn)
-                    fp8_tokens(FP8_NT, R, wb, sr, fac, big, c, ntl, k, xt, ldx, accm + t);
-                else /* the block's last tokens, fewer than FP8_NT */
-                    fp8_tokens((int)(tn - t), R, wb, sr, fac, big, c, ntl, k, xt, ldx, accm + t);
+                const int nn = t + FP8_NT <= tn ? FP8_NT : (int)(tn - t);
+                for (int i0 = 0; i0 < R; i0 += MM_R) {
+                    const int rr = R - i0 < MM_R ? R - i0 : MM_R;
+                    const float *wg = wb + 32 * i0;
+                    const float (*fg)[FP8_RB] = (const float (*)[FP8_RB])&fac[0][i0];
+                    __m256 (*ag)[FP8_RB] = (__m256 (*)[FP8_RB])&accm[t][i0];
+                    if (nn == FP8_NT && rr == MM_R) /* the usual case, spelled out for the compiler */
+                        fp8_tokens(FP8_NT, MM_R, wg, 32 * (size_t)R, sr + i0, fg, big, c, ntl, k, xt, ldx, ag);
+                    else
+                        fp8_tokens(nn, rr, wg, 32 * (size_t)R, sr + i0, fg, big, c, ntl, k, xt, ldx, ag);
+                }
             }
         }
         for (size_t t = 0; t < tn; t++)
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) y[(t0 + t) * ldy + r + i] = fp8_result(accm[t][i], nan[i]);
+            for (int i = 0; i < R; i++) y[(t0 + t) * ldy + r + i] = fp8_result(accm[t][i], nan[i]);
     }
 }
 
 T256 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                         const float *xp, size_t ldx, float *y, size_t ldy) {
     size_t r = r0;
-    for (; r + MM_R <= r1; r += MM_R) fp8_rows(w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
-    for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, nt, xp, ldx, y, ldy);
+    for (; r + FP8_RB <= r1; r += FP8_RB) fp8_rows(w, scales, r, FP8_RB, k, nt, xp, ldx, y, ldy);
+    if (r < r1) fp8_rows(w, scales, r, (int)(r1 - r), k, nt, xp, ldx, y, ldy);
 }
 
 const ds4f_mtable ds4f_mt_avx2 = {{mxfp4_mm, bf16_mm, fp8_mm}, {prep_h, prep_h, prep_fp8}, {32, 32, 32}};
