@@ -17,11 +17,13 @@
  *
  * Measured on a Zen 3 VM (1 thread, 32 vectors; 2 FMAs per cycle, ~51 G lanes/s peak): the bare
  * 2 x 3 block runs at ~95% of peak from L1, against ~77% for 1 token x 4 rows (8 chains, 1.25
- * loads per FMA); in the kernel, with the decode (~17%) and x from L2, MXFP4 goes from ~27 to
- * ~31 G weights x tokens/s, bf16 from ~28 to ~32.  FP8: 2 tokens x 4 rows = 8 chains, 0.75 loads
- * per FMA, over one 128-element tile of 32 decoded rows, so that each x slice read from L2 serves
- * 32 rows: ~31 -> ~34 G at k = 4096 (~4% slower at k = 1024, where 32 rows' accumulators crowd
- * L1).  3 tokens x 4 rows in fixed registers measured no faster; without the decode FP8 reaches
+ * loads per FMA); in the kernel, with the decode (~17% at 32 tokens) and x from L2, MXFP4 goes
+ * from ~27 to ~31 G weights x tokens/s, bf16 from ~28 to ~32.  A tile is decoded once for up to
+ * H_TB = 64 tokens (48 tokens: ~1.1x against two decodes, at 32 and 16).
+ *
+ * FP8: 2 tokens x 4 rows = 8 chains, 0.75 loads per FMA, over one 128-element tile of 32 decoded
+ * rows, so that each x slice read from L2 serves 32 rows: ~31 -> ~34 G at k = 4096 (~4% slower
+ * at k = 1024, where 32 rows' accumulators crowd L1).  3 tokens x 4 rows in fixed registers measured no faster; without the decode FP8 reaches
  * ~37 G, without its tile scaling too ~39 G, with x in L1 ~47 G.
  */
 #include "kernels_avx2.h"
@@ -33,6 +35,7 @@
 #define H_R 3    /* MXFP4 / bf16: rows in registers at a time */
 #define H_RB 6   /* MXFP4 / bf16: rows decoded together (two groups of H_R) */
 #define MM_KC 16 /* MXFP4 / bf16: 32-element blocks per chunk (12 KiB tile for H_RB rows) */
+#define H_TB 64  /* MXFP4 / bf16: tokens per decode of a tile (their accumulators: 24 KiB of stack) */
 #define FP8_KT 1 /* FP8: 128-element tiles per chunk */
 #define FP8_RB 32 /* FP8: rows decoded together (groups of MM_R), so an x slice read from L2 serves 32 rows */
 #define FP8_NT 2 /* FP8: tokens in registers at a time (2 x 4 partials, 2 x vectors, 1 weight: 11 ymm) */
@@ -148,9 +151,9 @@ INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R,
                 const float *xp, size_t ldx, float *y, size_t ldy) {
     const size_t ks = k / 32;
     float wb[H_RB * MM_KC * 32] __attribute__((aligned(32)));
-    __m256 accm[DS4F_MM_TB][H_RB][2];
-    for (size_t t0 = 0; t0 < nt; t0 += DS4F_MM_TB) {
-        const size_t tn = nt - t0 < DS4F_MM_TB ? nt - t0 : DS4F_MM_TB;
+    __m256 accm[H_TB][H_RB][2];
+    for (size_t t0 = 0; t0 < nt; t0 += H_TB) {
+        const size_t tn = nt - t0 < H_TB ? nt - t0 : H_TB;
         for (size_t c = 0; c < ks; c += MM_KC) {
             const size_t nb = ks - c < MM_KC ? ks - c : MM_KC;
             const int first = c == 0, last = c + nb == ks;

@@ -20,7 +20,7 @@ from kernel_params import backend_marks, bits, kernel_settings_restored, main_th
 BACKEND, _ = backend_marks()
 restore_kernel_settings = kernel_settings_restored()
 
-TOKENS = (1, 2, 3, 7, 32, 33)   # odd counts, and one beyond the kernels' 32-token accumulator block
+TOKENS = (1, 2, 3, 7, 32, 33, 65)   # odd counts, and one beyond each accumulator block (32 and 64 tokens)
 THREADS = (1, 2, 3)
 TILE = 128
 QNAN = 0x7FC00000
