@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -82,6 +83,20 @@ def set_threads(n: int) -> None:
         raise ValueError(f"threads: expected an integer >= 1, got {n!r}")
     if lib.ds4f_set_threads(int(n)) != 0:
         raise ValueError(f"threads: {n} is more than the pool allows")
+
+
+@contextmanager
+def alone():
+    """The calling thread's kernel calls inside the block do all their work on this thread, the
+    pool's workers untouched: for a helper that computes beside a thread busy with work of its
+    own, so the two keep to one core each. The same bits (a task's result does not depend on the
+    thread that runs it)."""
+    before = lib.ds4f_get_alone()
+    lib.ds4f_set_alone(1)
+    try:
+        yield
+    finally:
+        lib.ds4f_set_alone(before)
 
 
 # ---- argument checks ---------------------------------------------------------------------

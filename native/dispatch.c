@@ -128,6 +128,8 @@ const ds4f_ktable *ds4f_ktable_of(int backend) { return table(backend); }
 
 int ds4f_set_threads(int n) { return ds4f_pool_set_threads(n); }
 int ds4f_get_threads(void) { return ds4f_pool_get_threads(); }
+void ds4f_set_alone(int on) { ds4f_pool_set_alone(on); }
+int ds4f_get_alone(void) { return ds4f_pool_get_alone(); }
 
 /* ---- row-parallel kernels ------------------------------------------------------------------ */
 

@@ -37,6 +37,8 @@ int ds4f_get_backend(void);
 int ds4f_best_backend(void);
 int ds4f_set_threads(int n);             /* persistent pool size incl. the caller; 0 ok, -1 bad */
 int ds4f_get_threads(void);
+void ds4f_set_alone(int on);             /* this thread's calls: all their work on this thread */
+int ds4f_get_alone(void);                /* (for a helper thread beside another that computes) */
 
 void ds4f_mxfp4_decode(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k, float *out);
 void ds4f_mxfp4_matvec(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k,

@@ -133,5 +133,7 @@ typedef void (*ds4f_task_fn)(void *ctx, size_t task);
 void ds4f_pool_run(ds4f_task_fn fn, void *ctx, size_t ntasks);
 int ds4f_pool_get_threads(void);
 int ds4f_pool_set_threads(int n);
+void ds4f_pool_set_alone(int on); /* per calling thread: its jobs run all their tasks on it, pool untouched */
+int ds4f_pool_get_alone(void);
 
 #endif

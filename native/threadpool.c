@@ -7,7 +7,9 @@
  * (measured: without the spin, 2 threads on a 0.3 ms matvec gave 1.2x one thread).  A job is a count of
  * tasks claimed with an atomic counter; the caller runs tasks too, then waits for the workers.
  * Jobs are serialised by call_lock, so concurrent callers (the Python wrapper releases the GIL)
- * simply queue.  Nothing is allocated per job.  After fork() the child starts with no workers.
+ * simply queue.  A thread that set itself alone (ds4f_pool_set_alone) runs its jobs' tasks
+ * itself, without the lock or the workers: a helper thread computing beside another keeps to one
+ * core.  Nothing is allocated per job.  After fork() the child starts with no workers.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -36,6 +38,7 @@ static void *job_ctx;
 static size_t job_ntasks;
 static atomic_size_t job_next;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static _Thread_local int alone; /* this thread's jobs run on it alone */
 
 static void run_tasks(ds4f_task_fn fn, void *ctx, size_t ntasks) {
     size_t i;
@@ -136,6 +139,9 @@ static int default_threads(void) {
     return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
 }
 
+void ds4f_pool_set_alone(int on) { alone = on != 0; }
+int ds4f_pool_get_alone(void) { return alone; }
+
 int ds4f_pool_get_threads(void) {
     int n = atomic_load(&n_threads);
     if (n == 0) {
@@ -159,7 +165,7 @@ int ds4f_pool_set_threads(int n) {
 void ds4f_pool_run(ds4f_task_fn fn, void *ctx, size_t ntasks) {
     if (ntasks == 0) return;
     const int nt = ds4f_pool_get_threads();
-    if (nt == 1 || ntasks == 1) { /* no pool state touched: no lock */
+    if (nt == 1 || ntasks == 1 || alone) { /* no pool state touched: no lock */
         for (size_t i = 0; i < ntasks; i++) fn(ctx, i);
         return;
     }

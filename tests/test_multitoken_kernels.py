@@ -319,6 +319,35 @@ def test_gil_released_during_matmul():
     assert gap < duration / 2, (gap, duration)
 
 
+def test_alone_keeps_a_threads_calls_on_it_with_the_same_bits():
+    """kernels.alone(): this thread's calls do all their work on it (the pool's workers take no
+    CPU time), give the pool's bits, and the setting is this thread's only, restored on exit."""
+    import threading
+    import time
+
+    K.set_backend(K.best_backend())
+    K.set_threads(2)
+    rng = np.random.default_rng(11)
+    codes, scales = rand_mxfp4(rng, 2048, 4096)
+    w8, s8 = rand_fp8(rng, 1024, 4096)
+    x = rng.standard_normal((24, 4096)).astype(np.float32)
+    pooled = (K.mxfp4_matmul(codes, scales, x), K.fp8_matmul(w8, s8, x))
+    seen = {}
+    with K.alone():
+        assert K.lib.ds4f_get_alone() == 1
+        other = threading.Thread(target=lambda: seen.setdefault("other", K.lib.ds4f_get_alone()))
+        other.start()
+        other.join()
+        c0, p0 = time.thread_time(), time.process_time()
+        for _ in range(3):
+            alone = (K.mxfp4_matmul(codes, scales, x), K.fp8_matmul(w8, s8, x))
+        mine, total = time.thread_time() - c0, time.process_time() - p0
+    assert K.lib.ds4f_get_alone() == 0 and seen["other"] == 0
+    for a, b in zip(alone, pooled):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    assert total - mine < 0.2 * mine, (mine, total)   # CPU time beyond this thread's: the workers'
+
+
 # ---- the bench's multi case (structure only: no figure is asserted) ---------------------------------
 
 

@@ -31,6 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ds4f.engine import kernels
 from ds4f.engine.model.rope import Rope, inv_freq_default, inv_freq_yarn
 
 
@@ -353,14 +354,21 @@ def output_projection(w: AttentionWeights, O: np.ndarray, out: np.ndarray | None
 OVERLAP_BLOCK = 32   # tokens whose output projection starts while the next ones attend
 
 
+def _project_alone(w: AttentionWeights, O: np.ndarray, Y: np.ndarray) -> None:
+    with kernels.alone():
+        output_projection(w, O, Y)
+
+
 def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
                    rope: Rope, beside=None) -> np.ndarray:
     """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
     pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
     The projections go all tokens at once, the attention itself token after token. beside(fn,
     *args): where a block of OVERLAP_BLOCK tokens' output projection runs (runtime.beside, a
-    helper thread) while the next block attends here; each row of a product is its own, so the
-    outputs are those of one projection of all rows. None: everything here, in order."""
+    helper thread, its kernels on its own core) while the next block attends here; once every
+    token has attended, this thread projects the blocks the helper has not started, the last
+    first. Each row of a product is its own, so the outputs are those of one projection of all
+    rows. None: everything here, in order."""
     p = project(w, A, shape, pos0, beside)
     n = len(A)
     if beside is None or n <= OVERLAP_BLOCK:
@@ -373,16 +381,20 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
             b = min(a + OVERLAP_BLOCK, n)
             for t in range(a, b):
                 O[t] = attention_core(w, cache, p, t, pos0 + t, shape, rope)
-            pending.append(beside(output_projection, w, O[a:b], Y[a:b]))
+            pending.append((a, b, beside(_project_alone, w, O[a:b], Y[a:b])))
+        for a, b, f in reversed(pending):
+            if f.cancel():            # not started: the helper will skip it
+                _project_alone(w, O[a:b], Y[a:b])
     except BaseException:
-        for f in pending:             # none left writing into Y behind this error
+        for _, _, f in pending:       # none left writing into Y behind this error
             try:
-                f.result()
+                f.cancel() or f.result()
             except BaseException:
                 pass
         raise
-    for f in pending:
-        f.result()                    # in order; a projection's error is raised here
+    for _, _, f in pending:
+        if not f.cancelled():
+            f.result()                # in order; a projection's error is raised here
     return Y
 
 
