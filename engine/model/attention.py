@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from ds4f.engine import kernels
+from ds4f.engine.model.ops import in_halves
 from ds4f.engine.model.rope import Rope, inv_freq_default, inv_freq_yarn
 
 
@@ -175,12 +176,7 @@ def rms_rows(x: np.ndarray, eps: float, beside=None) -> np.ndarray:
     out = np.empty(x.shape, np.float32)
     if beside is None or len(x) <= RMS_BLOCK:
         return _rms_rows_into(x, eps, out)
-    half = len(x) // 2
-    first = beside(_rms_rows_into, x[:half], eps, out[:half])
-    try:
-        _rms_rows_into(x[half:], eps, out[half:])
-    finally:
-        first.result()                 # waited for even when this half failed: nothing left writing
+    in_halves(beside, lambda a, b: _rms_rows_into(x[a:b], eps, out[a:b]), len(x))
     return out
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds4f.engine.model.ops import in_halves
+
 
 @dataclass
 class HyperWeights:
@@ -63,12 +65,8 @@ def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkh
     while this thread does the second (numpy and BLAS release the GIL for the bulk of it)."""
     n, N = X.shape[0], X.shape[1]
     if beside is not None and n > HC_BLOCK:
-        first = beside(hc_pre_rows, X[:n // 2], w, eps, hc_eps, sinkhorn_iters)
-        try:
-            rest = hc_pre_rows(X[n // 2:], w, eps, hc_eps, sinkhorn_iters)
-        finally:
-            halves = first.result()   # waited for even when this half failed: nothing left reading X
-        return tuple(np.concatenate(p) for p in zip(halves, rest))
+        halves = in_halves(beside, lambda a, b: hc_pre_rows(X[a:b], w, eps, hc_eps, sinkhorn_iters), n)
+        return tuple(np.concatenate(parts) for parts in zip(*halves))
     fn = w.fn.astype(np.float64)
     mix = np.stack([_mix(X[t], fn, eps) for t in range(n)])                     # [n, (2 + N) N]
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)

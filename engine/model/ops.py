@@ -45,3 +45,15 @@ def pin_numpy_blas() -> None:
     cores, or OPENBLAS_NUM_THREADS); the model's matrix products here are small and run between
     the native kernels, which have the cores, and an idle OpenBLAS worker spins on one of them."""
     threadpool_limits(1, user_api="blas")
+
+
+def in_halves(beside, run, n: int):
+    """(run(0, n // 2), run(n // 2, n)) for rows that do not depend on each other, the first half
+    through beside(fn, *args) (runtime.beside: a helper thread) while this thread does the second.
+    The first is waited for even when the second fails: nothing is left working on the rows."""
+    first = beside(run, 0, n // 2)
+    try:
+        second = run(n // 2, n)
+    finally:
+        done = first.result()
+    return done, second
