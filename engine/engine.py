@@ -15,7 +15,7 @@ from ds4f.engine.model.ops import pin_numpy_blas
 from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights
 from ds4f.engine.resident import load_attention
 from ds4f.engine.runtime.expert_cache import ExpertCache
-from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, warm_buffer
+from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, keep_freed_memory, warm_buffer
 from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
 from ds4f.engine.session import Session
@@ -57,6 +57,7 @@ class KernelSettings:
 
 class Engine:
     def __init__(self, checkpoint, preset: Preset, io_threads: int, kernel_threads: int, backend: str) -> None:
+        keep_freed_memory()          # a prefill's numpy temporaries reuse freed memory, not fresh pages
         self.ckpt = checkpoint
         g = self.geometry = checkpoint.geometry
         self.preset = preset

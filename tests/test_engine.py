@@ -7,6 +7,7 @@ the engine's fp32 path.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -271,3 +272,37 @@ def test_a_cache_bigger_than_the_pool_is_clamped_and_said(tiny_model, tmp_path):
         pool = g.n_layers * g.n_experts * ck.slot_nbytes
     assert run.report["cache"]["capacity_bytes"] <= pool
     assert any("more than the whole expert pool" in e for e in run.report["events"])
+
+
+_LAYER_OF_TEMPORARIES = """
+import resource, sys
+import numpy as np
+if sys.argv[1] == "keep":
+    from ds4f.engine.runtime.memory import keep_freed_memory
+    assert keep_freed_memory()
+def layer():
+    blocks = [np.ones(4 << 20, np.uint8) for _ in range(50)]   # 200 MiB of numpy temporaries
+    del blocks
+layer()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+layer()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_keep_freed_memory_lets_the_next_temporaries_reuse_freed_pages():
+    """runtime.memory.keep_freed_memory (Engine() calls it): a second layer's worth of numpy
+    temporaries reuses the first's freed memory, where glibc's defaults return it and the pages
+    fault in again (counted as minor page faults, each in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _LAYER_OF_TEMPORARIES, mode], capture_output=True, text=True,
+                             check=True)
+        return int(out.stdout)
+
+    pages = 50 * (4 << 20) // 4096
+    assert faults("default") > pages // 4          # the pattern costs faults without the setting
+    assert faults("keep") < pages // 100

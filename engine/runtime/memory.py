@@ -1,8 +1,10 @@
 """Memory the engine holds: warm buffers, huge pages, and what counts against a preset's budget."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +15,35 @@ from ds4f.engine.checkpoint import aligned_buffer
 # numpy temporaries and the I/O threads' stacks (a few MiB on the demo model, with headroom).
 BOOKKEEPING_BYTES = 16 << 20
 
+# glibc mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+MMAP_THRESHOLD = 32 << 20    # glibc's largest: blocks up to this come from the heap
+TRIM_THRESHOLD = 1 << 30     # free heap memory kept, up to this, for the next allocations
+TOP_PAD = 256 << 20          # the heap grows by this much beyond a request (address space only)
+
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 PAGE_MODES = ("huge", "normal", "default")
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to serve blocks up to MMAP_THRESHOLD from the heap and to keep freed
+    heap memory for the next allocations, instead of a fresh mapping per large block that is
+    unmapped when freed. A prefill layer allocates and frees hundreds of MB of numpy temporaries;
+    each fresh mapping faults once per 4 KiB page as it is first written (measured on the bench
+    model, a 512-token chunk: 1.8 s of system time, 0.6 s with this, and 5% less wall time).
+    What is kept stays within the temporaries' peak, which the memory plan counts. Process-wide
+    and idempotent; False (nothing changed) where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in
+               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
 
 
 def thp_mode() -> str | None:
