@@ -1,4 +1,5 @@
-"""Memory the engine holds: warm buffers, huge pages, and what counts against a preset's budget."""
+"""Memory the engine holds: warm buffers, huge pages, freed memory kept for reuse, and what
+counts against a preset's budget."""
 from __future__ import annotations
 
 import ctypes
