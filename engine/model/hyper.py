@@ -63,11 +63,17 @@ def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkh
     not depend on the others in the batch (a prefill chunk's equal decode's, bit for bit).
     beside(fn, *args) (runtime.beside): where the first half of more than HC_BLOCK tokens runs
     while this thread does the second (numpy and BLAS release the GIL for the bulk of it)."""
-    n, N = X.shape[0], X.shape[1]
-    if beside is not None and n > HC_BLOCK:
-        halves = in_halves(beside, lambda a, b: hc_pre_rows(X[a:b], w, eps, hc_eps, sinkhorn_iters), n)
-        return tuple(np.concatenate(parts) for parts in zip(*halves))
     fn = w.fn.astype(np.float64)
+    if beside is not None and len(X) > HC_BLOCK:
+        halves = in_halves(beside, lambda a, b: _hc_pre_rows(X[a:b], fn, w, eps, hc_eps, sinkhorn_iters), len(X))
+        return tuple(np.concatenate(parts) for parts in zip(*halves))
+    return _hc_pre_rows(X, fn, w, eps, hc_eps, sinkhorn_iters)
+
+
+def _hc_pre_rows(X: np.ndarray, fn: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
+                 sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """hc_pre_rows with w.fn already widened to float64 (fn)."""
+    n, N = X.shape[0], X.shape[1]
     mix = np.stack([_mix(X[t], fn, eps) for t in range(n)])                     # [n, (2 + N) N]
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
     pre = _sigmoid(mix[:, :N] * scale[0] + base[:N]) + hc_eps
