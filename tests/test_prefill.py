@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ds4f.engine import kernels
+from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.runs import RunConfig, start_run
@@ -54,6 +55,23 @@ def test_the_dump_is_the_same_at_every_chunk_size_and_thread_count(request, whic
         assert run.dump_path.read_bytes() == want, (chunk, threads)
         pre = run.summary_report["summary"]["prefill"]
         assert pre["tokens"] == len(PROMPT) and pre["chunk"] == min(chunk, len(PROMPT))
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
+def test_a_long_chunk_shared_with_the_helper_thread_gives_the_same_dump(request, which, tmp_path):
+    """More tokens than the blocks the prefill hands to its helper thread (the attention's output
+    projections, hyper-connections and norms in halves): still token-by-token's dump."""
+    from ds4f.engine.model.attention import OVERLAP_BLOCK, RMS_BLOCK
+    from ds4f.engine.model.hyper import HC_BLOCK
+
+    model = request.getfixturevalue(which)
+    prompt = tuple((7 * i + 3) % 250 for i in range(80))
+    heads = open_checkpoint(model).geometry.attention.n_heads
+    assert len(prompt) > 2 * OVERLAP_BLOCK and len(prompt) > HC_BLOCK and len(prompt) * heads > RMS_BLOCK
+    token = _run(model, tmp_path, "token", 0, prompt=prompt, gen=2)
+    layer = _run(model, tmp_path, "layer", len(prompt), prompt=prompt, gen=2)
+    assert layer.summary_report["summary"]["prefill"]["chunk"] == len(prompt)
+    assert layer.dump_path.read_bytes() == token.dump_path.read_bytes()
 
 
 def test_each_chosen_expert_is_read_once_per_layer_per_chunk(tiny_model, tmp_path):

@@ -42,7 +42,7 @@ from ds4f.engine import kernels
 from ds4f.engine.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_rows
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.hyper import hc_head, hc_post, hc_pre, hc_pre_rows
+from ds4f.engine.model.hyper import hc_head, hc_post, hc_post_rows, hc_pre, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
@@ -178,11 +178,11 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: G
     for c in range(len(X)):
         rms_norm(H[c], la.attn_norm, eps, A[c], h64)
     Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope, beside)
-    for c in range(len(X)):
-        if not np.isfinite(Y[c]).all():
-            raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
-                            f" {token_ids[c]} at position {pos0 + c}: its weights are corrupt", kind="data")
-        hc_post(X[c], Y[c], post[c], comb[c])
+    if not np.isfinite(Y).all():
+        c = int(np.flatnonzero(~np.isfinite(Y).all(axis=1))[0])
+        raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
+                        f" {token_ids[c]} at position {pos0 + c}: its weights are corrupt", kind="data")
+    hc_post_rows(X, Y, post, comb, beside)
     return Y
 
 

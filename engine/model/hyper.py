@@ -92,10 +92,32 @@ def _hc_pre_rows(X: np.ndarray, fn: np.ndarray, w: HyperWeights, eps: float, hc_
 
 
 def hc_post(X: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
-    """X'[k] = post[k] y + sum_j C[j, k] X[j], fp32 [N, hidden] (X is replaced in place and returned)."""
-    new = post[:, None] * y.astype(np.float64)[None, :] + comb.T @ X.astype(np.float64)
-    X[...] = new
+    """X'[k] = post[k] y + sum_j C[j, k] X[j], fp32 [N, hidden] (X is replaced in place and returned):
+    hc_post_rows on one token."""
+    hc_post_rows(X[None], y[None], post[None], comb[None])
     return X
+
+
+def hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray, beside=None) -> np.ndarray:
+    """hc_post of n tokens at once: X [n, N, hidden] (replaced in place and returned), their
+    sublayer outputs Y [n, hidden], post [n, N], C [n, N, N]. Each token's sum over j is its own
+    N x N by N x hidden product (matmul takes the stack one matrix at a time), the rest works
+    element by element, so a token's bits do not depend on the others in the batch. HC_BLOCK
+    tokens at a time (their float64 copies stay small); beside (runtime.beside): where the first
+    half of more than HC_BLOCK tokens runs while this thread does the second."""
+    if beside is not None and len(X) > HC_BLOCK:
+        in_halves(beside, lambda a, b: _hc_post_rows(X[a:b], Y[a:b], post[a:b], comb[a:b]), len(X))
+    else:
+        _hc_post_rows(X, Y, post, comb)
+    return X
+
+
+def _hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> None:
+    for a in range(0, len(X), HC_BLOCK):
+        b = a + HC_BLOCK
+        mixed = np.matmul(comb[a:b].transpose(0, 2, 1), X[a:b].astype(np.float64))     # [n, N, hidden]
+        mixed += post[a:b, :, None] * Y[a:b, None, :].astype(np.float64)
+        X[a:b] = mixed
 
 
 def hc_head(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float) -> np.ndarray:

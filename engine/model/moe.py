@@ -62,9 +62,11 @@ def combine(buf: MoeBuffers) -> np.ndarray:
 
 
 def sum_outputs(ys: np.ndarray, shared_out: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """y = ys[0] + ys[1] + ... (routing-rank order) + shared_out, in fp32, in that order."""
-    y[:] = ys[0]
-    for r in range(1, len(ys)):
-        y += ys[r]
+    """y = ys[0] + ys[1] + ... (routing-rank order) + shared_out, in fp32, in that order: ys
+    [top_k, hidden] for one token, or [n, top_k, hidden] with shared_out and y [n, hidden] for n
+    (element by element, so each token's sums are those it gets alone)."""
+    y[...] = ys[..., 0, :]
+    for r in range(1, ys.shape[-2]):
+        y += ys[..., r, :]
     y += shared_out
     return y

@@ -8,7 +8,7 @@
         h[c], post[c], C[c] = hc_pre(X[c]) for all c at once;  x[c], ids[c], w[c] = route(h[c])
         for each distinct expert e of the chunk's ids (each read once):
             ys[c, rank] = expert e on x[c], for every (c, rank) that chose e
-        for c:           X[c] = hc_post(X[c], sum over ranks of ys[c] + shared(x[c]), post[c], C[c])
+        X = hc_post(X, sum over ranks of ys + shared(x), post, C) for all c at once
     logits[c] = head(hc_head(X[c])) for every c
 
 Every token's arithmetic is the token-by-token forward's (model.forward) operation for
@@ -29,7 +29,7 @@ from ds4f.engine.model.attention import RMS_BLOCK
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
                                        check_finite, check_logits)
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post, hc_pre_rows
+from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, sum_outputs
 from ds4f.engine.model.ops import rms_norm, silu_mul
 from ds4f.engine.model.router import route, router_scores
@@ -46,7 +46,7 @@ class ChunkBuffers:
         self.xs = np.empty((chunk, g.hidden), np.float32)        # each token's normed MoE input
         self.ys = np.empty((chunk, g.top_k, g.hidden), np.float32)  # each token's routed outputs, by rank
         self.shared_out = np.empty((chunk, g.hidden), np.float32)
-        self.y = np.empty(g.hidden, np.float32)
+        self.moe_out = np.empty((chunk, g.hidden), np.float32)    # each token's routed + shared outputs
         self.h64 = np.empty(g.hidden, np.float64)
         self.router_rows = np.empty((chunk, g.n_experts), np.float32)   # each token's router logits
         self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)   # one token's kernel scratch
@@ -76,10 +76,10 @@ class ChunkBuffers:
         """What ChunkBuffers(g, chunk) holds, without allocating it (the memory plan counts it)."""
         att = g.attention
         streams = att.hc_mult if att is not None else 1
-        per_token = 4 * (streams * g.hidden + 2 * g.hidden + g.top_k * g.hidden
+        per_token = 4 * (streams * g.hidden + 3 * g.hidden + g.top_k * g.hidden
                          + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab
                          + g.top_k * g.hidden + 3 * g.shared_inter + g.hidden + g.n_experts)
-        fixed = 4 * g.hidden + 8 * g.hidden + 3 * 8
+        fixed = 8 * g.hidden + 3 * 8
         scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
                    + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
         return chunk * per_token + fixed + scratch + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
@@ -139,14 +139,13 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
         _route_rows(source, layer, H if att is not None else X[:, 0], token_ids, buf)
         _experts(source, layer, buf, n)
-        for c in range(n):
-            check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
-            y = sum_outputs(buf.ys[c], buf.shared_out[c], buf.y)
-            if att is not None:
-                hc_post(X[c], y, post[c], comb[c])
-            else:
-                X[c, 0] += y
-            buf.hidden[c, layer] = X[c].reshape(-1)
+        _check_finite_rows(buf, layer, token_ids)
+        Y = sum_outputs(buf.ys[:n], buf.shared_out[:n], buf.moe_out[:n])
+        if att is not None:
+            hc_post_rows(X, Y, post, comb, beside)
+        else:
+            X[:, 0] += Y
+        buf.hidden[:n, layer] = X.reshape(n, -1)
         source.finish_chunk_layer(layer)
         t2 = perf_counter()
         times[ATTENTION] += t1 - t0
@@ -160,6 +159,16 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
     for c in range(n):
         check_logits(logits[c], token_ids[c])
     return logits
+
+
+def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int]) -> None:
+    """forward.check_finite for the chunk's tokens: one pass over all outputs, the first bad
+    token named."""
+    n = len(token_ids)
+    if np.isfinite(buf.ys[:n]).all() and np.isfinite(buf.shared_out[:n]).all():
+        return
+    for c in range(n):
+        check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
 
 
 def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int], buf: ChunkBuffers) -> None:
