@@ -515,6 +515,28 @@ def experts_forward_tokens(
     return out
 
 
+def hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+    """The hyper-connections' mix of n tokens: x float32 [n, k] (each token's streams, flattened),
+    fn float64 [rows, k]; float64 [n, rows], row t = fn . (x[t] / sqrt(mean(x[t]^2) + eps)), every
+    sum one fused multiply-add per element in element order (ds4f_kernels.h): the same bits on
+    every backend, at every n."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError("x: expected a 2-D float32 array [n, k]")
+    n, k = x.shape
+    if not isinstance(fn, np.ndarray) or fn.ndim != 2 or fn.shape[1] != k or fn.shape[0] == 0 or k == 0:
+        got = fn.shape if isinstance(fn, np.ndarray) else type(fn).__name__
+        raise ValueError(f"fn: expected a float64 array [rows, {k}], got {got}")
+    _arr("x", x, _F32, (n, k))
+    _arr("fn", fn, np.dtype(np.float64), fn.shape)
+    out = np.empty((n, fn.shape[0]), np.float64)
+    scratch = np.empty(int(lib.ds4f_hc_mix_scratch_doubles(k)), np.float64)
+    rc = lib.ds4f_hc_mix(_ptr("float[]", x), n, k, _ptr("double[]", fn), fn.shape[0], float(eps),
+                         _ptr("double[]", out), _ptr("double[]", scratch))
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("hc_mix: the native kernel rejected its arguments")
+    return out
+
+
 def _check_env() -> None:
     want = os.environ.get("DS4F_KERNELS")
     if want and want != "auto":

@@ -24,6 +24,7 @@ SOURCES = [
     "multi_neon.c",
     "dispatch.c",
     "dispatch_multi.c",
+    "hyper.c",
     "threadpool.c",
     "membench.c",
 ]

@@ -105,4 +105,14 @@ size_t ds4f_experts_tokens_scratch_floats(size_t pairs, size_t hidden, size_t in
 int ds4f_experts_forward_tokens(const ds4f_expert_tokens *ex, int n_experts, const float *x, size_t ntok,
                                 size_t hidden, size_t inter, float limit, float *y, float *scratch);
 
+/* ---- the hyper-connections' mix ---------------------------------------------------------------
+ * For each of n tokens, x[t] its k fp32 values (the N streams, flattened), fn [rows][k] float64:
+ *   d = sqrt((sum over i of x_i^2) / k + eps),  out[t][r] = sum over i of fn[r][i] * (x_i / d)
+ * in float64, each sum one fused multiply-add per element in element order: correctly rounded
+ * steps, so the result has the same bits on every backend and at every n.  scratch holds
+ * ds4f_hc_mix_scratch_doubles(k) doubles.  Single-threaded.  Returns 0, or -1 for bad arguments. */
+size_t ds4f_hc_mix_scratch_doubles(size_t k);
+int ds4f_hc_mix(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps, double *out,
+                double *scratch);
+
 #endif

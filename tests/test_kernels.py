@@ -439,3 +439,50 @@ def test_bench_kernels_cli_writes_json(tmp_path, capsys):
         assert r["backend"] == "numpy" or r["speedup_vs_scalar"] > 0
     assert "matvec" in capsys.readouterr().out
     assert main(["bench-kernels", "--kernels", "nope"]) == 2
+
+
+# ---- the hyper-connections' mix --------------------------------------------------------------
+
+
+def ref_hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """math.fsum (exactly rounded sums) of the float64 terms: the mix and the bound sum |terms|."""
+    import math
+
+    out, bound = np.empty((len(x), len(fn))), np.empty((len(x), len(fn)))
+    for t, xt in enumerate(x.astype(np.float64)):
+        xn = xt / math.sqrt(math.fsum(xt * xt) / len(xt) + eps)
+        for r, f in enumerate(fn):
+            out[t, r], bound[t, r] = math.fsum(f * xn), math.fsum(np.abs(f * xn))
+    return out, bound
+
+
+@BACKEND
+@pytest.mark.parametrize("n, k, rows", [(1, 32, 1), (11, 1030, 7), (9, 4 * 1024, 24), (17, 96, 6)])
+def test_hc_mix(backend, n, k, rows):
+    """Within a few float64 roundings of the exactly rounded sums, and the same bits whatever the
+    backend (the scalar reference's) and whatever else is in the batch (each token alone)."""
+    rng = np.random.default_rng(n * 1000 + k)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[0, :3] = [0.0, -0.0, 1e-40]                    # zeros and a subnormal among the streams
+    fn = rng.standard_normal((rows, k))
+    eps = 1e-6
+    K.set_backend("scalar")
+    want = K.hc_mix(x, fn, eps)
+    ref, bound = ref_hc_mix(x, fn, eps)
+    assert np.all(np.abs(want - ref) <= 4 * k * np.finfo(np.float64).eps * bound)
+    K.set_backend(backend)
+    assert K.hc_mix(x, fn, eps).tobytes() == want.tobytes()
+    alone = np.concatenate([K.hc_mix(x[t:t + 1], fn, eps) for t in range(n)])
+    assert alone.tobytes() == want.tobytes()
+
+
+def test_hc_mix_bad_input_names_the_argument():
+    x, fn = np.zeros((2, 64), np.float32), np.zeros((3, 64))
+    for call, name in [(lambda: K.hc_mix(x.astype(np.float64), fn, 1e-6), "x"),
+                       (lambda: K.hc_mix(x[:, ::2], fn[:, :32], 1e-6), "x"),
+                       (lambda: K.hc_mix(x.ravel(), fn, 1e-6), "x"),
+                       (lambda: K.hc_mix(x, fn.astype(np.float32), 1e-6), "fn"),
+                       (lambda: K.hc_mix(x, fn[:, :32], 1e-6), "fn"),
+                       (lambda: K.hc_mix(x, fn[:0], 1e-6), "fn")]:
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            call()

@@ -49,6 +49,14 @@ MULTI_TMAX, MULTI_T = 33, (1, 2, 3, 7, 33)
 # the fixture's order, all of them)
 EXPERT_NTOK = 9
 EXPERT_TOKENS = ([0, 2, 3, 8], [5], list(range(EXPERT_NTOK)))
+HC = (11, 1030, 7, 1e-6)  # hyper-connection mix: tokens (past a vector group), k (not a multiple of 4), rows, eps
+
+
+def hc_fixture():
+    """The mix's inputs (x [n, k] fp32, fn [rows, k] float64), the same whoever asks."""
+    n, k, rows, _ = HC
+    rng = np.random.default_rng(77)
+    return rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((rows, k))
 
 
 def _build_config():
@@ -174,13 +182,17 @@ def neon_run(tmp_path_factory):
                                                                 for t in EXPERT_TOKENS))
     (tmp / "e.xs").write_bytes(exs.tobytes())
     (tmp / "e.tw").write_bytes(etw.tobytes())
+    hx, hfn = hc_fixture()
+    (tmp / "hc.x").write_bytes(hx.tobytes())
+    (tmp / "hc.fn").write_bytes(hfn.tobytes())
+    (tmp / "hc.txt").write_text(" ".join(map(repr, HC)) + "\n")
 
     run = subprocess.run([QEMU, str(exe), str(tmp)], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, f"neon_driver failed ({run.returncode}):\n{run.stdout}\n{run.stderr}"
     assert "neon_supported=1" in run.stdout and "best=3" in run.stdout, run.stdout
 
     assert f"fp8 case {len(FP8_CASES) - 1}:" in run.stdout and "experts:" in run.stdout, run.stdout
-    assert "expert tokens:" in run.stdout, run.stdout
+    assert "expert tokens:" in run.stdout and "hc mix:" in run.stdout, run.stdout
 
     def load(i, ext):
         return np.fromfile(tmp / f"{i}.{ext}", dtype=np.float32)
@@ -327,3 +339,19 @@ def test_neon_experts_forward_tokens(neon_run):
         for threads in (1, 2, 3):
             got = load("e", f"{backend}.t{threads}.tokens").reshape(len(pairs), hidden)
             np.testing.assert_array_equal(got.view(np.uint32), each.view(np.uint32), err_msg=f"{backend}, {threads}")
+
+
+def test_neon_hc_mix_has_this_machines_bits(neon_run):
+    """The hyper-connections' mix on aarch64 (both backends, all tokens in one call and each
+    alone) has the bits it has here with the best backend: its order is the project's own
+    (correctly rounded steps), not the machine's or the backend's."""
+    from ds4f.engine import kernels
+
+    _, load, _, _, _ = neon_run
+    n, _, rows, eps = HC
+    x, fn = hc_fixture()
+    want = kernels.hc_mix(x, fn, eps)
+    for backend in ("neon", "scalar"):
+        for how in ("all", "one"):
+            got = load("hc", f"{backend}.{how}").view(np.float64).reshape(n, rows)
+            np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64), err_msg=f"{backend}, {how}")

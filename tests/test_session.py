@@ -101,24 +101,22 @@ def test_session_eval_follows_the_reference_token_after_token(tiny_moe_only):
 def test_numpy_blas_runs_on_one_thread_while_an_engine_computes(tiny_model):
     """OpenBLAS splits a float64 dot product of more than 10k elements among its threads, and the
     parts' sum changes its last bits with their number. With numpy's BLAS at two threads (as on
-    any machine with two cores or more), an engine's session pins it to one: the
-    hyper-connections' mix at the real width (4 streams x 4096) then has the one-thread bits."""
+    any machine with two cores or more), an engine's session pins it to one: such a product then
+    has the one-thread bits."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    from ds4f.engine.model.hyper import _mix
-
     rng = np.random.default_rng(3)
-    X = rng.standard_normal((4, 4096)).astype(np.float32)
-    fn = rng.standard_normal((24, 4 * 4096)).astype(np.float32)
+    x = rng.standard_normal(4 * 4096)
+    fn = rng.standard_normal((24, 4 * 4096))
     with threadpool_limits(1, user_api="blas"):
-        want = _mix(X, fn, 1e-6)
+        want = fn @ x
     cfg = load_config()
     with threadpool_limits(2, user_api="blas"):
         engine = Engine(open_checkpoint(tiny_model), cfg.get_preset("laptop"), 1, 1, "scalar")
         try:
             engine.new_session()
             assert [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] == [1]
-            got = _mix(X, fn, 1e-6)
+            got = fn @ x
         finally:
             engine.close()
     assert got.tobytes() == want.tobytes()

@@ -12,7 +12,8 @@ Around each sublayer (transformers' DeepseekV4HyperConnection, DeepseekV4Decoder
     X'[k] = post[k] y + sum_j C[j, k] X[j]                       # after the sublayer's output y
 
 The head reduces the streams with its own pre weights (no post, no Sinkhorn) before the final norm.
-The small mixing math runs in float64 (a fixed order, whatever the threads) and is cast to fp32.
+The small mixing math runs in float64 and is cast to fp32; the mix (norm and products, the wide
+sums) is the native kernels.hc_mix, whose order is its own on every backend and machine.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds4f.engine import kernels
 from ds4f.engine.model.ops import in_halves
 
 
@@ -37,10 +39,10 @@ def _sigmoid(v: np.ndarray) -> np.ndarray:
 
 
 def _mix(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
-    """fn (fp32, or already widened to float64: the same values) times the normed streams, in float64."""
-    x = X.reshape(-1).astype(np.float64)
-    xn = x / np.sqrt(np.dot(x, x) / x.shape[0] + eps)
-    return (fn if fn.dtype == np.float64 else fn.astype(np.float64)) @ xn
+    """fn (float64 [rows, N hidden]) times each of the n tokens' normed streams X [n, N, hidden]:
+    float64 [n, rows] (kernels.hc_mix: one fixed order, the same bits on every backend and at
+    every n)."""
+    return kernels.hc_mix(X.reshape(len(X), -1), fn, eps)
 
 
 HC_BLOCK = 32   # tokens whose float64 streams hc_pre_rows holds at a time (4 MiB at the real width)
@@ -74,7 +76,7 @@ def _hc_pre_rows(X: np.ndarray, fn: np.ndarray, w: HyperWeights, eps: float, hc_
                  sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """hc_pre_rows with w.fn already widened to float64 (fn)."""
     n, N = X.shape[0], X.shape[1]
-    mix = np.stack([_mix(X[t], fn, eps) for t in range(n)])                     # [n, (2 + N) N]
+    mix = _mix(X, fn, eps)                                                      # [n, (2 + N) N]
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
     pre = _sigmoid(mix[:, :N] * scale[0] + base[:N]) + hc_eps
     post = 2.0 * _sigmoid(mix[:, N:2 * N] * scale[1] + base[N:2 * N])
@@ -122,6 +124,6 @@ def _hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarr
 
 def hc_head(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float) -> np.ndarray:
     """The head's reduction of the streams: sum_k pre[k] X[k], fp32 [hidden]."""
-    mix = _mix(X, w.fn, eps)
+    mix = _mix(X[None], w.fn.astype(np.float64), eps)[0]
     pre = _sigmoid(mix * w.scale.astype(np.float64)[0] + w.base.astype(np.float64)) + hc_eps
     return (pre[:, None] * X.astype(np.float64)).sum(axis=0).astype(np.float32)

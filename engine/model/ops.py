@@ -40,10 +40,10 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def pin_numpy_blas() -> None:
     """numpy's BLAS (OpenBLAS) on one thread, for the whole process. OpenBLAS splits a float64
-    dot product of more than 10k elements (the hyper-connections' norm at the real width) among
-    its threads and adds the parts, so its last bits change with the thread count (the machine's
-    cores, or OPENBLAS_NUM_THREADS); the model's matrix products here are small and run between
-    the native kernels, which have the cores, and an idle OpenBLAS worker spins on one of them."""
+    dot product of more than 10k elements among its threads and adds the parts, so its last bits
+    change with the thread count (the machine's cores, or OPENBLAS_NUM_THREADS); the model's
+    matrix products here are small and run between the native kernels, which have the cores, and
+    an idle OpenBLAS worker spins on one of them."""
     threadpool_limits(1, user_api="blas")
 
 

@@ -261,6 +261,35 @@ static void run_expert_tokens(const char *dir, const ds4f_expert *ex, int n, siz
     free(tok), free(tw), free(xs), free(y), free(scratch), free(one);
 }
 
+/* the hyper-connections' mix: DIR/hc.txt "n k rows eps", hc.x, hc.fn -> hc.<backend>.all (all n
+ * tokens in one call) and hc.<backend>.one (each token alone) */
+static void run_hc(const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/hc.txt", dir);
+    FILE *f = fopen(path, "r");
+    size_t n, k, rows;
+    double eps;
+    if (!f || fscanf(f, "%zu %zu %zu %lf", &n, &k, &rows, &eps) != 4) exit(12);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/hc.x", dir);
+    float *x = slurp_path(path, n * k * sizeof(float));
+    snprintf(path, sizeof path, "%s/hc.fn", dir);
+    double *fn = slurp_path(path, rows * k * sizeof(double));
+    double *out = malloc(n * rows * sizeof(double)), *scratch = malloc(ds4f_hc_mix_scratch_doubles(k) * sizeof(double));
+    for (int b = 0; b < 2; b++) {
+        use_backend(b);
+        if (ds4f_hc_mix(x, n, k, fn, rows, eps, out, scratch) != 0) exit(13);
+        snprintf(path, sizeof path, "%s/hc.%s.all", dir, names[b]);
+        spit_path(path, out, n * rows * sizeof(double));
+        for (size_t t = 0; t < n; t++)
+            if (ds4f_hc_mix(x + t * k, 1, k, fn, rows, eps, out + t * rows, scratch) != 0) exit(13);
+        snprintf(path, sizeof path, "%s/hc.%s.one", dir, names[b]);
+        spit_path(path, out, n * rows * sizeof(double));
+    }
+    printf("hc mix: %zu tokens done\n", n);
+    free(x), free(fn), free(out), free(scratch);
+}
+
 /* the MXFP4 / bf16 cases: DIR/<i>.<ext> */
 static void *slurp(const char *dir, int i, const char *ext, size_t n) { return slurp_f(dir, "", i, ext, n); }
 
@@ -317,5 +346,6 @@ int main(int argc, char **argv) {
     fclose(cases);
     run_fp8(dir);
     run_experts(dir);
+    run_hc(dir);
     return 0;
 }

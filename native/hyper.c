@@ -1,0 +1,145 @@
+/* hyper.c — the hyper-connections' mix of several tokens, in float64 with one fixed order.
+ *
+ * For token t with streams x[t] (k = N * hidden fp32 values, widened exactly):
+ *   ss     = sum over i in order of x_i * x_i          (one fused multiply-add per element)
+ *   d      = sqrt(ss / k + eps)
+ *   mix[r] = sum over i in order of fn[r][i] * (x_i / d)   (one fused multiply-add per element)
+ * Every step is correctly rounded (fma, division, square root), so the scalar reference below and
+ * the AVX2 version, which runs 4 tokens in a vector's lanes (each lane the scalar sequence of its
+ * token), give the same bits; so does any batch size: a token's mix never depends on the others.
+ * The mix used to be numpy's (BLAS) matrix-vector product, whose order is the BLAS build's and
+ * CPU's; here it is the project's own, on every machine.
+ *
+ * The AVX2 version keeps the transposed, normed streams of 8 tokens (two vectors of 4 lanes) in
+ * scratch and runs 6 rows at a time over them (12 accumulator chains), i in blocks of HC_IB so
+ * the block's streams stay in L1; each fn row is read once per 8 tokens, where one token at a time
+ * read all of fn (3 MiB at the real width) per token.
+ */
+#include <math.h>
+
+#include "kernels_internal.h"
+
+#ifdef DS4F_X86
+#include "kernels_avx2.h"
+#endif
+
+size_t ds4f_hc_mix_scratch_doubles(size_t k) { return 8 * k; }
+
+static void hc_mix_scalar(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps,
+                          double *out, double *xn) {
+    for (size_t t = 0; t < n; t++) {
+        const float *xt = x + t * k;
+        double ss = 0.0;
+        for (size_t i = 0; i < k; i++) ss = fma((double)xt[i], (double)xt[i], ss);
+        const double d = sqrt(ss / (double)k + eps);
+        for (size_t i = 0; i < k; i++) xn[i] = (double)xt[i] / d;
+        for (size_t r = 0; r < rows; r++) {
+            const double *f = fn + r * k;
+            double acc = 0.0;
+            for (size_t i = 0; i < k; i++) acc = fma(f[i], xn[i], acc);
+            out[t * rows + r] = acc;
+        }
+    }
+}
+
+#ifdef DS4F_X86
+#define HC_T 8    /* tokens at a time: two vectors of 4 lanes */
+#define HC_R 6    /* rows at a time: 12 accumulator chains */
+#define HC_IB 256 /* elements per block: the block's 8 tokens' streams are 16 KiB */
+
+/* xt[i][l] = token l's x_i for the group's nl tokens (lanes past nl repeat the last token; their
+ * results are dropped), and each lane's d */
+T256 static void hc_gather(const float *x, size_t nl, size_t k, double eps, double *xt, __m256d d[2]) {
+    const float *row[HC_T];
+    for (size_t l = 0; l < HC_T; l++) row[l] = x + (l < nl ? l : nl - 1) * k;
+    __m256d ss[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+    size_t i = 0;
+    for (; i + 4 <= k; i += 4) /* 4 elements of 4 tokens: a 4 x 4 transpose per lane vector */
+        for (int h = 0; h < 2; h++) {
+            const __m256d r0 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h] + i)), r1 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h + 1] + i));
+            const __m256d r2 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h + 2] + i)), r3 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h + 3] + i));
+            const __m256d a0 = _mm256_unpacklo_pd(r0, r1), a1 = _mm256_unpackhi_pd(r0, r1);
+            const __m256d a2 = _mm256_unpacklo_pd(r2, r3), a3 = _mm256_unpackhi_pd(r2, r3);
+            const __m256d c[4] = {_mm256_permute2f128_pd(a0, a2, 0x20), _mm256_permute2f128_pd(a1, a3, 0x20),
+                                  _mm256_permute2f128_pd(a0, a2, 0x31), _mm256_permute2f128_pd(a1, a3, 0x31)};
+            for (int m = 0; m < 4; m++) { /* element i + m, in order */
+                _mm256_storeu_pd(xt + (i + m) * HC_T + 4 * h, c[m]);
+                ss[h] = _mm256_fmadd_pd(c[m], c[m], ss[h]);
+            }
+        }
+    for (; i < k; i++)
+        for (int h = 0; h < 2; h++) {
+            const __m256d xv = _mm256_set_pd(row[4 * h + 3][i], row[4 * h + 2][i], row[4 * h + 1][i], row[4 * h][i]);
+            _mm256_storeu_pd(xt + i * HC_T + 4 * h, xv);
+            ss[h] = _mm256_fmadd_pd(xv, xv, ss[h]);
+        }
+    const __m256d kk = _mm256_set1_pd((double)k), ee = _mm256_set1_pd(eps);
+    for (int h = 0; h < 2; h++) d[h] = _mm256_sqrt_pd(_mm256_add_pd(_mm256_div_pd(ss[h], kk), ee));
+    for (size_t j = 0; j < k; j++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_pd(xt + j * HC_T + 4 * h, _mm256_div_pd(_mm256_loadu_pd(xt + j * HC_T + 4 * h), d[h]));
+}
+
+/* acc[j][h] (rows r..r+R-1, the two lane vectors) over elements i0..i1-1 */
+T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const double *xt, size_t i0, size_t i1,
+                         __m256d acc[HC_R][2]) {
+    if (R == HC_R) {
+        __m256d a[HC_R][2];
+        for (int j = 0; j < HC_R; j++) a[j][0] = acc[j][0], a[j][1] = acc[j][1];
+        const double *f0 = fn + r * k;
+        for (size_t i = i0; i < i1; i++) {
+            const __m256d x0 = _mm256_loadu_pd(xt + i * HC_T), x1 = _mm256_loadu_pd(xt + i * HC_T + 4);
+            _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
+                const __m256d f = _mm256_broadcast_sd(f0 + j * k + i);
+                a[j][0] = _mm256_fmadd_pd(f, x0, a[j][0]);
+                a[j][1] = _mm256_fmadd_pd(f, x1, a[j][1]);
+            }
+        }
+        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) acc[j][0] = a[j][0], acc[j][1] = a[j][1];
+        return;
+    }
+    for (size_t i = i0; i < i1; i++) {
+        const __m256d x0 = _mm256_loadu_pd(xt + i * HC_T), x1 = _mm256_loadu_pd(xt + i * HC_T + 4);
+        for (int j = 0; j < R; j++) {
+            const __m256d f = _mm256_broadcast_sd(fn + (r + j) * k + i);
+            acc[j][0] = _mm256_fmadd_pd(f, x0, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_pd(f, x1, acc[j][1]);
+        }
+    }
+}
+
+T256 static void hc_mix_avx2(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps,
+                             double *out, double *xt) {
+    for (size_t t0 = 0; t0 < n; t0 += HC_T) {
+        const size_t nl = n - t0 < HC_T ? n - t0 : HC_T;
+        __m256d d[2];
+        hc_gather(x + t0 * k, nl, k, eps, xt, d);
+        for (size_t r = 0; r < rows; r += HC_R) {
+            const int R = rows - r < HC_R ? (int)(rows - r) : HC_R;
+            __m256d acc[HC_R][2];
+            for (int j = 0; j < HC_R; j++) acc[j][0] = acc[j][1] = _mm256_setzero_pd();
+            for (size_t i0 = 0; i0 < k; i0 += HC_IB) hc_rows(fn, k, r, R, xt, i0, i0 + HC_IB < k ? i0 + HC_IB : k, acc);
+            for (int j = 0; j < R; j++) {
+                double v[HC_T];
+                _mm256_storeu_pd(v, acc[j][0]);
+                _mm256_storeu_pd(v + 4, acc[j][1]);
+                for (size_t l = 0; l < nl; l++) out[(t0 + l) * rows + r + j] = v[l];
+            }
+        }
+    }
+}
+#endif
+
+int ds4f_hc_mix(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps, double *out,
+                double *scratch) {
+    if (!x || !fn || !out || !scratch || k == 0 || rows == 0) return -1;
+#ifdef DS4F_X86
+    const int b = ds4f_get_backend();
+    if (b == DS4F_AVX2 || b == DS4F_AVX512) {
+        hc_mix_avx2(x, n, k, fn, rows, eps, out, scratch);
+        return 0;
+    }
+#endif
+    hc_mix_scalar(x, n, k, fn, rows, eps, out, scratch);
+    return 0;
+}
