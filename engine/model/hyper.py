@@ -115,10 +115,14 @@ def hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarra
 
 
 def _hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> None:
-    for a in range(0, len(X), HC_BLOCK):
+    for a in range(0, len(X), HC_BLOCK):     # at most two float64 blocks [HC_BLOCK, N, hidden] live
         b = a + HC_BLOCK
-        mixed = np.matmul(comb[a:b].transpose(0, 2, 1), X[a:b].astype(np.float64))     # [n, N, hidden]
-        mixed += post[a:b, :, None] * Y[a:b, None, :].astype(np.float64)
+        X64 = X[a:b].astype(np.float64)
+        mixed = np.matmul(comb[a:b].transpose(0, 2, 1), X64)                        # [n, N, hidden]
+        del X64
+        Y64 = Y[a:b].astype(np.float64)
+        for k in range(X.shape[1]):
+            mixed[:, k] += post[a:b, k, None] * Y64
         X[a:b] = mixed
 
 
