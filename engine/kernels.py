@@ -529,7 +529,7 @@ def hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
     _arr("x", x, _F32, (n, k))
     _arr("fn", fn, np.dtype(np.float64), fn.shape)
     out = np.empty((n, fn.shape[0]), np.float64)
-    scratch = np.empty(int(lib.ds4f_hc_mix_scratch_doubles(k)), np.float64)
+    scratch = np.empty(int(lib.ds4f_hc_mix_scratch_doubles(k, fn.shape[0])), np.float64)
     rc = lib.ds4f_hc_mix(_ptr("float[]", x), n, k, _ptr("double[]", fn), fn.shape[0], float(eps),
                          _ptr("double[]", out), _ptr("double[]", scratch))
     if rc != 0:  # unreachable after the checks above; kept as a guard

@@ -110,8 +110,8 @@ int ds4f_experts_forward_tokens(const ds4f_expert_tokens *ex, int n_experts, con
  *   d = sqrt((sum over i of x_i^2) / k + eps),  out[t][r] = sum over i of fn[r][i] * (x_i / d)
  * in float64, each sum one fused multiply-add per element in element order: correctly rounded
  * steps, so the result has the same bits on every backend and at every n.  scratch holds
- * ds4f_hc_mix_scratch_doubles(k) doubles.  Single-threaded.  Returns 0, or -1 for bad arguments. */
-size_t ds4f_hc_mix_scratch_doubles(size_t k);
+ * ds4f_hc_mix_scratch_doubles(k, rows) doubles.  Single-threaded.  Returns 0, or -1 for bad arguments. */
+size_t ds4f_hc_mix_scratch_doubles(size_t k, size_t rows);
 int ds4f_hc_mix(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps, double *out,
                 double *scratch);
 

@@ -7,13 +7,12 @@
  * Every step is correctly rounded (fma, division, square root), so the scalar reference below and
  * the AVX2 version, which runs 4 tokens in a vector's lanes (each lane the scalar sequence of its
  * token), give the same bits; so does any batch size: a token's mix never depends on the others.
- * The mix used to be numpy's (BLAS) matrix-vector product, whose order is the BLAS build's and
- * CPU's; here it is the project's own, on every machine.
+ * A BLAS product would sum in its build's and CPU's order; this order is the project's own.
  *
- * The AVX2 version keeps the transposed, normed streams of 8 tokens (two vectors of 4 lanes) in
- * scratch and runs 6 rows at a time over them (12 accumulator chains), i in blocks of HC_IB so
- * the block's streams stay in L1; each fn row is read once per 8 tokens, where one token at a time
- * read all of fn (3 MiB at the real width) per token.
+ * The AVX2 version transposes the streams of 8 tokens (two vectors of 4 lanes) into scratch while
+ * it sums their squares; then, HC_IB elements at a time, divides the block by d and runs every
+ * row over it, 6 rows at a time (12 accumulator chains), while the block is in L1. Each fn row
+ * (fn is 3 MiB at the real width) is read once per 8 tokens.
  */
 #include <math.h>
 
@@ -23,7 +22,7 @@
 #include "kernels_avx2.h"
 #endif
 
-size_t ds4f_hc_mix_scratch_doubles(size_t k) { return 8 * k; }
+size_t ds4f_hc_mix_scratch_doubles(size_t k, size_t rows) { return 8 * k + 8 * rows; }
 
 static void hc_mix_scalar(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps,
                           double *out, double *xn) {
@@ -48,7 +47,7 @@ static void hc_mix_scalar(const float *x, size_t n, size_t k, const double *fn, 
 #define HC_IB 256 /* elements per block: the block's 8 tokens' streams are 16 KiB */
 
 /* xt[i][l] = token l's x_i for the group's nl tokens (lanes past nl repeat the last token; their
- * results are dropped), and each lane's d */
+ * results are dropped), not yet divided, and each lane's d */
 T256 static void hc_gather(const float *x, size_t nl, size_t k, double eps, double *xt, __m256d d[2]) {
     const float *row[HC_T];
     for (size_t l = 0; l < HC_T; l++) row[l] = x + (l < nl ? l : nl - 1) * k;
@@ -75,18 +74,18 @@ T256 static void hc_gather(const float *x, size_t nl, size_t k, double eps, doub
         }
     const __m256d kk = _mm256_set1_pd((double)k), ee = _mm256_set1_pd(eps);
     for (int h = 0; h < 2; h++) d[h] = _mm256_sqrt_pd(_mm256_add_pd(_mm256_div_pd(ss[h], kk), ee));
-    for (size_t j = 0; j < k; j++)
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_pd(xt + j * HC_T + 4 * h, _mm256_div_pd(_mm256_loadu_pd(xt + j * HC_T + 4 * h), d[h]));
 }
 
-/* acc[j][h] (rows r..r+R-1, the two lane vectors) over elements i0..i1-1 */
+/* rows r..r+R-1 over elements i0..i1-1: their running sums (acc + 8 j: row r + j's 8 lanes) */
 T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const double *xt, size_t i0, size_t i1,
-                         __m256d acc[HC_R][2]) {
+                         double *acc) {
+    const double *f0 = fn + r * k;
     if (R == HC_R) {
         __m256d a[HC_R][2];
-        for (int j = 0; j < HC_R; j++) a[j][0] = acc[j][0], a[j][1] = acc[j][1];
-        const double *f0 = fn + r * k;
+        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
+            a[j][0] = _mm256_loadu_pd(acc + 8 * j);
+            a[j][1] = _mm256_loadu_pd(acc + 8 * j + 4);
+        }
         for (size_t i = i0; i < i1; i++) {
             const __m256d x0 = _mm256_loadu_pd(xt + i * HC_T), x1 = _mm256_loadu_pd(xt + i * HC_T + 4);
             _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
@@ -95,37 +94,42 @@ T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const doub
                 a[j][1] = _mm256_fmadd_pd(f, x1, a[j][1]);
             }
         }
-        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) acc[j][0] = a[j][0], acc[j][1] = a[j][1];
+        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
+            _mm256_storeu_pd(acc + 8 * j, a[j][0]);
+            _mm256_storeu_pd(acc + 8 * j + 4, a[j][1]);
+        }
         return;
     }
-    for (size_t i = i0; i < i1; i++) {
-        const __m256d x0 = _mm256_loadu_pd(xt + i * HC_T), x1 = _mm256_loadu_pd(xt + i * HC_T + 4);
-        for (int j = 0; j < R; j++) {
-            const __m256d f = _mm256_broadcast_sd(fn + (r + j) * k + i);
-            acc[j][0] = _mm256_fmadd_pd(f, x0, acc[j][0]);
-            acc[j][1] = _mm256_fmadd_pd(f, x1, acc[j][1]);
+    for (int j = 0; j < R; j++) { /* the last rows, one at a time */
+        __m256d a0 = _mm256_loadu_pd(acc + 8 * j), a1 = _mm256_loadu_pd(acc + 8 * j + 4);
+        for (size_t i = i0; i < i1; i++) {
+            const __m256d f = _mm256_broadcast_sd(f0 + j * k + i);
+            a0 = _mm256_fmadd_pd(f, _mm256_loadu_pd(xt + i * HC_T), a0);
+            a1 = _mm256_fmadd_pd(f, _mm256_loadu_pd(xt + i * HC_T + 4), a1);
         }
+        _mm256_storeu_pd(acc + 8 * j, a0);
+        _mm256_storeu_pd(acc + 8 * j + 4, a1);
     }
 }
 
 T256 static void hc_mix_avx2(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps,
-                             double *out, double *xt) {
+                             double *out, double *scratch) {
+    double *xt = scratch, *acc = scratch + HC_T * k; /* xt [k][HC_T]; acc [rows][HC_T], the rows' running sums */
     for (size_t t0 = 0; t0 < n; t0 += HC_T) {
         const size_t nl = n - t0 < HC_T ? n - t0 : HC_T;
         __m256d d[2];
         hc_gather(x + t0 * k, nl, k, eps, xt, d);
-        for (size_t r = 0; r < rows; r += HC_R) {
-            const int R = rows - r < HC_R ? (int)(rows - r) : HC_R;
-            __m256d acc[HC_R][2];
-            for (int j = 0; j < HC_R; j++) acc[j][0] = acc[j][1] = _mm256_setzero_pd();
-            for (size_t i0 = 0; i0 < k; i0 += HC_IB) hc_rows(fn, k, r, R, xt, i0, i0 + HC_IB < k ? i0 + HC_IB : k, acc);
-            for (int j = 0; j < R; j++) {
-                double v[HC_T];
-                _mm256_storeu_pd(v, acc[j][0]);
-                _mm256_storeu_pd(v + 4, acc[j][1]);
-                for (size_t l = 0; l < nl; l++) out[(t0 + l) * rows + r + j] = v[l];
-            }
+        for (size_t j = 0; j < HC_T * rows; j++) acc[j] = 0.0;
+        for (size_t i0 = 0; i0 < k; i0 += HC_IB) {
+            const size_t i1 = i0 + HC_IB < k ? i0 + HC_IB : k;
+            for (size_t i = i0; i < i1; i++)
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_pd(xt + i * HC_T + 4 * h, _mm256_div_pd(_mm256_loadu_pd(xt + i * HC_T + 4 * h), d[h]));
+            for (size_t r = 0; r < rows; r += HC_R)
+                hc_rows(fn, k, r, rows - r < HC_R ? (int)(rows - r) : HC_R, xt, i0, i1, acc + HC_T * r);
         }
+        for (size_t r = 0; r < rows; r++)
+            for (size_t l = 0; l < nl; l++) out[(t0 + l) * rows + r] = acc[HC_T * r + l];
     }
 }
 #endif

@@ -275,7 +275,7 @@ static void run_hc(const char *dir) {
     float *x = slurp_path(path, n * k * sizeof(float));
     snprintf(path, sizeof path, "%s/hc.fn", dir);
     double *fn = slurp_path(path, rows * k * sizeof(double));
-    double *out = malloc(n * rows * sizeof(double)), *scratch = malloc(ds4f_hc_mix_scratch_doubles(k) * sizeof(double));
+    double *out = malloc(n * rows * sizeof(double)), *scratch = malloc(ds4f_hc_mix_scratch_doubles(k, rows) * sizeof(double));
     for (int b = 0; b < 2; b++) {
         use_backend(b);
         if (ds4f_hc_mix(x, n, k, fn, rows, eps, out, scratch) != 0) exit(13);
