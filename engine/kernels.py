@@ -523,7 +523,9 @@ def hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError("x: expected a 2-D float32 array [n, k]")
     n, k = x.shape
-    if not isinstance(fn, np.ndarray) or fn.ndim != 2 or fn.shape[1] != k or fn.shape[0] == 0 or k == 0:
+    if k == 0:
+        raise ValueError("x: k = 0 (a token needs at least one value)")
+    if not isinstance(fn, np.ndarray) or fn.ndim != 2 or fn.shape[1] != k or fn.shape[0] == 0:
         got = fn.shape if isinstance(fn, np.ndarray) else type(fn).__name__
         raise ValueError(f"fn: expected a float64 array [rows, {k}], got {got}")
     _arr("x", x, _F32, (n, k))

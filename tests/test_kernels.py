@@ -481,6 +481,7 @@ def test_hc_mix_bad_input_names_the_argument():
     for call, name in [(lambda: K.hc_mix(x.astype(np.float64), fn, 1e-6), "x"),
                        (lambda: K.hc_mix(x[:, ::2], fn[:, :32], 1e-6), "x"),
                        (lambda: K.hc_mix(x.ravel(), fn, 1e-6), "x"),
+                       (lambda: K.hc_mix(x[:, :0], fn[:, :0], 1e-6), "x"),
                        (lambda: K.hc_mix(x, fn.astype(np.float32), 1e-6), "fn"),
                        (lambda: K.hc_mix(x, fn[:, :32], 1e-6), "fn"),
                        (lambda: K.hc_mix(x, fn[:0], 1e-6), "fn")]:
