@@ -174,9 +174,7 @@ def rms_rows(x: np.ndarray, eps: float, beside=None) -> np.ndarray:
     the same bits as all at once, without [n, d] float64 temporaries. beside(fn, *args)
     (runtime.beside): where the first half of more than RMS_BLOCK rows runs meanwhile."""
     out = np.empty(x.shape, np.float32)
-    if beside is None or len(x) <= RMS_BLOCK:
-        return _rms_rows_into(x, eps, out)
-    in_halves(beside, lambda a, b: _rms_rows_into(x[a:b], eps, out[a:b]), len(x))
+    in_halves(beside, lambda a, b: _rms_rows_into(x[a:b], eps, out[a:b]), len(x), RMS_BLOCK)
     return out
 
 

@@ -66,10 +66,8 @@ def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkh
     beside(fn, *args) (runtime.beside): where the first half of more than HC_BLOCK tokens runs
     while this thread does the second (numpy and BLAS release the GIL for the bulk of it)."""
     fn = w.fn.astype(np.float64)
-    if beside is not None and len(X) > HC_BLOCK:
-        halves = in_halves(beside, lambda a, b: _hc_pre_rows(X[a:b], fn, w, eps, hc_eps, sinkhorn_iters), len(X))
-        return tuple(np.concatenate(parts) for parts in zip(*halves))
-    return _hc_pre_rows(X, fn, w, eps, hc_eps, sinkhorn_iters)
+    parts = in_halves(beside, lambda a, b: _hc_pre_rows(X[a:b], fn, w, eps, hc_eps, sinkhorn_iters), len(X), HC_BLOCK)
+    return parts[0] if len(parts) == 1 else tuple(np.concatenate(p) for p in zip(*parts))
 
 
 def _hc_pre_rows(X: np.ndarray, fn: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
@@ -107,10 +105,7 @@ def hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarra
     element by element, so a token's bits do not depend on the others in the batch. HC_BLOCK
     tokens at a time (their float64 copies stay small); beside (runtime.beside): where the first
     half of more than HC_BLOCK tokens runs while this thread does the second."""
-    if beside is not None and len(X) > HC_BLOCK:
-        in_halves(beside, lambda a, b: _hc_post_rows(X[a:b], Y[a:b], post[a:b], comb[a:b]), len(X))
-    else:
-        _hc_post_rows(X, Y, post, comb)
+    in_halves(beside, lambda a, b: _hc_post_rows(X[a:b], Y[a:b], post[a:b], comb[a:b]), len(X), HC_BLOCK)
     return X
 
 

@@ -47,13 +47,17 @@ def pin_numpy_blas() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-def in_halves(beside, run, n: int):
-    """(run(0, n // 2), run(n // 2, n)) for rows that do not depend on each other, the first half
-    through beside(fn, *args) (runtime.beside: a helper thread) while this thread does the second.
-    The first is waited for even when the second fails: nothing is left working on the rows."""
+def in_halves(beside, run, n: int, least: int) -> list:
+    """run(a, b) over rows 0..n that do not depend on each other, and its results in row order:
+    [run(0, n)] here when beside is None or n <= least; else [run(0, n // 2), run(n // 2, n)], the
+    first half through beside(fn, *args) (runtime.beside: a helper thread) while this thread does
+    the second. The first is waited for even when the second fails: nothing is left working on
+    the rows."""
+    if beside is None or n <= least:
+        return [run(0, n)]
     first = beside(run, 0, n // 2)
     try:
         second = run(n // 2, n)
     finally:
         done = first.result()
-    return done, second
+    return [done, second]

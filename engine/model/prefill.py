@@ -92,7 +92,7 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
     the indexer's query (twice), q_lora twice, the compressors' kv and gates, the output groups'
     copies and low-rank products, and five hidden-sized rows (inputs, outputs, hyper-connection
     sums, those of a half chunk before they are joined); fixed, the float64 blocks of rms_rows and
-    hc_pre_rows, two halves at once. tests/test_prefill.py holds a traced chunk to it."""
+    hc_pre_rows (hc_post_rows' are as large), two halves at once. tests/test_prefill.py holds a traced chunk to it."""
     att = g.attention
     if att is None:
         return 4 * chunk * 4 * g.hidden
