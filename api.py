@@ -15,34 +15,34 @@ Errors are Ds4fError: `message`, and the `param`, `path` and `kind` it concerns.
 from __future__ import annotations
 
 from ds4f.engine.checkpoint import detect_kind, open_checkpoint
-from ds4f.engine.config import (BACKEND_NAMES, Budget, Config, Preset, format_bytes, load_config, parse_budget,
-                                user_cache_dir, user_config_path, user_data_dir)
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, run_files
-from ds4f.engine.kernels import BACKENDS, available_backends, best_backend
-from ds4f.engine.runs import (DEFAULT_GEN, END_STATES, LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, EngineHost, Run,
+from ds4f.engine.config import BACKEND_NAMES, Budget, Config, Preset, format_bytes, load_config, parse_budget
+from ds4f.errors import Ds4fError
+from ds4f.paths import user_cache_dir, user_config_path, user_data_dir
+from ds4f.runs.history import History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, run_files
+from ds4f.native.kernels import BACKENDS, available_backends, best_backend
+from ds4f.runs.run import (DEFAULT_GEN, END_STATES, LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, EngineHost, Run,
                               RunConfig, active_run, start_run)
-from ds4f.engine.snapshot import Snapshot, TokenRecord, disk_occupancy
+from ds4f.runs.snapshot import Snapshot, TokenRecord, disk_occupancy
 from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
-from ds4f.engine.plan import MemoryPlan, memory_plan
-from ds4f.engine.lab.trace import export_trace, load_trace
-from ds4f.engine.lab.replay import parse_policy, replay
-from ds4f.engine.lab.sweep import format_table, plot_sweep, sweep
+from ds4f.runs.plan import MemoryPlan, memory_plan
+from ds4f.cachelab.trace import export_trace, load_trace
+from ds4f.cachelab.replay import parse_policy, replay
+from ds4f.cachelab.sweep import format_table, plot_sweep, sweep
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
-from ds4f.engine.bench.cache import bench_cache
-from ds4f.engine.bench.engine import bench_engine
-from ds4f.engine.bench.prefill import bench_prefill
-from ds4f.engine.bench.kernels import KERNELS as KERNEL_NAMES
-from ds4f.engine.bench.kernels import run_bench as run_kernel_bench
-from ds4f.engine.bench.probe import FLOOR_CAVEAT, cached_floor, probe_floor
-from ds4f.engine.statedump import LOW_BIT_TOLERANCE, StateDiff, diff_states, read_state
+from ds4f.bench.cache import bench_cache
+from ds4f.bench.engine import bench_engine
+from ds4f.bench.prefill import bench_prefill
+from ds4f.bench.kernels import KERNELS as KERNEL_NAMES
+from ds4f.bench.kernels import run_bench as run_kernel_bench
+from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
+from ds4f.runs.statedump import LOW_BIT_TOLERANCE, StateDiff, diff_states, read_state
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
                               find_tokenizer, render_chat)
-from ds4f.engine.output_text import THINK_END, split_reasoning
+from ds4f.engine.text.output import THINK_END, split_reasoning
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",

@@ -18,13 +18,13 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 BUDGETS = ["10%", "15%", "20%", "25%", "30%", "40%", "50%", "75%"]
 
 
 def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path, backend: str | None = None) -> dict:
-    from ds4f.engine.runs import RunConfig, start_run
+    from ds4f.runs.run import RunConfig, start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=tuple(prompt), backend=backend,
                               config_path=config_path, probe_floor=False, dump_path=str(dump)))
@@ -46,10 +46,10 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
     (counts of the runs with it on), "wasted_per_useful", "disk_busy", "mean_read_depth",
     "gb_per_token" (each {"off", "on"}), "io_threads", "backend", "policy", "preset", "model",
     "prompts", "gen"."""
-    from ds4f.engine.bench.engine import bench_model, bench_scratch_dir
+    from ds4f.bench.engine import bench_model, bench_scratch_dir
     from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
-    from ds4f.engine.lab.trace import load_trace
-    from ds4f.engine.lab.sweep import sweep
+    from ds4f.cachelab.trace import load_trace
+    from ds4f.cachelab.sweep import sweep
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 Log = Callable[[str], None]
 
@@ -35,7 +35,7 @@ def _prompt(model: Path) -> tuple[int, ...] | None:
 
 
 def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_path, log: Log) -> dict:
-    from ds4f.engine.runs import RunConfig, start_run
+    from ds4f.runs.run import RunConfig, start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, backend=backend,
                               config_path=config_path, probe_floor=True,
@@ -72,7 +72,7 @@ def attention_at_depth(model: Path, backend: str, depths=DEPTHS, tokens: int = 4
 
     import numpy as np
 
-    from ds4f.engine import kernels
+    from ds4f.native import kernels
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.model.attention import KVCache, attention_step
     from ds4f.engine.resident import load_attention
@@ -108,7 +108,7 @@ def attention_at_depth(model: Path, backend: str, depths=DEPTHS, tokens: int = 4
 
 def bench_scratch_dir() -> Path:
     """Where the benchmarks keep their runs' dumps and reports (the user's cache directory)."""
-    from ds4f.engine.config import user_cache_dir
+    from ds4f.paths import user_cache_dir
 
     d = user_cache_dir() / "bench-runs"
     d.mkdir(parents=True, exist_ok=True)
@@ -130,8 +130,8 @@ def bench_engine(model: str | Path | None = None, preset: str = "laptop", gen: i
     Returns {"backend", "model", "preset", "prompt", "gen", "floor", "simd", "scalar",
     "scalar_over_simd", "io_mode", "cache", "pinned_layers", "n_layers", "attention_depth"}: "simd" and "scalar"
     are the two runs' report summaries; "scalar_over_simd" the ratio of their warm s/token."""
-    from ds4f.engine import kernels
-    from ds4f.engine.bench.probe import cached_floor
+    from ds4f.native import kernels
+    from ds4f.engine.runtime.disk_floor import cached_floor
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
 

@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ds4f.engine import kernels as K
+from ds4f.native import kernels as K
 from ds4f.engine.checkpoint.formats import E2M1_VALUES, E4M3
 from ds4f.engine.runtime.memory import available_bytes, huge_page_bytes, llc_bytes, page_buffer
 from ds4f.native._kernels import ffi, lib
@@ -508,7 +508,7 @@ def run_bench(
 
     if "fp8_matvec" in kernels and not has_fp8:
         notes.append("fp8_matvec: skipped, the kernels library has no FP8 matvec "
-                     "(ds4f.engine.kernels.fp8_matvec) in this build")
+                     "(ds4f.native.kernels.fp8_matvec) in this build")
     if not plan.llc_known:
         notes.append(f"last-level cache size unknown: assumed {plan.llc_bytes >> 20} MiB")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.bench.engine import Log, _quiet, bench_model, bench_scratch_dir
-from ds4f.engine.errors import Ds4fError
+from ds4f.bench.engine import Log, _quiet, bench_model, bench_scratch_dir
+from ds4f.errors import Ds4fError
 
 LENGTHS = (16, 128, 512, 2048)
 MODES = ("token", "layer")
@@ -29,7 +29,7 @@ def _prompt(vocab: int, n: int, seed: int = 0) -> tuple[int, ...]:
 
 
 def _one(model: Path, preset: str, prompt: tuple[int, ...], mode: str, gen: int, config_path, log: Log) -> dict:
-    from ds4f.engine.runs import RunConfig, start_run
+    from ds4f.runs.run import RunConfig, start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, config_path=config_path,
                               prefill_chunk=0 if mode == "token" else None, probe_floor=False,

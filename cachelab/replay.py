@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ds4f.engine.config import Budget, parse_budget
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.lab.belady import Belady, HorizonBelady
-from ds4f.engine.lab.trace import Trace
+from ds4f.errors import Ds4fError
+from ds4f.cachelab.belady import Belady, HorizonBelady
+from ds4f.cachelab.trace import Trace
 from ds4f.engine.runtime.cache_book import CacheBook, slots_for_budget
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, make_policy
 from ds4f.engine.runtime.schedule import TokenRequests, chunk_layer_keys, chunk_layer_requests

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4f.engine.lab.replay import replay
-from ds4f.engine.lab.trace import Trace
-from ds4f.engine.errors import Ds4fError
+from ds4f.cachelab.replay import replay
+from ds4f.cachelab.trace import Trace
+from ds4f.errors import Ds4fError
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.runtime.cache_book import PAGE
 from ds4f.engine.runtime.schedule import chunk_layer_keys, token_request_order
@@ -67,7 +67,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     with open(path, "rb") as f:
         magic = f.read(8)
     if magic == b"DS4FSTAT":
-        from ds4f.engine.statedump import read_state
+        from ds4f.runs.statedump import read_state
 
         state = read_state(path)
         geometry = Geometry.from_config(state.header["geometry"], str(path))

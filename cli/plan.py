@@ -1,5 +1,5 @@
 """`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop]`: the memory plan of a model under a
-preset on a machine's RAM, without the weights (see ds4f.engine.plan)."""
+preset on a machine's RAM, without the weights (see ds4f.runs.plan)."""
 from __future__ import annotations
 
 import argparse

@@ -18,10 +18,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-import platformdirs
-
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.kernels import BACKENDS, available_backends
+from ds4f.errors import Ds4fError
+from ds4f.native.kernels import BACKENDS, available_backends
+from ds4f.paths import user_config_path, user_data_dir
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
@@ -171,18 +170,6 @@ class Config:
 
     def effective_io_threads(self, preset: Preset | None = None) -> int:
         return (preset.io_threads if preset and preset.io_threads else None) or self.io_threads
-
-
-def user_config_path() -> Path:
-    return Path(platformdirs.user_config_dir("ds4f")) / "ds4f.toml"
-
-
-def user_data_dir() -> Path:
-    return Path(platformdirs.user_data_dir("ds4f"))
-
-
-def user_cache_dir() -> Path:
-    return Path(platformdirs.user_cache_dir("ds4f"))
 
 
 def builtin_config_text() -> str:

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
 from ds4f.engine.model.prefill import ChunkBuffers, prefill, transient_nbytes
-from ds4f.engine.runtime.beside import beside
+from ds4f.engine.runtime.helper_thread import beside
 
 
 @dataclass

@@ -11,19 +11,20 @@ import sysconfig
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# kernels_scalar.c is the reference; the SIMD files compile to nothing on other architectures
+INCLUDE = os.path.join(HERE, "include")
+# scalar/ is the reference; the SIMD files compile to nothing on other architectures
 # and select their instruction set per function (target attributes), so no global -m flags.
 SOURCES = [
-    "kernels_scalar.c",
-    "kernels_avx2.c",
-    "kernels_avx512.c",
-    "kernels_neon.c",
-    "multi_scalar.c",
-    "multi_avx2.c",
-    "multi_avx512.c",
-    "multi_neon.c",
-    "dispatch.c",
-    "dispatch_multi.c",
+    "scalar/matvec.c",
+    "scalar/matmul.c",
+    "x86/avx2_matvec.c",
+    "x86/avx2_matmul.c",
+    "x86/avx512_matvec.c",
+    "x86/avx512_matmul.c",
+    "arm/neon_matvec.c",
+    "arm/neon_matmul.c",
+    "dispatch_matvec.c",
+    "dispatch_matmul.c",
     "hyper.c",
     "threadpool.c",
     "membench.c",
@@ -37,7 +38,7 @@ NATIVE_CFLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno
 ffibuilder = FFI()
 cdef = ""
 for header in PUBLIC_HEADERS:
-    with open(os.path.join(HERE, header)) as f:
+    with open(os.path.join(INCLUDE, header)) as f:
         cdef += "".join(line for line in f if not line.startswith("#") and "DS4F_MAX_EXPERTS" not in line)
 ffibuilder.cdef(cdef + "\n#define DS4F_MAX_EXPERTS 8\n")
 
@@ -53,9 +54,9 @@ ffibuilder.set_source(
     "ds4f.native._kernels",
     "".join(f'#include "{h}"\n' for h in PUBLIC_HEADERS),
     sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
-    include_dirs=[os.path.relpath(HERE)],
+    include_dirs=[os.path.relpath(INCLUDE)],
     extra_compile_args=extra,
-    depends=[os.path.relpath(os.path.join(HERE, h)) for h in HEADERS],
+    depends=[os.path.relpath(os.path.join(INCLUDE, h)) for h in HEADERS],
     libraries=["m", "pthread"] if sys.platform != "win32" else [],
 )
 

@@ -1,4 +1,4 @@
-/* dispatch_multi.c — the multi-token entry points: argument checks, x in the backend's lane
+/* dispatch_matmul.c — the multi-token entry points: argument checks, x in the backend's lane
  * order (prep), and the work split.
  *
  * Rows are split among the pool's threads as for the single-vector kernels (tasks of a multiple

@@ -1,4 +1,4 @@
-/* dispatch.c — backend detection and selection, and the public entry points.
+/* dispatch_matvec.c — backend detection and selection, and the public entry points.
  *
  * Backend: an atomic int read once at the start of every call (so a change from another thread
  * takes effect at the next call, never in the middle of one).  Initialised on first use from

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 SCHEMA_VERSION = 1
 

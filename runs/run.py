@@ -7,7 +7,7 @@
 
 A run executes in a background thread. It writes state.bin and report.json as a pair (the
 report carries the state's sha256) under temporary names and commits them when complete, the
-report first (see ds4f.engine.statedump); a cancelled or failed run leaves no files, and a run
+report first (see ds4f.runs.statedump); a cancelled or failed run leaves no files, and a run
 cleans what a killed one left in its place. A write error (no space, no permission) fails the
 run with a message naming the file.
 Only one run is active per process at a time: the kernel backend and thread count are
@@ -28,19 +28,20 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from ds4f.engine import kernels
-from ds4f.engine.bench.probe import cached_floor, replay_reads
+from ds4f.native import kernels
+from ds4f.engine.runtime.disk_floor import cached_floor, replay_reads
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import (BACKEND_NAMES, Budget, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_PROMPT, MAX_THREADS, Preset,
-                               load_config, user_data_dir)
+                               load_config)
 from ds4f.engine.engine import Engine, EngineFigures
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.lab.replay import replay
-from ds4f.engine.lab.trace import Trace
-from ds4f.engine.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
+from ds4f.errors import Ds4fError
+from ds4f.paths import user_data_dir
+from ds4f.cachelab.replay import replay
+from ds4f.cachelab.trace import Trace
+from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
 from ds4f.engine.model.prefill import Stopped
-from ds4f.engine.output_text import OutputText
-from ds4f.engine.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
+from ds4f.engine.text.output import OutputText
+from ds4f.runs.statedump import StateWriter, read_routing, sweep_run_dirs, write_error
 from ds4f.engine.text.chat import chat_prompt_ids
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer

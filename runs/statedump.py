@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 try:
     import fcntl

@@ -14,7 +14,7 @@ beyond loopback without one is refused.
                  size and deadline, access log, request counts (ASGI middleware)
     protocol.py  uvicorn's h11 protocol with a deadline for request heads, connections per client
     routes.py    the operator's endpoints: /, /health, /status, /metrics, /runs...
-    v1.py        the OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions
+    openai.py    the OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions
     service.py   the Service: the engine host and its queue, runs, their views, the history
     queue.py     the engine's waiting line
     feed.py      a run's tokens, from its thread to the event loop
@@ -37,7 +37,7 @@ from starlette.routing import Match, Route
 
 from ds4f.api import Ds4fError
 
-from . import routes, v1
+from . import openai, routes
 from .errors import HttpError
 from .guard import Guard
 from .options import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, is_loopback, read_token_file
@@ -60,10 +60,10 @@ ROUTES = [
     Route("/runs/{id}", routes.cancel_run, methods=["DELETE"]),
     Route("/runs/{id}/report", routes.get_report, methods=["GET"]),
     Route("/runs/{id}/state", routes.download_state, methods=["GET"]),
-    Route("/v1/models", v1.list_models, methods=["GET"]),
-    Route("/v1/models/{model:path}", v1.get_model, methods=["GET"]),
-    Route("/v1/chat/completions", v1.chat_completions, methods=["POST"]),
-    Route("/v1/completions", v1.completions, methods=["POST"]),
+    Route("/v1/models", openai.list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
+    Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+    Route("/v1/completions", openai.completions, methods=["POST"]),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The operator's endpoints of `ds4f serve` (the OpenAI-compatible ones are in ds4f.server.v1).
+"""The operator's endpoints of `ds4f serve` (the OpenAI-compatible ones are in ds4f.server.openai).
 
     GET    /                  what this server is, and its endpoints
     GET    /health            {"status": "ok"} while it takes requests (503 while shutting down)

@@ -20,10 +20,10 @@ from ds4f.api import Snapshot
 
 from ..bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS
 from ..controller import NextRun
-from ..panels import (DashboardPanel, EventsPanel, HitRatePanel, KernelsPanel, MemoryPanel, ProgressPanel,
+from ..widgets.panels import (DashboardPanel, EventsPanel, HitRatePanel, KernelsPanel, MemoryPanel, ProgressPanel,
                       ReadRatePanel, SpeedPanel, StatusLine)
-from ..transcript import ChatPanel, PromptInput, Transcript
-from ..widgets import EventLog, KeyBar, SizeNotice
+from ..widgets.chat import ChatPanel, PromptInput, Transcript
+from ..widgets.common import EventLog, KeyBar, SizeNotice
 from .modals import TokenCountScreen
 
 

@@ -17,7 +17,7 @@ from ds4f.api import LOW_BIT_TOLERANCE, Ds4fError, RunRecord, StateDiff
 
 from .. import figures as F
 from ..bindings import DIFF_BINDINGS
-from ..widgets import KeyBar, Panel, Plot, SizeNotice
+from ..widgets.common import KeyBar, Panel, Plot, SizeNotice
 
 VERDICT = {
     "identical": ("IDENTICAL", "fine", "byte-for-byte the same state dump"),

@@ -14,7 +14,7 @@ from ds4f.api import Ds4fError, RunRecord, hash_groups
 
 from .. import figures as F
 from ..bindings import HISTORY_BINDINGS
-from ..widgets import KeyBar, SizeNotice
+from ..widgets.common import KeyBar, SizeNotice
 
 
 def group_letters(records: list[RunRecord]) -> dict[str, str]:

@@ -13,10 +13,10 @@ from textual.widgets import Input, Static
 
 from ds4f.api import split_reasoning
 
-from .bindings import PROMPT_BINDINGS
-from .chat import CHECKING, COMMANDS_HELP, MODE_NAMES
-from .figures import printable
-from .widgets import Panel
+from ..bindings import PROMPT_BINDINGS
+from ..chat import CHECKING, COMMANDS_HELP, MODE_NAMES
+from ..figures import printable
+from .common import Panel
 
 
 def answer_text(output: str, thinking: bool) -> Text:

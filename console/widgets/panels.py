@@ -15,11 +15,11 @@ from textual.widgets import Digits, Static
 
 from ds4f.api import LIVE_STATES, Snapshot
 
-from . import figures as F
-from .controller import NextRun
-from .thresholds import (FINE, HIT_RATE, WARNING, hit_rate_level, io_efficiency_level, ram_level, rss_level,
+from .. import figures as F
+from ..controller import NextRun
+from ..thresholds import (FINE, HIT_RATE, WARNING, hit_rate_level, io_efficiency_level, ram_level, rss_level,
                          state_level, worst)
-from .widgets import EventLog, LayerStrip, Meter, Panel, Plot
+from .common import EventLog, LayerStrip, Meter, Panel, Plot
 
 
 class DashboardPanel(Panel):

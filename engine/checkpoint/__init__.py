@@ -19,7 +19,7 @@ from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, POOL_BIN, POOL_JSON
 from ds4f.engine.checkpoint.layout import Ds4fCheckpoint, read_trunk_offsets
 from ds4f.engine.checkpoint.official import OfficialCheckpoint
 from ds4f.engine.checkpoint.safetensors_index import INDEX_NAME
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 __all__ = ["ALIGN", "Checkpoint", "Ds4fCheckpoint", "OfficialCheckpoint", "aligned_buffer", "detect_kind",
            "open_checkpoint", "read_trunk_offsets"]

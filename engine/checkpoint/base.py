@@ -12,7 +12,7 @@ import numpy as np
 
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import read_json
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry, fp8_scale_shape
 
 ALIGN = 4096

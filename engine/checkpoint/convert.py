@@ -25,7 +25,7 @@ from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, POO
 from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.layout import write_trunk_offsets
 from ds4f.engine.checkpoint.official import OfficialCheckpoint
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import st_itemsize
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact

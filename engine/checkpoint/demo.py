@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from ds4f.engine.checkpoint.base import LAYOUT_VERSION
-from ds4f.engine.config import user_cache_dir
-from ds4f.engine.errors import Ds4fError
+from ds4f.paths import user_cache_dir
+from ds4f.errors import Ds4fError
 
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"

@@ -41,7 +41,7 @@ from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import pread_exact, read_json
 from ds4f.engine.checkpoint.tensors import attention_tensors, global_tensors
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
 class Ds4fCheckpoint(Checkpoint):

@@ -12,7 +12,7 @@ from ds4f.engine.checkpoint.formats import st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import (INDEX_NAME, TensorInfo, load_official_index, pread_exact,
                                                       read_json)
 from ds4f.engine.checkpoint.tensors import attention_tensors, official_tensors
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
 class OfficialCheckpoint(Checkpoint):

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import ST_DTYPES, st_itemsize
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -31,7 +31,7 @@ from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.base import _views, aligned_buffer
 from ds4f.engine.checkpoint.layout import load_ds4f_layout
 from ds4f.engine.checkpoint.official import check_official_tensors
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import E8M0_NAN, st_numpy_dtype
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.model.ops import in_halves
 from ds4f.engine.model.rope import Rope, inv_freq_default, inv_freq_yarn
 
@@ -172,7 +172,7 @@ def rms_rows(x: np.ndarray, eps: float, beside=None) -> np.ndarray:
     """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; no weight; fp32.
     Rows are independent (each one's mean is its own reduction), so they go RMS_BLOCK at a time:
     the same bits as all at once, without [n, d] float64 temporaries. beside(fn, *args)
-    (runtime.beside): where the first half of more than RMS_BLOCK rows runs meanwhile."""
+    (runtime.helper_thread): where the first half of more than RMS_BLOCK rows runs meanwhile."""
     out = np.empty(x.shape, np.float32)
     in_halves(beside, lambda a, b: _rms_rows_into(x[a:b], eps, out[a:b]), len(x), RMS_BLOCK)
     return out
@@ -358,7 +358,7 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
     """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
     pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
     The projections go all tokens at once, the attention itself token after token. beside(fn,
-    *args): where a block of OVERLAP_BLOCK tokens' output projection runs (runtime.beside, a
+    *args): where a block of OVERLAP_BLOCK tokens' output projection runs (runtime.helper_thread, a
     helper thread, its kernels on its own core) while the next block attends here; once every
     token has attended, this thread projects the blocks the helper has not started, the last
     first. Each row of a product is its own, so the outputs are those of one projection of all

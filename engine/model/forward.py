@@ -38,8 +38,8 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from ds4f.engine import kernels
-from ds4f.engine.errors import Ds4fError
+from ds4f.native import kernels
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_rows
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import hc_head, hc_post, hc_post_rows, hc_pre, hc_pre_rows

@@ -21,7 +21,7 @@ import math
 from dataclasses import InitVar, dataclass
 from typing import Any
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 MX_BLOCK = 32  # MXFP4: one E8M0 scale per 32 elements along K
 FP8_TILE = 128  # FP8 linears: one E8M0 scale per 128x128 tile

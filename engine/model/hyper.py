@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.model.ops import in_halves
 
 
@@ -63,7 +63,7 @@ def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkh
     Each token's mix is its own matrix-vector product, as for a token alone; everything after it
     works element by element or sums N terms in order along one axis, so a token's results do
     not depend on the others in the batch (a prefill chunk's equal decode's, bit for bit).
-    beside(fn, *args) (runtime.beside): where the first half of more than HC_BLOCK tokens runs
+    beside(fn, *args) (runtime.helper_thread): where the first half of more than HC_BLOCK tokens runs
     while this thread does the second (numpy and BLAS release the GIL for the bulk of it)."""
     fn = w.fn.astype(np.float64)
     parts = in_halves(beside, lambda a, b: _hc_pre_rows(X[a:b], fn, w, eps, hc_eps, sinkhorn_iters), len(X), HC_BLOCK)
@@ -103,7 +103,7 @@ def hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarra
     sublayer outputs Y [n, hidden], post [n, N], C [n, N, N]. Each token's sum over j is its own
     N x N by N x hidden product (matmul takes the stack one matrix at a time), the rest works
     element by element, so a token's bits do not depend on the others in the batch. HC_BLOCK
-    tokens at a time (their float64 copies stay small); beside (runtime.beside): where the first
+    tokens at a time (their float64 copies stay small); beside (runtime.helper_thread): where the first
     half of more than HC_BLOCK tokens runs while this thread does the second."""
     in_halves(beside, lambda a, b: _hc_post_rows(X[a:b], Y[a:b], post[a:b], comb[a:b]), len(X), HC_BLOCK)
     return X

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.model.ops import silu_mul
 from ds4f.engine.model.weights import SharedExpertWeights
 

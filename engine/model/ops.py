@@ -50,7 +50,7 @@ def pin_numpy_blas() -> None:
 def in_halves(beside, run, n: int, least: int) -> list:
     """run(a, b) over rows 0..n that do not depend on each other, and its results in row order:
     [run(0, n)] here when beside is None or n <= least; else [run(0, n // 2), run(n // 2, n)], the
-    first half through beside(fn, *args) (runtime.beside: a helper thread) while this thread does
+    first half through beside(fn, *args) (runtime.helper_thread: a helper thread) while this thread does
     the second. The first is waited for even when the second fails: nothing is left working on
     the rows."""
     if beside is None or n <= least:

@@ -24,7 +24,7 @@ from time import perf_counter
 
 import numpy as np
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.model.attention import RMS_BLOCK
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
                                        check_finite, check_logits)
@@ -114,7 +114,7 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
     hidden / attn hold each token's record. The tokens sit at positions pos0, pos0 + 1, ... of
     the sequence; kv (the whole model's attention state) advances past them. should_stop: asked
     before each layer (a chunk of the real model takes minutes); True raises Stopped. beside:
-    where the attention may run its output projections beside this thread (runtime.beside)."""
+    where the attention may run its output projections beside this thread (runtime.helper_thread)."""
     g = source.geometry
     n = len(token_ids)
     if not 0 < n <= buf.chunk:

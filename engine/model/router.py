@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.ops import sqrt_softplus
 from ds4f.engine.model.weights import RouterWeights

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.model.attention import AttentionShape, AttentionWeights
 from ds4f.engine.model.geometry import FP8_TILE
 from ds4f.engine.model.hyper import HyperWeights

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 PAGE = 4096
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ds4f.engine.config import user_cache_dir
+from ds4f.paths import user_cache_dir
 from ds4f.engine.runtime.memory import warm_buffer
 
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.forward import SHARED
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores

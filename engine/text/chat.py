@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.text.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 
 ROLES = ("system", "user", "assistant")

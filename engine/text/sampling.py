@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 
 def _is_int(v) -> bool:

@@ -22,7 +22,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.text.tokenizer import (BOS, EOS, GENERATION_CONFIG_NAME, SPECIAL_TOKENS, TOKENIZER_CONFIG_NAME,
                                         TOKENIZER_NAME)
 

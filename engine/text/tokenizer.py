@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"

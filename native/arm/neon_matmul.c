@@ -1,5 +1,5 @@
-/* multi_neon.c — NEON multi-token kernels (contract: kernels_internal.h; structure: see
- * multi_avx512.c).
+/* arm/neon_matmul.c — NEON multi-token kernels (contract: kernels_internal.h; structure: see
+ * x86/avx512_matmul.c).
  *
  * x in natural order (NEON's single-vector kernels read it so); FP8 rows are zero-padded to a
  * multiple of 16 (done by the dispatcher).  4 rows at a time, k in chunks decoded once into an

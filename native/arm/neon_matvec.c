@@ -1,4 +1,4 @@
-/* kernels_neon.c — AArch64 Advanced SIMD backend (compiled only on aarch64, where NEON is
+/* arm/neon_matvec.c — AArch64 Advanced SIMD backend (compiled only on aarch64, where NEON is
  * baseline: no flags needed).  Structurally the same as the x86 backends: decode nibbles in
  * registers, multiply by the block scale (exact), FMA with x, 4 rows share each x load, one
  * fixed reduction per row (so a row's bits never depend on the row split).
@@ -117,7 +117,7 @@ static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, const f
 
 /* ---- FP8 E4M3 with 128x128 E8M0 tiles ---------------------------------------------------------
  *
- * The x86 backends' method (see kernels_avx512.c), in natural element order: vshll_n_s8(b, 7)
+ * The x86 backends' method (see x86/avx512_matvec.c), in natural element order: vshll_n_s8(b, 7)
  * widens 8 bytes to words sext(b) << 7, AND 0xBFFF makes the fp16 e4m3(b) / 2^8 (exact,
  * subnormals included), vcvt_f32_f16 widens 4 at a time, FMA with x; a tile's partial sum is
  * multiplied by 2^(b-119) (or 2^8, then 2^(b-127), for b >= 247, where that would overflow).

@@ -1,5 +1,5 @@
-/* kernels_avx2.h — the AVX2 steps that the single-vector kernels (kernels_avx2.c) and the
- * multi-token ones (multi_avx2.c) share, so that both compute every result with the same
+/* kernels_avx2.h — the AVX2 steps that the single-vector kernels (x86/avx2_matvec.c) and the
+ * multi-token ones (x86/avx2_matmul.c) share, so that both compute every result with the same
  * decode, lane order, per-tile scaling and final reduction.
  */
 #ifndef DS4F_KERNELS_AVX2_H
@@ -60,7 +60,7 @@ INL float finish(__m256 alo, __m256 ahi) {
     return _mm_cvtss_f32(v);
 }
 
-/* ---- FP8 (see kernels_avx2.c and kernels_avx512.c for the method) ---- */
+/* ---- FP8 (see x86/avx2_matvec.c and x86/avx512_matvec.c for the method) ---- */
 
 /* x[j..j+31] (zero past k) in the lane order of fp8_widen32 */
 INL void fp8_x_perm(const float *x, size_t j, size_t k, __m256 xv[4]) {

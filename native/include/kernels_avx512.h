@@ -1,5 +1,5 @@
-/* kernels_avx512.h — the AVX-512 steps that the single-vector kernels (kernels_avx512.c) and the
- * multi-token ones (multi_avx512.c) share.  A multi-token result equals the single-vector one
+/* kernels_avx512.h — the AVX-512 steps that the single-vector kernels (x86/avx512_matvec.c) and the
+ * multi-token ones (x86/avx512_matmul.c) share.  A multi-token result equals the single-vector one
  * bit for bit because both go through these very functions: the same decode, the same lane
  * order, the same per-tile scaling and the same final reduction.
  */
@@ -45,7 +45,7 @@ INL void x_eo(const float *x, __m512 *xe, __m512 *xo) {
 /* an MXFP4 / bf16 row's result from its two accumulators */
 INL float finish(__m512 alo, __m512 ahi) { return _mm512_reduce_add_ps(_mm512_add_ps(alo, ahi)); }
 
-/* ---- FP8 (see kernels_avx512.c for the method) ---- */
+/* ---- FP8 (see x86/avx512_matvec.c for the method) ---- */
 
 /* x[j..j+63] (zero past k) in the lane order of fp8_widen64 */
 INL void fp8_x_perm(const float *x, size_t j, size_t k, __m512 xv[4]) {

@@ -40,7 +40,7 @@ typedef struct {
         if (64 * (b) < 4 * (ks)) __builtin_prefetch((s0) + 4 * (ks) + 64 * (b), 0, 3); \
     } while (0)
 
-/* kernels_scalar.c: the reference semantics and the shared tables */
+/* scalar/matvec.c: the reference semantics and the shared tables */
 extern const float ds4f_e2m1[16];       /* E2M1 code -> value, code 8 is -0.0 */
 /* A byte -> fp32 table as a union of bit patterns, so it is a compile-time constant whatever
  * the compiler's float parsing. */
@@ -68,15 +68,15 @@ extern const ds4f_ktable ds4f_kt_scalar;
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define DS4F_X86 1
-extern const ds4f_ktable ds4f_kt_avx2;   /* kernels_avx2.c */
-extern const ds4f_ktable ds4f_kt_avx512; /* kernels_avx512.c */
+extern const ds4f_ktable ds4f_kt_avx2;   /* x86/avx2_matvec.c */
+extern const ds4f_ktable ds4f_kt_avx512; /* x86/avx512_matvec.c */
 #endif
 #if defined(__aarch64__) || defined(_M_ARM64)
 #define DS4F_ARM64 1
-extern const ds4f_ktable ds4f_kt_neon;   /* kernels_neon.c */
+extern const ds4f_ktable ds4f_kt_neon;   /* arm/neon_matvec.c */
 #endif
 
-/* ---- multi-token kernels (multi_*.c, dispatched by dispatch_multi.c) ---------------------------
+/* ---- multi-token kernels (*_matmul.c, dispatched by dispatch_matmul.c) ---------------------------
  *
  * A multi-token kernel applies rows r0..r1 of one matrix to nt input vectors at once: vector t is
  * the prepared row xp + t*ldx, and row r's result for it goes to y[t*ldy + r].  Each block of
@@ -102,16 +102,16 @@ typedef struct {
     size_t xpad[DS4F_MM_KINDS];       /* 1, or the multiple a prepared row is zero-padded to */
 } ds4f_mtable;
 
-extern const ds4f_mtable ds4f_mt_scalar; /* multi_scalar.c */
+extern const ds4f_mtable ds4f_mt_scalar; /* scalar/matmul.c */
 #ifdef DS4F_X86
-extern const ds4f_mtable ds4f_mt_avx2;   /* multi_avx2.c */
-extern const ds4f_mtable ds4f_mt_avx512; /* multi_avx512.c */
+extern const ds4f_mtable ds4f_mt_avx2;   /* x86/avx2_matmul.c */
+extern const ds4f_mtable ds4f_mt_avx512; /* x86/avx512_matmul.c */
 #endif
 #ifdef DS4F_ARM64
-extern const ds4f_mtable ds4f_mt_neon;   /* multi_neon.c */
+extern const ds4f_mtable ds4f_mt_neon;   /* arm/neon_matmul.c */
 #endif
-const ds4f_ktable *ds4f_ktable_of(int backend);  /* dispatch.c */
-const ds4f_mtable *ds4f_mtable_of(int backend);  /* dispatch_multi.c */
+const ds4f_ktable *ds4f_ktable_of(int backend);  /* dispatch_matvec.c */
+const ds4f_mtable *ds4f_mtable_of(int backend);  /* dispatch_matmul.c */
 
 /* A bf16 value (its 16 bits) widened to fp32: exact, the high half of the float's bits. */
 static inline float bf16_to_f32(uint16_t h) {

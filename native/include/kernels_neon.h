@@ -1,5 +1,5 @@
-/* kernels_neon.h — the NEON steps that the single-vector kernels (kernels_neon.c) and the
- * multi-token ones (multi_neon.c) share, so that both compute every result with the same
+/* kernels_neon.h — the NEON steps that the single-vector kernels (arm/neon_matvec.c) and the
+ * multi-token ones (arm/neon_matmul.c) share, so that both compute every result with the same
  * decode, lane order, per-tile scaling and final reduction.
  */
 #ifndef DS4F_KERNELS_NEON_H
@@ -48,7 +48,7 @@ INL void bf16_widen32(const uint16_t *w, float32x4_t f[8]) {
 /* an MXFP4 / bf16 row's result from its two accumulators */
 INL float finish(float32x4_t a, float32x4_t b) { return vaddvq_f32(vaddq_f32(a, b)); }
 
-/* ---- FP8 (see kernels_neon.c) ---- */
+/* ---- FP8 (see arm/neon_matvec.c) ---- */
 
 /* n < 16 trailing bytes of a row, zero-filled (code 0 = +0, against x = 0) */
 INL uint8x16_t fp8_load_tail(const uint8_t *w, size_t n) {

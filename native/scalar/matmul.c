@@ -1,9 +1,9 @@
-/* multi_scalar.c — the multi-token kernels in plain C: the reference semantics of the batched
+/* scalar/matmul.c — the multi-token kernels in plain C: the reference semantics of the batched
  * matrix products, and the scalar backend's (see kernels_internal.h for the contract).
  *
  * Per row and block of weights: decode the block once into a small buffer, then for each token
  * continue its accumulator over the block in element order, a multiply then an add per element
- * (no FMA: -ffp-contract=off), exactly as kernels_scalar.c does for one vector.  x is read in
+ * (no FMA: -ffp-contract=off), exactly as scalar/matvec.c does for one vector.  x is read in
  * natural order (no prep).  The same decoded float times the same x element, added in the same
  * order: the single-vector result bit for bit.
  */

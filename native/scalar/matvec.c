@@ -1,4 +1,4 @@
-/* kernels_scalar.c — the reference semantics of every kernel, in plain C.
+/* scalar/matvec.c — the reference semantics of every kernel, in plain C.
  *
  * Compiled like every other source with -ffp-contract=off -fno-tree-vectorize (see
  * build_kernels.py): what is written here is what runs — one multiply, one add, in this order,

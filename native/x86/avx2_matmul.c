@@ -1,5 +1,5 @@
-/* multi_avx2.c — AVX2 multi-token kernels (contract: kernels_internal.h; structure: see
- * multi_avx512.c).
+/* x86/avx2_matmul.c — AVX2 multi-token kernels (contract: kernels_internal.h; structure: see
+ * x86/avx512_matmul.c).
  *
  * k in chunks decoded once into an L1 tile with kernels_avx2.h's steps, then every token runs
  * over the tile.  MXFP4 / bf16: per 32-block the lane order of matvec_rows, i.e. [x_even, x_odd]

@@ -1,4 +1,4 @@
-/* kernels_avx2.c — AVX2 + FMA + F16C backend (target attributes only; see kernels_avx512.c).
+/* x86/avx2_matvec.c — AVX2 + FMA + F16C backend (target attributes only; see x86/avx512_matvec.c).
  *
  * Same structure as the AVX-512 backend, with one difference forced by the ISA: vpermps on
  * ymm has an 8-entry table, so the 16-entry E2M1 LUT is two scaled 8-entry tables (positive
@@ -17,7 +17,7 @@
 
 /* decode: duplicate each code byte (c0 c0 c1 c1 ...), widen to dwords, shift odd lanes by 4:
  * lane j then holds code j in bits 3:0.  Large 64-byte-aligned outputs use non-temporal
- * stores (same bits, no cache thrash), as in kernels_avx512.c. */
+ * stores (same bits, no cache thrash), as in x86/avx512_matvec.c. */
 INL void store8(float *o, __m256 w, int stream) {
     if (stream)
         _mm256_stream_ps(o, w);
@@ -156,7 +156,7 @@ T256 static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, co
 
 /* ---- FP8 E4M3 with 128x128 E8M0 tiles ---------------------------------------------------------
  *
- * The AVX-512 backend's method at 256 bits (see kernels_avx512.c for the why): per 32 bytes,
+ * The AVX-512 backend's method at 256 bits (see x86/avx512_matvec.c for the why): per 32 bytes,
  * vpmaddubsw widens the even / odd bytes to words sext(b) << 7, AND 0xBFFF makes them the fp16
  * e4m3(b) / 2^8, vcvtph2ps (F16C) widens 8 at a time, FMA with x permuted to the same lanes
  * (0, 2, .., 14 | 16, .., 30 | 1, .., 15 | 17, .., 31), and a tile's partial sum is multiplied

@@ -1,4 +1,4 @@
-/* multi_avx512.c — AVX-512 multi-token kernels (contract: kernels_internal.h).
+/* x86/avx512_matmul.c — AVX-512 multi-token kernels (contract: kernels_internal.h).
  *
  * 4 rows at a time, k in chunks: the chunk's weights of the 4 rows are decoded once into an L1
  * tile with the single-vector kernel's own steps (kernels_avx512.h), in its lane order; then the

@@ -1,4 +1,4 @@
-/* kernels_avx512.c — AVX-512 (F/BW/VL) backend.
+/* x86/avx512_matvec.c — AVX-512 (F/BW/VL) backend.
  *
  * Only these functions get AVX-512 code, through target attributes: no global -mavx512 flags,
  * so the scalar reference and the dispatcher stay baseline x86-64.  The dispatcher calls in

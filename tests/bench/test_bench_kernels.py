@@ -8,8 +8,8 @@ import mmap
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels as K
-from ds4f.engine.bench import kernels as B
+from ds4f.native import kernels as K
+from ds4f.bench import kernels as B
 from ds4f.engine.runtime import memory as M
 
 AVAILABLE = K.available_backends()

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from ds4f.engine.runtime.policies import ONLINE_POLICIES
-from ds4f.engine.lab.replay import replay
-from ds4f.engine.lab.trace import Trace, export_trace, load_trace
-from ds4f.engine.errors import Ds4fError
+from ds4f.cachelab.replay import replay
+from ds4f.cachelab.trace import Trace, export_trace, load_trace
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.runs import RunConfig, start_run
+from ds4f.runs.run import RunConfig, start_run
 
 ONE_LAYER = Geometry(hidden=64, inter=32, n_layers=1, n_experts=8, top_k=1, n_hash_layers=0, vocab=16)
 

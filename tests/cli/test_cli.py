@@ -248,7 +248,7 @@ def test_building_refuses_a_disk_without_room(tmp_path, monkeypatch):
 # ---- ds4f history ---------------------------------------------------------------------------------------
 def test_history_delete_and_prune_plan(tmp_path):
     from ds4f.api import Ds4fError
-    from ds4f.engine.history import History, plan_prune, prune_runs, run_files
+    from ds4f.runs.history import History, plan_prune, prune_runs, run_files
 
     data = tmp_path / "data"
     h = History(data / "history.sqlite3")

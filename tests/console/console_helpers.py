@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ds4f.console.app import Ds4fConsole
-from ds4f.engine.history import History
+from ds4f.runs.history import History
 
 
 def async_test(fn):
@@ -25,7 +25,7 @@ def async_test(fn):
 @pytest.fixture(autouse=True)
 def _no_run_left_behind():
     yield
-    from ds4f.engine.runs import active_run
+    from ds4f.runs.run import active_run
 
     run = active_run()
     if run is not None:

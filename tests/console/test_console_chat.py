@@ -23,11 +23,11 @@ from ds4f.console.app import Ds4fConsole
 from ds4f.console.bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS, PROMPT_BINDINGS, typed
 from ds4f.console.chat import CHECKING, Chat, parse_command
 from ds4f.console.screens import DashboardScreen, DiffScreen, HelpScreen, HistoryScreen
-from ds4f.console.transcript import PromptInput, Transcript
-from ds4f.console.widgets import KeyBar
-from ds4f.engine import kernels
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History
+from ds4f.console.widgets.chat import PromptInput, Transcript
+from ds4f.console.widgets.common import KeyBar
+from ds4f.native import kernels
+from ds4f.errors import Ds4fError
+from ds4f.runs.history import History
 
 from console_helpers import _no_run_left_behind, async_test, history_path, make_app, wait_for  # noqa: F401 (fixtures)
 
@@ -378,7 +378,7 @@ def test_every_chat_binding_has_a_handler():
 
 
 def test_readme_lists_the_chat_keys():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     console = readme[readme.index("## Console"):readme.index("\n## ", readme.index("## Console") + 1)]
     for key in ("`i`", "`m`", "`ctrl+l`", "`ctrl+c`", "`enter`", "`esc`", "/reset", "/think", "/text", "/seed"):
         assert key in console, key

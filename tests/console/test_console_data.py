@@ -11,8 +11,8 @@ from importlib import resources
 from pathlib import Path
 
 from ds4f.engine.config import load_config
-from ds4f.engine.history import History
-from ds4f.engine.snapshot import Snapshot, TokenRecord
+from ds4f.runs.history import History
+from ds4f.runs.snapshot import Snapshot, TokenRecord
 
 GiB = 2**30
 MODEL = "/srv/models/ds4f-mxfp4"
@@ -117,7 +117,7 @@ def fixed_history(path) -> History:
 
 @dataclass
 class FixedDiff:
-    """Same fields as ds4f.engine.statedump.StateDiff (the screen only reads them)."""
+    """Same fields as ds4f.runs.statedump.StateDiff (the screen only reads them)."""
 
     cls: str
     token: int | None
@@ -149,7 +149,7 @@ def test_fixed_snapshot_is_consistent():
     s = fixed_snapshot()
     assert len(s.tokens) == s.tokens_done and len(s.layer_hits) == 43
     # the fields the engine derives, derived as the engine does (engine/runs.py, Run.snapshot)
-    from ds4f.engine.snapshot import bound_of
+    from ds4f.runs.snapshot import bound_of
 
     for s in (fixed_snapshot("running"), fixed_snapshot("done")):
         requests = sum(s.layer_hits) + sum(s.layer_misses)

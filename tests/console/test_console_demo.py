@@ -3,7 +3,7 @@ import pytest
 
 from ds4f.engine.checkpoint import demo
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 
 def test_made_once_then_reused(tmp_path):

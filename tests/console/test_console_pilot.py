@@ -1,6 +1,6 @@
 """Pilot tests: every key of the console, driven against the real engine on the tiny checkpoint.
 
-Runs are real (ds4f.engine.runs on the session's tiny model); only the dashboard's refresh
+Runs are real (ds4f.runs.run on the session's tiny model); only the dashboard's refresh
 period is shortened so a test sees a run progress. Each test gets its own history file.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from ds4f.console.app import Ds4fConsole
 from ds4f.console.bindings import APP_BINDINGS, DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS
 from ds4f.console.screens import (DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen,
                                   SetupScreen, TokenCountScreen)
-from ds4f.console.widgets import EventLog, KeyBar, Meter, Panel, SizeNotice
-from ds4f.engine import kernels
-from ds4f.engine.history import History
+from ds4f.console.widgets.common import EventLog, KeyBar, Meter, Panel, SizeNotice
+from ds4f.native import kernels
+from ds4f.runs.history import History
 
 from console_helpers import _no_run_left_behind, async_test, history_path, make_app, wait_for  # noqa: F401 (fixtures)
 
@@ -300,7 +300,7 @@ async def test_identical_runs_diff_as_identical(tiny_model, history_path):
 @needs_simd
 @async_test
 async def test_simd_scalar_pair_one_keystroke(tiny_model, history_path):
-    from ds4f.engine.statedump import diff_states
+    from ds4f.runs.statedump import diff_states
 
     app = make_app(tiny_model, history_path, gen=30)
     async with app.run_test(size=SIZE) as pilot:
@@ -821,7 +821,7 @@ async def test_the_run_panel_shows_every_line_at_80x24(history_path):
 async def test_the_hit_rate_plot_and_strip_draw_the_policys_own_rate(history_path):
     from test_console_data import fixed_snapshot
 
-    from ds4f.console.widgets import LayerStrip, Plot
+    from ds4f.console.widgets.common import LayerStrip, Plot
 
     app = fed_app(history_path)
     snap = fixed_snapshot("done")

@@ -1,7 +1,7 @@
-"""Screenshots of the console with fixed data (pytest-textual-snapshot), kept in tests/snapshots/.
+"""Screenshots of the console with fixed data (pytest-textual-snapshot), kept in tests/console/snapshots/.
 
 No engine runs here: the dashboard is fed one fixed Snapshot, the history a fixed SQLite
-file, the diff screen a fixed StateDiff. Update with `pytest tests/test_console_snapshots.py
+file, the diff screen a fixed StateDiff. Update with `pytest tests/console/test_console_snapshots.py
 --snapshot-update` after checking the new images by eye (the HTML report shows them).
 Textual is pinned in pyproject.toml because its rendering changes between releases.
 """
@@ -23,7 +23,7 @@ SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
 
 
 class _Ds4fSVG(pytest_textual_snapshot.SVGImageExtension):
-    """The plugin's SVG extension, storing files under tests/snapshots/<test module>/."""
+    """The plugin's SVG extension, storing files under tests/console/snapshots/<test module>/."""
 
     @classmethod
     def dirname(cls, *, test_location) -> str:

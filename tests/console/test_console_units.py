@@ -6,8 +6,8 @@ import pytest
 from ds4f.console import figures as F
 from ds4f.console import thresholds as T
 from ds4f.console.controller import REFRESH_STEPS, Controller, next_refresh, simd_scalar_pair
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import History
+from ds4f.errors import Ds4fError
+from ds4f.runs.history import History
 from ds4f.themes import THEME_NAMES, THEMES, next_theme, stylesheet_text
 
 from test_console_data import builtin_config, fixed_history, fixed_snapshot, fixed_tokens
@@ -117,7 +117,7 @@ def test_controller_rejects_a_bad_preset(tmp_path):
 
 
 def test_controller_toggle_without_a_run(tmp_path):
-    from ds4f.engine import kernels
+    from ds4f.native import kernels
 
     c = _controller(tmp_path)
     first = c.next_backend()
@@ -146,7 +146,7 @@ def test_simd_scalar_pair(tmp_path):
 
 
 # ------------------------------------------------------------------------------ the panels' words
-from ds4f.console import panels as P  # noqa: E402
+from ds4f.console.widgets import panels as P  # noqa: E402
 
 
 def test_cache_panel_puts_the_policys_own_rate_beside_belady():

@@ -2,7 +2,7 @@
 import pytest
 
 from ds4f.engine.config import Budget, load_config, parse_budget
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 
 def test_builtin_presets(monkeypatch, tmp_path):

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.reference import reference_step
-from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import diff_states, read_state
+from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.statedump import diff_states, read_state
 
 SIMD = [b for b in kernels.available_backends() if b != "scalar"]
 

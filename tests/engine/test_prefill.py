@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.checkpoint.convert import convert_checkpoint
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import read_state
+from ds4f.errors import Ds4fError
+from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.statedump import read_state
 from ds4f.engine.text.sampling import SamplingParams
 
-WHOLE = Path(__file__).resolve().parent / "fixtures" / "whole"
+WHOLE = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
 PROMPT = (0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8)     # 17 tokens, within every vocabulary
 BEST = kernels.best_backend()
 

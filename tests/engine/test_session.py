@@ -10,9 +10,9 @@ import pytest
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import load_config
 from ds4f.engine.engine import Engine
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.reference import reference_step
-from ds4f.engine.runs import EngineHost, RunConfig, start_run
+from ds4f.runs.run import EngineHost, RunConfig, start_run
 
 
 def _run(model, tmp_path, name, host=None, **kw):

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.checkpoint.convert import convert_checkpoint
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import read_state
+from ds4f.errors import Ds4fError
+from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.statedump import read_state
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whole"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.npz").exists())
 BACKENDS = [b for b in ("scalar", "avx2", "avx512") if b in kernels.available_backends()]
 

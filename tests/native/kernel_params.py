@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels as K
+from ds4f.native import kernels as K
 
 
 def _backend_params() -> list:

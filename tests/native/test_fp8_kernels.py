@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels as K
+from ds4f.native import kernels as K
 
 from kernel_params import backend_marks, bits, kernel_settings_restored, unaligned
 from ds4f.engine.checkpoint import formats

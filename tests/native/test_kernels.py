@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels as K
+from ds4f.native import kernels as K
 
 from kernel_params import backend_marks, bits, kernel_settings_restored, main_thread_gaps, unaligned
 
@@ -378,7 +378,7 @@ def test_gil_released_during_kernels():
 @pytest.mark.parametrize("value", ["scalar", *AVAILABLE[1:], "auto", "bogus"])
 def test_ds4f_kernels_env_selects_initial_backend(value):
     code = "import warnings; warnings.simplefilter('error')\n" if value in AVAILABLE + ["auto"] else ""
-    code += "from ds4f.engine import kernels as K; print(K.get_backend())"
+    code += "from ds4f.native import kernels as K; print(K.get_backend())"
     env = {**os.environ, "DS4F_KERNELS": value}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr

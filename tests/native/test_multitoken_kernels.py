@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels as K
+from ds4f.native import kernels as K
 
 from kernel_params import backend_marks, bits, kernel_settings_restored, main_thread_gaps, unaligned
 
@@ -352,7 +352,7 @@ def test_alone_keeps_a_threads_calls_on_it_with_the_same_bits():
 
 
 def test_bench_multi_records(monkeypatch):
-    from ds4f.engine.bench import kernels as B
+    from ds4f.bench import kernels as B
 
     monkeypatch.setattr(B, "MULTI_CASES", (("mxfp4", 64, 256), ("bf16", 32, 128), ("fp8", 16, 300)))
     backends = K.available_backends()

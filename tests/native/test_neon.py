@@ -1,5 +1,5 @@
 """The NEON backend, tested on any machine: the kernel sources (with the build's own flags) and
-native/tests/neon_driver.c are cross-compiled for aarch64 and run under qemu-aarch64 on
+tests/native/neon_driver.c are cross-compiled for aarch64 and run under qemu-aarch64 on
 fixtures written here.  NEON output is checked against the scalar backend of the same binary
 (decode bit-identical) and, independently, against ml_dtypes / float64 numpy references:
 MXFP4 and bf16, FP8 E4M3 with 128x128 E8M0 tiles, and the routed experts (experts_forward_each
@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+NATIVE = Path(__file__).resolve().parents[2] / "native"
+DRIVER = Path(__file__).resolve().parent / "neon_driver.c"
 CC = shutil.which("aarch64-linux-gnu-gcc")
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = "/usr/aarch64-linux-gnu"
@@ -63,7 +64,7 @@ def _build_config():
     spec = importlib.util.spec_from_file_location("_ds4f_build_kernels", NATIVE / "build_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.SOURCES, mod.NATIVE_CFLAGS
+    return mod.SOURCES, mod.NATIVE_CFLAGS, mod.INCLUDE
 
 
 def ref_decode(codes, scales):
@@ -127,10 +128,10 @@ def ref_expert(e, weight, x, limit):
 @pytest.fixture(scope="module")
 def neon_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("neon")
-    sources, cflags = _build_config()
+    sources, cflags, include = _build_config()
     exe = tmp / "neon_driver"
-    cmd = [CC, *cflags, "-pthread", f"-I{NATIVE}", *(str(NATIVE / s) for s in sources),
-           str(NATIVE / "tests" / "neon_driver.c"), "-lm", "-o", str(exe)]  # fmt: skip
+    cmd = [CC, *cflags, "-pthread", f"-I{include}", *(str(NATIVE / s) for s in sources),
+           str(DRIVER), "-lm", "-o", str(exe)]  # fmt: skip
     env = dict(os.environ)
     built = subprocess.run([*cmd, "-static"], capture_output=True, text=True)
     if built.returncode != 0:  # no static libc for aarch64: link dynamically, point qemu at the sysroot
@@ -345,7 +346,7 @@ def test_neon_hc_mix_has_this_machines_bits(neon_run):
     """The hyper-connections' mix on aarch64 (both backends, all tokens in one call and each
     alone) has the bits it has here with the best backend: its order is the project's own
     (correctly rounded steps), not the machine's or the backend's."""
-    from ds4f.engine import kernels
+    from ds4f.native import kernels
 
     _, load, _, _, _ = neon_run
     n, _, rows, eps = HC

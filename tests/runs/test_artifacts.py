@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ds4f.engine.checkpoint.verify import verify_checkpoint
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import (StateWriter, pair_problem, partial_path, read_routing,
+from ds4f.errors import Ds4fError
+from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.statedump import (StateWriter, pair_problem, partial_path, read_routing,
                                    read_state)
 
 KILLS = 15
@@ -160,7 +160,7 @@ def test_a_run_in_the_default_place_sweeps_what_killed_runs_left(tiny_model, tmp
     """Runs without --dump-state get a directory each under <data dir>/runs. A run killed there
     leaves its .partial files; the next run removes them (and the directory), once they are a
     minute old and unlocked, and leaves finished runs and live writers alone."""
-    from ds4f.engine.config import user_data_dir
+    from ds4f.paths import user_data_dir
 
     runs = user_data_dir() / "runs"
     before = set(runs.iterdir()) if runs.is_dir() else set()

@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.snapshot import DISK_BOUND_BUSY
+from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.snapshot import DISK_BOUND_BUSY
 
 
 def _run(model, tmp_path, name, **kw):

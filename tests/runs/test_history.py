@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.history import SCHEMA_VERSION, History, hash_groups
+from ds4f.errors import Ds4fError
+from ds4f.runs.history import SCHEMA_VERSION, History, hash_groups
 
 
 def _report(backend="avx2", n=3, sha="a" * 64):
@@ -99,8 +99,8 @@ def test_newer_schema_refused(tmp_path):
 
 
 def test_a_cancelled_run_keeps_its_token_count_in_the_history(tiny_model, tmp_path):
-    from ds4f.engine.history import History
-    from ds4f.engine.runs import RunConfig, start_run
+    from ds4f.runs.history import History
+    from ds4f.runs.run import RunConfig, start_run
 
     import threading
 

@@ -9,10 +9,10 @@ import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import load_config
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
-from ds4f.engine.plan import OS_HEADROOM, memory_plan
-from ds4f.engine.runs import RunConfig, start_run
+from ds4f.runs.plan import OS_HEADROOM, memory_plan
+from ds4f.runs.run import RunConfig, start_run
 
 
 def _cli(*args, cwd=None):

@@ -10,9 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
-from ds4f.engine.errors import Ds4fError
-from ds4f.engine.runs import RunConfig, start_run
-from ds4f.engine.statedump import read_state
+from ds4f.errors import Ds4fError
+from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.statedump import read_state
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import Tokenizer
 

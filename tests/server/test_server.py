@@ -377,7 +377,7 @@ def test_a_stop_string_ends_the_output_before_it(srv):
 
 
 def test_thinking_mode_puts_the_reasoning_apart():
-    from ds4f.server.v1 import ReasoningSplit
+    from ds4f.server.openai import ReasoningSplit
 
     text = "First I think. Then</think>The answer."
     for cuts in ([len(text)], [3, 17, 19, 21, len(text)], list(range(1, len(text) + 1))):

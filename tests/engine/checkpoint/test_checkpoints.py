@@ -15,7 +15,7 @@ import pytest
 
 from ds4f.engine.checkpoint import ALIGN, aligned_buffer, open_checkpoint, read_trunk_offsets
 from ds4f.engine.checkpoint.convert import convert_checkpoint
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import (E2M1_VALUES, dequantize_fp8, dequantize_mxfp4, e8m0_to_f32, pack_e2m1,
                                  quantize_fp8, unpack_e2m1)
 from ds4f.engine.model.geometry import GEOMETRIES, Geometry

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ds4f.engine.checkpoint.verify import verify_checkpoint
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
 from ds4f.engine.text import Tokenizer, find_tokenizer
 

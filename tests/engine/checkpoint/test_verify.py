@@ -17,7 +17,7 @@ import pytest
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.checkpoint.formats import E8M0_NAN
 from ds4f.engine.checkpoint.verify import verify_checkpoint
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 
 
 def copy_ck(src: Path, tmp_path: Path) -> Path:

@@ -22,7 +22,7 @@ from ds4f.engine.checkpoint.formats import dequantize_fp8, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import load_official_index
 from ds4f.engine.checkpoint.tensors import (attention_layer_tensors, attention_tensors, attention_weight_bytes,
                                             official_tensors)
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import (GEOMETRIES, AttentionGeometry, Geometry, Yarn, flash_schedule)
 
 TINY = GEOMETRIES["tiny"]
@@ -472,7 +472,7 @@ def test_a_wrong_attention_dtype_or_shape_is_named(tiny_official, tmp_path):
         open_checkpoint(root)
 
 
-WHOLE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whole"
+WHOLE_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "whole"
 
 
 @pytest.mark.parametrize("case", ["tiny", "ties", "ratios"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4f.engine import kernels
+from ds4f.native import kernels
 from ds4f.engine.checkpoint.formats import st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import read_shard_header
 from ds4f.engine.model.attention import (AttentionShape, AttentionWeights, CompressorWeights, IndexerWeights,
@@ -31,7 +31,7 @@ from ds4f.engine.model.rope import Rope, inv_freq_default, inv_freq_yarn
 from ds4f.engine.model.router import route, router_scores
 from ds4f.engine.model.weights import Bf16Matrix, Fp8Matrix, RouterWeights, SharedExpertWeights
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whole"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "whole"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.npz").exists())
 def load_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file, in its dtype (ml_dtypes for FP8 / E8M0 / bf16)."""

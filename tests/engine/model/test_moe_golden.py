@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures" / "golden_moe.npz"
 REL_TOL = 1e-5
 CONFTEST_SEED = 0  # tests/conftest.py's tiny_official / tiny_model
@@ -87,14 +87,14 @@ def test_fixtures_cover_the_block(golden):
 
 
 def _backends():
-    from ds4f.engine import kernels
+    from ds4f.native import kernels
 
     return kernels.available_backends()
 
 
 @pytest.mark.parametrize("backend", _backends())
 def test_moe_block_matches_transformers(backend, golden, golden_checkpoint):
-    from ds4f.engine import kernels
+    from ds4f.native import kernels
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
     from ds4f.engine.engine import Engine

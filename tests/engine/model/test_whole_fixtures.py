@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 WHOLE = REPO / "tests" / "fixtures" / "whole"
 GENERATOR = REPO / "tools" / "make_golden_whole.py"
 CASES = ("tiny", "ties", "ratios")

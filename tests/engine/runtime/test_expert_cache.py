@@ -1,7 +1,7 @@
 """The expert cache on its own: slots from one pool, LRU order, protection, the budget."""
 import pytest
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.runtime.expert_cache import ExpertCache
 
 SLOT = 8192

@@ -7,7 +7,7 @@ turns as <｜Assistant｜></think> content EOS, then <｜Assistant｜> and <thin
 """
 import pytest
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
 from ds4f.engine.text import Tokenizer, chat_prompt_ids, render_chat
 from ds4f.engine.text.synthetic import write_tokenizer_files

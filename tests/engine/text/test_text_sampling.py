@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.text import Sampler, SamplingParams
 
 

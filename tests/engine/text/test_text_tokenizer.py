@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ds4f.engine.errors import Ds4fError
+from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
 from ds4f.engine.text import GenerationDefaults, TextStream, Tokenizer, find_tokenizer
 from ds4f.engine.text.synthetic import tokenizer_json, write_tokenizer_files
