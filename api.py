@@ -14,35 +14,37 @@ Errors are Ds4fError: `message`, and the `param`, `path` and `kind` it concerns.
 """
 from __future__ import annotations
 
-from ds4f.engine.checkpoint import detect_kind, open_checkpoint
-from ds4f.engine.config import BACKEND_NAMES, Budget, Config, Preset, format_bytes, load_config, parse_budget
 from ds4f.errors import Ds4fError
 from ds4f.paths import user_cache_dir, user_config_path, user_data_dir
-from ds4f.runs.history import History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, run_files
 from ds4f.native.kernels import BACKENDS, available_backends, best_backend
-from ds4f.runs.run import (DEFAULT_GEN, END_STATES, LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, EngineHost, Run,
-                              RunConfig, active_run, start_run)
-from ds4f.runs.snapshot import Snapshot, TokenRecord, disk_occupancy
+# the engine: checkpoints, config, geometry, text, the disk floor
+from ds4f.engine.checkpoint import detect_kind, open_checkpoint
 from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, MAX_THREADS, Budget, Config, Preset,
+                                format_bytes, load_config, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
-from ds4f.runs.plan import MemoryPlan, memory_plan
-from ds4f.cachelab.trace import export_trace, load_trace
-from ds4f.cachelab.replay import parse_policy, replay
-from ds4f.cachelab.sweep import format_table, plot_sweep, sweep
-from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
-from ds4f.bench.cache import bench_cache
-from ds4f.bench.engine import bench_engine
-from ds4f.bench.prefill import bench_prefill
-from ds4f.bench.kernels import KERNELS as KERNEL_NAMES
-from ds4f.bench.kernels import run_bench as run_kernel_bench
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
-from ds4f.runs.statedump import LOW_BIT_TOLERANCE, StateDiff, diff_states, read_state
+from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
                               find_tokenizer, render_chat)
-from ds4f.engine.text.output import THINK_END, split_reasoning
+from ds4f.engine.text.output import THINK_END, ReasoningSplit, split_reasoning
+# the cache lab
+from ds4f.cachelab.replay import parse_policy, replay
+from ds4f.cachelab.sweep import format_table, plot_sweep, sweep
+# runs: the run API and its artifacts
+from ds4f.runs.config import RunConfig
+from ds4f.runs.history import (History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, report_file,
+                               run_files)
+from ds4f.runs.host import EngineHost
+from ds4f.runs.plan import MemoryPlan, memory_plan
+from ds4f.runs.run import END_STATES, LIVE_STATES, Run, active_run, start_run
+from ds4f.runs.snapshot import Snapshot, TokenRecord, disk_occupancy
+from ds4f.runs.diff import LOW_BIT_TOLERANCE, StateDiff, diff_states
+from ds4f.runs.statedump import read_state
+from ds4f.runs.traces import export_trace, load_trace
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
@@ -51,20 +53,19 @@ __all__ = [
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
     "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
     "user_config_path", "user_data_dir",
-    # checkpoints, the cache lab and benchmarks
+    # checkpoints, the cache lab, the disk floor
     "convert_checkpoint", "synth_checkpoint", "verify_checkpoint", "ensure_demo_model", "ensure_synthetic",
     "GEOMETRIES", "CONFIG_KEYS", "Geometry", "get_geometry",
     "load_trace", "export_trace", "parse_policy", "replay", "sweep", "format_table", "plot_sweep",
     "ONLINE_POLICIES", "DEFAULT_POLICY",
-    "bench_engine", "bench_prefill", "bench_cache", "run_kernel_bench", "KERNEL_NAMES",
     "BACKENDS", "probe_floor", "cached_floor", "FLOOR_CAVEAT",
     # pruning the run history
-    "PrunePlan", "plan_prune", "prune_runs", "run_files",
+    "PrunePlan", "plan_prune", "prune_runs", "run_files", "report_file",
     # the memory plan
     "MemoryPlan", "memory_plan",
     # text: tokenizer, streaming, chat format, sampling
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
-    "SamplingParams", "Sampler", "split_reasoning", "THINK_END",
+    "SamplingParams", "Sampler", "split_reasoning", "ReasoningSplit", "THINK_END",
 ]
 
 def checkpoint_summary(path: str) -> dict:

@@ -28,8 +28,3 @@ class Ds4fError(Exception):
         self.kind = kind or ("invalid" if param is not None else "data")
         if self.kind not in KINDS:
             raise ValueError(f"Ds4fError kind {self.kind!r} is not one of {', '.join(KINDS)}")
-
-
-def invalid(param: str, problem: str) -> Ds4fError:
-    """`param: problem`, the error for a bad parameter or config key."""
-    return Ds4fError(f"{param}: {problem}", param=param)

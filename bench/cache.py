@@ -24,7 +24,8 @@ BUDGETS = ["10%", "15%", "20%", "25%", "30%", "40%", "50%", "75%"]
 
 
 def _run(model: Path, preset, prompt, gen: int, dump: Path, config_path, backend: str | None = None) -> dict:
-    from ds4f.runs.run import RunConfig, start_run
+    from ds4f.runs.config import RunConfig
+    from ds4f.runs.run import start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=tuple(prompt), backend=backend,
                               config_path=config_path, probe_floor=False, dump_path=str(dump)))
@@ -48,7 +49,7 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
     "prompts", "gen"."""
     from ds4f.bench.engine import bench_model, bench_scratch_dir
     from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
-    from ds4f.cachelab.trace import load_trace
+    from ds4f.runs.traces import load_trace
     from ds4f.cachelab.sweep import sweep
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config

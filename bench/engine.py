@@ -35,7 +35,8 @@ def _prompt(model: Path) -> tuple[int, ...] | None:
 
 
 def _one_run(model: Path, preset: str, gen: int, backend: str, prompt, config_path, log: Log) -> dict:
-    from ds4f.runs.run import RunConfig, start_run
+    from ds4f.runs.config import RunConfig
+    from ds4f.runs.run import start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, backend=backend,
                               config_path=config_path, probe_floor=True,

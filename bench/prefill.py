@@ -29,7 +29,8 @@ def _prompt(vocab: int, n: int, seed: int = 0) -> tuple[int, ...]:
 
 
 def _one(model: Path, preset: str, prompt: tuple[int, ...], mode: str, gen: int, config_path, log: Log) -> dict:
-    from ds4f.runs.run import RunConfig, start_run
+    from ds4f.runs.config import RunConfig
+    from ds4f.runs.run import start_run
 
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, config_path=config_path,
                               prefill_chunk=0 if mode == "token" else None, probe_floor=False,

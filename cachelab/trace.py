@@ -1,6 +1,7 @@
 """A routing trace: for each token and layer, the experts the router chose (rank order).
 
-It comes from a run's state dump or from a compact export (`ds4f trace export`, an .npz).
+It comes from a run's state dump (ds4f.runs.traces reads it) or from a compact export
+(`ds4f trace export`, an .npz, read and written here).
 """
 from __future__ import annotations
 
@@ -59,20 +60,9 @@ class Trace:
         return np.concatenate(parts)
 
 
-def load_trace(path: str | os.PathLike) -> Trace:
-    """A trace from a state dump (state.bin) or an exported trace (.npz)."""
+def read_trace_file(path: str | os.PathLike) -> Trace:
+    """A trace exported by write_trace_file (.npz); a run's state dump is read by ds4f.runs.traces."""
     path = Path(path)
-    if not path.exists():
-        raise Ds4fError(f"{path}: trace not found")
-    with open(path, "rb") as f:
-        magic = f.read(8)
-    if magic == b"DS4FSTAT":
-        from ds4f.runs.statedump import read_state
-
-        state = read_state(path)
-        geometry = Geometry.from_config(state.header["geometry"], str(path))
-        return Trace(geometry, np.array(state.records["ids"], dtype=np.int32),
-                     np.array(state.records["token"], dtype=np.int32), str(path))
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
@@ -96,15 +86,12 @@ def load_trace(path: str | os.PathLike) -> Trace:
     return Trace(geometry, ids, tokens, str(path))
 
 
-def export_trace(state_path: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the compact trace of a state dump: expert ids as uint16, token ids, geometry."""
-    trace = load_trace(state_path)
+def write_trace_file(trace: Trace, out: str | os.PathLike, source: str) -> Path:
+    """The compact trace: expert ids as uint16, token ids, geometry (written whole, then renamed)."""
     out = Path(out)
     meta = json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION,
-                       "geometry": trace.geometry.to_config(), "source": str(state_path)})
+                       "geometry": trace.geometry.to_config(), "source": source})
     tmp = out.with_name(out.name + ".partial.npz")
     np.savez_compressed(tmp, meta=np.array(meta), ids=trace.ids.astype(np.uint16), tokens=trace.tokens)
     os.replace(tmp, out)
     return out
-
-

@@ -57,7 +57,7 @@ def _size(n: int | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds4f import api
+    from ds4f import api, bench
 
     check_streams(args)
     if args.repeat < 1:
@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     threads = _list(args.threads, "threads", int)
     if threads and min(threads) < 1:
         raise Ds4fError("--threads: counts must be >= 1")
-    kernels = tuple(_list(args.kernels, "kernels") or api.KERNEL_NAMES)
+    kernels = tuple(_list(args.kernels, "kernels") or bench.KERNEL_NAMES)
     for k in kernels:
-        if k not in api.KERNEL_NAMES:
-            raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(api.KERNEL_NAMES)})")
+        if k not in bench.KERNEL_NAMES:
+            raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(bench.KERNEL_NAMES)})")
 
     from rich.console import Console
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     notes: list[str] = []
     with err.status("benchmarking") as status:
-        records = api.run_kernel_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m),
+        records = bench.run_kernel_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m),
                                        cases=args.cases, pages=args.pages, notes=notes)
     load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
 

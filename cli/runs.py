@@ -310,7 +310,7 @@ def _bench(args) -> int:
     args.preset = args.preset or "laptop"
     model = _model_arg(args)
     if args.what == "engine":
-        from ds4f.api import bench_engine
+        from ds4f.bench import bench_engine
 
         if args.backend is not None:
             raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
@@ -320,7 +320,7 @@ def _bench(args) -> int:
         return 0
     if args.what == "prefill":
         return _bench_prefill(args, model)
-    from ds4f.api import bench_cache
+    from ds4f.bench import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
                     log=_announce, progress=True)
@@ -329,7 +329,7 @@ def _bench(args) -> int:
 
 
 def _bench_prefill(args, model) -> int:
-    from ds4f.api import bench_prefill
+    from ds4f.bench import bench_prefill
 
     lengths = (16, 128, 512, 2048)
     if args.lengths:

@@ -119,38 +119,29 @@ class _Session:
 
 class _Printer:
     """Writes each token's text as it comes; in thinking mode, the reasoning dimmed (on a terminal)
-    until `</think>`, which is not printed."""
+    until `</think>`, which is not printed (the answer starts on a new line)."""
 
     def __init__(self, thinking: bool, color: bool) -> None:
+        from ds4f.api import ReasoningSplit
+
         self.thinking, self.color = thinking, color
-        self.in_reasoning = thinking
-        self.held = ""      # text that may be the start of </think>
+        self.split = ReasoningSplit(thinking)
 
     def token(self, record) -> None:
         if not record.text:
             return
-        if not self.in_reasoning:
-            self._write(record.text)
-            return
-        from ds4f.api import THINK_END
-
-        text = self.held + record.text
-        self.held = ""
-        if THINK_END in text:
-            reasoning, _, answer = text.partition(THINK_END)
-            self._write(reasoning, dim=True)
-            self.in_reasoning = False
-            self._write("\n" + answer)
-            return
-        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1)
-                     if THINK_END.startswith(text[-k:])), 0)
-        self.held = text[len(text) - keep:]
-        self._write(text[:len(text) - keep], dim=True)
+        was_reasoning = self.split.reasoning
+        for kind, text in self.split.push(record.text):
+            if kind == "answer" and was_reasoning:
+                self._write("\n")
+                was_reasoning = False
+            self._write(text, dim=kind == "reasoning")
+        if was_reasoning and not self.split.reasoning:   # the marker came, the answer not yet
+            self._write("\n")
 
     def end(self) -> None:
-        if self.held:
-            self._write(self.held, dim=self.in_reasoning)
-            self.held = ""
+        for kind, text in self.split.finish():
+            self._write(text, dim=kind == "reasoning")
         sys.stdout.write("\n")
         sys.stdout.flush()
 

@@ -8,7 +8,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 
-from ds4f.api import LIVE_STATES, RunRecord, Snapshot, TokenRecord, format_bytes
+from ds4f.api import LIVE_STATES, RunRecord, Snapshot, TokenRecord
 
 DASH = "—"
 STATE_MARK = {"starting": "◌", "running": "●", "done": "✓", "cancelled": "■", "failed": "✗"}
@@ -68,10 +68,6 @@ def fmt_gbps(v: float | None) -> str:
 
 def fmt_pct(v: float | None, digits: int = 1) -> str:
     return DASH if v is None else f"{v * 100:.{digits}f}%"
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    return DASH if n is None else format_bytes(n)
 
 
 def fmt_size(n: int | float | None) -> str:

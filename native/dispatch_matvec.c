@@ -86,8 +86,13 @@ int ds4f_best_backend(void) {
 
 static atomic_int active = -1;
 
+static const char *const names[DS4F_N_BACKENDS] = {"scalar", "avx2", "avx512", "neon"};
+
+const char *ds4f_backend_name(int backend) {
+    return backend >= 0 && backend < DS4F_N_BACKENDS ? names[backend] : NULL;
+}
+
 static int from_env(void) {
-    static const char *names[DS4F_N_BACKENDS] = {"scalar", "avx2", "avx512", "neon"};
     const char *e = getenv("DS4F_KERNELS");
     if (e)
         for (int b = 0; b < DS4F_N_BACKENDS; b++)
@@ -130,6 +135,8 @@ int ds4f_set_threads(int n) { return ds4f_pool_set_threads(n); }
 int ds4f_get_threads(void) { return ds4f_pool_get_threads(); }
 void ds4f_set_alone(int on) { ds4f_pool_set_alone(on); }
 int ds4f_get_alone(void) { return ds4f_pool_get_alone(); }
+unsigned long long ds4f_tasks_done(void) { return ds4f_pool_tasks_done(); }
+unsigned long long ds4f_worker_tasks_done(void) { return ds4f_pool_worker_tasks_done(); }
 
 /* ---- row-parallel kernels ------------------------------------------------------------------ */
 

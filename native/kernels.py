@@ -29,7 +29,10 @@ import numpy as np
 
 from ds4f.native._kernels import ffi, lib
 
-BACKENDS = ("scalar", "avx2", "avx512", "neon")
+# The backends' names, in the order of the C enum (a backend's number is its index: also its code
+# in state dumps); every other list of backends derives from this one.
+BACKENDS = tuple(ffi.string(lib.ds4f_backend_name(i)).decode() for i in range(lib.DS4F_N_BACKENDS))
+SIMD_BACKENDS = tuple(b for b in BACKENDS if b != "scalar")
 MAX_EXPERTS = int(lib.DS4F_MAX_EXPERTS)
 
 try:  # bf16 / FP8 weights may come as ml_dtypes arrays or as their bit patterns (uint16 / uint8)
@@ -41,7 +44,7 @@ try:  # bf16 / FP8 weights may come as ml_dtypes arrays or as their bit patterns
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     _BF16 = _E4M3 = _E8M0 = None
 
-FP8_TILE = 128  # one E8M0 scale per FP8_TILE x FP8_TILE tile of an FP8 weight
+FP8_TILE = int(lib.DS4F_FP8_TILE)  # one E8M0 scale per FP8_TILE x FP8_TILE tile of an FP8 weight
 _U8 = np.dtype(np.uint8)
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)

@@ -40,9 +40,21 @@ static atomic_size_t job_next;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static _Thread_local int alone; /* this thread's jobs run on it alone */
 
-static void run_tasks(ds4f_task_fn fn, void *ctx, size_t ntasks) {
-    size_t i;
-    while ((i = atomic_fetch_add_explicit(&job_next, 1, memory_order_relaxed)) < ntasks) fn(ctx, i);
+static atomic_ullong tasks_done, worker_tasks_done; /* counts only: nothing waits on them */
+
+static void run_one(ds4f_task_fn fn, void *ctx, size_t i) {
+    fn(ctx, i);
+    atomic_fetch_add_explicit(&tasks_done, 1, memory_order_relaxed);
+}
+
+/* The job's tasks this thread claims; returns how many it ran. */
+static size_t run_tasks(ds4f_task_fn fn, void *ctx, size_t ntasks) {
+    size_t i, ran = 0;
+    while ((i = atomic_fetch_add_explicit(&job_next, 1, memory_order_relaxed)) < ntasks) {
+        run_one(fn, ctx, i);
+        ran++;
+    }
+    return ran;
 }
 
 static long elapsed_ns(const struct timespec *t0) {
@@ -84,7 +96,7 @@ static void *worker_main(void *arg) {
         void *ctx = job_ctx;
         size_t nt = job_ntasks;
         pthread_mutex_unlock(&mu);
-        run_tasks(fn, ctx, nt);
+        atomic_fetch_add_explicit(&worker_tasks_done, run_tasks(fn, ctx, nt), memory_order_relaxed);
         pthread_mutex_lock(&mu);
         if (--pending == 0) pthread_cond_signal(&cv_done);
     }
@@ -139,6 +151,11 @@ static int default_threads(void) {
     return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
 }
 
+unsigned long long ds4f_pool_tasks_done(void) { return atomic_load_explicit(&tasks_done, memory_order_relaxed); }
+unsigned long long ds4f_pool_worker_tasks_done(void) {
+    return atomic_load_explicit(&worker_tasks_done, memory_order_relaxed);
+}
+
 void ds4f_pool_set_alone(int on) { alone = on != 0; }
 int ds4f_pool_get_alone(void) { return alone; }
 
@@ -166,7 +183,7 @@ void ds4f_pool_run(ds4f_task_fn fn, void *ctx, size_t ntasks) {
     if (ntasks == 0) return;
     const int nt = ds4f_pool_get_threads();
     if (nt == 1 || ntasks == 1 || alone) { /* no pool state touched: no lock */
-        for (size_t i = 0; i < ntasks; i++) fn(ctx, i);
+        for (size_t i = 0; i < ntasks; i++) run_one(fn, ctx, i);
         return;
     }
     pthread_once(&once, init_once);

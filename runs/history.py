@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ds4f.errors import Ds4fError
+from ds4f.native.kernels import SIMD_BACKENDS
+from ds4f.runs.statedump import report_path_for
 
 SCHEMA_VERSION = 1
 
@@ -43,7 +45,6 @@ CREATE TABLE IF NOT EXISTS settings (
 _LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 
-SIMD_BACKENDS = ("avx512", "avx2", "neon")
 
 
 def _lock_for(path: str) -> threading.Lock:
@@ -295,24 +296,23 @@ class History:
                   write=True)
 
 
-def run_files(record: RunRecord) -> list[Path]:
-    """Where the run API put a run's state dump and report: the recorded state path, and the
-    report named in its config, else the one next to the dump (a.bin -> a.report.json, or
-    report.json beside a run directory's state.bin). Whether they exist is not checked."""
-    files: list[Path] = []
+def report_file(record: RunRecord) -> Path | None:
+    """Where the run API put a run's report: the path named in its config, else beside its state
+    dump (statedump.report_path_for: report.json in the run's own directory when no dump path was
+    asked for, else a.bin -> a.report.json). Whether it exists is not checked."""
+    if record.config.get("report_path"):
+        return Path(record.config["report_path"])
     if record.state_path:
-        state = Path(record.state_path)
-        files.append(state)
-        report = record.config.get("report_path")
-        if report:
-            files.append(Path(report))
-        elif record.config.get("dump_path"):
-            files.append(state.with_name(state.stem + ".report.json"))
-        else:
-            files.append(state.with_name("report.json"))
-    elif record.config.get("report_path"):
-        files.append(Path(record.config["report_path"]))
-    return files
+        return report_path_for(record.state_path, own_dir=not record.config.get("dump_path"))
+    return None
+
+
+def run_files(record: RunRecord) -> list[Path]:
+    """A run's files: the recorded state dump and its report (report_file). Whether they exist
+    is not checked."""
+    files = [Path(record.state_path)] if record.state_path else []
+    report = report_file(record)
+    return files + ([report] if report is not None else [])
 
 
 def _entry(path: Path) -> Path:

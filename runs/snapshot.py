@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ds4f.native.kernels import BACKENDS
+
 
 @dataclass(frozen=True)
 class TokenRecord:
@@ -154,7 +156,6 @@ TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds
                         ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
                         ("disk_depth_s", "<f8"), ("reads", "<i4"), ("prefetch_hits", "<i4"),
                         ("attention_s", "<f4"), ("moe_s", "<f4"), ("head_s", "<f4"), ("prefill", "u1")])
-_BACKENDS = ("scalar", "avx2", "avx512", "neon")
 
 
 class TokenLog:
@@ -207,7 +208,7 @@ class TokenLog:
     def add(self, t: TokenRecord) -> None:
         row = self.rows[self.count]
         for name in TOKEN_DTYPE.names:
-            row[name] = _BACKENDS.index(t.backend) if name == "backend" else getattr(t, name)
+            row[name] = BACKENDS.index(t.backend) if name == "backend" else getattr(t, name)
         last = self.switches[-1] if self.switches else None
         if last is None or last[1:] != (t.backend, t.kernel_threads, t.io_threads):
             self.switches.append((t.index, t.backend, t.kernel_threads, t.io_threads))
@@ -227,11 +228,11 @@ class TokenLog:
 
     def record(self, i: int) -> TokenRecord:
         row = self.rows[i]
-        kw = {name: (_BACKENDS[int(row[name])] if name == "backend" else row[name].item()) for name in TOKEN_DTYPE.names}
+        kw = {name: (BACKENDS[int(row[name])] if name == "backend" else row[name].item()) for name in TOKEN_DTYPE.names}
         return TokenRecord(index=i, text=self.texts[i], **kw)
 
     def backends(self) -> list[str]:
-        return [_BACKENDS[int(b)] for b in self.rows["backend"][:self.count]]
+        return [BACKENDS[int(b)] for b in self.rows["backend"][:self.count]]
 
     def warm(self) -> np.ndarray:
         """The rows of the warm decode tokens: all but the first and the prefilled ones (the first

@@ -17,13 +17,13 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from ds4f import __version__
+from ds4f.api import END_STATES
 
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 READ_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 PHASES = ("prefill", "decode")
 PREFETCH_OUTCOMES = ("useful", "wasted", "cancelled", "unresolved")
-RUN_STATES = ("done", "cancelled", "failed")
 REJECTIONS = ("queue_full", "client_share", "busy", "client_requests")
 METHODS = ("GET", "HEAD", "POST", "PATCH", "DELETE")
 
@@ -74,7 +74,7 @@ class Metrics:
         for phase in PHASES:
             self.tokens.labels(phase)
             self.token_latency.labels(phase)
-        for values, family in ((PREFETCH_OUTCOMES, self.prefetch_outcomes), (RUN_STATES, self.runs),
+        for values, family in ((PREFETCH_OUTCOMES, self.prefetch_outcomes), (END_STATES, self.runs),
                                (REJECTIONS, self.rejections)):
             for v in values:
                 family.labels(v)
@@ -97,7 +97,7 @@ class Metrics:
 
     def run_ended(self, state: str, prefetch: dict) -> None:
         """A run's end: its state and its prefetch counts (Snapshot.prefetch; empty: prefetch off)."""
-        if state in RUN_STATES:
+        if state in END_STATES:
             self.runs.labels(state).inc()
         if not prefetch:
             return

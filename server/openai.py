@@ -31,14 +31,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4f import __version__
-from ds4f.api import MAX_GEN, Ds4fError, RunConfig, SamplingParams
+from ds4f.api import MAX_GEN, Ds4fError, ReasoningSplit, RunConfig, SamplingParams
 
 from .errors import HttpError, bad, json_bytes, json_response
 from .feed import END
 from .queue import QueueFull, Ticket
 from .routes import json_body, refused
 
-THINK_END = "</think>"     # DeepSeek's thinking mode: the reasoning ends with this marker
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_STOP = 4               # as OpenAI
 QUEUE_LOOK_S = 1.0         # how often a queued streaming request looks at its position
@@ -225,31 +224,6 @@ def parse_sampling(raw: dict, svc) -> SamplingParams:
 
 
 # -- answers -------------------------------------------------------------------------------------
-class ReasoningSplit:
-    """Thinking mode's output: the reasoning, then </think>, then the answer. Pieces come as they
-    are generated; text that may be the start of the marker waits for the next piece."""
-
-    def __init__(self, thinking: bool):
-        self.reasoning = thinking
-        self.held = ""
-
-    def push(self, piece: str) -> list[tuple[str, str]]:
-        if not self.reasoning:
-            return [("content", piece)] if piece else []
-        text = self.held + piece
-        i = text.find(THINK_END)
-        if i >= 0:
-            self.reasoning, self.held = False, ""
-            return [(k, v) for k, v in (("reasoning_content", text[:i]), ("content", text[i + len(THINK_END):])) if v]
-        keep = next((k for k in range(min(len(text), len(THINK_END) - 1), 0, -1) if THINK_END.startswith(text[-k:])), 0)
-        out, self.held = text[:len(text) - keep], text[len(text) - keep:]
-        return [("reasoning_content", out)] if out else []
-
-    def finish(self) -> list[tuple[str, str]]:
-        held, self.held = self.held, ""
-        return [("reasoning_content" if self.reasoning else "content", held)] if held else []
-
-
 def _usage(run) -> dict:
     return {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.generated_tokens,
             "total_tokens": run.prompt_tokens + run.generated_tokens}
@@ -270,7 +244,7 @@ def _answer(ask: Ask, run, svc) -> dict:
     head = {"id": ("chatcmpl-" if ask.kind == "chat" else "cmpl-") + run.id, "object": ask.object,
             "created": int(run.started_at), "model": svc.model_id, "system_fingerprint": f"ds4f-{__version__}"}
     if ask.kind == "chat":
-        parts = ReasoningSplit(ask.thinking)
+        parts = ReasoningSplit(ask.thinking, reasoning="reasoning_content", answer="content")
         fields = parts.push(text) + parts.finish()
         message = {"role": "assistant", "content": "".join(v for k, v in fields if k == "content")}
         if ask.thinking:
@@ -405,7 +379,7 @@ async def _events(svc, ask: Ask, config: RunConfig, ticket: Ticket, run, feed, r
         for key, text in fields:
             yield chunk({key: text} if ask.kind == "chat" else text)
 
-    split = ReasoningSplit(ask.thinking)
+    split = ReasoningSplit(ask.thinking, reasoning="reasoning_content", answer="content")
     if ask.kind == "chat":
         yield chunk({"role": "assistant", "content": ""})
     sent = []

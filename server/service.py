@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from ds4f import __version__
 from ds4f.api import (LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
-                      load_config)
+                      load_config, report_file)
 from ds4f.api import start_run as api_start_run
 
 from .errors import HttpError
@@ -374,28 +374,16 @@ class Service:
         if rec.state != "done" or not rec.report:
             raise HttpError(409, f"run {run_id} is {rec.state}: it has no report", code="not_done",
                             extra={"state": rec.state})
-        for path in self._report_files(rec):
-            try:
+        doc, path = None, report_file(rec)
+        try:
+            if path is not None:
                 with open(path, "rb") as f:
                     doc = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if (isinstance(doc, dict) and doc.get("run_id") == rec.run_id
-                    and doc.get("state_sha256") == rec.state_sha256):
-                return doc
+        except (OSError, ValueError):
+            pass
+        if isinstance(doc, dict) and doc.get("run_id") == rec.run_id and doc.get("state_sha256") == rec.state_sha256:
+            return doc
         return rec.report   # the file is gone or is another run's: what the history keeps
-
-    @staticmethod
-    def _report_files(rec) -> list[Path]:
-        """Where a run's report.json may be: the run's report_path, else next to its state dump
-        (a.bin -> a.report.json, or report.json in the run's own directory)."""
-        out = []
-        if rec.config.get("report_path"):
-            out.append(Path(rec.config["report_path"]))
-        if rec.state_path:
-            state = Path(rec.state_path)
-            out += [state.with_name(state.stem + ".report.json"), state.with_name("report.json")]
-        return out
 
     def state_file(self, run_id: str) -> tuple[Path, str | None, int | None]:
         """A done run's state dump: its path, the sha256 and (when the report has it) the size

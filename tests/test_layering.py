@@ -160,12 +160,13 @@ def _a_cycle(graph: dict[str, dict[str, Import]], component: list[str]) -> list[
 
 # ---------------------------------------------------------------------------------- the tests
 def test_the_walk_sees_the_package():
-    for module in ("ds4f", "ds4f.api", "ds4f.runs.run", "ds4f.engine.model.forward", "ds4f.cli.runs"):
+    for module in ("ds4f", "ds4f.api", "ds4f.errors", "ds4f.paths", "ds4f.native.kernels", "ds4f.runs.run",
+                   "ds4f.engine.model.forward", "ds4f.cachelab.replay", "ds4f.bench.engine", "ds4f.cli.runs"):
         assert module in _MODULES, module
     assert not any(_within(m, "ds4f.tests") for m in _MODULES)
     targets = {(imp.importer, imp.target) for imp in _all_imports()}
-    assert ("ds4f.api", "ds4f.runs.run") in targets                     # from ds4f.runs.run import ...
-    assert ("ds4f.cli.runs", "ds4f.api") in targets                        # inside functions too
+    assert ("ds4f.api", "ds4f.runs.run") in targets                          # from ds4f.runs.run import ...
+    assert ("ds4f.cli.runs", "ds4f.api") in targets                          # inside functions too
     assert ("ds4f.engine.model.forward", "ds4f.native.kernels") in targets   # from ds4f.native import kernels
 
 
@@ -179,21 +180,88 @@ def test_the_cycle_finder_finds_cycles():
     assert _strongly_connected(edges(a=["b"], b=["c"], c=[])) == []
 
 
-def test_no_import_cycles():
-    graph = _internal_graph()
-    cycles = []
+def _cycles(graph: dict[str, dict[str, Import]], what: str) -> list[str]:
+    found = []
     for component in _strongly_connected(graph):
         cycle = _a_cycle(graph, component)
         steps = "\n".join(f"      {a} -> {b}  ({graph[a][b].where})" for a, b in zip(cycle, cycle[1:]))
-        cycles.append(f"  {' -> '.join(cycle)}\n    (all of: {', '.join(component)})\n{steps}")
-    assert not cycles, f"{len(cycles)} import cycle(s) between ds4f modules:\n" + "\n".join(cycles)
+        found.append(f"  {' -> '.join(cycle)}\n    (all of: {', '.join(component)})\n{steps}")
+    return [f"{len(found)} import cycle(s) between {what}:"] + found if found else []
+
+
+def test_no_import_cycles():
+    problems = _cycles(_internal_graph(), "ds4f modules")
+    assert not problems, "\n".join(problems)
+
+
+def unit_of(module: str) -> str:
+    """The unit a package-level cycle is counted between: a module's package, except that each
+    module of the root package is its own unit (errors and paths are below everything, api above)."""
+    path = _MODULES[module]
+    if path.name == "__init__.py":
+        return module
+    package = module.rsplit(".", 1)[0]
+    return module if package == PACKAGE else package
+
+
+def test_no_package_level_cycles():
+    """No cycle between packages either (ds4f.engine's own modules, engine.py, session.py,
+    config.py..., are one unit, above the engine's subpackages and never imported by them)."""
+    graph: dict[str, dict[str, Import]] = {}
+    for a, targets in _internal_graph().items():
+        for b, imp in targets.items():
+            ua, ub = unit_of(a), unit_of(b)
+            graph.setdefault(ua, {})
+            graph.setdefault(ub, {})
+            if ua != ub and not _within(ua, ub):    # a package's __init__ may import its own modules
+                graph[ua].setdefault(ub, imp)
+    problems = _cycles(graph, "packages")
+    assert not problems, "\n".join(problems)
+
+
+# The layers, lowest first: a module may import its own layer and the layers below it, never one
+# above. Each layer is a set of packages (or root modules).
+LAYERS = (
+    ("base", ("ds4f.errors", "ds4f.paths", "ds4f.themes")),
+    ("native", ("ds4f.native",)),
+    ("engine", ("ds4f.engine",)),          # inference: weights in, logits out
+    ("cachelab", ("ds4f.cachelab",)),      # traces, policies' replay, Belady
+    ("runs", ("ds4f.runs",)),              # a measured run and its artifacts
+    ("bench", ("ds4f.bench",)),            # the benchmarks
+    ("api", ("ds4f.api",)),                # the front ends' one facade
+    ("front ends", ("ds4f.server", "ds4f.console")),
+    ("cli", ("ds4f.cli",)),                # serves, and opens the console's benchmark
+)
+
+
+def _layer_of(module: str) -> int | None:
+    for i, (_, packages) in enumerate(LAYERS):
+        if any(_within(module, p) for p in packages):
+            return i
+    return None
+
+
+def test_every_module_has_a_layer():
+    loose = [m for m in _MODULES if m != PACKAGE and _layer_of(m) is None]
+    assert not loose, f"modules outside every layer of LAYERS: {loose}"
+
+
+def test_layers_import_only_downwards():
+    bad = []
+    for imp in _all_imports():
+        if imp.target not in _MODULES or imp.target == PACKAGE:
+            continue
+        a, b = _layer_of(imp.importer), _layer_of(imp.target)
+        if a is not None and b is not None and b > a:
+            bad.append(f"  {imp.where}: {imp.importer} ({LAYERS[a][0]}) imports {imp.target} ({LAYERS[b][0]})")
+    assert not bad, "a layer imports one above it:\n" + "\n".join(bad)
 
 
 # Which ds4f modules each front end may import: the API, itself, and what it runs or shows.
 FRONT_ENDS = {
     "ds4f.console": ("ds4f.api", "ds4f.console", "ds4f.themes"),
     "ds4f.server": ("ds4f.api", "ds4f.server"),
-    "ds4f.cli": ("ds4f.api", "ds4f.cli", "ds4f.server", "ds4f.console"),   # `serve`, `bench console`
+    "ds4f.cli": ("ds4f.api", "ds4f.cli", "ds4f.server", "ds4f.console", "ds4f.bench"),   # `serve`, `bench ...`
 }
 
 
@@ -204,24 +272,33 @@ def test_front_ends_reach_the_engine_only_through_the_api():
         if layer is None or not _within(imp.target, PACKAGE):
             continue
         allowed = imp.target == PACKAGE or any(_within(imp.target, a) for a in FRONT_ENDS[layer])
-        if not allowed or _within(imp.target, "ds4f.engine"):
+        if not allowed:
             bad.append(f"  {imp.where}: {imp.importer} imports {imp.target}")
-    assert not bad, "front ends must import the engine through ds4f.api only:\n" + "\n".join(bad)
+    assert not bad, "front ends must reach the engine and the runs through ds4f.api only:\n" + "\n".join(bad)
 
 
-def test_the_engine_knows_nothing_of_its_front_ends():
-    forbidden = ("textual", "ds4f.console", "ds4f.server", "ds4f.cli", "ds4f.api")
+def test_only_the_benchmarks_and_the_cli_import_a_benchmark():
+    benchmarks = ("ds4f.bench", "ds4f.console.bench")
+    bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in _all_imports()
+           if any(_within(imp.target, b) for b in benchmarks)
+           and not any(_within(imp.importer, m) for m in (*benchmarks, "ds4f.cli"))]
+    assert not bad, "only ds4f.bench and the CLI may import a benchmark:\n" + "\n".join(bad)
+
+
+def test_the_engine_knows_nothing_of_runs_benchmarks_or_front_ends():
+    forbidden = ("textual", "ds4f.runs", "ds4f.bench", "ds4f.cachelab", "ds4f.console", "ds4f.server", "ds4f.cli",
+                 "ds4f.api", "ds4f.themes")
     bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in _all_imports()
            if _within(imp.importer, "ds4f.engine") and any(_within(imp.target, f) for f in forbidden)]
-    assert not bad, "the engine must not import its front ends, textual or ds4f.api:\n" + "\n".join(bad)
+    assert not bad, ("the engine (inference) must not import runs, the cache lab, benchmarks, its front ends, "
+                     "textual or ds4f.api:\n" + "\n".join(bad))
 
 
 def test_the_model_math_has_no_threads_and_no_files():
     forbidden = ("threading", "_thread", "concurrent", "queue", "multiprocessing", "mmap", "os", "pathlib", "io",
-                 "shutil", "tempfile",
-                 "ds4f.engine.runtime", "ds4f.engine.checkpoint", "ds4f.runs", "ds4f.bench",
+                 "shutil", "tempfile", "ds4f.engine.runtime", "ds4f.engine.checkpoint", "ds4f.runs", "ds4f.bench",
                  "ds4f.cachelab")
     bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in _all_imports()
            if _within(imp.importer, "ds4f.engine.model") and any(_within(imp.target, f) for f in forbidden)]
     assert not bad, ("ds4f.engine.model is the math: no threads, no file access, no runtime, checkpoint, "
-                     "runs, bench or lab:\n" + "\n".join(bad))
+                     "runs, bench or cache lab:\n" + "\n".join(bad))

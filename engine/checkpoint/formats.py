@@ -13,6 +13,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ds4f.engine.model.geometry import FP8_TILE
 from ds4f.errors import Ds4fError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -87,7 +88,7 @@ def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 # ---- FP8 E4M3 with 128x128 E8M0 tiles ----------------------------------------------
-def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, *, name: str = "tensor", tile: int = 128,
+def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, *, name: str = "tensor",
                    out: np.ndarray | None = None, chunk_rows: int = 512) -> np.ndarray:
     """E4M3 [r, c] x E8M0 tiles [ceil(r/128), ceil(c/128)] -> bf16 [r, c], exactly or a Ds4fError.
 
@@ -100,6 +101,7 @@ def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, *, name: str = "tensor
         raise Ds4fError(f"{name}: FP8 dequantization needs a 2-D weight, got shape {list(w.shape)}")
     r, c = w.shape
     sb = np.asarray(scale).view(np.uint8)
+    tile = FP8_TILE
     if sb.shape != (-(-r // tile), -(-c // tile)):
         raise Ds4fError(f"{name}: scale shape {list(sb.shape)} does not tile a {r}x{c} weight in "
                         f"{tile}x{tile} blocks (expected {[-(-r // tile), -(-c // tile)]})")

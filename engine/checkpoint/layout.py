@@ -226,8 +226,18 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
                 problems.append(str(exc))
     if problems:
         return layout, problems
+    problems += _load_pool(root, pool, pool_json, g, layout, check_sizes)
+    problems += _load_trunk(root, trunk, trunk_json, cfg_path, g, layout, check_sizes)
+    problems += _check_offsets_table(root, trunk_json, layout.regions)
+    return layout, problems
 
-    # -- pool
+
+def _load_pool(root: Path, pool: dict, pool_json: Path, g: Geometry, layout: Ds4fLayout,
+               check_sizes: bool) -> list[str]:
+    """pool-mxfp4.json into `layout`: the record size, the canonical parts, each record's offset
+    and crc32, and (check_sizes) the pool file long enough for them all; the problems found."""
+    problems: list[str] = []
+
     n_rec = g.n_layers * g.n_experts
     rec_n = pool.get("record_nbytes")
     want_rec = align_up(g.expert_nbytes)
@@ -271,7 +281,14 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
                 problems.append(f"{pool_path}: truncated: {size} bytes, records need {end}"
                                 f" ({bad} records reach past the end)")
 
-    # -- trunk
+    return problems
+
+
+def _load_trunk(root: Path, trunk: dict, trunk_json: Path, cfg_path: Path, g: Geometry, layout: Ds4fLayout,
+                check_sizes: bool) -> list[str]:
+    """trunk.json into `layout`: its regions, its tensors, and each layer's MoE tensors and the
+    global and attention tensors as the geometry wants them; the problems found."""
+    problems: list[str] = []
     trunk_path = root / str(trunk.get("file", TRUNK_BIN))
     layout.trunk_path = trunk_path
     tsize = trunk_path.stat().st_size if trunk_path.exists() else None
@@ -291,6 +308,16 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
             problems.append(f"{trunk_path}: truncated: region {r['name']} ends at {r['offset'] + r['nbytes']}"
                             f" but the file has {tsize} bytes")
     layout.regions = regions
+    problems += _load_trunk_tensors(trunk, trunk_json, trunk_path, tsize, regions, layout, check_sizes)
+    problems += _check_trunk_tensors(trunk_json, cfg_path, g, regions, layout)
+    return problems
+
+
+def _load_trunk_tensors(trunk: dict, trunk_json: Path, trunk_path: Path, tsize: int | None,
+                        regions: dict[str, tuple[int, int]], layout: Ds4fLayout, check_sizes: bool) -> list[str]:
+    """trunk.json's tensor entries into layout.tensors: each well formed, its size its dtype's and
+    shape's, inside the file and its region, listed once, overlapping no other."""
+    problems: list[str] = []
     tensors: dict[str, dict] = {}
     spans: list[tuple[int, int, str]] = []    # (start, end, name) of every tensor entry
     for t in trunk.get("tensors") or []:
@@ -321,6 +348,15 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
     layout.tensors = tensors
     problems += _overlaps(trunk_json, "tensors", spans)
     problems += _overlaps(trunk_json, "regions", [(o, o + n, name) for name, (o, n) in regions.items()])
+    return problems
+
+
+def _check_trunk_tensors(trunk_json: Path, cfg_path: Path, g: Geometry, regions: dict[str, tuple[int, int]],
+                         layout: Ds4fLayout) -> list[str]:
+    """Every tensor the geometry wants is there with its dtype and shape: each layer's MoE
+    tensors inside its region (layout.layer_layout), the global and attention tensors."""
+    problems: list[str] = []
+    tensors = layout.tensors
     layer_layout = {}
     for L in range(g.n_layers):
         reg = regions.get(f"layer.{L}")
@@ -350,15 +386,17 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
             problems.append(f"{trunk_json}: {plan.name}: {t['dtype']} {list(t['shape'])}, expected {plan.dtype}"
                             f" {list(plan.shape)} for the geometry in {cfg_path.name}")
     layout.layer_layout = layer_layout
-    # trunk.offsets must agree with trunk.json's regions
+    return problems
+
+
+def _check_offsets_table(root: Path, trunk_json: Path, regions: dict[str, tuple[int, int]]) -> list[str]:
+    """trunk.offsets must agree with trunk.json's regions."""
     off_path = root / TRUNK_OFFSETS
     try:
         table = read_trunk_offsets(off_path)
-        if table != regions:
-            problems.append(f"{off_path}: regions differ from {trunk_json}")
     except Ds4fError as exc:
-        problems.append(str(exc))
-    return layout, problems
+        return [str(exc)]
+    return [f"{off_path}: regions differ from {trunk_json}"] if table != regions else []
 
 
 def _version_problem(path: Path, version) -> str:

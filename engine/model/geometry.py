@@ -22,9 +22,9 @@ from dataclasses import InitVar, dataclass
 from typing import Any
 
 from ds4f.errors import Ds4fError
+from ds4f.native.kernels import FP8_TILE  # FP8 linears: one E8M0 scale per FP8_TILE x FP8_TILE tile
 
 MX_BLOCK = 32  # MXFP4: one E8M0 scale per 32 elements along K
-FP8_TILE = 128  # FP8 linears: one E8M0 scale per 128x128 tile
 
 
 def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -209,11 +209,6 @@ class AttentionGeometry:
     def o_group_in(self) -> int:
         """H hd / G: the input width of one wo_a group."""
         return self.n_heads * self.head_dim // self.o_groups
-
-    @property
-    def nope_dim(self) -> int:
-        """hd - rd: the dims RoPE leaves alone (the first ones)."""
-        return self.head_dim - self.rope_dim
 
     # ---- validation -------------------------------------------------------------------------
     def check(self, source: str) -> None:

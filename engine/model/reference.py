@@ -25,7 +25,9 @@ def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def decode_fp8(w: np.ndarray, scale: np.ndarray, tile: int = 128) -> np.ndarray:
-    """FP8 E4M3 [rows, k] with E8M0 scales per tile x tile block -> float64 [rows, k], via ml_dtypes."""
+    """FP8 E4M3 [rows, k] with E8M0 scales per tile x tile block -> float64 [rows, k], via ml_dtypes.
+    The tile is the format's 128, written here and not taken from the kernels: this is the
+    independent reference they are checked against."""
     vals = np.asarray(w).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     sc = np.asarray(scale).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
     rows, k = vals.shape

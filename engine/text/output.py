@@ -69,3 +69,34 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
         return "", text
     reasoning, sep, answer = text.partition(THINK_END)
     return (reasoning, answer) if sep else (text, "")
+
+
+class ReasoningSplit:
+    """Thinking mode's output as it streams: the reasoning, then `</think>`, then the answer.
+    push(piece) -> [(kind, text)] with kind `reasoning` or `answer` (names of the caller's
+    choosing), the marker dropped; text that may be the start of the marker waits for the next
+    piece, and finish() releases what is held. In chat mode (thinking False) everything is the
+    answer. The one splitter behind the server's messages and deltas and the CLI's printing;
+    split_reasoning is the same split of a whole text."""
+
+    def __init__(self, thinking: bool, reasoning: str = "reasoning", answer: str = "answer") -> None:
+        self.reasoning = thinking    # still in the reasoning
+        self.held = ""
+        self._kinds = (reasoning, answer)
+
+    def push(self, piece: str) -> list[tuple[str, str]]:
+        reasoning, answer = self._kinds
+        if not self.reasoning:
+            return [(answer, piece)] if piece else []
+        text = self.held + piece
+        i = text.find(THINK_END)
+        if i >= 0:
+            self.reasoning, self.held = False, ""
+            return [(k, v) for k, v in ((reasoning, text[:i]), (answer, text[i + len(THINK_END):])) if v]
+        keep = next((k for k in range(min(len(text), len(THINK_END) - 1), 0, -1) if THINK_END.startswith(text[-k:])), 0)
+        out, self.held = text[:len(text) - keep], text[len(text) - keep:]
+        return [(reasoning, out)] if out else []
+
+    def finish(self) -> list[tuple[str, str]]:
+        held, self.held = self.held, ""
+        return [(self._kinds[0] if self.reasoning else self._kinds[1], held)] if held else []

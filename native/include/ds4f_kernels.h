@@ -29,7 +29,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The backends: these numbers are also the backend codes in state dumps (do not renumber). */
 enum { DS4F_SCALAR = 0, DS4F_AVX2 = 1, DS4F_AVX512 = 2, DS4F_NEON = 3, DS4F_N_BACKENDS = 4 };
+/* FP8 weights: one E8M0 scale per DS4F_FP8_TILE x DS4F_FP8_TILE tile. */
+enum { DS4F_FP8_TILE = 128 };
+
+const char *ds4f_backend_name(int backend); /* "scalar", "avx2", "avx512", "neon"; NULL if out of range */
 
 int ds4f_backend_supported(int backend); /* compiled in and usable on this CPU and OS */
 int ds4f_set_backend(int backend);       /* 0 on success, -1 if unsupported; next call honours it */
@@ -39,6 +44,10 @@ int ds4f_set_threads(int n);             /* persistent pool size incl. the calle
 int ds4f_get_threads(void);
 void ds4f_set_alone(int on);             /* this thread's calls: all their work on this thread */
 int ds4f_get_alone(void);                /* (for a helper thread beside another that computes) */
+/* The pool's work since the process started: tasks run (by any thread, counted as each ends)
+ * and, of those, tasks run by the pool's workers rather than the calling thread. */
+unsigned long long ds4f_tasks_done(void);
+unsigned long long ds4f_worker_tasks_done(void);
 
 void ds4f_mxfp4_decode(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k, float *out);
 void ds4f_mxfp4_matvec(const uint8_t *codes, const uint8_t *scales, size_t rows, size_t k,

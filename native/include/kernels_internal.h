@@ -56,7 +56,6 @@ extern const ds4f_byte_table ds4f_e8m0;
  * the same bits as DS4F_SCALE(255), so a decoded NaN is those bits whichever operand of the
  * multiply it came from. */
 extern const ds4f_byte_table ds4f_e4m3;
-#define DS4F_FP8_TILE 128
 #define DS4F_QNAN_BITS 0x7fc00000u
 /* The SIMD FP8 kernels widen E4M3 through fp16, which leaves each value 2^8 too small, and scale
  * a tile's partial sum by 2^(b-119) = 2^(b-127) * 2^8 in one multiply: exact in fp32 while it
@@ -135,5 +134,7 @@ int ds4f_pool_get_threads(void);
 int ds4f_pool_set_threads(int n);
 void ds4f_pool_set_alone(int on); /* per calling thread: its jobs run all their tasks on it, pool untouched */
 int ds4f_pool_get_alone(void);
+unsigned long long ds4f_pool_tasks_done(void);
+unsigned long long ds4f_pool_worker_tasks_done(void);
 
 #endif

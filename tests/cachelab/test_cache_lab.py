@@ -9,10 +9,12 @@ import pytest
 
 from ds4f.engine.runtime.policies import ONLINE_POLICIES
 from ds4f.cachelab.replay import replay
-from ds4f.cachelab.trace import Trace, export_trace, load_trace
+from ds4f.cachelab.trace import Trace
+from ds4f.runs.traces import export_trace, load_trace
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 
 ONE_LAYER = Geometry(hidden=64, inter=32, n_layers=1, n_experts=8, top_k=1, n_hash_layers=0, vocab=16)
 

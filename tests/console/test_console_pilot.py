@@ -300,7 +300,7 @@ async def test_identical_runs_diff_as_identical(tiny_model, history_path):
 @needs_simd
 @async_test
 async def test_simd_scalar_pair_one_keystroke(tiny_model, history_path):
-    from ds4f.runs.statedump import diff_states
+    from ds4f.runs.diff import diff_states
 
     app = make_app(tiny_model, history_path, gen=30)
     async with app.run_test(size=SIZE) as pilot:

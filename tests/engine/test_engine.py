@@ -18,8 +18,10 @@ from ds4f.native import kernels
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.reference import reference_step
-from ds4f.runs.run import RunConfig, start_run
-from ds4f.runs.statedump import diff_states, read_state
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
+from ds4f.runs.diff import diff_states
+from ds4f.runs.statedump import read_state
 
 SIMD = [b for b in kernels.available_backends() if b != "scalar"]
 

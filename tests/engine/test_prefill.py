@@ -14,7 +14,8 @@ from ds4f.native import kernels
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.errors import Ds4fError
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 from ds4f.runs.statedump import read_state
 from ds4f.engine.text.sampling import SamplingParams
 

@@ -12,7 +12,9 @@ from ds4f.engine.config import load_config
 from ds4f.engine.engine import Engine
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.reference import reference_step
-from ds4f.runs.run import EngineHost, RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.host import EngineHost
+from ds4f.runs.run import start_run
 
 
 def _run(model, tmp_path, name, host=None, **kw):

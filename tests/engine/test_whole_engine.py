@@ -15,7 +15,8 @@ import pytest
 from ds4f.native import kernels
 from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.errors import Ds4fError
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 from ds4f.runs.statedump import read_state
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "whole"

@@ -34,7 +34,7 @@
 #include "ds4f_kernels.h"
 
 static const int backends[2] = {DS4F_SCALAR, DS4F_NEON};
-static const char *names[2] = {"scalar", "neon"};
+static const char *backend_name(int b) { return ds4f_backend_name(backends[b]); }
 
 static void *slurp_path(const char *path, size_t n) {
     FILE *f = fopen(path, "rb");
@@ -96,12 +96,12 @@ static void run_fp8(const char *dir) {
             ds4f_set_threads(1);
             memset(out, 0xff, rows * k * sizeof(float));
             ds4f_fp8_decode(w, ds, rows, k, out);
-            snprintf(ext, sizeof ext, "%s.decode", names[b]);
+            snprintf(ext, sizeof ext, "%s.decode", backend_name(b));
             spit_f(dir, "f", i, ext, out, rows * k * sizeof(float));
             for (int t = 1; t <= 3; t++) {
                 ds4f_set_threads(t);
                 ds4f_fp8_matvec(w, ms, rows, k, x, y);
-                snprintf(ext, sizeof ext, "%s.t%d.matvec", names[b], t);
+                snprintf(ext, sizeof ext, "%s.t%d.matvec", backend_name(b), t);
                 spit_f(dir, "f", i, ext, y, rows * sizeof(float));
             }
         }
@@ -145,9 +145,9 @@ static void run_experts(const char *dir) {
             if (ds4f_experts_forward_each(ex, n, x, hidden, inter, limit, each, scratch) != 0 ||
                 ds4f_experts_forward(ex, n, x, hidden, inter, limit, sum, scratch) != 0)
                 exit(6);
-            snprintf(path, sizeof path, "%s/e.%s.t%d.each", dir, names[b], t);
+            snprintf(path, sizeof path, "%s/e.%s.t%d.each", dir, backend_name(b), t);
             spit_path(path, each, (size_t)n * hidden * sizeof(float));
-            snprintf(path, sizeof path, "%s/e.%s.t%d.sum", dir, names[b], t);
+            snprintf(path, sizeof path, "%s/e.%s.t%d.sum", dir, backend_name(b), t);
             spit_path(path, sum, hidden * sizeof(float));
         }
     }
@@ -188,7 +188,7 @@ static void run_multi(const char *dir, const char *prefix, int i, int kind, cons
             else if (kind == 1) ds4f_bf16_matvec(w, rows, k, xs + t * k, y + t * rows);
             else ds4f_fp8_matvec(w, sc, rows, k, xs + t * k, y + t * rows);
         }
-        snprintf(ext, sizeof ext, "%s.%srows", names[b], tag[kind]);
+        snprintf(ext, sizeof ext, "%s.%srows", backend_name(b), tag[kind]);
         spit_f(dir, prefix, i, ext, y, tmax * rows * sizeof(float));
         for (int th = 1; th <= 3; th++) {
             ds4f_set_threads(th);
@@ -200,7 +200,7 @@ static void run_multi(const char *dir, const char *prefix, int i, int kind, cons
                 else if (kind == 1) rc = ds4f_bf16_matmul(w, rows, k, t, xs, y, scratch);
                 else rc = ds4f_fp8_matmul(w, sc, rows, k, t, xs, y, scratch);
                 if (rc != 0) exit(8);
-                snprintf(ext, sizeof ext, "%s.t%d.%smm%zu", names[b], th, tag[kind], t);
+                snprintf(ext, sizeof ext, "%s.t%d.%smm%zu", backend_name(b), th, tag[kind], t);
                 spit_f(dir, prefix, i, ext, y, t * rows * sizeof(float));
             }
         }
@@ -247,13 +247,13 @@ static void run_expert_tokens(const char *dir, const ds4f_expert *ex, int n, siz
                                               y + (size_t)p * hidden, one) != 0)
                     exit(10);
             }
-        snprintf(path, sizeof path, "%s/e.%s.pairs", dir, names[b]);
+        snprintf(path, sizeof path, "%s/e.%s.pairs", dir, backend_name(b));
         spit_path(path, y, pairs * hidden * sizeof(float));
         for (int t = 1; t <= 3; t++) {
             ds4f_set_threads(t);
             memset(y, 0xff, pairs * hidden * sizeof(float));
             if (ds4f_experts_forward_tokens(et, n, xs, ntok, hidden, inter, limit, y, scratch) != 0) exit(11);
-            snprintf(path, sizeof path, "%s/e.%s.t%d.tokens", dir, names[b], t);
+            snprintf(path, sizeof path, "%s/e.%s.t%d.tokens", dir, backend_name(b), t);
             spit_path(path, y, pairs * hidden * sizeof(float));
         }
     }
@@ -279,11 +279,11 @@ static void run_hc(const char *dir) {
     for (int b = 0; b < 2; b++) {
         use_backend(b);
         if (ds4f_hc_mix(x, n, k, fn, rows, eps, out, scratch) != 0) exit(13);
-        snprintf(path, sizeof path, "%s/hc.%s.all", dir, names[b]);
+        snprintf(path, sizeof path, "%s/hc.%s.all", dir, backend_name(b));
         spit_path(path, out, n * rows * sizeof(double));
         for (size_t t = 0; t < n; t++)
             if (ds4f_hc_mix(x + t * k, 1, k, fn, rows, eps, out + t * rows, scratch) != 0) exit(13);
-        snprintf(path, sizeof path, "%s/hc.%s.one", dir, names[b]);
+        snprintf(path, sizeof path, "%s/hc.%s.one", dir, backend_name(b));
         spit_path(path, out, n * rows * sizeof(double));
     }
     printf("hc mix: %zu tokens done\n", n);
@@ -326,15 +326,15 @@ int main(int argc, char **argv) {
             ds4f_set_threads(1);
             memset(out, 0xff, rows * k * sizeof(float));
             ds4f_mxfp4_decode(codes, dsc, rows, k, out);
-            snprintf(ext, sizeof ext, "%s.decode", names[b]);
+            snprintf(ext, sizeof ext, "%s.decode", backend_name(b));
             spit(dir, i, ext, out, rows * k * sizeof(float));
             for (int t = 1; t <= 3; t++) {
                 ds4f_set_threads(t);
                 ds4f_mxfp4_matvec(codes, msc, rows, k, x, y);
-                snprintf(ext, sizeof ext, "%s.t%d.matvec", names[b], t);
+                snprintf(ext, sizeof ext, "%s.t%d.matvec", backend_name(b), t);
                 spit(dir, i, ext, y, rows * sizeof(float));
                 ds4f_bf16_matvec(w16, rows, k, x, y);
-                snprintf(ext, sizeof ext, "%s.t%d.bf16", names[b], t);
+                snprintf(ext, sizeof ext, "%s.t%d.bf16", backend_name(b), t);
                 spit(dir, i, ext, y, rows * sizeof(float));
             }
         }

@@ -6,8 +6,10 @@ import sys
 
 import numpy as np
 
-from ds4f.runs.run import RunConfig, start_run
-from ds4f.runs.statedump import CLASS_EXIT_CODES, LOW_BIT_TOLERANCE, StateWriter, diff_states, read_state
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
+from ds4f.runs.diff import CLASS_EXIT_CODES, LOW_BIT_TOLERANCE, diff_states
+from ds4f.runs.statedump import StateWriter, read_state
 
 
 def _run(model, tmp_path, name, gen):

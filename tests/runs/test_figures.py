@@ -10,7 +10,8 @@ import time
 import psutil
 import pytest
 
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 from ds4f.runs.snapshot import DISK_BOUND_BUSY
 
 

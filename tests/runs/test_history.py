@@ -100,7 +100,8 @@ def test_newer_schema_refused(tmp_path):
 
 def test_a_cancelled_run_keeps_its_token_count_in_the_history(tiny_model, tmp_path):
     from ds4f.runs.history import History
-    from ds4f.runs.run import RunConfig, start_run
+    from ds4f.runs.config import RunConfig
+    from ds4f.runs.run import start_run
 
     import threading
 

@@ -12,7 +12,8 @@ from ds4f.engine.config import load_config
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
 from ds4f.runs.plan import OS_HEADROOM, memory_plan
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 
 
 def _cli(*args, cwd=None):

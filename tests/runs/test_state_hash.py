@@ -17,7 +17,8 @@ import platform
 import pytest
 
 from ds4f.native import kernels
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 
 RECORDED = {
     "scalar": "44b2a13b931b71e3ddf1921b1a1c4d1a1cabecc72a19765b3a8c2412c90d8678",

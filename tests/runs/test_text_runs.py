@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ds4f.errors import Ds4fError
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 from ds4f.runs.statedump import read_state
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import Tokenizer

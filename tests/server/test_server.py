@@ -376,24 +376,6 @@ def test_a_stop_string_ends_the_output_before_it(srv):
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_thinking_mode_puts_the_reasoning_apart():
-    from ds4f.server.openai import ReasoningSplit
-
-    text = "First I think. Then</think>The answer."
-    for cuts in ([len(text)], [3, 17, 19, 21, len(text)], list(range(1, len(text) + 1))):
-        split, fields, start = ReasoningSplit(True), [], 0
-        for cut in cuts:                                  # the text in pieces, the marker split across them
-            fields += split.push(text[start:cut])
-            start = cut
-        fields += split.finish()
-        joined = {k: "".join(v for key, v in fields if key == k) for k in ("reasoning_content", "content")}
-        assert joined == {"reasoning_content": "First I think. Then", "content": "The answer."}, cuts
-    unfinished = ReasoningSplit(True)
-    assert unfinished.push("still </thi") + unfinished.finish() == [("reasoning_content", "still "),
-                                                                    ("reasoning_content", "</thi")]
-    assert ReasoningSplit(False).push("a</think>b") == [("content", "a</think>b")]
-
-
 def test_a_thinking_chat_answers_with_its_reasoning(srv):
     r = srv.chat(max_tokens=8, temperature=0, thinking=True)
     assert r.status == 200, r.body

@@ -9,7 +9,8 @@ import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.checkpoint.safetensors_index import load_official_index
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 
 
 def _first_hash_expert(model) -> int:

@@ -1,0 +1,145 @@
+"""A run's settings (RunConfig) and their checks, made before the run starts: nothing a run
+refuses costs it an engine load, and every refusal names the setting (`param`) it concerns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_PROMPT, MAX_THREADS, Config,
+                                Preset)
+from ds4f.engine.text.chat import chat_prompt_ids
+from ds4f.engine.text.sampling import SamplingParams
+from ds4f.engine.text.tokenizer import find_tokenizer
+from ds4f.errors import Ds4fError
+from ds4f.native import kernels
+
+MAX_STOP = 16              # stop strings a run takes, each of at most MAX_STOP_CHARS characters
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str                               # checkpoint path (official shards or ds4f layout)
+    preset: "str | Preset" = "laptop"        # a preset of ds4f.toml, or a Preset made in code
+    gen: int = DEFAULT_GEN                   # tokens to generate
+    prompt: tuple[int, ...] | None = None    # prompt token ids; None: (bos,)
+    io_threads: int | None = None            # None: the preset's, else ds4f.toml's
+    kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
+    backend: str | None = None               # auto | scalar | avx2 | avx512 | neon; None: ds4f.toml's engine.backend
+    dump_path: str | None = None             # state.bin; None: <data dir>/runs/<id>/state.bin
+    report_path: str | None = None           # report.json; None: next to the state dump (a.bin -> a.report.json)
+    config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
+    probe_floor: bool | None = None          # measure the NVMe floor; None: ds4f.toml's engine.probe_floor
+    moe_only: bool = False                   # allow a checkpoint without attention (the MoE half alone: the cache lab)
+    # text: the prompt as text or chat messages (needs the checkpoint's tokenizer), how to pick tokens, when to stop
+    text: str | None = None                  # prompt text (BOS prepended); not with `prompt` or `messages`
+    messages: tuple | None = None            # chat turns ({"role", "content"}), in the model's chat format
+    thinking: bool = False                   # chat: the model reasons first (thinking mode) or answers (chat mode)
+    sampling: "SamplingParams | None" = None # None: greedy
+    stop: tuple[str, ...] = ()               # stop strings: the output ends before the first one
+    stop_at_eos: bool | None = None          # end at the end-of-sentence token; None: when the prompt is text
+    prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
+                                             # None: the preset's
+
+
+def checked(config: RunConfig, cfg: Config) -> RunConfig:
+    """`config` with its backend resolved (None: ds4f.toml's), once every setting that needs no
+    file is in range; else a Ds4fError naming the first that is not."""
+    if isinstance(config.gen, bool) or not isinstance(config.gen, int) or not 1 <= config.gen <= MAX_GEN:
+        raise Ds4fError(f"gen: must be a number of tokens from 1 to {MAX_GEN}, got {config.gen!r}", param="gen")
+    if config.prompt is not None and len(config.prompt) > MAX_PROMPT:
+        raise Ds4fError(f"prompt: at most {MAX_PROMPT} token ids, got {len(config.prompt)}", param="prompt")
+    if config.backend is None:
+        config = replace(config, backend=cfg.default_backend())
+    check_backend(config.backend)
+    chunk = config.prefill_chunk
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk <= MAX_CHUNK):
+        raise Ds4fError(f"prefill_chunk: must be from 0 (token by token) to {MAX_CHUNK} prompt tokens, got {chunk!r}",
+                        param="prefill_chunk")
+    check_threads(io_threads=config.io_threads, kernel_threads=config.kernel_threads)
+    if not config.model:
+        raise Ds4fError("model: no checkpoint path given", param="model")
+    _check_text_settings(config)
+    return config
+
+
+def check_backend(backend: str) -> None:
+    """A backend a run may ask for: known, and usable on this machine (or auto)."""
+    if backend not in BACKEND_NAMES:
+        raise Ds4fError(f"backend: unknown backend {backend!r} (known: {', '.join(BACKEND_NAMES)})",
+                        param="backend")
+    if backend != "auto" and backend not in kernels.available_backends():
+        raise Ds4fError(f"backend: {backend} is not available on this machine "
+                        f"(available: {', '.join(kernels.available_backends())})", param="backend")
+
+
+def check_threads(**counts: int | None) -> None:
+    """Thread counts by name (io_threads, kernel_threads): None, or from 1 to MAX_THREADS."""
+    for name, value in counts.items():
+        if value is not None and (not isinstance(value, int) or not 1 <= value <= MAX_THREADS):
+            raise Ds4fError(f"{name}: must be between 1 and {MAX_THREADS}, got {value!r}", param=name)
+
+
+def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset) -> None:
+    """The prompt and the tokens to generate fit the run: the prompt's length, a checkpoint with
+    attention (or moe_only), and positions within the preset's context."""
+    g = checkpoint.geometry
+    if len(prompt) > MAX_PROMPT:
+        raise Ds4fError(f"prompt: at most {MAX_PROMPT} tokens, the text makes {len(prompt)}", param="prompt")
+    if g.attention is None and not config.moe_only:
+        raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
+                        f" head_dim, compress_ratios, ...), so only the MoE half of the model could run and its tokens"
+                        f" would not be the model's; make the checkpoint again (ds4f synth / convert), or pass"
+                        f" --moe-only to run the MoE half for the cache lab", param="model")
+    positions = len(prompt) - 1 + config.gen
+    if g.attention is not None and positions > preset.context:
+        raise Ds4fError(f"gen: a prompt of {len(prompt)} tokens and {config.gen} generated ones reach {positions}"
+                        f" positions, past the context of {preset.context} that preset {preset.name!r} allocates"
+                        f" its KV cache for (generate fewer, or raise the preset's `context`)", param="gen")
+
+
+def _check_text_settings(config: RunConfig) -> None:
+    """The text settings' types and ranges, before any file is opened."""
+    given = [name for name in ("prompt", "text", "messages") if getattr(config, name) is not None]
+    if len(given) > 1:
+        raise Ds4fError(f"{given[1]}: give the prompt one way only (token ids, text or chat messages), "
+                        f"not {' and '.join(given)}", param=given[1])
+    if config.text is not None and (not isinstance(config.text, str) or not config.text):
+        raise Ds4fError("text: the prompt text is empty", param="text")
+    if config.messages is not None:
+        if not config.messages:
+            raise Ds4fError("messages: no chat messages given", param="messages")
+        for i, m in enumerate(config.messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                    or m.get("role") not in ("system", "user", "assistant"):
+                raise Ds4fError(f"messages[{i}]: each message needs a role (system, user or assistant) and its"
+                                f" content as text", param="messages")
+    if config.sampling is not None and not isinstance(config.sampling, SamplingParams):
+        raise Ds4fError(f"sampling: expected SamplingParams, got {type(config.sampling).__name__}", param="sampling")
+    stop = config.stop
+    if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or len(stop) > MAX_STOP \
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise Ds4fError(f"stop: at most {MAX_STOP} stop strings, each of 1 to {MAX_STOP_CHARS} characters",
+                        param="stop")
+
+
+def prompt_of(config: RunConfig, checkpoint) -> tuple[tuple[int, ...], object]:
+    """The prompt's token ids, and the tokenizer when the run speaks text (None otherwise)."""
+    g = checkpoint.geometry
+    wants_text = config.text is not None or config.messages is not None or bool(config.stop)
+    tokenizer = find_tokenizer(checkpoint.path) if checkpoint.path.is_dir() else None
+    if wants_text and tokenizer is None:
+        raise Ds4fError(f"model: {checkpoint.path} has no tokenizer (tokenizer.json), so it cannot read or write"
+                        f" text; give the prompt as token ids, or use a checkpoint with its tokenizer files",
+                        param="model", path=str(checkpoint.path))
+    if config.messages is not None:
+        prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking))
+    elif config.text is not None:
+        prompt = (tokenizer.bos_id, *tokenizer.encode(config.text))
+    else:
+        prompt = tuple(config.prompt) if config.prompt else (g.bos_token_id,)
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < g.vocab]
+    if bad:
+        what = "the tokenizer gives token ids" if wants_text else "token ids"
+        raise Ds4fError(f"prompt: {what} {bad[:5]} outside the model's vocabulary (0..{g.vocab - 1})",
+                        param="prompt")
+    return prompt, tokenizer

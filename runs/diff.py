@@ -1,0 +1,144 @@
+"""The diff of two state dumps: what kind of difference it is, and where it starts.
+
+Classes: identical (same bytes); low-bit (same tokens and routing, hidden states within
+LOW_BIT_TOLERANCE: SIMD lane order); routing (the first token and layer whose selected experts
+differ); drift (same routing, hidden states beyond tolerance); prefix (the same prefix, lengths
+differ). `ds4f diff` exits with the class's code.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds4f.errors import Ds4fError
+from ds4f.runs.statedump import State, read_state
+
+# hidden-state error, relative to the layer's largest magnitude, below which two runs
+# with identical routing are "low-bit" (SIMD lane order) rather than "drift"
+LOW_BIT_TOLERANCE = 1e-4
+
+CLASS_EXIT_CODES = {"identical": 0, "low-bit": 1, "routing": 3, "drift": 4, "prefix": 5}
+
+
+@dataclass
+class StateDiff:
+    cls: str                        # identical | low-bit | routing | drift | prefix (same prefix, lengths differ)
+    token: int | None               # first divergent token (routing), else None
+    layer: int | None               # first divergent layer (routing), else None
+    layer_max_abs: list[float]      # per layer, over the compared tokens
+    layer_max_rel: list[float]      # per layer: max |a-b| / max(|a|, |b|) of that layer
+    sha_a: str
+    sha_b: str
+    n_tokens: int                   # tokens compared
+    backends_a: list[str]
+    backends_b: list[str]
+    detail: str = ""
+    attention_token: int | None = None   # the first token, then layer, whose attention output differs beyond
+    attention_layer: int | None = None   # LOW_BIT_TOLERANCE (whole-model dumps; None: nowhere, or no attention)
+
+    @property
+    def exit_code(self) -> int:
+        return CLASS_EXIT_CODES[self.cls]
+
+    def summary(self) -> str:
+        if self.cls == "identical":
+            return f"identical: sha256 {self.sha_a[:16]}… on both ({self.n_tokens} tokens)"
+        worst = max(self.layer_max_rel, default=0.0)
+        if self.cls == "low-bit":
+            return f"low-bit: same tokens and routing, hidden states within {worst:.2e} relative (tolerance {LOW_BIT_TOLERANCE:g})"
+        if self.cls == "drift":
+            if self.detail:
+                return f"drift: {self.detail}"
+            return f"drift: same routing, but hidden states differ by up to {worst:.2e} relative (tolerance {LOW_BIT_TOLERANCE:g})"
+        if self.cls == "prefix":
+            return f"same prefix, lengths differ: {self.detail}"
+        return f"routing divergence at token {self.token}, layer {self.layer}" + (f": {self.detail}" if self.detail else "")
+
+    def attention_summary(self) -> str | None:
+        """Where the attention first diverges, when it does (beyond the low-bit tolerance)."""
+        if self.attention_token is None:
+            return None
+        return f"attention first diverges at token {self.attention_token}, layer {self.attention_layer}"
+
+    def to_dict(self) -> dict:
+        return {"class": self.cls, "token": self.token, "layer": self.layer, "layer_max_abs": self.layer_max_abs,
+                "layer_max_rel": self.layer_max_rel, "sha_a": self.sha_a, "sha_b": self.sha_b,
+                "n_tokens": self.n_tokens, "attention_token": self.attention_token,
+                "attention_layer": self.attention_layer, "summary": self.summary(),
+                "attention": self.attention_summary()}
+
+
+def first_attention_divergence(ra: np.ndarray, rb: np.ndarray, n: int) -> tuple[int | None, int | None]:
+    """(token, layer) of the first attention output (token order, then layer order) whose
+    max |a - b| over max(|a|, |b|) exceeds LOW_BIT_TOLERANCE; (None, None) if none does."""
+    if "attn" not in ra.dtype.names or not n:
+        return None, None
+    for start in range(0, n, 256):    # a chunk of tokens at a time: float64 copies stay small
+        a = ra["attn"][start:min(n, start + 256)].astype(np.float64)
+        b = rb["attn"][start:min(n, start + 256)].astype(np.float64)
+        d = np.abs(a - b).max(axis=2)
+        scale = np.maximum(np.abs(a).max(axis=2), np.abs(b).max(axis=2))
+        bad = ~(d <= LOW_BIT_TOLERANCE * scale)       # NaN counts as divergent
+        if bad.any():
+            t, layer = np.argwhere(bad)[0]
+            return start + int(t), int(layer)
+    return None, None
+
+
+def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> StateDiff:
+    sa = a if isinstance(a, State) else read_state(a)
+    sb = b if isinstance(b, State) else read_state(b)
+    ga, gb = sa.header["geometry"], sb.header["geometry"]
+    shape_keys = ("num_hidden_layers", "num_experts_per_tok", "hidden_size", "hc_mult")
+    if any(ga.get(k) != gb.get(k) for k in shape_keys):
+        raise Ds4fError(f"{sb.path}: geometry differs from {sa.path} "
+                        f"({', '.join(f'{k} {ga.get(k)} vs {gb.get(k)}' for k in shape_keys if ga.get(k) != gb.get(k))}); nothing to compare")
+    ra, rb = sa.records, sb.records
+    n = min(len(ra), len(rb))
+    n_layers = ga["num_hidden_layers"]
+
+    def errors(upto: int) -> tuple[list[float], list[float]]:
+        if upto == 0:
+            return [0.0] * n_layers, [0.0] * n_layers
+        ha = ra["hidden"][:upto].astype(np.float64)
+        hb = rb["hidden"][:upto].astype(np.float64)
+        d = np.abs(ha - hb).max(axis=(0, 2))
+        scale = np.maximum(np.abs(ha).max(axis=(0, 2)), np.abs(hb).max(axis=(0, 2)))
+        rel = np.where(scale > 0, d / np.where(scale > 0, scale, 1), 0.0)
+        return [float(v) for v in d], [float(v) for v in rel]
+
+    common = dict(sha_a=sa.sha256, sha_b=sb.sha256, backends_a=sa.backends, backends_b=sb.backends)
+    if sa.sha256 != sb.sha256:
+        common["attention_token"], common["attention_layer"] = first_attention_divergence(ra, rb, n)
+    if sa.sha256 == sb.sha256:
+        return StateDiff("identical", None, None, [0.0] * n_layers, [0.0] * n_layers, n_tokens=n, **common)
+
+    # first (token, layer) where the selected experts (as sets) or the fed token differ
+    for t in range(n):
+        if ra["token"][t] != rb["token"][t]:
+            mabs, mrel = errors(t)
+            return StateDiff("routing", t, 0, mabs, mrel, n_tokens=n,
+                             detail=f"token ids differ ({ra['token'][t]} vs {rb['token'][t]})", **common)
+        for layer in range(n_layers):
+            ea, eb = ra["ids"][t, layer], rb["ids"][t, layer]
+            if set(ea.tolist()) != set(eb.tolist()):
+                mabs, mrel = errors(t)
+                return StateDiff("routing", t, layer, mabs, mrel, n_tokens=n,
+                                 detail=f"experts {sorted(ea.tolist())} vs {sorted(eb.tolist())}", **common)
+    mabs, mrel = errors(n)
+    finite = [bool(np.isfinite(s.records["hidden"][:n]).all()) for s in (sa, sb)]
+    if not all(finite):
+        which = " and ".join(str(s.path) for s, ok in zip((sa, sb), finite) if not ok)
+        return StateDiff("drift", None, None, mabs, mrel, n_tokens=n,
+                         detail=f"non-finite hidden states (NaN or Inf) in {which}", **common)
+    within = max(mrel, default=0.0) <= LOW_BIT_TOLERANCE
+    if len(ra) != len(rb):
+        same = "bit-identical" if within and max(mabs, default=0.0) == 0.0 else (
+            f"within {max(mrel, default=0.0):.2e} relative" if within else None)
+        if same is not None:
+            return StateDiff("prefix", None, None, mabs, mrel, n_tokens=n,
+                             detail=f"the first {n} tokens have the same routing and states {same};"
+                                    f" the runs have {len(ra)} and {len(rb)} tokens", **common)
+    return StateDiff("low-bit" if within else "drift", None, None, mabs, mrel, n_tokens=n, **common)

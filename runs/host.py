@@ -1,0 +1,64 @@
+"""The engine a console or a server keeps loaded between runs."""
+from __future__ import annotations
+
+import threading
+
+import psutil
+
+from ds4f.engine.config import Preset
+from ds4f.engine.engine import Engine
+
+
+class EngineHost:
+    """Keeps one loaded Engine between runs, as a console or a server does: a run on the same
+    checkpoint (same files, unchanged) with the same preset reuses it (its pinned trunk, routers,
+    expert-cache slots and I/O threads) instead of loading it again. Each run still starts with
+    an empty cache and its own counters, so its figures and state dump are those of a fresh
+    engine. Kernel backend and threads, and the I/O thread count, are set per run.
+    Runs that share a host run one at a time (the process allows one active run)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._key: tuple | None = None
+        self.loads = 0              # engines loaded so far (a reuse does not count)
+        self.baseline_rss = 0       # the process's RSS before the loaded engine was made
+
+    @staticmethod
+    def key(checkpoint, preset: Preset) -> tuple:
+        stamps = []
+        for f in sorted(checkpoint.path.iterdir()) if checkpoint.path.is_dir() else ():
+            try:
+                st = f.stat()
+                stamps.append((f.name, st.st_size, st.st_mtime_ns))
+            except OSError:
+                pass
+        return (str(checkpoint.path.resolve()), checkpoint.kind, tuple(stamps), preset)
+
+    def engine_for(self, checkpoint, preset: Preset, io_threads: int, kernel_threads: int, backend: str) -> "Engine":
+        """The loaded engine if it fits this checkpoint and preset (reset for a new run), else a
+        new one (the old one is closed). The checkpoint handed in is closed if the host keeps its own."""
+        key = self.key(checkpoint, preset)
+        with self._lock:
+            if self._engine is not None and self._key == key:
+                checkpoint.close()
+                self._engine.reset_for_run(io_threads, kernel_threads, backend)
+                return self._engine
+            old, self._engine, self._key = self._engine, None, None
+        if old is not None:
+            old.close()
+            old.ckpt.close()
+        baseline = psutil.Process().memory_info().rss
+        engine = Engine(checkpoint, preset, io_threads, kernel_threads, backend)
+        with self._lock:
+            self.baseline_rss = baseline
+            self._engine, self._key = engine, key
+            self.loads += 1
+        return engine
+
+    def close(self) -> None:
+        with self._lock:
+            old, self._engine, self._key = self._engine, None, None
+        if old is not None:
+            old.close()
+            old.ckpt.close()
