@@ -61,30 +61,24 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
-def main_thread_gaps(kernel, codes: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[float, float]:
-    """One kernel(codes, scales, x) call made to last about 0.4 s (the weights tiled), run in a
-    thread while this one counts: (the longest this thread went without running, the call's
-    duration). With the GIL released during the call, the first is far below the second."""
+def progress_seen_during(kernel, codes: np.ndarray, scales: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    """One kernel(codes, scales, x) call made long (the weights tiled to about 0.4 s of work) and
+    run in a thread while this one reads the native pool's count of tasks done: (how many counts
+    strictly between the call's first and last this thread saw, the tasks the call ran). This
+    thread can read a count in between only if it ran Python while the call was in progress,
+    that is, if the call released the GIL; holding it, the call lets this thread see only the
+    counts before and after it."""
+    lib = K.lib
     t0 = time.perf_counter()
     kernel(codes, scales, x)
-    reps = max(1, int(0.4 / max(time.perf_counter() - t0, 1e-4)))
+    reps = max(1, int(0.4 / max(time.perf_counter() - t0, 1e-4)))   # sizing only: no time is asserted
     codes, scales = np.tile(codes, (reps, 1)), np.tile(scales, (reps, 1))
-    started = threading.Event()
-    duration = []
-
-    def work():
-        started.set()
-        t = time.perf_counter()
-        kernel(codes, scales, x)
-        duration.append(time.perf_counter() - t)
-
-    worker = threading.Thread(target=work)
+    before = lib.ds4f_tasks_done()
+    worker = threading.Thread(target=kernel, args=(codes, scales, x))
+    seen = set()
     worker.start()
-    started.wait()
-    gaps, last = [], time.perf_counter()
     while worker.is_alive():
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
+        seen.add(lib.ds4f_tasks_done())
     worker.join()
-    return max(gaps), duration[0]
+    after = lib.ds4f_tasks_done()
+    return len({c for c in seen if before < c < after}), after - before

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,8 @@ import pytest
 
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.errors import Ds4fError
-from ds4f.runs.run import RunConfig, start_run
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
 from ds4f.runs.statedump import (StateWriter, pair_problem, partial_path, read_routing,
                                    read_state)
 
@@ -54,8 +54,13 @@ def pair_view(dump: Path, report: Path) -> tuple[str | None, dict | None]:
 
 
 # ---- kill -9 at any point -----------------------------------------------------------------------
+def spread(i: int, lo: float, hi: float) -> float:
+    """The i-th of KILLS moments spread evenly over [lo, hi] (the same moments every time)."""
+    return lo + (hi - lo) * (i + 0.5) / KILLS
+
+
 def test_kill_9_during_a_run_never_leaves_a_new_state_with_an_old_report(tiny_model, tmp_path):
-    """`ds4f run` killed with SIGKILL at random points, again and again in the same place: after
+    """`ds4f run` killed with SIGKILL at moments spread from its start-up to past its end, again and again in the same place: after
     each kill the place holds the previous pair, or the new pair (the report's state_sha256 is the
     state's), or a new report whose state never landed, which every reader refuses. Never a new
     state beside an old report. The next run there removes what the killed ones left."""
@@ -66,8 +71,6 @@ def test_kill_9_during_a_run_never_leaves_a_new_state_with_an_old_report(tiny_mo
                               "--dump-state", dump), capture_output=True, text=True, timeout=120)
     full = time.monotonic() - t0
     assert done.returncode == 0, done.stderr
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
     seen = {"old pair": 0, "new pair": 0, "uncommitted report": 0, "partial files": 0}
     for i in range(KILLS):
         old_state, old_report = pair_view(dump, report)
@@ -75,12 +78,12 @@ def test_kill_9_during_a_run_never_leaves_a_new_state_with_an_old_report(tiny_mo
         proc = subprocess.Popen(cli("run", tiny_model, "--gen", GEN, "--no-probe", "--prompt", f"0,{i + 2}",
                                     "--dump-state", dump, "--force"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.2 * full, 1.1 * full))   # from the start-up to past the end
+        time.sleep(spread(i, 0.2 * full, 1.1 * full))   # from the start-up to past the end
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         state, rep = pair_view(dump, report)
         seen["partial files"] += bool(leftovers(place))
-        why = f"seed {seed}, kill {i}: state {state}, report {rep and rep['run_id']}"
+        why = f"kill {i}: state {state}, report {rep and rep['run_id']}"
         if state != old_state:   # a new state: its report is new and names it
             assert state is not None and rep is not None, why
             assert rep["run_id"] != (old_report or {}).get("run_id") and rep["state_sha256"] == state, why
@@ -202,7 +205,7 @@ def test_a_run_in_the_default_place_sweeps_what_killed_runs_left(tiny_model, tmp
 
 
 def test_kill_9_during_convert_never_leaves_an_incomplete_checkpoint(tiny_official, tmp_path):
-    """`ds4f convert --force` killed with SIGKILL at random points: under the final name there is
+    """`ds4f convert --force` killed with SIGKILL at moments spread over its work: under the final name there is
     nothing or a checkpoint `ds4f verify` passes; the next convert removes the hidden leftovers."""
     parent = tmp_path / "out"
     dst = parent / "ck"
@@ -210,16 +213,14 @@ def test_kill_9_during_convert_never_leaves_an_incomplete_checkpoint(tiny_offici
     done = subprocess.run(cli("convert", tiny_official, dst), capture_output=True, text=True, timeout=120)
     full = time.monotonic() - t0
     assert done.returncode == 0, done.stderr
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
     for i in range(KILLS):
         proc = subprocess.Popen(cli("convert", tiny_official, dst, "--force"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.0, full * 1.1))
+        time.sleep(spread(i, 0.0, full * 1.1))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         if dst.exists():
-            assert verify_checkpoint(dst) == [], f"seed {seed}, kill {i}"
+            assert verify_checkpoint(dst) == [], f"kill {i}"
         others = [p.name for p in parent.iterdir() if p.name != "ck"]
         assert all(n.startswith(".ck.") for n in others), others   # only hidden temporary siblings
     out = subprocess.run(cli("convert", tiny_official, dst, "--force"), capture_output=True, text=True, timeout=120)
