@@ -4,9 +4,11 @@
 Run by hand, in a venv with torch and transformers (not a ds4f or CI dependency), e.g. the one
 of tools/make_golden_moe.py (torch==2.13.0 CPU, transformers==5.24.0, safetensors, ml_dtypes):
 
-    /work/fixture-venv/bin/python tools/make_golden_whole.py            # every case
-    /work/fixture-venv/bin/python tools/make_golden_whole.py --case ties
-    ... --crosscheck /work/notes/v4_decode_numpy.py   # also run an independent float64 numpy decoder
+    REF=/tmp/venv-ref/bin/python                        # the reference venv (see make_golden_moe.py)
+    $REF tools/make_golden_whole.py                     # every case
+    $REF tools/make_golden_whole.py --case ties
+    $REF tools/make_golden_whole.py --crosscheck DECODER.py   # also run an independent float64 numpy
+                                                        # decoder of your own (see crosscheck())
 
 It writes, per case, tests/fixtures/whole/<case>/:
 
@@ -916,7 +918,9 @@ def run_case(name: str, case: dict, case_dir: Path, seed: int) -> tuple[dict, di
 
 
 def crosscheck(path: Path, model, arrays: dict) -> float:
-    """The notes' independent float64 numpy decoder on the same weights: max |logits - fixture|."""
+    """An independent float64 numpy decoder on the same weights, max |logits - fixture|. `path` is
+    a Python file with a class Decoder(state_dict, config) whose step(token_id, window) returns the
+    logits of one step."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("v4_decode_numpy", path)
@@ -933,7 +937,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=sorted(CASES), action="append", help="default: every case")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--crosscheck", type=Path, default=None,
-                    help="path of the notes' v4_decode_numpy.py: compare its float64 decode with the fixture")
+                    help="a Python file with an independent float64 decoder (see crosscheck()): compare its logits with the fixture")
     args = ap.parse_args(argv)
 
     import torch
