@@ -48,11 +48,9 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
     "gb_per_token" (each {"off", "on"}), "io_threads", "backend", "policy", "preset", "model",
     "prompts", "gen"."""
     from ds4f.bench.engine import bench_model, bench_scratch_dir
-    from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
-    from ds4f.runs.traces import load_trace
-    from ds4f.cachelab.sweep import sweep
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
+    from ds4f.runs.traces import load_trace
 
     log = log or (lambda _line: None)
     model = bench_model(model, progress, log)
@@ -73,14 +71,26 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
 
     cfg = load_config(config_path)
     laptop = cfg.get_preset(preset)
+    policy = _policy_sweep(traces, str(laptop.cache), log)
+    pf = _prefetch_off_on(model, laptop, prompts, gen, scratch, config_path, backend, log)
+    return {
+        "model": str(model), "prompts": len(prompts), "gen": gen, "preset": preset, "policy": laptop.policy,
+        "backend": pf.pop("backend"), "io_threads": cfg.effective_io_threads(laptop), **policy, **pf,
+    }
+
+
+def _policy_sweep(traces, laptop_budget: str, log) -> dict:
+    """Every policy at every budget (the preset's among them) on the traces; the default policy
+    against LRU and Belady at the preset's budget, and how much foresight Belady needs."""
+    from ds4f.cachelab.sweep import sweep
+    from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
+
     policies = [*ONLINE_POLICIES, "belady"]
     budgets = list(BUDGETS)
-    laptop_budget = str(laptop.cache)
     if laptop_budget not in budgets:
         budgets.append(laptop_budget)
     log("  sweep: every policy at every budget")
     results = sweep(traces, budgets, policies)
-
     default = DEFAULT_POLICY
     below = [b for b in budgets if results[b, default].hit_rate is not None and results[b, "lru"].hit_rate is not None
              and results[b, default].hit_rate < results[b, "lru"].hit_rate]
@@ -92,9 +102,22 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
         horizons = [1, 2, 3, 4, 8]
         seen = sweep(traces, [laptop_budget], [f"belady@{n}" for n in horizons])
         rates = {n: seen[laptop_budget, f"belady@{n}"].hit_rate for n in horizons}
+    return {
+        "budgets": budgets, "policies": policies,
+        "sweep": {f"{b}|{p}": results[b, p].hit_rate for b in budgets for p in policies},
+        "cells": [{"budget": b, "policy": p, "budget_bytes": results[b, p].budget_bytes, "hits": results[b, p].hits,
+                   "misses": results[b, p].misses, "bytes_read": results[b, p].bytes_read,
+                   "hit_rate": results[b, p].hit_rate} for b in budgets for p in policies],
+        "default_policy": default, "laptop_budget": laptop_budget, "below_lru": below,
+        "default_hit_rate": d, "belady_hit_rate": opt, "gap_to_belady": gap,
+        "belady_foresight": {str(n): r for n, r in rates.items()} if rates is not None else None,
+    }
 
-    # prefetch off / on, same prompts, this invocation; the two runs of a prompt alternate
-    # which goes first, so a disk that speeds up or slows down during the bench favours neither
+
+def _prefetch_off_on(model, laptop, prompts, gen: int, scratch: Path, config_path, backend, log) -> dict:
+    """The same prompts with prefetch off and on, in this invocation; the two runs of a prompt
+    alternate which goes first, so a disk that speeds up or slows down during the bench favours
+    neither. Stall, s/token, the disk's busy share and depth, GB/token, prefetch's counts."""
     presets = {label: replace(laptop, prefetch=label == "on", name=f"{laptop.name}+prefetch-{label}")
                for label in ("off", "on")}
     stalls: dict = {"off": [], "on": []}
@@ -111,24 +134,14 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
             disk[label].append(report["summary"])
     stall = {k: statistics.mean(v) if v else 0.0 for k, v in stalls.items()}
     s_med = {k: statistics.median([x for x in v if x is not None] or [0.0]) for k, v in s_tok.items()}
-    drop = 1 - stall["on"] / stall["off"] if stall["off"] else 0.0
     pf = pf_total["on"]
-    waste = pf["wasted"] / pf["useful"] if pf["useful"] else None
-    busy = {k: statistics.mean(r["disk_busy_fraction"] for r in disk[k]) for k in disk}
-    depth = {k: statistics.mean(r["mean_read_depth"] for r in disk[k]) for k in disk}
-    gbt = {k: statistics.mean(r["gb_per_token"] for r in disk[k]) for k in disk}
     return {
-        "model": str(model), "prompts": len(prompts), "gen": gen, "preset": preset, "policy": laptop.policy,
-        "backend": report["backend_by_token"][-1], "io_threads": cfg.effective_io_threads(laptop),
-        "budgets": budgets, "policies": policies,
-        "sweep": {f"{b}|{p}": results[b, p].hit_rate for b in budgets for p in policies},
-        "cells": [{"budget": b, "policy": p, "budget_bytes": results[b, p].budget_bytes, "hits": results[b, p].hits,
-                   "misses": results[b, p].misses, "bytes_read": results[b, p].bytes_read,
-                   "hit_rate": results[b, p].hit_rate} for b in budgets for p in policies],
-        "default_policy": default, "laptop_budget": laptop_budget, "below_lru": below,
-        "default_hit_rate": d, "belady_hit_rate": opt, "gap_to_belady": gap,
-        "belady_foresight": {str(n): r for n, r in rates.items()} if rates is not None else None,
-        "stall_off": stall["off"], "stall_on": stall["on"], "stall_drop": drop, "prefetch": dict(pf),
-        "wasted_per_useful": waste, "s_per_token_off": s_med["off"], "s_per_token_on": s_med["on"],
-        "disk_busy": busy, "mean_read_depth": depth, "gb_per_token": gbt,
+        "backend": report["backend_by_token"][-1],
+        "stall_off": stall["off"], "stall_on": stall["on"],
+        "stall_drop": 1 - stall["on"] / stall["off"] if stall["off"] else 0.0, "prefetch": dict(pf),
+        "wasted_per_useful": pf["wasted"] / pf["useful"] if pf["useful"] else None,
+        "s_per_token_off": s_med["off"], "s_per_token_on": s_med["on"],
+        "disk_busy": {k: statistics.mean(r["disk_busy_fraction"] for r in disk[k]) for k in disk},
+        "mean_read_depth": {k: statistics.mean(r["mean_read_depth"] for r in disk[k]) for k in disk},
+        "gb_per_token": {k: statistics.mean(r["gb_per_token"] for r in disk[k]) for k in disk},
     }

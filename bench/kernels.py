@@ -513,38 +513,7 @@ def run_bench(
         notes.append(f"last-level cache size unknown: assumed {plan.llc_bytes >> 20} MiB")
 
     def measure(case: _Case) -> None:
-        scalar_t: dict[int, float] = {}
-        mine: list[Record] = []
-        for backend in backends:
-            K.set_backend(backend)
-            note(f"{case.kernel} {case.label}{' cold' if case.cold else ''}: {backend}")
-            times = _interleaved_times(case.call, threads, repeat, case.copies)
-            for nt in threads:
-                t = times[nt]
-                if backend == "scalar":
-                    scalar_t[nt] = t
-                mine.append(Record(
-                    case.kernel, case.label, backend, nt, t, case.nbytes / t / 1e9, case.nweights / t / 1e9,
-                    scalar_t[nt] / t if nt in scalar_t else None, None, times[threads[0]] / t, cold=case.cold,
-                    pages=case.pages, working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes,
-                ))  # fmt: skip
-        records.extend(mine)
-        if case.baseline is None:
-            return
-        # numpy last: its BLAS threads spin on the other cores for a while after a call (~0.1 s
-        # with OpenBLAS), and a kernel measured in that time loses those cores
-        note(f"{case.kernel} {case.label}: numpy baseline")
-        if case.cold:  # a few calls, each on the next copy: numpy decodes, so it is slow anyway
-            nxt = iter(range(1 << 30))
-            t_np = _median_time(lambda: case.baseline(next(nxt) % case.copies), max(1, min(repeat, 2)))
-        else:
-            t_np = _median_time(lambda: case.baseline(0), max(1, min(repeat, 3)))
-        for r in mine:
-            r.speedup_vs_numpy = t_np / r.median_s
-        records.append(Record(case.kernel, case.label, "numpy", 0, t_np, case.nbytes / t_np / 1e9,
-                              case.nweights / t_np / 1e9, cold=case.cold, pages=case.pages,
-                              working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes))
-        time.sleep(BLAS_SETTLE_S)
+        records.extend(_measure(case, backends, threads, repeat, note))
 
     try:
         if "memory" in kernels:
@@ -558,24 +527,7 @@ def run_bench(
             if "multi" in kernels:
                 records.extend(_multi_records(rng, backends, threads, repeat, note))
         if cases in ("cold", "all"):
-            builders = [("experts", _cold_experts, N_EXPERTS * _expert_slot_nbytes())]
-            if has_fp8:
-                builders.append(("fp8_matvec", _cold_fp8, _fp8_layout()[1]))
-            for kernel, build, copy_nbytes in builders:
-                if kernel not in kernels:
-                    continue
-                copies = plan.copies(copy_nbytes)
-                if copies * copy_nbytes <= plan.cold_target_bytes:
-                    notes.append(
-                        f"{kernel} cold: working set capped at {copies * copy_nbytes / 2**30:.2f} GiB "
-                        f"({copies} copies; the memory cap is {plan.cap_bytes / 2**30:.2f} GiB), "
-                        f"{copies * copy_nbytes / plan.llc_bytes:.1f}x the {plan.llc_bytes >> 20} MiB last-level "
-                        f"cache rather than the 2x wanted")
-                for mode in page_modes:
-                    note(f"{kernel} cold: allocating {copies} copies on {mode} pages")
-                    case = build(rng, copies, mode)
-                    measure(case)
-                    del case
+            _cold_cases(rng, kernels, plan, page_modes, has_fp8, notes, measure, note)
     finally:
         K.set_backend(saved[0])
         K.set_threads(saved[1])
@@ -583,6 +535,66 @@ def run_bench(
     order = {k: i for i, k in enumerate(KERNELS)}
     records.sort(key=lambda r: (order.get(r.kernel, len(order)), r.cold))  # stable: hot before cold
     return records
+
+
+def _measure(case: _Case, backends: list[str], threads: list[int], repeat: int, note) -> list[Record]:
+    """One case on every backend and thread count (scalar first: the others' ratio is to it),
+    then numpy's baseline when the case has one."""
+    scalar_t: dict[int, float] = {}
+    mine: list[Record] = []
+    for backend in backends:
+        K.set_backend(backend)
+        note(f"{case.kernel} {case.label}{' cold' if case.cold else ''}: {backend}")
+        times = _interleaved_times(case.call, threads, repeat, case.copies)
+        for nt in threads:
+            t = times[nt]
+            if backend == "scalar":
+                scalar_t[nt] = t
+            mine.append(Record(
+                case.kernel, case.label, backend, nt, t, case.nbytes / t / 1e9, case.nweights / t / 1e9,
+                scalar_t[nt] / t if nt in scalar_t else None, None, times[threads[0]] / t, cold=case.cold,
+                pages=case.pages, working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes,
+            ))  # fmt: skip
+    if case.baseline is None:
+        return mine
+    # numpy last: its BLAS threads spin on the other cores for a while after a call (~0.1 s
+    # with OpenBLAS), and a kernel measured in that time loses those cores
+    note(f"{case.kernel} {case.label}: numpy baseline")
+    if case.cold:  # a few calls, each on the next copy: numpy decodes, so it is slow anyway
+        nxt = iter(range(1 << 30))
+        t_np = _median_time(lambda: case.baseline(next(nxt) % case.copies), max(1, min(repeat, 2)))
+    else:
+        t_np = _median_time(lambda: case.baseline(0), max(1, min(repeat, 3)))
+    for r in mine:
+        r.speedup_vs_numpy = t_np / r.median_s
+    mine.append(Record(case.kernel, case.label, "numpy", 0, t_np, case.nbytes / t_np / 1e9,
+                       case.nweights / t_np / 1e9, cold=case.cold, pages=case.pages,
+                       working_set_bytes=case.working_set, huge_page_bytes=case.huge_bytes))
+    time.sleep(BLAS_SETTLE_S)
+    return mine
+
+
+def _cold_cases(rng, kernels, plan, page_modes: list[str], has_fp8: bool, notes: list[str], measure, note) -> None:
+    """The cold cases: working sets past the last-level cache (capped by the memory cap, which a
+    note then says), on each kind of pages, each measured as it is built and then freed."""
+    builders = [("experts", _cold_experts, N_EXPERTS * _expert_slot_nbytes())]
+    if has_fp8:
+        builders.append(("fp8_matvec", _cold_fp8, _fp8_layout()[1]))
+    for kernel, build, copy_nbytes in builders:
+        if kernel not in kernels:
+            continue
+        copies = plan.copies(copy_nbytes)
+        if copies * copy_nbytes <= plan.cold_target_bytes:
+            notes.append(
+                f"{kernel} cold: working set capped at {copies * copy_nbytes / 2**30:.2f} GiB "
+                f"({copies} copies; the memory cap is {plan.cap_bytes / 2**30:.2f} GiB), "
+                f"{copies * copy_nbytes / plan.llc_bytes:.1f}x the {plan.llc_bytes >> 20} MiB last-level "
+                f"cache rather than the 2x wanted")
+        for mode in page_modes:
+            note(f"{kernel} cold: allocating {copies} copies on {mode} pages")
+            case = build(rng, copies, mode)
+            measure(case)
+            del case
 
 
 def _relate(records: list[Record], hot_pages: str) -> None:

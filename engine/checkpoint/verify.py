@@ -86,13 +86,25 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
     if g is None or layout.record_offsets is None or layout.pool_path is None:
         return problems
     info["geometry"] = g
-    pool_path: Path = layout.pool_path
-    offs, crcs, rec_n = layout.record_offsets, layout.record_crc32, layout.record_nbytes
+    offs, rec_n = layout.record_offsets, layout.record_nbytes
     order = np.argsort(offs, kind="stable")
     gaps = np.diff(offs[order])
     for i in np.flatnonzero(gaps < rec_n)[:MAX_LISTED]:
         a, b = int(order[i]), int(order[i + 1])
         problems.append(f"{root / 'pool-mxfp4.json'}: records {a} and {b} overlap (offsets {offs[a]}, {offs[b]})")
+    problems += _pool_record_problems(layout, g, progress, info, problems)
+    trunk_path: Path = layout.trunk_path
+    if trunk_path.exists():
+        problems += _trunk_problems(layout, trunk_path, progress)
+        problems += _hash_table_problems(layout, g, trunk_path)
+    return problems
+
+
+def _pool_record_problems(layout, g: Geometry, progress: ProgressArg, info: dict, earlier: list[str]) -> list[str]:
+    """Every pool record read back (each dropped from the page cache once read): its crc32
+    against pool-mxfp4.json's, NaN scale bytes, nonzero padding; the counts go into `info`."""
+    pool_path: Path = layout.pool_path
+    offs, crcs, rec_n = layout.record_offsets, layout.record_crc32, layout.record_nbytes
     size = pool_path.stat().st_size if pool_path.exists() else 0
     n_rec = len(offs)
     bad_crc, nan_total, nan_records, bad_pad, skipped = [], 0, [], [], 0
@@ -133,30 +145,31 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
         finally:
             os.close(fd)
     info.update(records=n_rec, records_checked=checked, bytes_checked=checked * rec_n, nan_scale_bytes=nan_total)
-    problems += _capped(bad_crc, "crc32 mismatches") + _capped(bad_pad, "records with nonzero padding")
-    if skipped and not any("truncated" in p for p in problems):
+    problems = _capped(bad_crc, "crc32 mismatches") + _capped(bad_pad, "records with nonzero padding")
+    if skipped and not any("truncated" in p for p in earlier + problems):
         problems.append(f"{pool_path}: {skipped} records could not be read in full")
     if nan_total:
         where = ", ".join(f"(layer {L}, expert {e}): {n}" for L, e, n in nan_records[:10])
         problems.append(f"{pool_path}: {nan_total} NaN scale bytes (0xFF) in {len(nan_records)} records: {where}"
                         + (" ..." if len(nan_records) > 10 else ""))
-    trunk_path: Path = layout.trunk_path
-    if trunk_path.exists():
-        problems += _trunk_problems(layout, trunk_path, progress)
-    # tid2eid ids in range (hash layers)
-    if trunk_path.exists():
-        tsize = trunk_path.stat().st_size
-        for L in range(g.n_hash_layers):
-            reg = layout.regions.get(f"layer.{L}")
-            lay = layout.layer_layout.get(L)
-            if not reg or not lay or reg[0] + reg[1] > tsize:
-                continue
-            rbuf = aligned_buffer(reg[1])
-            with open(trunk_path, "rb") as f:
-                f.seek(reg[0])
-                f.readinto(memoryview(rbuf))
-            views = _views(rbuf, lay)
-            problems += _tid2eid_problems(views.get("gate.tid2eid"), g, f"{trunk_path}: layers.{L}.ffn.gate.tid2eid")
+    return problems
+
+
+def _hash_table_problems(layout, g: Geometry, trunk_path: Path) -> list[str]:
+    """The hash layers' tid2eid tables hold expert ids in range."""
+    problems: list[str] = []
+    tsize = trunk_path.stat().st_size
+    for L in range(g.n_hash_layers):
+        reg = layout.regions.get(f"layer.{L}")
+        lay = layout.layer_layout.get(L)
+        if not reg or not lay or reg[0] + reg[1] > tsize:
+            continue
+        rbuf = aligned_buffer(reg[1])
+        with open(trunk_path, "rb") as f:
+            f.seek(reg[0])
+            f.readinto(memoryview(rbuf))
+        views = _views(rbuf, lay)
+        problems += _tid2eid_problems(views.get("gate.tid2eid"), g, f"{trunk_path}: layers.{L}.ffn.gate.tid2eid")
     return problems
 
 
