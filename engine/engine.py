@@ -4,6 +4,7 @@ what belongs to one sequence; the engine outlives its sessions (see runs.EngineH
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,9 @@ from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, keep_freed_memory, warm_buffer
 from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
+from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
 from ds4f.engine.session import Session
+from ds4f.engine.session_state import SessionState
 
 
 @dataclass(frozen=True)
@@ -145,15 +148,30 @@ class Engine:
         return self.reader.threads
 
     # -- sessions ---------------------------------------------------------------------------------
-    def new_session(self, prefill_chunk: int = 0) -> Session:
-        """A session starting at position 0 on an empty expert cache, with this engine's kernel
-        settings; prefill_chunk: prompt tokens per layer-major chunk (0: token by token only)."""
-        self.streamer.reset()
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The checkpoint's fingerprint (engine.checkpoint.fingerprint): what a session state names."""
+        return checkpoint_fingerprint(self.ckpt.path)
+
+    def fork(self, state: SessionState, prefill_chunk: int = 0) -> Session:
+        """A new session continuing from `state` (a snapshot of this engine's sessions, or one
+        loaded from a file), on the expert cache as it is; the state itself is not changed, so
+        several forks of one state go their own ways."""
+        self.kernels.apply()
+        session = Session(self, prefill_chunk)
+        session.restore(state)
+        return session
+
+    def new_session(self, prefill_chunk: int = 0, cold: bool = True) -> Session:
+        """A session starting at position 0 with this engine's kernel settings and zeroed counters,
+        on an emptied expert cache (cold) or on the experts the cache holds (warm);
+        prefill_chunk: prompt tokens per layer-major chunk (0: token by token only)."""
+        self.streamer.reset(cold)
         self.kernels.apply()
         return Session(self, prefill_chunk)
 
     def reset_for_run(self, io_threads: int, kernel_threads: int, backend: str) -> None:
-        """The settings of the next run on a loaded engine (new_session empties the cache)."""
+        """The settings of the next run on a loaded engine (new_session says whether the cache is emptied)."""
         self.set_kernels(backend, kernel_threads)
         self.set_io_threads(io_threads)
 

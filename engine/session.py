@@ -1,6 +1,8 @@
-"""A session: one sequence's state on an engine (its position and KV cache). `eval(token)` runs
-the forward pass and returns the logits; `step(token)` also picks the next token and says what the
-token cost; `prefill(tokens)` runs a chunk of prompt tokens layer by layer, with the same records.
+"""A session: one sequence's state on an engine (its tokens, position and KV cache). `eval(token)`
+runs the forward pass and returns the logits; `step(token)` also picks the next token and says what
+the token cost; `prefill(tokens)` runs a chunk of prompt tokens layer by layer, with the same
+records. `snapshot()` takes its state as a value (engine.session_state) and `restore(state)` puts
+one back: the session then continues byte for byte as the one the state was taken from.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
 from ds4f.engine.model.prefill import ChunkBuffers, prefill, transient_nbytes
 from ds4f.engine.runtime.helper_thread import beside
+from ds4f.engine.session_state import SessionState, put_layers, take_layers
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Session:
         self.prefill_chunk = prefill_chunk   # prompt tokens per prefill chunk (0: token by token only)
         self.chunk = ChunkBuffers(self.geometry, prefill_chunk) if prefill_chunk > 0 else None
         self.position = 0          # tokens evaluated so far
+        self.tokens: list[int] = []                 # the tokens evaluated, in order
+        self._logits: np.ndarray | None = None      # the logits after the last one (a view of a buffer)
         self.context = engine.preset.context   # the most positions this session may reach
         att = self.geometry.attention
         self.kv = KVCache(attention_shapes(att, self.geometry.rms_norm_eps), self.context) if att else None
@@ -67,6 +72,8 @@ class Session:
         self._check_tokens([token_id])
         logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
         self.position += 1
+        self.tokens.append(int(token_id))
+        self._logits = logits
         return logits
 
     def moe_sublayer(self, layer: int, h: np.ndarray, token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -101,9 +108,50 @@ class Session:
         before = self._counters()
         logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position, should_stop, beside)
         self.position += n
+        self.tokens += [int(t) for t in token_ids]
+        self._logits = logits[n - 1]
         b = self.chunk
         return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._since(before),
                            attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
+
+    def snapshot(self) -> SessionState:
+        """This session's state now, as a value (copies: the session goes on without changing it)."""
+        if self.kv is None:
+            raise Ds4fError("a session without attention (the MoE half alone) has no state to keep", param="state")
+        logits = None if self._logits is None else self._logits.copy()
+        return SessionState(tuple(self.tokens), logits, take_layers(self.kv), self.geometry.to_config(),
+                            self.engine.fingerprint)
+
+    def restore(self, state: SessionState) -> None:
+        """Put `state` back: this session is then at its position, with its tokens, logits and
+        KV cache, whatever it held before. Refused (and this session left as it was) when the
+        state belongs to another model or checkpoint, or passes this session's context."""
+        if self.kv is None:
+            raise Ds4fError("a session without attention (the MoE half alone) has no state to restore",
+                            param="state")
+        if state.geometry != self.geometry.to_config():
+            raise Ds4fError("the session state belongs to another model geometry", param="state")
+        if state.checkpoint != self.engine.fingerprint:
+            raise Ds4fError("the session state belongs to another checkpoint", param="state")
+        if state.position > self.context:
+            raise Ds4fError(f"the session state is at position {state.position}, past the context of"
+                            f" {self.context} positions the preset {self.engine.preset.name!r} allocates",
+                            param="context")
+        if state.position and state.logits is None:
+            raise Ds4fError("the session state has no logits for its last token", param="state")
+        put_layers(state.layers, self.kv)
+        self.position, self.tokens = state.position, list(state.tokens)
+        if state.logits is None:
+            self._logits = None
+        else:
+            self.buffers.logits[:] = state.logits
+            self._logits = self.buffers.logits
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        """The logits after the last token evaluated (fp32 [vocab], a buffer: copy to keep); None at
+        position 0."""
+        return self._logits
 
     def _check_tokens(self, token_ids) -> None:
         """The ids are in the vocabulary and their positions (from the session's) within the context."""
