@@ -90,7 +90,8 @@ class Controller:
             raise Ds4fError("no model: give --model PATH, set [model] path in ds4f.toml, or use the demo model")
         return RunConfig(model=self.model, preset=self.preset, gen=self.gen,
                          io_threads=self.io_threads, kernel_threads=self.kernel_threads,
-                         backend=self.backend, config_path=self.config_path)
+                         backend=self.backend, config_path=self.config_path,
+                         cold_start=True)    # a measured run: its hit rate comparable with the others
 
     # -- the run --------------------------------------------------------------------------
     @property
@@ -102,7 +103,8 @@ class Controller:
         the checkpoint's generation defaults and the chat's seed."""
         if not self.text.ok:
             raise Ds4fError(f"prompt: {self.text.detail or self.text.message}", param="prompt")
-        return replace(self.run_config(), **request, sampling=self.text.sampling(self.chat.seed))
+        # a chat turn continues on the cache the turns before left warm
+        return replace(self.run_config(), **request, sampling=self.text.sampling(self.chat.seed), cold_start=False)
 
     def start(self, request: dict | None = None):
         """Start a run with the pending settings (blocking: it opens the checkpoint); `request`:

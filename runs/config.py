@@ -37,6 +37,8 @@ class RunConfig:
     sampling: "SamplingParams | None" = None # None: greedy
     stop: tuple[str, ...] = ()               # stop strings: the output ends before the first one
     stop_at_eos: bool | None = None          # end at the end-of-sentence token; None: when the prompt is text
+    cold_start: bool = False                 # empty the expert cache first; else a loaded engine's (EngineHost)
+                                             # stays warm from the runs before (a new engine starts empty)
     prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
                                              # None: the preset's
 

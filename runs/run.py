@@ -138,6 +138,7 @@ class Run:
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
         self._rss_at_end = 0
         self._floor = None
+        self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
         self.finished_at: float | None = None
@@ -356,7 +357,10 @@ class Run:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             writer = self._open_writer()
             eng = self._load_engine()
-            session = eng.new_session(self.prefill_chunk)
+            self._cache_at_start = 0 if self.config.cold_start else eng.cache.resident
+            session = eng.new_session(self.prefill_chunk, cold=self.config.cold_start)
+            self._log(f"expert cache warm: {self._cache_at_start} experts from earlier runs" if self._cache_at_start
+                      else "expert cache cold: empty at the start")
             with self._lock:
                 self._engine, self._session_nbytes = eng, session.nbytes
                 self._kv_bytes, self._context = session.kv_nbytes, session.context if session.kv else 0
@@ -603,7 +607,10 @@ class Run:
             "geometry": self.checkpoint.geometry.to_config(), "config": self.config_dict(),
             "io_mode": self.checkpoint.io_mode, "policy": self.preset.policy,
             "cache": {"budget_bytes": fig.cache_budget_bytes, "capacity_bytes": fig.cache_capacity_bytes,
-                      "slots": fig.slots, "slot_nbytes": fig.slot_nbytes},
+                      "slots": fig.slots, "slot_nbytes": fig.slot_nbytes,
+                      # cold: empty at the start (Belady's yardstick starts empty too); warm: it held
+                      # experts_at_start from the runs before on the same engine
+                      "start": "warm" if self._cache_at_start else "cold", "experts_at_start": self._cache_at_start},
             "pinned_layers": list(fig.pinned_layers), "floor": asdict(self._floor) if self._floor else None,
             "summary": summary(snap, log, time_split(log), prefill_report(log, self.prefill_chunk,
                                                                            self.checkpoint.geometry), self._replay),

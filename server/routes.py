@@ -251,7 +251,8 @@ async def _start(request: Request, raw: dict, from_query: bool) -> Response:
     fields = parse_run_params(raw, svc.cfg.presets, from_query)
     fields.setdefault("preset", svc.preset)
     fields.setdefault("backend", svc.cfg.backend)
-    config = RunConfig(model=svc.model, config_path=svc.options.config_path, **fields)
+    # an operator's measured run starts on an empty expert cache, so its hit rate compares with others
+    config = RunConfig(model=svc.model, config_path=svc.options.config_path, cold_start=True, **fields)
     ticket = Ticket("run", _client(request))
     svc.take_now(ticket)
     try:

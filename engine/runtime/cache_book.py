@@ -67,6 +67,10 @@ class CacheBook:
         self.policy = policy
         self.layers = [LayerCounters() for _ in self.layers]
 
+    def reset_counters(self) -> None:
+        """Zero the counters; the slots and the policy keep what they hold."""
+        self.layers = [LayerCounters() for _ in self.layers]
+
     @property
     def resident(self) -> int:
         return len(self._where)

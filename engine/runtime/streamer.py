@@ -83,9 +83,14 @@ class Streamer:
     def buffer_nbytes(self) -> int:
         return sum(b.nbytes for b in self._trunk_bufs)
 
-    def reset(self) -> None:
-        """Forget every run-specific state: an empty cache, zero counters (a new run)."""
-        self.cache.reset()
+    def reset(self, cold: bool = True) -> None:
+        """A new run: zero counters and, cold, an empty cache; warm, the cache keeps the experts it
+        holds (and its policy what it learnt), so a run on a loaded engine starts where the last
+        one left it."""
+        if cold:
+            self.cache.reset()
+        else:
+            self.cache.reset_counters()
         self.reader.reset_stats()
         self.prefetch_counts = dict.fromkeys(self.prefetch_counts, 0)
         self.prefetch_layer_hits = [0] * self.geometry.n_layers

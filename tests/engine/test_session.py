@@ -36,7 +36,7 @@ def test_a_hosted_engine_is_loaded_once_and_each_run_is_as_if_fresh(tiny_model, 
     # runs on the same tokens are equal, not only their states (prefetch reads race the compute)
     cfg = tmp_path / "ds4f.toml"
     cfg.write_text('[presets.nopf]\npinned_layers = "50%"\ncache = "25%"\nprefetch = false\n')
-    kw = dict(backend="scalar", preset="nopf", config_path=str(cfg))
+    kw = dict(backend="scalar", preset="nopf", config_path=str(cfg), cold_start=True)
     fresh = _run(tiny_model, tmp_path, "fresh", **kw)
     host = EngineHost()
     try:
@@ -50,6 +50,30 @@ def test_a_hosted_engine_is_loaded_once_and_each_run_is_as_if_fresh(tiny_model, 
             for key in ("hits", "misses", "evictions", "gb_per_token", "gb_first_token"):
                 assert r.report["summary"][key] == fresh.report["summary"][key], key
             assert r.report["layers"] == fresh.report["layers"]
+    finally:
+        host.close()
+
+
+def test_a_hosted_engine_keeps_the_expert_cache_warm_unless_a_cold_start_is_asked(tiny_model, tmp_path):
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text('[presets.nopf]\npinned_layers = "50%"\ncache = "50%"\nprefetch = false\n')
+    kw = dict(backend="scalar", preset="nopf", config_path=str(cfg), gen=6)
+    host = EngineHost()
+    try:
+        first = _run(tiny_model, tmp_path, "first", host, **kw)
+        warm = _run(tiny_model, tmp_path, "warm", host, **kw)
+        cold = _run(tiny_model, tmp_path, "cold", host, cold_start=True, **kw)
+        assert first.report["cache"]["start"] == "cold" and first.report["cache"]["experts_at_start"] == 0
+        assert warm.report["cache"]["start"] == "warm" and warm.report["cache"]["experts_at_start"] > 0
+        assert cold.report["cache"]["start"] == "cold"
+        assert warm.report["summary"]["hit_rate"] > first.report["summary"]["hit_rate"]
+        assert warm.report["summary"]["misses"] < first.report["summary"]["misses"]
+        # a cold start on the same engine is the first run again, figures and all
+        for key in ("hits", "misses", "hit_rate", "gb_per_token"):
+            assert cold.report["summary"][key] == first.report["summary"][key], key
+        # the cache's warmth changes what is read, never what is computed
+        assert _sha(warm.dump_path) == _sha(first.dump_path) == _sha(cold.dump_path)
+        assert any("expert cache warm" in e for e in warm.report["events"])
     finally:
         host.close()
 
