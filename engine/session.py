@@ -120,7 +120,7 @@ class Session:
             raise Ds4fError("a session without attention (the MoE half alone) has no state to keep", param="state")
         logits = None if self._logits is None else self._logits.copy()
         return SessionState(tuple(self.tokens), logits, take_layers(self.kv), self.geometry.to_config(),
-                            self.engine.fingerprint)
+                            self.engine.fingerprint, self.engine.backend)
 
     def restore(self, state: SessionState) -> None:
         """Put `state` back: this session is then at its position, with its tokens, logits and

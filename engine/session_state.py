@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class SessionState:
     layers: tuple[LayerSnapshot, ...]
     geometry: dict                               # Geometry.to_config() of the model it belongs to
     checkpoint: str                              # the fingerprint of its checkpoint
+    backend: str = ""                            # the kernels that computed it (its low bits are theirs)
 
     @property
     def position(self) -> int:
@@ -145,18 +147,19 @@ def _arrays(state: SessionState) -> list[tuple[str, np.ndarray]]:
 
 
 def save_state(state: SessionState, path: str | os.PathLike) -> Path:
-    """Write `state` to `path`: to `path`.partial, flushed to disk, then renamed (a file under the
-    final name is always whole). A write error is a Ds4fError naming the file; no .partial stays."""
+    """Write `state` to `path`: to a `.partial` beside it (named for this process and thread),
+    flushed to disk, then renamed (a file under the final name is always whole). A write error is
+    a Ds4fError naming the file; no .partial stays."""
     path = Path(path)
     arrays, offset, entries = _arrays(state), 0, []
     for name, a in arrays:
         entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset})
         offset += a.nbytes
     header = json.dumps({"format": "ds4f.session", "version": VERSION, "geometry": state.geometry,
-                         "checkpoint": state.checkpoint, "tokens": list(state.tokens),
+                         "checkpoint": state.checkpoint, "backend": state.backend, "tokens": list(state.tokens),
                          "layers": [{"tokens": layer.tokens} for layer in state.layers],
                          "arrays": entries, "payload_nbytes": offset}, separators=(",", ":")).encode()
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     sha = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:
@@ -172,6 +175,31 @@ def save_state(state: SessionState, path: str | os.PathLike) -> Path:
         tmp.unlink(missing_ok=True)
         raise Ds4fError(f"{path}: cannot save the session state: {exc.strerror or exc}", path=str(path)) from None
     return path
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """A state file's header alone (cheap: its first bytes), unchecked by the sha256 (load_state
+    checks the whole file before a state is used): format, version, geometry, checkpoint,
+    backend, tokens. A Ds4fError when it is not a readable session state."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size or head[:8] != MAGIC:
+                raise Ds4fError(f"{path}: not a ds4f session state", path=str(path))
+            _, version, hlen = _HEAD.unpack(head)
+            if version != VERSION:
+                raise Ds4fError(f"{path}: session state version {version}; this ds4f reads version {VERSION}",
+                                path=str(path))
+            doc = json.loads(f.read(hlen))
+        if not isinstance(doc, dict) or doc.get("format") != "ds4f.session" or not isinstance(doc.get("tokens"), list):
+            raise ValueError("not a session state's header")
+        doc.setdefault("backend", "")
+        return doc
+    except OSError as exc:
+        raise Ds4fError(f"{path}: cannot read the session state: {exc.strerror or exc}", path=str(path)) from None
+    except ValueError as exc:
+        raise Ds4fError(f"{path}: not a readable session state ({exc})", path=str(path)) from None
 
 
 def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None) -> SessionState:
@@ -207,7 +235,8 @@ def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint
     if checkpoint is not None and head["checkpoint"] != checkpoint:
         raise Ds4fError(f"{path}: this session state belongs to another checkpoint (fingerprint"
                         f" {str(head['checkpoint'])[:12]}…, this one {checkpoint[:12]}…)", path=str(path))
-    return SessionState(tokens, arrays.get("logits"), layers, head["geometry"], head["checkpoint"])
+    return SessionState(tokens, arrays.get("logits"), layers, head["geometry"], head["checkpoint"],
+                        str(head.get("backend", "")))
 
 
 def _layer(i: int, tokens: int, arrays: dict) -> LayerSnapshot:
