@@ -44,6 +44,13 @@ def add_output_option(parser: argparse.ArgumentParser) -> None:
                              "with md, csv and json stdout holds only the tables")
 
 
+def add_kv_options(parser) -> None:
+    """The prefix cache's options of the text commands and the server."""
+    parser.add_argument("--kv-dir", metavar="DIR", default=None,
+                        help="where the prefix cache keeps session states on disk (default: ds4f.toml's [kv] dir)")
+    parser.add_argument("--no-kv", action="store_true", help="reuse no kept prefix: compute every prompt whole")
+
+
 def add_json_option(parser: argparse.ArgumentParser, what: str = "the results") -> None:
     parser.add_argument("--json", metavar="PATH",
                         help=f"write {what} as JSON to PATH ('-': stdout, the other output then goes to stderr)")

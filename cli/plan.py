@@ -32,7 +32,7 @@ def run(args) -> int:
         import psutil
 
         ram_bytes = int(psutil.virtual_memory().total)
-    plan = memory_plan(g, preset, ram_bytes)
+    plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0)
     parts = Table("resident", [Column("part", align="left"), Column("bytes", "size", align="left")],
                   title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}")
     for name, n in plan.resident.items():

@@ -47,10 +47,11 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache", "console", "prefill"],
+        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                                  "console (key-to-action latency and bytes per refresh during a run), "
-                                 "prefill (the prompt token by token against layer-major chunks)")
+                                 "prefill (the prompt token by token against layer-major chunks), "
+                                 "chat (a conversation's turns with the prefix cache and without, and a restart)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
                             help="tokens to generate per run (default: bench engine 8, bench cache 24)")
@@ -58,6 +59,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--config", help="ds4f.toml to use")
         add_json_option(parser)
         add_output_option(parser)
+        parser.add_argument("--turns", type=int, default=3, help="bench chat: turns of the conversation (default 3)")
         parser.add_argument("--lengths", default=None,
                             help="bench prefill: prompt lengths, comma-separated (default 16,128,512,2048)")
         parser.add_argument("--backend", default=None,
@@ -320,6 +322,8 @@ def _bench(args) -> int:
         return 0
     if args.what == "prefill":
         return _bench_prefill(args, model)
+    if args.what == "chat":
+        return _bench_chat(args, model)
     from ds4f.bench import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
@@ -340,6 +344,38 @@ def _bench_prefill(args, model) -> int:
     records = bench_prefill(model, args.preset, lengths, args.gen, args.config, log=_announce, progress=True)
     table = _prefill_table(records)
     _show(args, [table], lambda out: _print_prefill(records, table, out), records)
+    return 0
+
+
+def _bench_chat(args, model) -> int:
+    from ds4f.bench import bench_chat
+
+    records = bench_chat(model, args.preset, args.turns, args.gen, args.config, log=_announce, progress=True)
+    table = Table("chat", [Column("turn"), Column("mode", align="left"), Column("prompt_tokens", "prompt"),
+                           Column("reused"), Column("computed"), Column("seconds", "s (tokens)", ".2f"),
+                           Column("wall_s", "s (run)", ".2f"), Column("gb_read", "GB read", ".3f"),
+                           Column("hit_rate", "hit rate", ".1%"), Column("same_dump", "dump = recompute's",
+                                                                          align="left")],
+                  title="a conversation with the prefix cache (reuse), without it (recompute), and its last turn "
+                        "after a restart (from disk)")
+    want = {r["turn"]: r["sha256"] for r in records if r["mode"] == "recompute"}
+    for r in records:
+        same = "" if r["mode"] == "recompute" else ("yes" if r["sha256"] == want.get(r["turn"]) else "NO")
+        table.add(r["turn"], r["mode"], r["prompt_tokens"], r["reused"], r["computed"], r["seconds"], r["wall_s"],
+                  r["gb_read"], r["hit_rate"], same)
+
+    def text(out):
+        print = functools.partial(builtins.print, file=out)
+        print()
+        print(table.text())
+        by = {(r["turn"], r["mode"]): r for r in records}
+        for turn in sorted({r["turn"] for r in records}):
+            a, b = by.get((turn, "reuse")), by.get((turn, "recompute"))
+            if a and b and a["seconds"]:
+                print(f"turn {turn}: {b['seconds'] / a['seconds']:.1f}x faster with the prefix cache"
+                      f" ({a['computed']} of {a['prompt_tokens']} prompt tokens computed)")
+
+    _show(args, [table], text, records)
     return 0
 
 

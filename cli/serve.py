@@ -15,6 +15,7 @@ import sys
 import threading
 
 from ds4f.api import Ds4fError
+from ds4f.cli.output import add_kv_options
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
                         help="on SIGINT/SIGTERM, how long to wait for the active run to cancel (default 60)")
     parser.add_argument("--quiet", action="store_true", help="no access log lines on stderr")
+    add_kv_options(parser)
     parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
                      "GET /metrics, GET /status, POST /runs, GET /runs, GET|PATCH|DELETE /runs/ID, "
                      "GET /runs/ID/state (GET / lists them)")
@@ -65,7 +67,8 @@ def run(args) -> int:
             pass
     options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
                             port=args.port, token=token, queue_size=args.queue,
-                            default_max_tokens=args.max_tokens, access_log=not args.quiet)
+                            default_max_tokens=args.max_tokens, access_log=not args.quiet,
+                            kv_dir=args.kv_dir, reuse_prefix=not args.no_kv)
     server = Server(options)
     service = server.service
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import write_json
+from ds4f.cli.output import add_kv_options, write_json
 from ds4f.cli.runs import _default_model, _model_options, _per_second
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -53,6 +53,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", action="store_true", help="measure the NVMe floor first (for the disk figures)")
     parser.add_argument("--history", action="store_true", help="record the runs in the history database")
     parser.add_argument("--config", help="ds4f.toml to use")
+    add_kv_options(parser)
 
 
 def run(args) -> int:
@@ -101,7 +102,8 @@ class _Session:
                            gen=DEFAULT_GEN if a.gen is None else a.gen, text=text, messages=messages,
                            thinking=thinking, sampling=self.sampling, stop=tuple(a.stop),
                            stop_at_eos=not a.ignore_eos, io_threads=a.io_threads, kernel_threads=a.threads,
-                           backend=a.backend, config_path=a.config, probe_floor=a.probe)
+                           backend=a.backend, config_path=a.config, probe_floor=a.probe,
+                           kv_dir=a.kv_dir, reuse_prefix=not a.no_kv)
         printer = _Printer(thinking, self.color)
         run = start_run(config, history=self.history, engines=self.host, on_token=printer.token)
         try:
@@ -161,6 +163,8 @@ def _summary(run, session: _Session) -> str:
     hit = s.get("hit_rate") if s else snap.hit_rate
     pre = s.get("prefill") if s else None
     prompt = f"{run.prompt_tokens} prompt tokens"
+    if run.prompt_tokens_reused:
+        prompt += f" ({run.prompt_tokens_reused} reused from the prefix cache)"
     if pre and pre.get("tokens_per_s"):
         prompt += f" ({pre['tokens_per_s']:.2f} tokens/s layer by layer)"
     parts = [prompt, f"{run.generated_tokens} generated ({run.finish_reason or run.state})"]

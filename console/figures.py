@@ -231,12 +231,16 @@ def prefill_items(snap: Snapshot) -> list[str]:
 
 def run_lines(snap: Snapshot, width: int = 0, height: int = 0) -> tuple[list[str], list[str]]:
     """The run panel's lines under its state line, as (figures, error) in `width` x `height`
-    (0: not known): ETA and elapsed time, the prompt's prefill (when it went layer by layer), the
+    (0: not known): ETA and elapsed time, the prompt tokens the prefix cache gave and those
+    computed (when it gave some), the prompt's prefill (when it went layer by layer), the
     stall per token, the preset and the run id, then
     the error of a failed run in what room is left (one line at least; the event log has all
     of it). The figures take more than one to a line when the panel is short."""
     groups: list[list[str]] = [[f"ETA {fmt_seconds(snap.eta_s)}"] if snap.state in LIVE_STATES else []]
     groups[0].append(f"elapsed {fmt_seconds(snap.elapsed_s)}")
+    if snap.prompt_tokens_reused:
+        groups.append([f"prompt {snap.prompt_tokens_reused} reused · {snap.prompt_tokens - snap.prompt_tokens_reused}"
+                       f" computed"])
     if snap.prefill_tokens:
         groups.append(prefill_items(snap))
     if snap.stall_s_per_token is not None:

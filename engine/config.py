@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from ds4f.errors import Ds4fError
 from ds4f.native.kernels import BACKENDS, available_backends
-from ds4f.paths import user_config_path, user_data_dir
+from ds4f.paths import user_cache_dir, user_config_path, user_data_dir
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
@@ -137,6 +137,15 @@ class Preset:
 
 
 @dataclass(frozen=True)
+class KvSettings:
+    """The prefix cache ([kv]): session states kept in RAM up to ram_bytes and in `dir` up to
+    disk_bytes (0: no disk tier), so a prompt that starts as an earlier one did reuses its state."""
+    ram_bytes: int
+    dir: str                             # resolved, never empty
+    disk_bytes: int
+
+
+@dataclass(frozen=True)
 class Config:
     source: str                          # the file the user's values came from ("built-in" if none)
     model_path: str                      # "" = demo model
@@ -149,6 +158,7 @@ class Config:
     refresh_s: float
     history_path: str                    # resolved, never empty
     presets: dict[str, Preset] = field(default_factory=dict)
+    kv: "KvSettings | None" = None       # the prefix cache ([kv]); None: off
 
     def default_backend(self) -> str:
         """The backend a run gets when it names none: engine.backend unless it is auto; else
@@ -201,6 +211,7 @@ _SCHEMA = {
     "engine": {"preset": str, "io_threads": int, "kernel_threads": int, "backend": str, "probe_floor": bool},
     "console": {"theme": str, "refresh_s": (int, float)},
     "history": {"path": str},
+    "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int)},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
@@ -307,7 +318,26 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
     if model_path and path is not None and not os.path.isabs(os.path.expanduser(model_path)):
         model_path = str((path.parent / model_path))  # relative to the config file
     history = raw["history"]["path"] or str(user_data_dir() / "history.sqlite3")
+    kv = _kv_settings(raw["kv"], source, path)
     return Config(source=source, model_path=os.path.expanduser(model_path), preset=eng["preset"],
                   io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
                   probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
-                  history_path=os.path.expanduser(history), presets=presets)
+                  history_path=os.path.expanduser(history), presets=presets, kv=kv)
+
+
+def _kv_settings(kv: dict, source: str, path: Path | None) -> KvSettings | None:
+    if not kv["enabled"]:
+        return None
+    sizes = {}
+    for key in ("ram", "budget"):
+        if kv[key] in (0, "0"):              # none kept in that tier
+            sizes[key] = 0
+            continue
+        size = parse_budget(kv[key], f"{source}: kv.{key}")
+        if size.nbytes is None:
+            raise Ds4fError(f"{source}: kv.{key}: a size like '2 GiB' or '20 GB', not a fraction, got {kv[key]!r}")
+        sizes[key] = size.nbytes
+    where = os.path.expanduser(kv["dir"]) if kv["dir"] else str(user_cache_dir() / "kv")
+    if kv["dir"] and path is not None and not os.path.isabs(where):
+        where = str(path.parent / where)   # relative to the config file
+    return KvSettings(ram_bytes=sizes["ram"], dir=where, disk_bytes=sizes["budget"])

@@ -21,6 +21,7 @@ from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
 from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
 from ds4f.engine.session import Session
+from ds4f.engine.prefix_cache import PrefixCache
 from ds4f.engine.session_state import SessionState
 
 
@@ -92,6 +93,7 @@ class Engine:
         self.cache = ExpertCache(preset.cache_bytes(self.pool_bytes), checkpoint.slot_nbytes, g.n_layers,
                                  preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k, n_experts=g.n_experts)
         self.reader = Reader(checkpoint, io_threads)
+        self.prefix_cache: PrefixCache | None = None   # use_prefix_cache makes it
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
                                  prefetch=bool(preset.prefetch), attention=self.attention)
 
@@ -111,7 +113,8 @@ class Engine:
         resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self.globals.nbytes
                     + self.attention_nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
-                    + self.reader.trace_nbytes + BOOKKEEPING_BYTES)
+                    + self.reader.trace_nbytes + BOOKKEEPING_BYTES
+                    + (self.prefix_cache.ram_bytes if self.prefix_cache is not None else 0))
         return EngineFigures(
             layer_hits=tuple(c.hits for c in cache.layers), layer_misses=tuple(c.misses for c in cache.layers),
             layer_evictions=tuple(c.evictions for c in cache.layers), cache_used_bytes=cache.used_bytes,
@@ -148,6 +151,17 @@ class Engine:
         return self.reader.threads
 
     # -- sessions ---------------------------------------------------------------------------------
+    def use_prefix_cache(self, ram_bytes: int, disk_dir: str | None, disk_bytes: int, log=None) -> PrefixCache:
+        """The engine's prefix cache, made on first use with these bounds (kept as long as the
+        engine: the states of one run serve the next); its RAM bound counts as resident."""
+        pc = self.prefix_cache
+        if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes) != (ram_bytes, str(disk_dir), disk_bytes):
+            self.prefix_cache = PrefixCache(self.fingerprint, self.geometry.to_config(), ram_bytes, disk_dir,
+                                            disk_bytes, log)
+        elif log is not None:
+            pc.log = log
+        return self.prefix_cache
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """The checkpoint's fingerprint (engine.checkpoint.fingerprint): what a session state names."""

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4f.engine.session_state import SessionState, load_state, read_header, save_state
+from ds4f.engine.session_state import SessionState, canonical, load_state, read_header, save_state
 from ds4f.errors import Ds4fError
 
 SUFFIX = ".kv"
@@ -59,13 +59,14 @@ def _key(backend: str, tokens: tuple[int, ...]) -> str:
 class PrefixCache:
     def __init__(self, fingerprint: str, geometry: dict, ram_bytes: int, disk_dir: str | os.PathLike | None = None,
                  disk_bytes: int = 0, log=None) -> None:
-        self.fingerprint, self.geometry = fingerprint, geometry
+        self.fingerprint, self.geometry = fingerprint, canonical(geometry)
         self.ram_bytes, self.disk_bytes = max(0, int(ram_bytes)), max(0, int(disk_bytes))
         self.log = log or (lambda _line: None)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._ram: dict[str, Entry] = {}
         self._disk: dict[str, Entry] = {}
+        self.dir_asked = disk_dir            # what it was given (the directory may turn out unwritable)
         self.dir = Path(disk_dir) if disk_dir is not None and self.disk_bytes > 0 else None
         if self.dir is not None:
             self._open_dir()

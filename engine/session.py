@@ -15,7 +15,7 @@ from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
 from ds4f.engine.model.prefill import ChunkBuffers, prefill, transient_nbytes
 from ds4f.engine.runtime.helper_thread import beside
-from ds4f.engine.session_state import SessionState, put_layers, take_layers
+from ds4f.engine.session_state import SessionState, canonical, put_layers, take_layers
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Session:
         if self.kv is None:
             raise Ds4fError("a session without attention (the MoE half alone) has no state to keep", param="state")
         logits = None if self._logits is None else self._logits.copy()
-        return SessionState(tuple(self.tokens), logits, take_layers(self.kv), self.geometry.to_config(),
+        return SessionState(tuple(self.tokens), logits, take_layers(self.kv), canonical(self.geometry.to_config()),
                             self.engine.fingerprint, self.engine.backend)
 
     def restore(self, state: SessionState) -> None:
@@ -129,7 +129,7 @@ class Session:
         if self.kv is None:
             raise Ds4fError("a session without attention (the MoE half alone) has no state to restore",
                             param="state")
-        if state.geometry != self.geometry.to_config():
+        if state.geometry != canonical(self.geometry.to_config()):
             raise Ds4fError("the session state belongs to another model geometry", param="state")
         if state.checkpoint != self.engine.fingerprint:
             raise Ds4fError("the session state belongs to another checkpoint", param="state")

@@ -21,7 +21,7 @@ import json
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,7 @@ class SessionState:
     geometry: dict                               # Geometry.to_config() of the model it belongs to
     checkpoint: str                              # the fingerprint of its checkpoint
     backend: str = ""                            # the kernels that computed it (its low bits are theirs)
+    attached: dict = field(default_factory=dict)  # name -> array its keeper adds (kept and saved with it)
 
     @property
     def position(self) -> int:
@@ -74,6 +75,12 @@ class SessionState:
     def nbytes(self) -> int:
         """The bytes its arrays hold (what keeping it costs in RAM)."""
         return sum(a.nbytes for _, a in _arrays(self))
+
+
+def canonical(geometry: dict) -> dict:
+    """A geometry's config as a state holds it: as JSON gives it back (lists, not tuples), so a
+    state loaded from a file compares equal to the one it was saved from."""
+    return json.loads(json.dumps(geometry))
 
 
 # ---- taking and putting back -------------------------------------------------------------------
@@ -137,6 +144,7 @@ def put_layers(layers: tuple[LayerSnapshot, ...], kv) -> None:
 # ---- the file -------------------------------------------------------------------------------------
 def _arrays(state: SessionState) -> list[tuple[str, np.ndarray]]:
     out = [] if state.logits is None else [("logits", state.logits)]
+    out += [(f"attached.{name}", a) for name, a in sorted(state.attached.items())]
     for i, layer in enumerate(state.layers):
         out.append((f"{i}.window", layer.window))
         for part in ("compressor", "indexer"):
@@ -230,13 +238,19 @@ def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint
         layers = tuple(_layer(i, layer["tokens"], arrays) for i, layer in enumerate(head["layers"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: not a readable session state ({exc})", path=str(path)) from None
-    if geometry is not None and head["geometry"] != geometry:
+    if geometry is not None and head["geometry"] != canonical(geometry):
         raise Ds4fError(f"{path}: this session state belongs to another model geometry", path=str(path))
     if checkpoint is not None and head["checkpoint"] != checkpoint:
         raise Ds4fError(f"{path}: this session state belongs to another checkpoint (fingerprint"
                         f" {str(head['checkpoint'])[:12]}…, this one {checkpoint[:12]}…)", path=str(path))
+    attached = {k[len("attached."):]: a for k, a in arrays.items() if k.startswith("attached.")}
     return SessionState(tokens, arrays.get("logits"), layers, head["geometry"], head["checkpoint"],
-                        str(head.get("backend", "")))
+                        str(head.get("backend", "")), attached)
+
+
+def with_attached(state: SessionState, **arrays: np.ndarray) -> SessionState:
+    """The same state with these arrays attached (a run attaches its records of the tokens)."""
+    return replace(state, attached={**state.attached, **arrays})
 
 
 def _layer(i: int, tokens: int, arrays: dict) -> LayerSnapshot:

@@ -38,7 +38,10 @@ class RunConfig:
     stop: tuple[str, ...] = ()               # stop strings: the output ends before the first one
     stop_at_eos: bool | None = None          # end at the end-of-sentence token; None: when the prompt is text
     cold_start: bool = False                 # empty the expert cache first; else a loaded engine's (EngineHost)
-                                             # stays warm from the runs before (a new engine starts empty)
+                                             # stays warm from the runs before (a new engine starts empty);
+                                             # and no prefix is reused
+    reuse_prefix: bool = True                # text: start from the longest kept prefix of the prompt ([kv])
+    kv_dir: str | None = None                # the prefix cache's directory; None: ds4f.toml's [kv] dir
     prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
                                              # None: the preset's
 

@@ -12,9 +12,11 @@ from ds4f.engine.engine import Engine
 class EngineHost:
     """Keeps one loaded Engine between runs, as a console or a server does: a run on the same
     checkpoint (same files, unchanged) with the same preset reuses it (its pinned trunk, routers,
-    expert-cache slots and I/O threads) instead of loading it again. Each run still starts with
-    an empty cache and its own counters, so its figures and state dump are those of a fresh
-    engine. Kernel backend and threads, and the I/O thread count, are set per run.
+    expert-cache slots and I/O threads, its prefix cache) instead of loading it again. Each run
+    starts with its own counters, on the experts the cache holds from the runs before, unless
+    it asks for a cold start (RunConfig.cold_start: an empty cache, the figures of a fresh
+    engine); its state dump is a fresh engine's either way. Kernel backend and threads, and the
+    I/O thread count, are set per run.
     Runs that share a host run one at a time (the process allows one active run)."""
 
     def __init__(self) -> None:

@@ -48,7 +48,9 @@ class MemoryPlan:
         return ((1 - hit_rate) * self.routed_bytes_per_token + self.streamed_trunk_bytes_per_token) / 1e9
 
 
-def memory_plan(g: Geometry, preset: Preset, ram_bytes: int) -> MemoryPlan:
+def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0) -> MemoryPlan:
+    """What the engine holds for geometry `g` under `preset` on a machine of `ram_bytes`, and
+    the prefix cache's RAM bound ([kv] ram) with it."""
     slot = align_up(g.expert_nbytes)
     pool = g.n_layers * g.n_experts * slot
     regions = [moe_region_layout(g, layer)[1] for layer in range(g.n_layers)]
@@ -65,6 +67,7 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int) -> MemoryPlan:
         "routers of the unpinned layers": routers,
         "read-ahead buffers": 2 * max(regions) if pinned < g.n_layers else 0,
         "bookkeeping": BOOKKEEPING_BYTES,
+        "prefix cache (session states in RAM)": prefix_ram_bytes,
         f"prefill chunk ({preset.prefill_chunk} tokens' activations, records and temporaries)":
             ChunkBuffers.nbytes_for(g, preset.prefill_chunk) + transient_nbytes(g, preset.prefill_chunk)
             if preset.prefill_chunk else 0,

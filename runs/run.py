@@ -39,6 +39,7 @@ from ds4f.native import kernels
 from ds4f.paths import user_data_dir
 from ds4f.runs.config import RunConfig, check_backend, check_fits, check_threads, checked, prompt_of
 from ds4f.runs.host import EngineHost
+from ds4f.runs.prefix import attach_records, reusable_records
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
                               replay_last_reads, summary, time_split, write_report)
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
@@ -139,6 +140,8 @@ class Run:
         self._rss_at_end = 0
         self._floor = None
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
+        self._session = None
+        self._prompt_state = None                    # the state before the last prompt token (prefix cache)
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
         self.finished_at: float | None = None
@@ -161,6 +164,9 @@ class Run:
         self.io_threads = config.io_threads or cfg.effective_io_threads(preset)
         self.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
         self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
+        # the prefix cache: for text (a chat's turns, repeated system prompts), never on a cold start
+        text = config.text is not None or config.messages is not None
+        self._kv = cfg.kv if text and config.reuse_prefix and not config.cold_start else None
         self.dump_path = Path(config.dump_path) if config.dump_path else user_data_dir() / "runs" / self.id / RUN_STATE
         self.report_path = Path(config.report_path) if config.report_path else \
             report_path_for(self.dump_path, own_dir=not config.dump_path)
@@ -204,6 +210,11 @@ class Run:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    @property
+    def prompt_tokens_reused(self) -> int:
+        """Of the prompt's tokens, those taken from the prefix cache (not computed)."""
+        return self._log_tokens.reused_tokens
 
     @property
     def generated_tokens(self) -> int:
@@ -319,6 +330,7 @@ class Run:
 
     def _text_fields(self, t: dict) -> dict:
         return dict(phase="prefill" if t["done"] < len(self.prompt) - 1 else "decode", prompt_tokens=len(self.prompt),
+                    prompt_tokens_reused=self._log_tokens.reused_tokens,
                     generated_tokens=self._generated, output_text=self.output_text, finish_reason=self._finish_reason)
 
     # -- the run's thread ---------------------------------------------------------------------
@@ -370,7 +382,8 @@ class Run:
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
-            self._generate(eng, session, writer)
+            self._session = session
+            self._generate(eng, session, writer, self._reuse(eng, session, writer))
             if self._cancel.is_set():
                 writer.abort()
                 writer = None
@@ -420,13 +433,17 @@ class Run:
             self._log(note)
         return eng
 
-    def _generate(self, eng: Engine, session, writer: StateWriter) -> None:
-        """The prompt (layer-major chunks, else token by token) and the generated tokens, until the
-        token count, the end of the output, or a cancel."""
+    def _generate(self, eng: Engine, session, writer: StateWriter, start: int = 0) -> None:
+        """The prompt from `start` (layer-major chunks, else token by token) and the generated
+        tokens, until the token count, the end of the output, or a cancel. With the prefix cache,
+        the last prompt token goes alone, after a snapshot of the state before it."""
         sampling = self.config.sampling
         sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
-        step, token = self._prefill(eng, session, writer, sampler) if session.prefill_chunk else (0, self.prompt[0])
+        step, token = (self._prefill(eng, session, writer, sampler, start) if session.prefill_chunk
+                       else (start, self.prompt[start]))
         while step < self.n_steps and self._finish_reason is None and not self._cancel.is_set():
+            if self._kv is not None and step == len(self.prompt) - 1 and self._prompt_state is None:
+                self._prompt_state = session.snapshot()
             self._apply_switches(eng, step)
             generating = step >= len(self.prompt) - 1     # this step picks a generated token
             t0 = time.perf_counter()
@@ -453,14 +470,16 @@ class Run:
             if _active is self:
                 _active = None
 
-    def _prefill(self, eng: Engine, session, writer, sampler) -> tuple[int, int]:
-        """The prompt, chunk by chunk, layer by layer (Session.prefill); each token's record as a
-        step's. Returns (the next step, the token it feeds): past the prompt, unless cancelled."""
+    def _prefill(self, eng: Engine, session, writer, sampler, start: int = 0) -> tuple[int, int]:
+        """The prompt from `start`, chunk by chunk, layer by layer (Session.prefill); each token's
+        record as a step's. Returns (the next step, the token it feeds): past the prompt (with the
+        prefix cache: at its last token), unless cancelled."""
         prompt, chunk = self.prompt, session.prefill_chunk
-        step, token = 0, prompt[0]
-        while step < len(prompt) and self._finish_reason is None and not self._cancel.is_set():
+        end = len(prompt) - 1 if self._kv is not None else len(prompt)
+        step, token = start, prompt[start]
+        while step < end and self._finish_reason is None and not self._cancel.is_set():
             self._apply_switches(eng, step)
-            part = list(prompt[step:step + chunk])
+            part = list(prompt[step:min(step + chunk, end)])
             n = len(part)
             t0 = time.perf_counter()
             try:
@@ -481,6 +500,55 @@ class Run:
                 step += 1
                 token = prompt[step] if step < len(prompt) else next_token
         return step, token
+
+    def _reuse(self, eng: Engine, session, writer: StateWriter) -> int:
+        """The longest kept prefix of the prompt (all of it but its last token at most) put into the
+        session, its records written to the state dump and logged as reused prompt tokens; how
+        many tokens it gave (0: none, or the prefix cache is off for this run)."""
+        if self._kv is None or session.kv is None or len(self.prompt) < 2:
+            return 0
+        kv = self._kv
+        cache = eng.use_prefix_cache(kv.ram_bytes, self.config.kv_dir or kv.dir, kv.disk_bytes, self._log)
+        state = cache.lookup(self.prompt, eng.backend, at_most=len(self.prompt) - 1)
+        records = reusable_records(state, writer.dtype) if state is not None else None
+        if records is None:
+            if state is not None:
+                self._log("prefix cache: a kept state without this run's records: not used")
+            return 0
+        try:
+            session.restore(state)
+        except Ds4fError as exc:
+            self._log(f"prefix cache: not used: {exc}")
+            return 0
+        writer.write_records(records)
+        with self._lock:
+            for i, r in enumerate(records):
+                self._log_tokens.add(TokenRecord(index=i, token_id=int(r["token"]), next_token_id=int(r["next"]),
+                                                 seconds=0.0, bytes_read=0, hits=0, misses=0, stall_s=0.0,
+                                                 backend=eng.backend, kernel_threads=eng.kernel_threads,
+                                                 io_threads=eng.io_threads, prefill=True, reused=True))
+        self._log(f"prefix cache: {state.position} prompt tokens reused, {len(self.prompt) - state.position} computed")
+        return state.position
+
+    def _keep_states(self) -> None:
+        """A done run's states into the prefix cache, with its records of their tokens: before the
+        last prompt token, and at the end. Not when the kernels switched during the run (its
+        records would not be those of one backend)."""
+        eng, session = self._engine, self._session
+        if self._kv is None or eng is None or eng.prefix_cache is None or session is None:
+            return
+        if len(self._log_tokens.switches) > 1:
+            self._log("prefix cache: nothing kept: the kernels switched during the run")
+            return
+        cache = eng.prefix_cache
+        for state in (self._prompt_state, session.snapshot()):
+            if state is not None and state.position:
+                try:
+                    cache.keep(attach_records(state, self.dump_path))
+                except Ds4fError as exc:
+                    self._log(f"prefix cache: not kept: {exc}")
+        self._log(f"prefix cache: {len(cache)} states, {cache.stats.ram_bytes / 2**20:.1f} MiB in RAM,"
+                  f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk")
 
     def _emit(self, eng: Engine, writer, step: int, token: int, next_token: int, rec, costs: dict, seconds: float,
               prefill: bool) -> None:
@@ -543,6 +611,7 @@ class Run:
             report["state_nbytes"] = writer.nbytes
             write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
             writer.commit()
+            self._keep_states()
             s = report["summary"]
             self._log(f"done: {s['s_per_token']:.3f} s/token warm, hit rate {s['hit_rate']:.1%}, sha256 {sha[:12]}")
         with self._lock:
@@ -553,6 +622,7 @@ class Run:
                 config = self.config_dict()
                 config["tokens_done"] = self._log_tokens.count   # what a cancelled or failed run got to
                 config["generated_tokens"], config["finish_reason"] = self._generated, self._finish_reason
+                config["prompt_tokens_reused"] = self._log_tokens.reused_tokens
                 if self.tokenizer is not None:
                     config["output_text"] = self.output_text
                 self.history.record(run_id=self.id, config=config, state=state, report=report,
@@ -587,6 +657,7 @@ class Run:
                 "sampling": sampling.to_dict() if sampling is not None else "greedy",
                 "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
                 "finish_reason": self._finish_reason, "prompt_tokens": len(self.prompt),
+                "prompt_tokens_reused": self._log_tokens.reused_tokens,
                 "generated_tokens": self._generated}
 
     def config_dict(self) -> dict:

@@ -39,6 +39,7 @@ class TokenRecord:
     head_s: float = 0.0         # of `seconds`: the head (hc reduction, final norm, vocabulary matvec)
     prefill: bool = False       # processed in a layer-major prefill chunk: the chunk's wall time, reads,
                                 # hits and misses are shared out evenly over its tokens
+    reused: bool = False        # a prompt token not computed: its state came from the prefix cache
     text: str = ""              # the text this token added to the output ("" for prompt tokens, and
                                 # while a UTF-8 sequence or a possible stop string is incomplete)
 
@@ -116,6 +117,7 @@ class Snapshot:
                                               # prefetch guess brought in (all 0 with prefetch off)
     phase: str = "decode"                     # "prefill" while the prompt is read, then "decode"
     prompt_tokens: int = 0                    # tokens of the prompt (BOS included)
+    prompt_tokens_reused: int = 0             # of those, taken from the prefix cache (not computed)
     generated_tokens: int = 0                 # tokens generated so far
     output_text: str = ""                     # the generated text so far ("" without a tokenizer)
     finish_reason: str | None = None          # "length" | "eos" | "stop" once generation ended
@@ -155,7 +157,8 @@ TOKEN_DTYPE = np.dtype([("token_id", "<i4"), ("next_token_id", "<i4"), ("seconds
                         ("hits", "<i4"), ("misses", "<i4"), ("stall_s", "<f8"), ("backend", "u1"),
                         ("kernel_threads", "<i2"), ("io_threads", "<i2"), ("disk_busy_s", "<f8"),
                         ("disk_depth_s", "<f8"), ("reads", "<i4"), ("prefetch_hits", "<i4"),
-                        ("attention_s", "<f4"), ("moe_s", "<f4"), ("head_s", "<f4"), ("prefill", "u1")])
+                        ("attention_s", "<f4"), ("moe_s", "<f4"), ("head_s", "<f4"), ("prefill", "u1"),
+                        ("reused", "u1")])
 
 
 class TokenLog:
@@ -177,6 +180,7 @@ class TokenLog:
         self.prefetch_hits = 0     # of the hits, those on prefetched experts: hits - these are the policy's own
         self.stall_s = 0.0
         self.prefill_tokens, self.prefill_s, self.prefill_bytes = 0, 0.0, 0   # the prefilled tokens'
+        self.reused_tokens = 0         # leading prompt tokens taken from the prefix cache, not computed
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +201,7 @@ class TokenLog:
         """The layer-major prefill's figures: prompt tokens, seconds, tokens/s, GB per prompt token
         (None if no token was prefilled)."""
         rows = self.rows[:self.count]
-        rows = rows[rows["prefill"] == 1]
+        rows = rows[(rows["prefill"] == 1) & (rows["reused"] == 0)]
         if not len(rows):
             return None
         seconds = float(rows["seconds"].sum())
@@ -221,7 +225,9 @@ class TokenLog:
         self.prefetch_hits += t.prefetch_hits
         self.bytes_read += t.bytes_read
         self.stall_s += t.stall_s
-        if t.prefill:
+        if t.reused:
+            self.reused_tokens += 1
+        elif t.prefill:
             self.prefill_tokens += 1
             self.prefill_s += t.seconds
             self.prefill_bytes += t.bytes_read
@@ -241,7 +247,7 @@ class TokenLog:
         done = self.rows[:self.count]
         if self.count <= 1:
             return done[done["prefill"] == 0]
-        return done[max(1, self.prefill_tokens):]
+        return done[max(1, self.reused_tokens + self.prefill_tokens):]
 
     def median_seconds(self) -> float | None:
         warm = self.warm()

@@ -289,6 +289,14 @@ class StateWriter:
         self._write(self._rec.tobytes())
         self.n_written += 1
 
+    def write_records(self, records: np.ndarray) -> None:
+        """Steps computed before, as whole records of this dump's dtype (a reused prefix's)."""
+        records = np.ascontiguousarray(records)
+        if records.dtype != self.dtype:
+            raise Ds4fError("the reused records are not of this state dump's record layout", param="state")
+        self._write(records.tobytes())
+        self.n_written += len(records)
+
     def close(self) -> str:
         """Flush and fsync `.partial`; the sha256 of the file. The file stays open, and locked,
         until commit() or abort(): a sweeper never takes a finished but uncommitted dump for a leftover.
@@ -501,6 +509,24 @@ def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
         if problem is not None:
             raise Ds4fError(problem, path=str(path))
     return State(path, header, records, sha)
+
+
+def read_records(path: str | os.PathLike, start: int, stop: int) -> np.ndarray:
+    """Records [start, stop) of a state dump, read from their place in the file (not the whole
+    dump), with the record dtype of its header."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            hlen = _header_length(path, head)
+            _, dtype = _parse_header(path, f.read(hlen))
+            f.seek(16 + hlen + start * dtype.itemsize)
+            data = f.read((stop - start) * dtype.itemsize)
+    except OSError as exc:
+        raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(data) != (stop - start) * dtype.itemsize:
+        raise Ds4fError(f"{path}: fewer than {stop} records")
+    return np.frombuffer(data, dtype=dtype).copy()
 
 
 def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray:

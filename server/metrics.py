@@ -63,6 +63,8 @@ class Metrics:
         self.prefetch_late = Counter("ds4f_prefetch_late", "Of the useful guesses, those still being read when the "
                                      "expert was needed.", registry=r)
         self.runs = Counter("ds4f_runs", "Runs ended, by how: done, cancelled, failed.", ["state"], registry=r)
+        self.prompt_reused = Counter("ds4f_prompt_tokens_reused", "Prompt tokens taken from the prefix cache, not "
+                                     "computed (those computed are ds4f_tokens{phase=\"prefill\"}).", registry=r)
         self.requests = Counter("ds4f_http_requests", "HTTP requests answered, by endpoint (the route, or "
                                 "`other`), method and status class (2xx, 4xx...).", ["endpoint", "method", "code"],
                                 registry=r)
@@ -95,10 +97,12 @@ class Metrics:
         self.prefetch_hits.inc(max(0, record.prefetch_hits))
         self.misses.inc(max(0, record.misses))
 
-    def run_ended(self, state: str, prefetch: dict) -> None:
-        """A run's end: its state and its prefetch counts (Snapshot.prefetch; empty: prefetch off)."""
+    def run_ended(self, state: str, prefetch: dict, prompt_reused: int = 0) -> None:
+        """A run's end: its state, its prefetch counts (Snapshot.prefetch; empty: prefetch off) and
+        the prompt tokens it took from the prefix cache."""
         if state in END_STATES:
             self.runs.labels(state).inc()
+        self.prompt_reused.inc(max(0, prompt_reused))
         if not prefetch:
             return
         issued = int(prefetch.get("issued", 0))

@@ -226,7 +226,9 @@ def parse_sampling(raw: dict, svc) -> SamplingParams:
 # -- answers -------------------------------------------------------------------------------------
 def _usage(run) -> dict:
     return {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.generated_tokens,
-            "total_tokens": run.prompt_tokens + run.generated_tokens}
+            "total_tokens": run.prompt_tokens + run.generated_tokens,
+            # as OpenAI reports it: the prompt tokens served from the prefix cache
+            "prompt_tokens_details": {"cached_tokens": run.prompt_tokens_reused}}
 
 
 def _ended_badly(run) -> HttpError | None:
@@ -257,7 +259,8 @@ def _answer(ask: Ask, run, svc) -> dict:
 
 def _run_config(ask: Ask, svc) -> RunConfig:
     return RunConfig(model=svc.model, preset=svc.preset, gen=ask.gen, backend=svc.cfg.backend,
-                     config_path=svc.options.config_path, sampling=ask.sampling, **ask.fields)
+                     config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
+                     reuse_prefix=svc.options.reuse_prefix, **ask.fields)
 
 
 def _names(ask: Ask) -> dict:

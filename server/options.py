@@ -36,6 +36,8 @@ class ServerOptions:
     default_max_tokens: int = 256       # chat completions without max_tokens (completions: 16, as OpenAI)
     cancel_wait_s: float = 5.0          # DELETE waits this long for the run to stop before answering 202
     access_log: bool = True             # one stderr line per request
+    kv_dir: str | None = None           # the prefix cache's directory; None: ds4f.toml's [kv] dir
+    reuse_prefix: bool = True           # False: every prompt computed whole
 
     @property
     def queue_share(self) -> int:

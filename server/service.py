@@ -265,7 +265,7 @@ class Service:
             await asyncio.sleep(0)   # the last token's record, handed over just before the run ended
             snap = run.snapshot()
             self._count_evictions(snap, counted)
-            self.metrics.run_ended(snap.state, snap.prefetch)
+            self.metrics.run_ended(snap.state, snap.prefetch, snap.prompt_tokens_reused)
         finally:
             self.queue.leave(ticket)
             feed.close()

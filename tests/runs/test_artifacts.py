@@ -108,7 +108,7 @@ def test_kill_9_during_a_run_never_leaves_a_new_state_with_an_old_report(tiny_mo
     state, rep = pair_view(dump, report)
     assert rep["state_sha256"] == state and rep["state_nbytes"] == dump.stat().st_size
     assert pair_problem(dump) is None
-    print(f"kills (seed {seed}): {seen}")
+    print(f"kills: {seen}")
 
 
 def test_a_half_committed_pair_is_not_done_anywhere_and_the_next_run_removes_it(tiny_model, tmp_path):

@@ -387,6 +387,26 @@ def test_a_thinking_chat_answers_with_its_reasoning(srv):
     assert srv.get(f"/runs/{answer['id'].removeprefix('chatcmpl-')}").json()["config"]["thinking"] is True
 
 
+def test_a_chats_next_turn_reports_the_prompt_tokens_it_reused(srv):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: the prompt tokens the
+    prefix cache gave (the conversation so far), the same answer as computing them."""
+    opening = [{"role": "user", "content": "A question no other test asks: what is a prefix cache?"}]
+    first = srv.openai().chat.completions.create(model=srv.service.model_id, messages=opening, max_tokens=6,
+                                                 temperature=0)
+    turn = [*opening, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Go on."}]
+    second = srv.openai().chat.completions.create(model=srv.service.model_id, messages=turn, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens - 2 <= cached < second.usage.prompt_tokens
+    again = srv.chat(messages=turn, max_tokens=6, temperature=0).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == second.usage.prompt_tokens - 1
+    assert again["choices"][0]["message"]["content"] == second.choices[0].message.content
+    metrics = srv.get("/metrics").body.decode()
+    reused = [line for line in metrics.splitlines() if line.startswith("ds4f_prompt_tokens_reused_total")]
+    assert reused and float(reused[0].split()[-1]) >= cached + again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_sse_framing_on_the_wire(srv):
     s = sse_request(srv.port, {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "stream": True},
                     path="/v1/completions")
@@ -978,7 +998,8 @@ def test_metrics_are_rateable_counters_that_add_up(srv):
         after = metrics_of(srv)
         decode = value(after, "ds4f_tokens", phase="decode")
         assert decode == seen.get("decode", 0) + answer["usage"]["completion_tokens"]
-        assert value(after, "ds4f_tokens", phase="prefill") == seen.get("prefill", 0) + answer["usage"]["prompt_tokens"] - 1
+        computed = answer["usage"]["prompt_tokens"] - 1 - answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert value(after, "ds4f_tokens", phase="prefill") == seen.get("prefill", 0) + computed   # not the reused
         seen = {"decode": decode, "prefill": value(after, "ds4f_tokens", phase="prefill")}
     assert value(after, "ds4f_token_latency_seconds", "ds4f_token_latency_seconds_count", phase="decode") == decode
 

@@ -1,0 +1,86 @@
+"""`ds4f bench chat`: an N-turn conversation on the bench checkpoint, each turn with the prefix
+cache and without it, and the last turn again after a restart (a new engine: the states from disk;
+all of its prompt but the last token was kept when it ran before).
+
+Per turn and mode, from the runs' own reports: the prompt tokens reused and computed, the time
+its tokens took (and the run's wall time: an engine load, a state read from disk), the GB read from disk (every token's direct reads), the expert-cache hit rate, and the
+state dump's sha256 (a reused prefix must give the cold run's dump). `recompute` runs the same
+turns, with the answers the `reuse` pass gave, on an engine of its own with no prefix reuse;
+`restart` is the last turn on a new engine with an empty RAM tier. Both modes run in this
+invocation, interleaved turn by turn, so a disk that drifts during the bench favours neither.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from ds4f.bench.engine import Log, _quiet, bench_model, bench_scratch_dir
+from ds4f.errors import Ds4fError
+
+QUESTIONS = ("What is an expert cache, and why does it matter for a model this size?",
+             "How does a disk-streaming engine decide what to read next?",
+             "Why keep a conversation's state instead of recomputing it?",
+             "What would you measure first on a new machine?",
+             "Summarise the answers so far in one line.")
+MODES = ("reuse", "recompute", "restart")
+
+
+def bench_chat(model: str | Path | None = None, preset: str = "laptop", turns: int = 3, gen: int | None = None,
+               config_path: str | None = None, *, log: Log | None = None, progress=None) -> list[dict]:
+    """One record per turn and mode (see the module docstring)."""
+    from ds4f.runs.host import EngineHost
+
+    if not 1 <= turns <= len(QUESTIONS):
+        raise Ds4fError(f"turns: from 1 to {len(QUESTIONS)}, got {turns}", param="turns")
+    log = log or _quiet
+    model = bench_model(model, progress, log)
+    gen = gen or 16
+    kv = bench_scratch_dir() / f"chat-kv-{time.strftime('%Y%m%d-%H%M%S')}"
+    hosts = {"reuse": EngineHost(), "recompute": EngineHost()}
+    records, messages = [], []
+    try:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": QUESTIONS[turn]})
+            first = None
+            for mode in (("reuse", "recompute") if turn % 2 == 0 else ("recompute", "reuse")):
+                r = _turn(model, preset, messages, gen, config_path, kv, hosts[mode], mode, turn, log)
+                records.append(r)
+                first = r if mode == "reuse" else first
+            messages.append({"role": "assistant", "content": first["output"]})
+        hosts["reuse"].close()
+        restart = EngineHost()      # a new process would do the same: the RAM tier empty, the files kept
+        try:
+            records.append(_turn(model, preset, messages[:-1], gen, config_path, kv, restart, "restart", turns - 1,
+                                 log))
+        finally:
+            restart.close()
+    finally:
+        for host in hosts.values():
+            host.close()
+        shutil.rmtree(kv, ignore_errors=True)
+    return records
+
+
+def _turn(model, preset, messages, gen, config_path, kv: Path, host, mode: str, turn: int, log: Log) -> dict:
+    from ds4f.runs.config import RunConfig
+    from ds4f.runs.run import start_run
+
+    config = RunConfig(model=str(model), preset=preset, gen=gen, messages=tuple(messages), config_path=config_path,
+                       probe_floor=False, kv_dir=str(kv), reuse_prefix=mode != "recompute", stop_at_eos=False,
+                       dump_path=str(bench_scratch_dir() / f"chat-{mode}-{turn}.bin"))
+    run = start_run(config, engines=host)
+    while not run.wait(1.0):
+        snap = run.snapshot()
+        log(f"  turn {turn + 1} [{mode}]: {snap.tokens_done}/{snap.steps} tokens")
+    if run.state != "done":
+        raise Ds4fError(run.error or f"bench run ended {run.state}")
+    report = run.report
+    s = report["summary"]
+    return {"turn": turn + 1, "mode": mode, "prompt_tokens": run.prompt_tokens,
+            "reused": run.prompt_tokens_reused, "computed": run.prompt_tokens - run.prompt_tokens_reused,
+            "seconds": sum(t["seconds"] for t in report["tokens"]), "wall_s": s["wall_s"],
+            "gb_read": sum(t["bytes_read"] for t in report["tokens"]) / 1e9,
+            "hit_rate": s["hit_rate"], "cache_start": report["cache"]["start"],
+            "sha256": report["state_sha256"], "output": run.output_text,
+            "backend": report["backend_by_token"][-1]}

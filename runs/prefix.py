@@ -1,0 +1,37 @@
+"""A run's use of the engine's prefix cache, kept exact: a reused prefix gives the same tokens and
+the same state dump as computing it.
+
+A kept state carries the run's own state-dump records of its tokens (attached as raw bytes), so a
+later run that starts from it writes those records as its own: the math of a position depends only
+on the tokens up to it and the backend, and the cache only gives a state to a run of the same
+backend. Of a record only the `next` field depends on the run: for every prompt token but the last
+it is the greedy choice, the top logit's id, which the record holds (the last prompt token is
+always computed, since its next token is the run's first draw). A run keeps two states once it is
+done: before its last prompt token (what the next turn of a chat shares, whatever the chat format
+renders after it) and at its end (prompt and answer: a continuation's prefix).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ds4f.engine.session_state import SessionState, with_attached
+from ds4f.runs.statedump import read_records
+
+RECORDS = "records"
+
+
+def attach_records(state: SessionState, dump_path) -> SessionState:
+    """`state` with the records of its tokens from the done run's state dump."""
+    records = read_records(dump_path, 0, state.position)
+    return with_attached(state, **{RECORDS: np.frombuffer(records.tobytes(), np.uint8).reshape(len(records), -1)})
+
+
+def reusable_records(state: SessionState, dtype: np.dtype) -> np.ndarray | None:
+    """The state's records as this run writes them (each `next` the greedy choice), or None when it
+    has none of this dump's layout (then the state is not used)."""
+    raw = state.attached.get(RECORDS)
+    if raw is None or raw.ndim != 2 or raw.shape != (state.position, dtype.itemsize):
+        return None
+    records = np.frombuffer(raw.tobytes(), dtype).copy()
+    records["next"] = records["top_ids"][:, 0]
+    return records
