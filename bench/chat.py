@@ -3,7 +3,8 @@ cache and without it, and the last turn again after a restart (a new engine: the
 all of its prompt but the last token was kept when it ran before).
 
 Per turn and mode, from the runs' own reports: the prompt tokens reused and computed, the time
-its tokens took (and the run's wall time: an engine load, a state read from disk), the GB read from disk (every token's direct reads), the expert-cache hit rate, and the
+its tokens took (and the run's wall time: an engine load, a state read from disk), the GB read
+from disk (every token's direct reads), the expert-cache hit rate, and the
 state dump's sha256 (a reused prefix must give the cold run's dump). `recompute` runs the same
 turns, with the answers the `reuse` pass gave, on an engine of its own with no prefix reuse;
 `restart` is the last turn on a new engine with an empty RAM tier. Both modes run in this
@@ -15,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ds4f.bench.engine import Log, _quiet, bench_model, bench_scratch_dir
+from ds4f.bench.engine import Log, _quiet, bench_model, bench_scratch_dir, finished_report
 from ds4f.errors import Ds4fError
 
 QUESTIONS = ("What is an expert cache, and why does it matter for a model this size?",
@@ -70,12 +71,8 @@ def _turn(model, preset, messages, gen, config_path, kv: Path, host, mode: str, 
                        probe_floor=False, kv_dir=str(kv), reuse_prefix=mode != "recompute", stop_at_eos=False,
                        dump_path=str(bench_scratch_dir() / f"chat-{mode}-{turn}.bin"))
     run = start_run(config, engines=host)
-    while not run.wait(1.0):
-        snap = run.snapshot()
-        log(f"  turn {turn + 1} [{mode}]: {snap.tokens_done}/{snap.steps} tokens")
-    if run.state != "done":
-        raise Ds4fError(run.error or f"bench run ended {run.state}")
-    report = run.report
+    report = finished_report(run, log,
+                             lambda snap: f"  turn {turn + 1} [{mode}]: {snap.tokens_done}/{snap.steps} tokens")
     s = report["summary"]
     return {"turn": turn + 1, "mode": mode, "prompt_tokens": run.prompt_tokens,
             "reused": run.prompt_tokens_reused, "computed": run.prompt_tokens - run.prompt_tokens_reused,

@@ -107,6 +107,16 @@ def attention_at_depth(model: Path, backend: str, depths=DEPTHS, tokens: int = 4
     return out
 
 
+def finished_report(run, log: Log, line) -> dict:
+    """Wait for a bench run, logging line(snapshot) every second; its whole report once done (a
+    Ds4fError when it ended otherwise)."""
+    while not run.wait(1.0):
+        log(line(run.snapshot()))
+    if run.state != "done":
+        raise Ds4fError(run.error or f"bench run ended {run.state}")
+    return run.report
+
+
 def bench_scratch_dir() -> Path:
     """Where the benchmarks keep their runs' dumps and reports (the user's cache directory)."""
     from ds4f.paths import user_cache_dir

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.bench.engine import Log, _quiet, bench_model, bench_scratch_dir
+from ds4f.bench.engine import Log, _quiet, bench_model, bench_scratch_dir, finished_report
 from ds4f.errors import Ds4fError
 
 LENGTHS = (16, 128, 512, 2048)
@@ -35,12 +35,8 @@ def _one(model: Path, preset: str, prompt: tuple[int, ...], mode: str, gen: int,
     run = start_run(RunConfig(model=str(model), preset=preset, gen=gen, prompt=prompt, config_path=config_path,
                               prefill_chunk=0 if mode == "token" else None, probe_floor=False,
                               dump_path=str(bench_scratch_dir() / f"prefill-{mode}.bin")))
-    while not run.wait(1.0):
-        snap = run.snapshot()
-        log(f"  [{mode}] {len(prompt)} prompt tokens: {min(snap.tokens_done, len(prompt))} done")
-    if run.state != "done":
-        raise Ds4fError(run.error or f"bench run ended {run.state}")
-    report = run.report
+    report = finished_report(run, log, lambda snap: f"  [{mode}] {len(prompt)} prompt tokens:"
+                                                    f" {min(snap.tokens_done, len(prompt))} done")
     n = len(prompt)
     rows = report["tokens"][:n]           # the prompt's steps (the last one picks the first generated token)
     seconds = sum(t["seconds"] for t in rows)

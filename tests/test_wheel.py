@@ -41,7 +41,8 @@ def source_modules() -> list[str]:
 
 def _run(cmd, **kw):
     out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
-    assert out.returncode == 0, f"{' '.join(map(str, cmd))} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (f"{' '.join(map(str, cmd))} failed ({out.returncode}):\n"
+                                 f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out
 
 

@@ -115,7 +115,8 @@ def test_a_damaged_file_is_logged_removed_and_not_used(engine, tmp_path, damage)
     files = {p.stat().st_mtime_ns: p for p in tmp_path.glob("*.kv")}
     newest = files[max(files)]                                        # the 13-token state
     data = newest.read_bytes()
-    newest.write_bytes({"truncate": data[:len(data) // 3], "flip": data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 4]) + data[len(data) // 2 + 1:],
+    mid = len(data) // 2
+    newest.write_bytes({"truncate": data[:len(data) // 3], "flip": data[:mid] + bytes([data[mid] ^ 4]) + data[mid + 1:],
                         "garbage": b"\x00" * 64}[damage])
     restarted = _cache(engine, ram=0, disk_dir=tmp_path, disk=1 << 30, lines=lines)
     state = restarted.lookup(PROMPT, engine.backend)

@@ -68,7 +68,7 @@ def _continue(session, n):
     return out
 
 
-def _same(a, b):
+def assert_same(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         for u, v in zip(x, y):
@@ -98,8 +98,8 @@ def test_restored_and_forked_sessions_continue_byte_for_byte(ratios_model, backe
             s.restore(state)
             one, two = engine.fork(state), engine.fork(state)
             for session in (s, one, two):
-                _same(_steps(session, PROMPT[p:]), whole[p:])
-                _same(_continue(session, GEN), tail)
+                assert_same(_steps(session, PROMPT[p:]), whole[p:])
+                assert_same(_continue(session, GEN), tail)
     finally:
         _close(engine)
 
@@ -120,8 +120,8 @@ def test_two_forks_of_one_prefix_do_not_disturb_each_other(ratios_model):
         cold_a, cold_b = engine.new_session(), engine.new_session()
         _steps(cold_a, PROMPT[:13])
         _steps(cold_b, PROMPT[:13])
-        _same(got_a, _steps(cold_a, PROMPT[13:13 + len(other)]))
-        _same(got_b, _steps(cold_b, other))
+        assert_same(got_a, _steps(cold_a, PROMPT[13:13 + len(other)]))
+        assert_same(got_b, _steps(cold_b, other))
     finally:
         _close(engine)
 
@@ -140,7 +140,7 @@ def test_a_state_taken_after_prefill_chunks_continues_as_a_cold_prefill(ratios_m
         fork.prefill(list(PROMPT[11:16]))
         got = fork.prefill(list(PROMPT[16:])).logits
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
-        _same(_continue(fork, GEN), _continue(cold, GEN))
+        assert_same(_continue(fork, GEN), _continue(cold, GEN))
     finally:
         _close(engine)
 
@@ -157,13 +157,13 @@ def test_a_saved_state_loads_and_continues_byte_for_byte(ratios_model, tmp_path,
         assert not list(tmp_path.glob("*.partial"))
         loaded = load_state(path, engine.geometry.to_config(), engine.fingerprint)
         assert loaded.tokens == PROMPT[:13] and loaded.nbytes == s.snapshot().nbytes
-        _same(_steps(engine.fork(loaded), PROMPT[13:]), whole[13:])
+        assert_same(_steps(engine.fork(loaded), PROMPT[13:]), whole[13:])
     finally:
         _close(engine)
     # another engine on the same checkpoint (a restart) takes it too
     again = _engine(ratios_model, backend)
     try:
-        _same(_steps(again.fork(load_state(path, again.geometry.to_config(), again.fingerprint)), PROMPT[13:]),
+        assert_same(_steps(again.fork(load_state(path, again.geometry.to_config(), again.fingerprint)), PROMPT[13:]),
               whole[13:])
     finally:
         _close(again)
@@ -225,7 +225,7 @@ def test_a_state_of_another_checkpoint_or_past_the_context_is_refused(ratios_mod
         c = _engine(copy)
         try:
             assert c.fingerprint == a.fingerprint
-            _same(_steps(c.fork(state), (7, 7)), _steps(a.fork(state), (7, 7)))
+            assert_same(_steps(c.fork(state), (7, 7)), _steps(a.fork(state), (7, 7)))
         finally:
             _close(c)
     finally:
