@@ -119,6 +119,10 @@ async def test_a_prompt_streams_its_answer_into_the_transcript(tiny_model, histo
                                         {"role": "assistant", "content": run.output_text},
                                         {"role": "user", "content": "And then?"})
         assert answers(app) == [F.printable(run.output_text), F.printable(run2.output_text)]
+        # and reuses it: the first turn's prompt from the prefix cache, said in the run panel's lines
+        assert run2.prompt_tokens_reused >= run.prompt_tokens - 2
+        lines, _ = F.run_lines(run2.snapshot())
+        assert f"prompt {run2.prompt_tokens_reused} reused" in " · ".join(lines)
     rec = History(history_path).get(run2.id)
     assert rec.config["output_text"] == run2.output_text and rec.config["finish_reason"] == "length"
 
