@@ -1,6 +1,7 @@
 """The engine a console or a server keeps loaded between runs."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import psutil
@@ -57,6 +58,12 @@ class EngineHost:
             self._engine, self._key = engine, key
             self.loads += 1
         return engine
+
+    def prefix_cache_stats(self):
+        """The loaded engine's prefix cache figures (engine.prefix_cache.CacheStats), or None."""
+        with self._lock:
+            cache = self._engine.prefix_cache if self._engine is not None else None
+        return dataclasses.replace(cache.stats) if cache is not None else None
 
     def close(self) -> None:
         with self._lock:

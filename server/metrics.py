@@ -139,6 +139,17 @@ class LiveGauges:
         yield GaugeMetricFamily("ds4f_engine_busy", "1 while a run holds the engine.", value=int(d["busy"]))
         yield GaugeMetricFamily("ds4f_queue_waiting", "Requests waiting for the engine.", value=d["queue_waiting"])
         yield GaugeMetricFamily("ds4f_queue_capacity", "Requests the engine queue holds.", value=d["queue_capacity"])
+        pc = d.get("prefix_cache")
+        if pc is not None:
+            for name, what, value in (
+                    ("ram_bytes", "Bytes of session states the prefix cache holds in RAM.", pc.ram_bytes),
+                    ("disk_bytes", "Bytes of session states the prefix cache holds on disk.", pc.disk_bytes),
+                    ("hits", "Prompts that found a kept prefix, since the engine loaded.", pc.hits),
+                    ("misses", "Prompts that found none, since the engine loaded.", pc.misses),
+                    ("evictions", "States the prefix cache dropped for its bounds, since the engine loaded.",
+                     pc.evictions),
+                    ("rejected_files", "State files refused (damaged, foreign) and removed.", pc.rejected_files)):
+                yield GaugeMetricFamily(f"ds4f_prefix_cache_{name}", what, value=value)
         s = d.get("snapshot")
         if s is None:
             return

@@ -279,7 +279,8 @@ class Service:
     def _live_gauges(self) -> dict:
         run = self._current
         return {"busy": self.busy, "queue_waiting": len(self.queue.waiting), "queue_capacity": self.queue.capacity,
-                "snapshot": run.snapshot() if run is not None else None}
+                "snapshot": run.snapshot() if run is not None else None,
+                "prefix_cache": self.engines.prefix_cache_stats()}
 
     # -- runs --------------------------------------------------------------------------------------
     def _find(self, run_id: str):

@@ -405,6 +405,11 @@ def test_a_chats_next_turn_reports_the_prompt_tokens_it_reused(srv):
     metrics = srv.get("/metrics").body.decode()
     reused = [line for line in metrics.splitlines() if line.startswith("ds4f_prompt_tokens_reused_total")]
     assert reused and float(reused[0].split()[-1]) >= cached + again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    gauges = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("ds4f_prefix_cache_")}
+    assert gauges["ds4f_prefix_cache_hits"] >= 2 and gauges["ds4f_prefix_cache_ram_bytes"] > 0
+    assert {"ds4f_prefix_cache_disk_bytes", "ds4f_prefix_cache_misses", "ds4f_prefix_cache_evictions",
+            "ds4f_prefix_cache_rejected_files"} <= set(gauges)
 
 
 def test_sse_framing_on_the_wire(srv):
