@@ -154,3 +154,27 @@ def test_two_caches_share_one_directory(engine, tmp_path):
     b.keep(_state(engine, 13))
     assert a.lookup(PROMPT, engine.backend) is None                   # a does not know b's file yet
     assert _cache(engine, ram=0, disk_dir=tmp_path, disk=1 << 30).lookup(PROMPT, engine.backend).position == 13
+
+
+def test_a_full_disk_while_saving_is_logged_and_leaves_no_file(engine, tmp_path):
+    """The directory on a filesystem too small for a state: the save fails (ENOSPC), is logged,
+    leaves no partial file, and RAM keeps the state."""
+    import os
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("needs root and mount to make a small filesystem")
+    try:
+        lines = []
+        cache = _cache(engine, ram=1 << 30, disk_dir=small, disk=1 << 30, lines=lines)
+        state = _state(engine, 13)
+        assert state.nbytes > 16 << 10
+        cache.keep(state)
+        assert any("not saved" in line and "cannot save" in line for line in lines), lines
+        assert list(small.iterdir()) == [] and cache.stats.disk_bytes == 0
+        assert cache.lookup(PROMPT, engine.backend).position == 13
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
