@@ -20,10 +20,15 @@ from ds4f.runs.statedump import read_records
 RECORDS = "records"
 
 
-def attach_records(state: SessionState, dump_path) -> SessionState:
-    """`state` with the records of its tokens from the done run's state dump."""
-    records = read_records(dump_path, 0, state.position)
-    return with_attached(state, **{RECORDS: np.frombuffer(records.tobytes(), np.uint8).reshape(len(records), -1)})
+def attach_records(states: list[SessionState], dump_path) -> list[SessionState]:
+    """Each state with the records of its tokens from the done run's state dump, read once for the
+    longest (the others' tokens are a prefix of it: the same run's)."""
+    if not states:
+        return []
+    records = read_records(dump_path, 0, max(s.position for s in states))
+    raw = np.frombuffer(records.tobytes(), np.uint8).reshape(len(records), -1)
+    return [with_attached(s, **{RECORDS: raw if s.position == len(raw) else raw[:s.position].copy()})
+            for s in states]
 
 
 def reusable_records(state: SessionState, dtype: np.dtype) -> np.ndarray | None:

@@ -541,12 +541,12 @@ class Run:
             self._log("prefix cache: nothing kept: the kernels switched during the run")
             return
         cache = eng.prefix_cache
-        for state in (self._prompt_state, session.snapshot()):
-            if state is not None and state.position:
-                try:
-                    cache.keep(attach_records(state, self.dump_path))
-                except Ds4fError as exc:
-                    self._log(f"prefix cache: not kept: {exc}")
+        states = [s for s in (self._prompt_state, session.snapshot()) if s is not None and s.position]
+        try:
+            for state in attach_records(states, self.dump_path):
+                cache.keep(state)
+        except Ds4fError as exc:
+            self._log(f"prefix cache: not kept: {exc}")
         self._log(f"prefix cache: {len(cache)} states, {cache.stats.ram_bytes / 2**20:.1f} MiB in RAM,"
                   f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk")
 
