@@ -259,10 +259,8 @@ def _chat(args) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 continue
             if run.state == "done":
-                from ds4f.api import split_reasoning
-
-                _, reply = split_reasoning(run.output_text, args.think)
-                messages.append({"role": "assistant", "content": reply})
+                reply = run.assistant_message      # with the ids it was generated as: the next turn reuses it
+                messages.append({k: reply[k] for k in ("role", "content", "tokens") if k in reply})
                 print(f"[{_summary(run, session)}]", file=sys.stderr)
             else:
                 messages.pop()   # a stopped or failed answer is not part of the conversation

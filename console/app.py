@@ -477,9 +477,9 @@ class Ds4fConsole(App):
         thinking = bool(answer.request.get("thinking"))
         transcript.show_answer(text, thinking, status)
         if ended:
-            self._answer_ended(answer, text)
+            self._answer_ended(answer)
 
-    def _answer_ended(self, answer: Answer, text: str) -> None:
+    def _answer_ended(self, answer: Answer) -> None:
         run, ctl = answer.run, self.controller
         self._answer = None
         self._stop_chat_timer()
@@ -494,7 +494,7 @@ class Ds4fConsole(App):
         else:
             line, style = f"✗ failed: {run.error}", "bold red"
         if run.state in ("done", "cancelled") and ctl is not None:
-            ctl.chat.answered(answer.request, text)
+            ctl.chat.answered(answer.request, run.assistant_message)
         self.dashboard.chat.transcript.end_answer(line, style)
 
     def _stop_chat_timer(self) -> None:

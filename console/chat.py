@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams, split_reasoning
+from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams
 
 MODES = ("chat", "think", "text")
 MODE_NAMES = {"chat": "chat", "think": "chat, thinking", "text": "plain completion"}
@@ -83,17 +83,15 @@ class Chat:
         messages = tuple(dict(m) for m in self.messages) + ({"role": "user", "content": prompt},)
         return {"messages": messages, "thinking": self.thinking}
 
-    def answered(self, request: dict, output_text: str) -> None:
-        """A chat answer ended (done or stopped): its turn joins the history, the reasoning apart
-        (the chat format drops it from later prompts). Completions leave no history."""
+    def answered(self, request: dict, message: dict | None) -> None:
+        """A chat answer ended (done or stopped): its turn (the run's assistant_message: the
+        reasoning apart, since the chat format drops it from later prompts, and the ids generated
+        for the content, so the next turn's prompt continues this run's state) joins the history.
+        Completions leave no history."""
         messages = request.get("messages")
-        if not messages:
+        if not messages or message is None:
             return
-        reasoning, answer = split_reasoning(output_text, bool(request.get("thinking")))
-        turn = {"role": "assistant", "content": answer}
-        if reasoning:
-            turn["reasoning"] = reasoning
-        self.messages = [dict(m) for m in messages] + [turn]
+        self.messages = [dict(m) for m in messages] + [dict(message)]
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,27 @@ def _key(backend: str, tokens: tuple[int, ...]) -> str:
     return hashlib.sha256(f"{backend}:{','.join(map(str, tokens))}".encode()).hexdigest()
 
 
+def _headers(directory: Path):
+    """(path, header) of each state file in the directory; the Ds4fError for an unreadable one."""
+    for path in sorted(directory.glob(f"*{SUFFIX}")):
+        try:
+            yield path, read_header(path)
+        except Ds4fError as exc:
+            yield path, exc
+
+
+def kept_tokens_on_disk(directory: str | os.PathLike, fingerprint: str, geometry: dict) -> list[tuple[int, ...]]:
+    """The token ids of the states a directory keeps for this checkpoint and geometry, longest first,
+    read from their headers alone (nothing loaded, nothing removed: a PrefixCache on the directory
+    checks and sweeps); [] when there is no such directory."""
+    directory, geometry = Path(directory), canonical(geometry)
+    if not directory.is_dir():
+        return []
+    tokens = {tuple(head["tokens"]) for _, head in _headers(directory)
+              if not isinstance(head, Ds4fError) and head["checkpoint"] == fingerprint and head["geometry"] == geometry}
+    return sorted(tokens, key=len, reverse=True)
+
+
 class PrefixCache:
     def __init__(self, fingerprint: str, geometry: dict, ram_bytes: int, disk_dir: str | os.PathLike | None = None,
                  disk_bytes: int = 0, log=None) -> None:
@@ -119,6 +140,12 @@ class PrefixCache:
         with self._lock:
             return len(set(self._ram) | set(self._disk))
 
+    def kept_tokens(self) -> list[tuple[int, ...]]:
+        """The token ids of every kept state (RAM and disk, any backend), longest first."""
+        with self._lock:
+            tokens = {e.tokens for e in (*self._ram.values(), *self._disk.values())}
+        return sorted(tokens, key=len, reverse=True)
+
     # -- inside ------------------------------------------------------------------------------
     def _longest(self, tokens: tuple[int, ...], backend: str, limit: int) -> Entry | None:
         best = None
@@ -167,11 +194,9 @@ class PrefixCache:
             self.log(f"prefix cache: {self.dir}: cannot write there ({exc.strerror or exc}); states kept in RAM only")
             self.dir = None
             return
-        for path in sorted(self.dir.glob(f"*{SUFFIX}")):
-            try:
-                head = read_header(path)
-            except Ds4fError as exc:
-                self._reject(path, str(exc))
+        for path, head in _headers(self.dir):
+            if isinstance(head, Ds4fError):
+                self._reject(path, str(head))
                 continue
             if head["checkpoint"] != self.fingerprint or head["geometry"] != self.geometry:
                 continue                       # another checkpoint's: left for its own engine

@@ -127,8 +127,9 @@ def _check_text_settings(config: RunConfig) -> None:
                         param="stop")
 
 
-def prompt_of(config: RunConfig, checkpoint) -> tuple[tuple[int, ...], object]:
-    """The prompt's token ids, and the tokenizer when the run speaks text (None otherwise)."""
+def prompt_of(config: RunConfig, checkpoint, kept=()) -> tuple[tuple[int, ...], object]:
+    """The prompt's token ids, and the tokenizer when the run speaks text (None otherwise).
+    kept: the token ids of kept states, to spell a chat's earlier answers given as text alone."""
     g = checkpoint.geometry
     wants_text = config.text is not None or config.messages is not None or bool(config.stop)
     tokenizer = find_tokenizer(checkpoint.path) if checkpoint.path.is_dir() else None
@@ -137,7 +138,7 @@ def prompt_of(config: RunConfig, checkpoint) -> tuple[tuple[int, ...], object]:
                         f" text; give the prompt as token ids, or use a checkpoint with its tokenizer files",
                         param="model", path=str(checkpoint.path))
     if config.messages is not None:
-        prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking))
+        prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking, kept=kept))
     elif config.text is not None:
         prompt = (tokenizer.bos_id, *tokenizer.encode(config.text))
     else:

@@ -59,6 +59,15 @@ class EngineHost:
             self.loads += 1
         return engine
 
+    def kept_tokens(self, checkpoint) -> list[tuple[int, ...]] | None:
+        """The token ids of the states the loaded engine's prefix cache keeps, when that engine is
+        this checkpoint's and has one; None otherwise."""
+        with self._lock:
+            engine = self._engine
+            same = engine is not None and self._key is not None and self._key[0] == str(checkpoint.path.resolve())
+        cache = engine.prefix_cache if same else None
+        return cache.kept_tokens() if cache is not None else None
+
     def prefix_cache_stats(self):
         """The loaded engine's prefix cache figures (engine.prefix_cache.CacheStats), or None."""
         with self._lock:

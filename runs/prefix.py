@@ -6,14 +6,18 @@ later run that starts from it writes those records as its own: the math of a pos
 on the tokens up to it and the backend, and the cache only gives a state to a run of the same
 backend. Of a record only the `next` field depends on the run: for every prompt token but the last
 it is the greedy choice, the top logit's id, which the record holds (the last prompt token is
-always computed, since its next token is the run's first draw). A run keeps two states once it is
-done: before its last prompt token (what the next turn of a chat shares, whatever the chat format
-renders after it) and at its end (prompt and answer: a continuation's prefix).
+always computed, since its next token is the run's first draw). A done run keeps the states at its
+marks and at its end (prompt and answer: a continuation's prefix). The marks: before its last
+prompt token (what the next turn of a chat shares, whatever the chat format renders after it),
+and in a chat before its first user message (the end of the system prompt, which other
+conversations share) and before its last (a retried or edited last message shares all before it).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
+from ds4f.engine.prefix_cache import kept_tokens_on_disk
 from ds4f.engine.session_state import SessionState, with_attached
 from ds4f.runs.statedump import read_records
 
@@ -40,3 +44,28 @@ def reusable_records(state: SessionState, dtype: np.dtype) -> np.ndarray | None:
     records = np.frombuffer(raw.tobytes(), dtype).copy()
     records["next"] = records["top_ids"][:, 0]
     return records
+
+
+def marks(prompt, user_id: int | None = None) -> list[int]:
+    """The prompt positions (tokens fed) a run keeps a state at: before the last prompt token; with
+    `user_id` (a chat's), before the first and the last user message. Sorted; none at BOS alone
+    (a state of one token saves nothing)."""
+    found = [i for i, t in enumerate(prompt) if t == user_id] if user_id is not None else []
+    at = {len(prompt) - 1} | ({found[0], found[-1]} if found else set())
+    return sorted(m for m in at if 1 < m < len(prompt))
+
+
+def kept_tokens_for(config, kv, checkpoint, engines=None) -> list[tuple[int, ...]]:
+    """The token ids of the kept states, for a chat prompt with an earlier answer given as text
+    alone (engine.text.chat spells it as a kept state does), when the run may reuse a prefix (`kv`:
+    its [kv] settings, None when it may not): the host's loaded prefix cache for this checkpoint,
+    else the headers in the directory. [] when there is nothing to spell."""
+    if kv is None or not config.messages or not any(m.get("role") == "assistant" and m.get("tokens") is None
+                                                    for m in config.messages):
+        return []
+    if engines is not None and (kept := engines.kept_tokens(checkpoint)) is not None:
+        return kept
+    directory = config.kv_dir or kv.dir
+    if not directory or kv.disk_bytes <= 0:
+        return []
+    return kept_tokens_on_disk(directory, checkpoint_fingerprint(checkpoint.path), checkpoint.geometry.to_config())

@@ -32,14 +32,16 @@ from ds4f.engine.config import Preset, load_config
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.model.prefill import Stopped
 from ds4f.engine.runtime.disk_floor import cached_floor
+from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler
+from ds4f.engine.text.tokenizer import USER
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.paths import user_data_dir
 from ds4f.runs.config import RunConfig, check_backend, check_fits, check_threads, checked, prompt_of
 from ds4f.runs.host import EngineHost
-from ds4f.runs.prefix import attach_records, reusable_records
+from ds4f.runs.prefix import attach_records, kept_tokens_for, marks, reusable_records
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
                               replay_last_reads, summary, time_split, write_report)
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
@@ -57,6 +59,13 @@ def _new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
+def kv_of(config: RunConfig, cfg):
+    """The [kv] settings a run goes by: for text (a chat's turns, repeated system prompts), when it
+    may reuse a prefix, never on a cold start; None: no prefix cache."""
+    text = config.text is not None or config.messages is not None
+    return cfg.kv if text and config.reuse_prefix and not config.cold_start else None
+
+
 def active_run() -> "Run | None":
     return _active if _active is not None and not _active.finished else None
 
@@ -72,7 +81,8 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     config = checked(config, cfg)
     checkpoint = open_checkpoint(config.model)
     try:
-        prompt, tokenizer = prompt_of(config, checkpoint)
+        kept = kept_tokens_for(config, kv_of(config, cfg), checkpoint, engines)
+        prompt, tokenizer = prompt_of(config, checkpoint, kept)
         check_fits(config, checkpoint, prompt, preset)
     except Ds4fError:
         checkpoint.close()
@@ -141,7 +151,8 @@ class Run:
         self._floor = None
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._session = None
-        self._prompt_state = None                    # the state before the last prompt token (prefix cache)
+        self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
+        self._marked: list = []                      # the states kept there so far
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
         self.finished_at: float | None = None
@@ -161,12 +172,11 @@ class Run:
         self._output = OutputText(tokenizer, tuple(config.stop)) if tokenizer is not None else None
         self._finish_reason: str | None = None
         self._generated = 0      # tokens picked after the prompt (an end-of-sentence one included)
+        self._generated_ids: list[int] = []   # their ids
         self.io_threads = config.io_threads or cfg.effective_io_threads(preset)
         self.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
         self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
-        # the prefix cache: for text (a chat's turns, repeated system prompts), never on a cold start
-        text = config.text is not None or config.messages is not None
-        self._kv = cfg.kv if text and config.reuse_prefix and not config.cold_start else None
+        self._kv = kv_of(config, cfg)
         self.dump_path = Path(config.dump_path) if config.dump_path else user_data_dir() / "runs" / self.id / RUN_STATE
         self.report_path = Path(config.report_path) if config.report_path else \
             report_path_for(self.dump_path, own_dir=not config.dump_path)
@@ -220,6 +230,21 @@ class Run:
     def generated_tokens(self) -> int:
         """Tokens generated so far (the prompt's not counted; an end-of-sentence token counted)."""
         return self._generated
+
+    @property
+    def generated_ids(self) -> tuple[int, ...]:
+        """The ids of the tokens generated so far (an end-of-sentence token included)."""
+        with self._lock:
+            return tuple(self._generated_ids)
+
+    @property
+    def assistant_message(self) -> dict | None:
+        """A chat run's answer as the next turn's assistant message (engine.text.chat.answer_message:
+        the content, the reasoning apart, and the ids generated for the content, so that the next
+        turn's prompt begins with this run's state); None for a run that is not a chat's."""
+        if self.config.messages is None or self.tokenizer is None:
+            return None
+        return answer_message(self.tokenizer, self.generated_ids, self.output_text, self.config.thinking)
 
     @property
     def output_text(self) -> str:
@@ -436,14 +461,13 @@ class Run:
     def _generate(self, eng: Engine, session, writer: StateWriter, start: int = 0) -> None:
         """The prompt from `start` (layer-major chunks, else token by token) and the generated
         tokens, until the token count, the end of the output, or a cancel. With the prefix cache,
-        the last prompt token goes alone, after a snapshot of the state before it."""
+        the last prompt token goes alone, and a state is kept at each of the run's marks."""
         sampling = self.config.sampling
         sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
         step, token = (self._prefill(eng, session, writer, sampler, start) if session.prefill_chunk
                        else (start, self.prompt[start]))
         while step < self.n_steps and self._finish_reason is None and not self._cancel.is_set():
-            if self._kv is not None and step == len(self.prompt) - 1 and self._prompt_state is None:
-                self._prompt_state = session.snapshot()
+            self._mark(session, step)
             self._apply_switches(eng, step)
             generating = step >= len(self.prompt) - 1     # this step picks a generated token
             t0 = time.perf_counter()
@@ -478,8 +502,10 @@ class Run:
         end = len(prompt) - 1 if self._kv is not None else len(prompt)
         step, token = start, prompt[start]
         while step < end and self._finish_reason is None and not self._cancel.is_set():
+            self._mark(session, step)
             self._apply_switches(eng, step)
-            part = list(prompt[step:min(step + chunk, end)])
+            stop = min([step + chunk, end] + [m for m in self._marks if m > step])   # a chunk ends at a mark
+            part = list(prompt[step:stop])
             n = len(part)
             t0 = time.perf_counter()
             try:
@@ -501,6 +527,11 @@ class Run:
                 token = prompt[step] if step < len(prompt) else next_token
         return step, token
 
+    def _mark(self, session, step: int) -> None:
+        """Keep the session's state when `step` (the tokens fed so far) is one of the run's marks."""
+        if step in self._marks and all(s.position != step for s in self._marked):
+            self._marked.append(session.snapshot())
+
     def _reuse(self, eng: Engine, session, writer: StateWriter) -> int:
         """The longest kept prefix of the prompt (all of it but its last token at most) put into the
         session, its records written to the state dump and logged as reused prompt tokens; how
@@ -509,6 +540,13 @@ class Run:
             return 0
         kv = self._kv
         cache = eng.use_prefix_cache(kv.ram_bytes, self.config.kv_dir or kv.dir, kv.disk_bytes, self._log)
+        start = self._restore_kept(cache, eng, session, writer)
+        user = self.tokenizer.special_id(USER) if self.config.messages is not None else None
+        self._marks = tuple(m for m in marks(self.prompt, user) if m > start)
+        return start
+
+    def _restore_kept(self, cache, eng: Engine, session, writer: StateWriter) -> int:
+        """_reuse's restore: the longest kept prefix into the session; how many tokens it gave."""
         state = cache.lookup(self.prompt, eng.backend, at_most=len(self.prompt) - 1)
         records = reusable_records(state, writer.dtype) if state is not None else None
         if records is None:
@@ -531,8 +569,8 @@ class Run:
         return state.position
 
     def _keep_states(self) -> None:
-        """A done run's states into the prefix cache, with its records of their tokens: before the
-        last prompt token, and at the end. Not when the kernels switched during the run (its
+        """A done run's states into the prefix cache, with its records of their tokens: at its
+        marks (runs.prefix.marks) and at the end. Not when the kernels switched during the run (its
         records would not be those of one backend)."""
         eng, session = self._engine, self._session
         if self._kv is None or eng is None or eng.prefix_cache is None or session is None:
@@ -541,7 +579,7 @@ class Run:
             self._log("prefix cache: nothing kept: the kernels switched during the run")
             return
         cache = eng.prefix_cache
-        states = [s for s in (self._prompt_state, session.snapshot()) if s is not None and s.position]
+        states = [s for s in (*self._marked, session.snapshot()) if s.position]
         try:
             for state in attach_records(states, self.dump_path):
                 cache.keep(state)
@@ -574,6 +612,7 @@ class Run:
         output ends here (the end-of-sentence token, a stop string, the token limit)."""
         with self._lock:
             self._generated += 1
+            self._generated_ids.append(int(token_id))
         out, piece = self._output, ""
         if self.stop_at_eos and token_id == self.eos_id:
             reason = "eos"

@@ -69,6 +69,9 @@ def test_chat_keeps_the_conversation_and_resets_it(tiny_model, tmp_path):
     assert len(summaries) == 3 and "(conversation cleared)" in out.stderr
     counts = [int(s[1:].split(" prompt tokens")[0]) for s in summaries]
     assert counts[1] > counts[0] and counts[2] == counts[0]   # the second turn carries the first; /reset drops it
+    # and reuses all of it that was fed: the first prompt, its answer (as its ids) but the last pick
+    generated = int(summaries[0].split(" generated")[0].split()[-1])
+    assert f"{counts[1]} prompt tokens ({counts[0] + generated - 1} reused from the prefix cache)" in summaries[1]
     answers = [a for a in out.stdout.split("> ") if a]     # each answer after its prompt, "/reset" printed none
     assert len(answers) == 3 and answers[0] == answers[2]   # greedy: the same first answer again
 

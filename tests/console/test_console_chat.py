@@ -116,11 +116,14 @@ async def test_a_prompt_streams_its_answer_into_the_transcript(tiny_model, histo
         run2 = await send(pilot, "And then?")
         assert run2.state == "done", run2.error
         assert run2.config.messages == ({"role": "user", "content": "Hello there"},
-                                        {"role": "assistant", "content": run.output_text},
+                                        {"role": "assistant", "content": run.output_text,
+                                         "tokens": list(run.generated_ids)},
                                         {"role": "user", "content": "And then?"})
         assert answers(app) == [F.printable(run.output_text), F.printable(run2.output_text)]
         # and reuses it: the first turn's prompt from the prefix cache, said in the run panel's lines
-        assert run2.prompt_tokens_reused >= run.prompt_tokens - 2
+        # and its answer, as the ids it was generated as: all that was fed (not the last answer token)
+        assert run2.prompt[:run.prompt_tokens + 40] == run.prompt + run.generated_ids
+        assert run2.prompt_tokens_reused == run.prompt_tokens + 40 - 1
         lines, _ = F.run_lines(run2.snapshot())
         assert f"prompt {run2.prompt_tokens_reused} reused" in " · ".join(lines)
     rec = History(history_path).get(run2.id)
@@ -152,7 +155,9 @@ async def test_the_stop_key_stops_the_answer_and_keeps_it(tiny_model, history_pa
         assert answers(app) == [F.printable(run.output_text)] and run.output_text
         assert endings(app)[-1].startswith(f"■ stopped after {run.generated_tokens} tokens")
         # the partial answer stays in the conversation
-        assert app.controller.chat.messages[-1] == {"role": "assistant", "content": run.output_text}
+        kept = app.controller.chat.messages[-1]
+        assert kept == run.assistant_message and (kept["role"], kept["content"]) == ("assistant", run.output_text)
+        assert set(kept) <= {"role", "content", "tokens"}
         # with nothing live, ctrl+c is Textual's copy again: nothing is stopped, nothing breaks
         await pilot.press("ctrl+c")
         assert app.controller.run is run
@@ -396,16 +401,18 @@ def test_typed_keys():
 def test_chat_requests_and_turns():
     chat = Chat()
     assert chat.request("hi") == {"messages": ({"role": "user", "content": "hi"},), "thinking": False}
-    chat.answered(chat.request("hi"), "hello")
-    assert chat.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat.answered(chat.request("hi"), {"role": "assistant", "content": "hello", "tokens": [5, 6]})
+    assert chat.messages == [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "hello", "tokens": [5, 6]}]
     chat.set_mode("think")
     req = chat.request("why?")
     assert req["thinking"] is True and len(req["messages"]) == 3
-    chat.answered(req, "because</think>so")
+    chat.answered(req, {"role": "assistant", "content": "so", "reasoning": "because"})
     assert chat.messages[-1] == {"role": "assistant", "content": "so", "reasoning": "because"}
+    assert len(chat.messages) == 4 and chat.messages[2] == {"role": "user", "content": "why?"}
     chat.set_mode("text")
     assert chat.request("Once") == {"text": "Once"}
-    chat.answered({"text": "Once"}, "upon")
+    chat.answered({"text": "Once"}, None)
     assert len(chat.messages) == 4, "a completion leaves no turn"
     with pytest.raises(Ds4fError):
         chat.request("   ")

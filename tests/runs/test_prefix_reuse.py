@@ -41,26 +41,33 @@ def _chat(model, tmp_path, name, messages, host=None, **kw):
     return run
 
 
-def _turns(first, question="What is an expert cache?"):
-    """Turn two's messages: turn one's question, its answer, and a new question."""
-    return [{"role": "user", "content": question},
-            {"role": "assistant", "content": first.output_text},
-            {"role": "user", "content": "And why keep it warm?"}]
+def _turns(first, question="What is an expert cache?", ids=True):
+    """Turn two's messages: turn one's question, its answer (as the console and ds4f chat keep it,
+    with the ids it was generated as; or as text alone, as an OpenAI client sends it), and a new
+    question."""
+    answer = first.assistant_message if ids else {"role": "assistant", "content": first.output_text}
+    return [{"role": "user", "content": question}, answer, {"role": "user", "content": "And why keep it warm?"}]
 
 
-@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("thinking, ids", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("chunk", [0, 8])
-def test_a_chats_next_turn_reuses_the_first_and_writes_a_cold_runs_dump(tiny_model, tmp_path, thinking, chunk):
+def test_a_chats_next_turn_reuses_the_first_and_writes_a_cold_runs_dump(tiny_model, tmp_path, thinking, ids, chunk):
     q1 = [{"role": "user", "content": "What is an expert cache?"}]
     kw = dict(thinking=thinking, prefill_chunk=chunk, backend=kernels.best_backend())
     host = EngineHost()
     try:
         one = _chat(tiny_model, tmp_path, "one", q1, host, **kw)
         assert one.prompt_tokens_reused == 0
-        two = _chat(tiny_model, tmp_path, "two", _turns(one), host, **kw)
+        two = _chat(tiny_model, tmp_path, "two", _turns(one, ids=ids), host, **kw)
         assert two.prompt_tokens_reused > 0
         # everything up to the turn's own assistant opening comes from turn one's states
         assert two.prompt_tokens_reused >= one.prompt_tokens - 2
+        if not thinking:   # and the answer too: all that turn one fed (not its last pick)
+            # (sent back as text alone, it is spelled as the kept state spells it)
+            fed = one.prompt + one.generated_ids[:-1]
+            assert two.prompt[:len(fed)] == fed and two.prompt_tokens_reused == len(fed)
+            if ids:
+                assert two.prompt[:len(fed) + 1] == one.prompt + one.generated_ids
         computed = two.prompt_tokens - two.prompt_tokens_reused
         s = two.report["summary"]
         assert s["prompt_tokens_reused"] == two.prompt_tokens_reused
@@ -72,8 +79,14 @@ def test_a_chats_next_turn_reuses_the_first_and_writes_a_cold_runs_dump(tiny_mod
         assert computed < two.prompt_tokens
     finally:
         host.close()
-    # the same turn computed whole, on a fresh engine, with no prefix cache
-    cold = _chat(tiny_model, tmp_path, "cold", _turns(one), config_path=_config(tmp_path / "off", kv=False), **kw)
+    # the same turn computed whole, on a fresh engine, with no prefix cache: the same conversation,
+    # its answer as the ids turn two's prompt holds
+    messages = _turns(one, ids=ids)
+    if not ids and not thinking:
+        end = two.prompt.index(one.tokenizer.eos_id, one.prompt_tokens)
+        messages[1] = dict(messages[1], tokens=list(two.prompt[one.prompt_tokens:end]))
+    cold = _chat(tiny_model, tmp_path, "cold", messages, config_path=_config(tmp_path / "off", kv=False), **kw)
+    assert cold.prompt == two.prompt
     assert cold.prompt_tokens_reused == 0
     assert _sha(two.dump_path) == _sha(cold.dump_path)
     assert two.output_text == cold.output_text and two.report["generated"] == cold.report["generated"]
@@ -129,3 +142,34 @@ def test_the_records_a_kept_state_gives_are_a_cold_runs_of_the_same_tokens(tiny_
     assert records.tobytes() == cold.tobytes()
     # and the run's own records differ where it drew its answer: the rewrite is what makes them equal
     assert read_records(one.dump_path, 0, len(fed)).tobytes() != cold.tobytes()
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_another_conversation_reuses_the_system_prompt(tiny_model, tmp_path, chunk):
+    """A run keeps a state before its first user message (and its last), so a conversation with
+    the same system prompt starts from it; a chunk ends there (7: not a divisor of that position)."""
+    system = {"role": "system", "content": "You keep a lighthouse on a rock in the sea. Answer in one line."}
+    host = EngineHost()
+    try:
+        one = _chat(tiny_model, tmp_path, "one", [system, {"role": "user", "content": "Any boats?"}], host,
+                    prefill_chunk=chunk)
+        user = one.tokenizer.special_id("<｜User｜>")
+        assert one.prompt.index(user) % 7 and one.prompt.index(user) > 7
+        two = _chat(tiny_model, tmp_path, "two", [system, {"role": "user", "content": "How is the weather?"}],
+                    host, prefill_chunk=chunk)
+        assert two.prompt_tokens_reused == two.prompt.index(user) == one.prompt.index(user)
+    finally:
+        host.close()
+    cold = _chat(tiny_model, tmp_path, "cold", [system, {"role": "user", "content": "How is the weather?"}],
+                 prefill_chunk=chunk, reuse_prefix=False)
+    assert cold.prompt_tokens_reused == 0 and _sha(two.dump_path) == _sha(cold.dump_path)
+
+
+def test_marks():
+    from ds4f.runs.prefix import marks
+
+    U = 2
+    assert marks([0, 7, U, 8, 3, 5]) == [5]
+    assert marks([0, 7, U, 8, 3, 5], U) == [2, 5]
+    assert marks([0, U, 8, 3, 1, U, 9, 3, 5], U) == [5, 8]       # not at BOS alone
+    assert marks([0, 7, 5], U) == [2] and marks([0, 7], U) == marks([0], U) == []

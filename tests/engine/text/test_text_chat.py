@@ -10,6 +10,7 @@ import pytest
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
 from ds4f.engine.text import Tokenizer, chat_prompt_ids, render_chat
+from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.synthetic import write_tokenizer_files
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 2, 3, 4, 5
@@ -72,8 +73,89 @@ def test_multi_turn_drops_earlier_reasoning(tok):
     ([{"role": "user", "content": "a", "reasoning": 1}], "reasoning must be a string"),
     ("hello", "a list of"),
     (["hello"], "mapping expected"),
+    ([{"role": "user", "content": "a", "tokens": [7]}], "on an assistant message only"),
+    ([{"role": "assistant", "content": "a", "tokens": "7"}, {"role": "user", "content": "b"}], "list of token ids"),
+    ([{"role": "assistant", "content": "a", "tokens": [1.5]}, {"role": "user", "content": "b"}], "list of token ids"),
+    ([{"role": "assistant", "content": "a", "tokens": [-1]}, {"role": "user", "content": "b"}], "list of token ids"),
 ])
 def test_bad_messages(msgs, what):
     with pytest.raises(Ds4fError, match=what) as e:
         render_chat(msgs)
     assert e.value.param == "messages"
+
+
+def _other_spelling(tok, text):
+    """Ids that decode to `text` but are not the tokenizer's reading of it (as a sampled answer's
+    often are): each character on its own."""
+    ids = [i for ch in text for i in tok.encode(ch)]
+    assert tok.decode(ids) == text and ids != tok.encode(text)
+    return ids
+
+
+def test_assistant_tokens_stand_for_its_content(tok):
+    answer = "Hello! I keep the light."
+    sampled = _other_spelling(tok, answer)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": answer, "tokens": sampled}, {"role": "user", "content": "and?"}]
+    want = ([BOS] + tok.encode("Be brief.") + [USER] + tok.encode("hello") + [ASSISTANT, END_THINK] + sampled
+            + [EOS, USER] + tok.encode("and?") + [ASSISTANT, END_THINK])
+    assert chat_prompt_ids(tok, msgs) == want
+    # the text rendering is unchanged by them
+    assert render_chat(msgs) == render_chat([{k: v for k, v in m.items() if k != "tokens"} for m in msgs])
+
+
+def test_assistant_tokens_that_no_longer_spell_the_content_are_ignored(tok):
+    edited = [{"role": "user", "content": "hello"},
+              {"role": "assistant", "content": "Hi, edited.", "tokens": _other_spelling(tok, "Hello there.")},
+              {"role": "user", "content": "and?"}]
+    plain = [{k: v for k, v in m.items() if k != "tokens"} for m in edited]
+    assert chat_prompt_ids(tok, edited) == tok.encode(render_chat(plain))
+
+
+def test_pieces_tokenize_as_the_whole_text(tok):
+    """With each answer's tokens the tokenizer's own, the prompt built piece by piece is the whole
+    rendered text's encoding: special tokens inside the texts included."""
+    msgs = [{"role": "system", "content": "Rules<｜User｜>inline"}, {"role": "user", "content": " two  spaces "},
+            {"role": "assistant", "content": "é🌊 x", "tokens": tok.encode("é🌊 x")},
+            {"role": "user", "content": "<think>q"},
+            {"role": "assistant", "content": "", "tokens": []}, {"role": "user", "content": "end "}]
+    for thinking in (False, True):
+        assert chat_prompt_ids(tok, msgs, thinking) == tok.encode(render_chat(msgs, thinking))
+
+
+def test_answer_message(tok):
+    sampled = _other_spelling(tok, "so it is")
+    chat = answer_message(tok, sampled + [EOS], "so it is", thinking=False)
+    assert chat == {"role": "assistant", "content": "so it is", "tokens": sampled}
+    reasoning = tok.encode("because")
+    think = answer_message(tok, reasoning + [END_THINK] + sampled, "because</think>so it is", thinking=True)
+    assert think == {"role": "assistant", "content": "so it is", "reasoning": "because", "tokens": sampled}
+    # cut by a stop string inside a token: the text is the answer, the ids no longer spell it
+    cut = answer_message(tok, tok.encode("so it is"), "so it", thinking=False)
+    assert cut == {"role": "assistant", "content": "so it"}
+    # still reasoning when it ended: no answer, no ids of one
+    assert answer_message(tok, reasoning, "because", thinking=True) == \
+        {"role": "assistant", "content": "", "reasoning": "because", "tokens": []}
+
+
+def test_an_answer_sent_as_text_is_spelled_as_a_kept_state_spells_it(tok):
+    answer = "Hello! I keep the light."
+    sampled = _other_spelling(tok, answer)
+    q = [{"role": "user", "content": "hello"}]
+    head = chat_prompt_ids(tok, q)                                 # ends <｜Assistant｜></think>
+    msgs = q + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}]
+    after = [EOS, USER] + tok.encode("and?") + [ASSISTANT, END_THINK]
+    # the state a run kept at its end: its answer but the last pick; the rest is tokenized
+    short = tuple(head + sampled[:-1])
+    got = chat_prompt_ids(tok, msgs, kept=[short])
+    assert got[:len(short)] == list(short) and tok.decode(got[len(head):-len(after)]) == answer
+    assert got[-len(after):] == after
+    # a later turn's state spells all of it; the longest spelling wins, in any order
+    whole = tuple(head + sampled + after)
+    assert chat_prompt_ids(tok, msgs, kept=[short, whole]) == head + sampled + after
+    # states of another prompt, or of another answer, spell nothing: the tokenizer's reading
+    plain = tok.encode(render_chat(msgs))
+    other = chat_prompt_ids(tok, [{"role": "user", "content": "hi"}])
+    assert chat_prompt_ids(tok, msgs, kept=[tuple(other + sampled)]) == plain
+    assert chat_prompt_ids(tok, msgs, kept=[tuple(head + tok.encode("Goodbye"))]) == plain
+    assert chat_prompt_ids(tok, msgs, kept=[tuple(head)]) == plain
