@@ -414,6 +414,81 @@ def test_a_chats_next_turn_reports_the_prompt_tokens_it_reused(srv):
             "ds4f_prefix_cache_rejected_files"} <= set(gauges)
 
 
+def test_a_restarted_server_continues_the_conversations_it_saved(start, tmp_path, tiny_model):
+    """Three turns through the OpenAI client, the server restarted before the third: each turn
+    computes only what it adds (the new message and the format's tokens, and the last answer
+    token), the third from the states on disk; its dump is a cold run's on the same prompt ids."""
+    kv = tmp_path / "kv"
+    srv = start(kv_dir=str(kv))
+    messages, usages, ids = [{"role": "system", "content": "Answer briefly."}], [], []
+    for turn, question in enumerate(("What is a slot cache?", "Why warm?", "And on a restart?")):
+        if turn == 2:
+            srv.close()
+            assert list(kv.glob("*.kv")), "the states saved on disk"
+            srv = start(kv_dir=str(kv))              # a new server: nothing in RAM
+        messages.append({"role": "user", "content": question})
+        answer = srv.openai().chat.completions.create(model=srv.service.model_id, messages=messages, max_tokens=5,
+                                                      temperature=0)
+        usages.append(answer.usage)
+        ids.append(answer.id.removeprefix("chatcmpl-"))
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+    for before, after in zip(usages, usages[1:]):
+        assert after.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens - 1
+    report = srv.get(f"/runs/{ids[-1]}/report").json()
+    srv.close()
+    from ds4f.api import RunConfig, start_run
+    cold = start_run(RunConfig(model=str(tiny_model), prompt=tuple(report["prompt"]), gen=5, stop_at_eos=True,
+                               probe_floor=False, config_path=srv.service.options.config_path,
+                               backend=report["backend_by_token"][0], dump_path=str(tmp_path / "cold.bin")))
+    assert cold.wait(120) and cold.state == "done", cold.error
+    assert cold.report["state_sha256"] == report["state_sha256"]
+    assert cold.report["generated"] == report["generated"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "version"])
+def test_damaged_state_files_are_logged_and_the_request_served_without_them(start, tmp_path, damage):
+    """The server restarted over a directory whose states were damaged (a flipped bit, cut short,
+    another version): the next request is answered, computing its whole prompt, as a server with
+    no prefix cache answers it; the run's events name each refused file; nothing else is lost."""
+    kv = tmp_path / "kv"
+    srv = start(kv_dir=str(kv))
+    ask = [{"role": "user", "content": "Hello, keeper."}]
+    first = srv.chat(messages=ask, max_tokens=4, temperature=0).json()
+    srv.close()
+    files = sorted(kv.glob("*.kv"))
+    assert files
+    damaged = {}
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x10
+        elif damage == "truncate":
+            del data[len(data) // 2:]
+        else:
+            data[8:12] = (99).to_bytes(4, "little")          # the version field after the magic
+        f.write_bytes(bytes(data))
+        damaged[f] = bytes(data)
+    srv = start(kv_dir=str(kv))
+    again = srv.chat(messages=ask, max_tokens=4, temperature=0)
+    assert again.status == 200, again.body
+    body = again.json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert body["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    events = srv.get(f"/runs/{body['id'].removeprefix('chatcmpl-')}/report").json()["events"]
+    refused = [e for e in events if "prefix cache:" in e and "not used" in e]
+    # a header another version's: refused when the directory is opened; damage past the header:
+    # when the state is read, which only the lookup's match is
+    named = [f for f in files if any(str(f) in e for e in refused)]
+    assert len(refused) == len(named) == (len(files) if damage == "version" else 1)
+    assert all(f.read_bytes() != damaged[f] for f in named if f.exists())   # removed, or written anew
+    gauges = {line.split()[0]: float(line.split()[-1]) for line in srv.get("/metrics").body.decode().splitlines()
+              if line.startswith("ds4f_prefix_cache_")}
+    assert gauges["ds4f_prefix_cache_rejected_files"] == len(named)
+    # and it keeps its own states again: a third request reuses the second's
+    third = srv.chat(messages=ask, max_tokens=4, temperature=0).json()
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == body["usage"]["prompt_tokens"] - 1
+
+
 def test_sse_framing_on_the_wire(srv):
     s = sse_request(srv.port, {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "stream": True},
                     path="/v1/completions")
