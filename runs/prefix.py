@@ -10,7 +10,9 @@ always computed, since its next token is the run's first draw). A done run keeps
 marks and at its end (prompt and answer: a continuation's prefix). The marks: before its last
 prompt token (what the next turn of a chat shares, whatever the chat format renders after it),
 and in a chat before its first user message (the end of the system prompt, which other
-conversations share) and before its last (a retried or edited last message shares all before it).
+conversations share). Each state carries the records of all its tokens, so a mark is kept only
+where other prompts branch off: not before every message (the previous turn's end state already
+covers a continuing chat).
 """
 from __future__ import annotations
 
@@ -48,10 +50,10 @@ def reusable_records(state: SessionState, dtype: np.dtype) -> np.ndarray | None:
 
 def marks(prompt, user_id: int | None = None) -> list[int]:
     """The prompt positions (tokens fed) a run keeps a state at: before the last prompt token; with
-    `user_id` (a chat's), before the first and the last user message. Sorted; none at BOS alone
-    (a state of one token saves nothing)."""
-    found = [i for i, t in enumerate(prompt) if t == user_id] if user_id is not None else []
-    at = {len(prompt) - 1} | ({found[0], found[-1]} if found else set())
+    `user_id` (a chat's), before the first user message. Sorted; none at BOS alone (a state of one
+    token saves nothing)."""
+    first = next((i for i, t in enumerate(prompt) if t == user_id), None) if user_id is not None else None
+    at = {len(prompt) - 1} | ({first} if first is not None else set())
     return sorted(m for m in at if 1 < m < len(prompt))
 
 

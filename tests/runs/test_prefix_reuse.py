@@ -146,7 +146,7 @@ def test_the_records_a_kept_state_gives_are_a_cold_runs_of_the_same_tokens(tiny_
 
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_another_conversation_reuses_the_system_prompt(tiny_model, tmp_path, chunk):
-    """A run keeps a state before its first user message (and its last), so a conversation with
+    """A run keeps a state before its first user message, so a conversation with
     the same system prompt starts from it; a chunk ends there (7: not a divisor of that position)."""
     system = {"role": "system", "content": "You keep a lighthouse on a rock in the sea. Answer in one line."}
     host = EngineHost()
@@ -171,5 +171,6 @@ def test_marks():
     U = 2
     assert marks([0, 7, U, 8, 3, 5]) == [5]
     assert marks([0, 7, U, 8, 3, 5], U) == [2, 5]
-    assert marks([0, U, 8, 3, 1, U, 9, 3, 5], U) == [5, 8]       # not at BOS alone
+    assert marks([0, 4, U, 8, 3, 1, U, 9, 3, 5], U) == [2, 9]    # the first user message only
+    assert marks([0, U, 8, 3, 1, U, 9, 3, 5], U) == [8]          # not at BOS alone
     assert marks([0, 7, 5], U) == [2] and marks([0, 7], U) == marks([0], U) == []
