@@ -579,12 +579,14 @@ class Run:
             self._log("prefix cache: nothing kept: the kernels switched during the run")
             return
         cache = eng.prefix_cache
-        states = [s for s in (*self._marked, session.snapshot()) if s.position]
         try:
+            states = [s for s in (*self._marked, session.snapshot()) if s.position]
             for state in attach_records(states, self.dump_path):
                 cache.keep(state)
         except Ds4fError as exc:
             self._log(f"prefix cache: not kept: {exc}")
+        except Exception as exc:   # the run is done and its files are in place: say it, never fail it
+            self._log(f"prefix cache: not kept: internal error: {type(exc).__name__}: {exc}")
         self._log(f"prefix cache: {len(cache)} states, {cache.stats.ram_bytes / 2**20:.1f} MiB in RAM,"
                   f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk")
 
@@ -648,11 +650,13 @@ class Run:
             self._replay = self._replay_reads()
             report = self._build_report(sha)
             report["state_nbytes"] = writer.nbytes
-            write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
-            writer.commit()
-            self._keep_states()
             s = report["summary"]
-            self._log(f"done: {s['s_per_token']:.3f} s/token warm, hit rate {s['hit_rate']:.1%}, sha256 {sha[:12]}")
+            spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
+            hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"
+            write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
+            writer.commit()          # the last step that may fail: a run's files appear only when it is done
+            self._keep_states()      # best effort from here on: it never fails the run
+            self._log(f"done: {spt}, {hit}, sha256 {sha[:12]}")
         with self._lock:
             self._report = report
             self._state = state

@@ -356,3 +356,34 @@ def test_a_closed_stdout_pipe_leaves_a_pair_or_nothing(tiny_model, tmp_path):
     assert leftovers(place) == []
     state, rep = pair_view(dump, place / "a.report.json")
     assert rep is not None and rep["state_sha256"] == state
+
+
+@pytest.mark.parametrize("how", ["gen1-chunked", "gen1-token-by-token", "stop-first"])
+def test_a_run_that_ends_after_its_first_token_is_done_with_its_files(tiny_model, tmp_path, how):
+    """One generated token after a prompt of several, or an answer that ends at its first token
+    (a stop string in its text): a done run, its report and dump a matching pair, a summary with no
+    warm-token speed rather than an internal error."""
+    from ds4f.engine.text import Tokenizer
+
+    tok = Tokenizer.load(tiny_model)
+    text = "Hello there, keeper"
+    kw = dict(prompt=(tok.bos_id, *tok.encode(text)), gen=1)
+    if how == "gen1-token-by-token":
+        kw["prefill_chunk"] = 0
+    if how == "stop-first":      # the first token's text as a stop string: the answer ends before it
+        for i, text in enumerate(("Hello there, keeper", "Once upon a time", "The sea", "A walk", "Notes on")):
+            probe = run_in(tiny_model, tmp_path / f"probe{i}.bin", gen=1, prompt=None, text=text)
+            assert probe.state == "done", probe.error
+            first = probe.report["generated"][0]
+            if "\ufffd" not in tok.decode([first]) and tok.decode([first]).strip():
+                break
+        else:
+            pytest.fail("no probe prompt whose first answer token is whole text")
+        kw = dict(prompt=None, text=text, gen=5, stop=(tok.decode([first]),))
+    dump = tmp_path / "one.bin"
+    run = run_in(tiny_model, dump, **kw)
+    assert run.state == "done", run.error
+    assert run.generated_tokens == 1 and run.finish_reason == ("stop" if how == "stop-first" else "length")
+    report = run.report
+    assert report["state_sha256"] == sha(dump) and pair_problem(dump) is None
+    assert any(" done: " in e for e in run.snapshot().events) and run.error is None

@@ -489,6 +489,20 @@ def test_damaged_state_files_are_logged_and_the_request_served_without_them(star
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == body["usage"]["prompt_tokens"] - 1
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_one_token_answers(start, reuse):
+    """max_tokens 1, on both endpoints, with the prefix cache and without (then the whole prompt
+    is one layer-major chunk): an answer, not an internal error."""
+    srv = start(reuse_prefix=reuse)
+    chat = srv.chat(messages=[{"role": "user", "content": "Hello there, keeper."}], max_tokens=1, temperature=0)
+    assert chat.status == 200, chat.body
+    assert chat.json()["usage"]["completion_tokens"] == 1 and chat.json()["choices"][0]["finish_reason"] == "length"
+    done = srv.request("POST", "/v1/completions", body={"prompt": "Once upon a time", "max_tokens": 1,
+                                                        "temperature": 0})
+    assert done.status == 200, done.body
+    assert done.json()["usage"]["completion_tokens"] == 1
+
+
 def test_sse_framing_on_the_wire(srv):
     s = sse_request(srv.port, {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "stream": True},
                     path="/v1/completions")
