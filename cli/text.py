@@ -32,6 +32,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "generate":
         parser.add_argument("-p", "--prompt", required=True, help="the prompt text (with --chat: the user's message)")
         parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
+        parser.add_argument("--special-tokens", action="store_true",
+                            help="without --chat: special-token strings in the prompt (<｜User｜>, </think>, ...) are"
+                                 " their control tokens (default: plain text)")
         parser.add_argument("--json", metavar="PATH", help="write the run's report (JSON) to PATH")
         parser.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
     parser.add_argument("--system", default=None, help="chat: a system prompt")
@@ -93,14 +96,16 @@ class _Session:
             return "greedy"
         return f"temp {s.temperature:g} · top-p {s.top_p:g} · top-k {s.top_k} · min-p {s.min_p:g} · seed {s.seed}"
 
-    def answer(self, *, text: str | None = None, messages: tuple | None = None, thinking: bool = False):
+    def answer(self, *, text: str | None = None, messages: tuple | None = None, thinking: bool = False,
+               special_tokens: bool = False):
         """Start a run, stream its text to stdout; the finished run (Ctrl-C cancels it)."""
         from ds4f.api import RunConfig, start_run
 
         a = self.args
         config = RunConfig(model=self.model, preset=a.preset or self.cfg.preset,
                            gen=DEFAULT_GEN if a.gen is None else a.gen, text=text, messages=messages,
-                           thinking=thinking, sampling=self.sampling, stop=tuple(a.stop),
+                           thinking=thinking, special_tokens=special_tokens,
+                           sampling=self.sampling, stop=tuple(a.stop),
                            stop_at_eos=not a.ignore_eos, io_threads=a.io_threads, kernel_threads=a.threads,
                            backend=a.backend, config_path=a.config, probe_floor=a.probe,
                            kv_dir=a.kv_dir, reuse_prefix=not a.no_kv)
@@ -183,6 +188,9 @@ def _generate(args) -> int:
         raise Ds4fError(f"--json: {args.json} already exists; pass --force to overwrite it", path=args.json)
     if args.json == "-":
         raise Ds4fError("--json -: stdout carries the generated text; give --json a file")
+    if args.chat and args.special_tokens:
+        raise Ds4fError("--special-tokens: not with --chat (a chat's messages are text; the format adds the markers)",
+                        param="special_tokens")
     session = _Session(args)
     try:
         _sigterm_cancels()
@@ -191,7 +199,7 @@ def _generate(args) -> int:
                        [{"role": "user", "content": args.prompt}]
             run = session.answer(messages=tuple(messages), thinking=args.think)
         else:
-            run = session.answer(text=args.prompt)
+            run = session.answer(text=args.prompt, special_tokens=args.special_tokens)
         if run.state == "cancelled":
             print(f"interrupted after {run.generated_tokens} tokens; no files written", file=sys.stderr)
             return 130

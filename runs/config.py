@@ -32,6 +32,8 @@ class RunConfig:
     moe_only: bool = False                   # allow a checkpoint without attention (the MoE half alone: the cache lab)
     # text: the prompt as text or chat messages (needs the checkpoint's tokenizer), how to pick tokens, when to stop
     text: str | None = None                  # prompt text (BOS prepended); not with `prompt` or `messages`
+    special_tokens: bool = False             # text: a special token's string in it ("<｜User｜>") is that
+                                             # control token; else (and always for messages) it is text
     messages: tuple | None = None            # chat turns ({"role", "content"}), in the model's chat format
     thinking: bool = False                   # chat: the model reasons first (thinking mode) or answers (chat mode)
     sampling: "SamplingParams | None" = None # None: greedy
@@ -110,6 +112,9 @@ def _check_text_settings(config: RunConfig) -> None:
                         f"not {' and '.join(given)}", param=given[1])
     if config.text is not None and (not isinstance(config.text, str) or not config.text):
         raise Ds4fError("text: the prompt text is empty", param="text")
+    if config.special_tokens and config.text is None:
+        raise Ds4fError("special_tokens: for a text prompt only (a chat's messages are always text)",
+                        param="special_tokens")
     if config.messages is not None:
         if not config.messages:
             raise Ds4fError("messages: no chat messages given", param="messages")
@@ -140,7 +145,8 @@ def prompt_of(config: RunConfig, checkpoint, kept=()) -> tuple[tuple[int, ...], 
     if config.messages is not None:
         prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking, kept=kept))
     elif config.text is not None:
-        prompt = (tokenizer.bos_id, *tokenizer.encode(config.text))
+        prompt = (tokenizer.bos_id, *(tokenizer.encode if config.special_tokens else tokenizer.encode_text)(
+            config.text))
     else:
         prompt = tuple(config.prompt) if config.prompt else (g.bos_token_id,)
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < g.vocab]

@@ -9,12 +9,17 @@ reasoning is dropped. The prompt ends with <｜Assistant｜> and <think> (thinki
 reasons first, then writes </think> and the answer) or </think> (chat mode: straight to the
 answer). The last message must be the user's.
 
+The markers are the format's alone: every content is encoded as text (Tokenizer.encode_text), so
+a message holding "<｜Assistant｜>" or "</think>" is those characters, never the control tokens
+(render_chat's text, read back with Tokenizer.encode, would make them control tokens: it is for
+showing, not for the model).
+
 An earlier assistant turn may carry `tokens`: the ids the model generated for its content. When
 they still spell the content exactly, the prompt holds those ids rather than the tokenizer's
 reading of the text (a model's output seldom re-tokenizes to the ids it was sampled as), so a
 conversation's prompt begins with the state its last turn left: the prefix cache then reuses the
-answers too, not only what came before them. Special tokens bound every piece, and the tokenizer
-splits on them first, so the other pieces tokenize as they would in the whole text.
+answers too, not only what came before them. They come from this process (the console, `ds4f
+chat`), never from a client.
 
 A client that sends answers back as text (an OpenAI client) gets the same from `kept`: the token
 ids of the states the prefix cache keeps. An earlier answer without `tokens` is then spelled the
@@ -81,24 +86,24 @@ def render_chat(messages: Sequence[Mapping], thinking: bool = False) -> str:
 
 def chat_prompt_ids(tokenizer, messages: Sequence[Mapping], thinking: bool = False,
                     kept: Sequence[Sequence[int]] = ()) -> list[int]:
-    """The prompt's token ids, BOS first. `kept`: the token ids of kept states, to spell earlier
-    answers given as text alone (see the module docstring)."""
-    for s in (BOS, USER, ASSISTANT, THINK, END_THINK, EOS):
-        tokenizer.special_id(s)   # a Ds4fError naming the tokenizer if it lacks a marker
-    ids, text = [], BOS      # text: rendered, not yet tokenized
+    """The prompt's token ids, BOS first: the format's markers as their control tokens, every
+    content as text (a special token's string in a message is ordinary text: no content can forge
+    a turn). `kept`: the token ids of kept states, to spell earlier answers given as text alone
+    (see the module docstring)."""
+    bos, user, assistant, think, end_think, eos = (tokenizer.special_id(s)   # a Ds4fError naming the
+                                                   for s in (BOS, USER, ASSISTANT, THINK, END_THINK, EOS))  # tokenizer
+    ids = [bos]
     for role, content, tokens in _check(messages):
-        if role == "assistant":       # its ids when they are known: given, or as a kept state spells it
-            head = ids + tokenizer.encode(text + ASSISTANT + END_THINK)
+        if role == "system":
+            ids += tokenizer.encode_text(content)
+        elif role == "user":
+            ids += [user] + tokenizer.encode_text(content)
+        else:                  # its ids when they are known: given, or as a kept state spells it
+            ids += [assistant, end_think]
             spelled = list(tokens) if tokens is not None and tokenizer.decode(tokens) == content \
-                else _as_kept(tokenizer, content, head, kept) if kept else None
-            if spelled is not None:
-                ids, text = head + spelled, EOS
-                continue
-        text += _rendered(role, content)
-    ids += tokenizer.encode(text + _opening(thinking))
-    if not ids or ids[0] != tokenizer.special_id(BOS):
-        raise Ds4fError(f"{tokenizer.path}: does not encode {BOS} as one token", path=tokenizer.path)
-    return ids
+                else _as_kept(tokenizer, content, ids, kept) if kept else None
+            ids += (spelled if spelled is not None else tokenizer.encode_text(content)) + [eos]
+    return ids + [assistant, think if thinking else end_think]
 
 
 TRIES = 8      # tokens _as_kept gives back at most, looking for a spelling of the rest
@@ -109,12 +114,12 @@ def _as_kept(tokenizer, content: str, prefix: list[int], kept: Sequence[Sequence
     tokenized), or None when no kept state continues `prefix` with any of it. A kept state ends a
     token short of a run's answer (the last pick is not fed), so its tail is usually a prefix of the
     content; an undecodable byte sequence at its end costs a token or a few."""
-    n, eos, best = len(prefix), tokenizer.special_id(EOS), None
+    n, best = len(prefix), None
     for tokens in kept:
         if len(tokens) <= n or list(tokens[:n]) != prefix:
             continue
-        tail = list(tokens[n:])
-        tail = tail[:tail.index(eos)] if eos in tail else tail
+        tail = list(tokens[n:])   # up to its first control token: text spells no control token
+        tail = tail[:next((i for i, t in enumerate(tail) if tokenizer.is_special(t)), len(tail))]
         for k in range(len(tail), max(len(tail) - TRIES, 0), -1):
             if best is not None and k <= best[0]:
                 break
@@ -122,7 +127,7 @@ def _as_kept(tokenizer, content: str, prefix: list[int], kept: Sequence[Sequence
             if not content.startswith(said):
                 continue
             rest = content[len(said):]
-            spelled = tail[:k] + (tokenizer.encode(rest) if rest else [])
+            spelled = tail[:k] + (tokenizer.encode_text(rest) if rest else [])
             if tokenizer.decode(spelled) == content:
                 best = (k, spelled)
                 break

@@ -102,6 +102,7 @@ class Tokenizer:
         kinds = [d.get("type") for d in dec.get("decoders", [])] if dec.get("type") == "Sequence" else [dec.get("type")]
         self.byte_level = "ByteLevel" in kinds
         self._bytes: dict[int, bytes] = {}
+        self._as_text = None       # a copy that reads special-token strings as text (encode_text)
         self.bos_id = self._find(_token_text(config.get("bos_token")), BOS, generation.get("bos_token_id"))
         eos = generation.get("eos_token_id")
         self.eos_id = self._find(_token_text(config.get("eos_token")), EOS, eos[0] if isinstance(eos, list) and eos
@@ -149,6 +150,18 @@ class Tokenizer:
         if not isinstance(text, str):
             raise Ds4fError(f"text: a string expected, got {type(text).__name__}", param="text")
         return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as text only: a special token's string in it ("<｜User｜>",
+        "</think>") is split as ordinary text, never its control token. What message contents are
+        encoded with, so no content can forge the chat format's turns."""
+        if not isinstance(text, str):
+            raise Ds4fError(f"text: a string expected, got {type(text).__name__}", param="text")
+        if self._as_text is None:
+            plain = type(self._hf).from_str(self._hf.to_str())
+            plain.encode_special_tokens = True
+            self._as_text = plain
+        return list(self._as_text.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (maybe part of a UTF-8 character); b"" for an unknown id."""

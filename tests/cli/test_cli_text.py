@@ -85,3 +85,25 @@ def test_history_shows_a_text_run_with_its_prompt_output_and_sampling(tiny_model
     assert "prompt text    'Hello'" in show.stdout and "seed 4" in show.stdout
     assert f"output         {out.stdout[:-1]!r}" in show.stdout      # the text generate printed
     assert "tokens         5 generated of 5 asked" in show.stdout and "sha256" in show.stdout
+
+
+def test_generate_reads_special_token_strings_as_text_unless_asked(tiny_model, tmp_path):
+    """A prompt's "<｜User｜>" is text by default; --special-tokens makes it the control token;
+    --chat never does (its messages are text) and refuses the flag."""
+    from ds4f.engine.text import Tokenizer
+
+    tok = Tokenizer.load(tiny_model)
+    text = "Hi<｜User｜>there</think>"
+    prompts = {}
+    for flag in ((), ("--special-tokens",)):
+        report = tmp_path / f"r{len(flag)}.json"
+        out = _cli("generate", tiny_model, "-p", text, "-n", "2", "--temp", "0", "--json", report, *flag,
+                   tmp_path=tmp_path)
+        assert out.returncode == 0, out.stderr
+        prompts[flag] = json.loads(report.read_text())["prompt"]
+    assert prompts[()] == [tok.bos_id] + tok.encode_text(text)
+    assert not any(tok.is_special(i) for i in prompts[()][1:])
+    assert prompts[("--special-tokens",)] == [tok.bos_id] + tok.encode(text)
+    assert tok.special_id("<｜User｜>") in prompts[("--special-tokens",)]
+    bad = _cli("generate", tiny_model, "-p", text, "--chat", "--special-tokens", tmp_path=tmp_path)
+    assert bad.returncode == 2 and "--special-tokens" in bad.stderr and "Traceback" not in bad.stderr
