@@ -8,7 +8,7 @@ differ). `ds4f diff` exits with the class's code.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from ds4f.runs.statedump import State, read_state
 # hidden-state error, relative to the layer's largest magnitude, below which two runs
 # with identical routing are "low-bit" (SIMD lane order) rather than "drift"
 LOW_BIT_TOLERANCE = 1e-4
+
+# the records' other floats, compared like the hidden states (each relative to its own largest magnitude)
+OTHER_FLOATS = {"attn": "attention outputs", "weights": "expert weights", "top_logits": "top logits"}
 
 CLASS_EXIT_CODES = {"identical": 0, "low-bit": 1, "routing": 3, "drift": 4, "prefix": 5}
 
@@ -37,6 +40,7 @@ class StateDiff:
     detail: str = ""
     attention_token: int | None = None   # the first token, then layer, whose attention output differs beyond
     attention_layer: int | None = None   # LOW_BIT_TOLERANCE (whole-model dumps; None: nowhere, or no attention)
+    other_max_rel: dict = field(default_factory=dict)   # OTHER_FLOATS' field -> its max relative difference
 
     @property
     def exit_code(self) -> int:
@@ -47,7 +51,11 @@ class StateDiff:
             return f"identical: sha256 {self.sha_a[:16]}… on both ({self.n_tokens} tokens)"
         worst = max(self.layer_max_rel, default=0.0)
         if self.cls == "low-bit":
-            return f"low-bit: same tokens and routing, hidden states within {worst:.2e} relative (tolerance {LOW_BIT_TOLERANCE:g})"
+            others = max(self.other_max_rel.values(), default=0.0)
+            also = f", the other values within {others:.2e}" if others > worst else ""
+            rest = f"; {self.detail}" if self.detail else ""
+            return (f"low-bit: same tokens and routing, hidden states within {worst:.2e} relative{also}"
+                    f" (tolerance {LOW_BIT_TOLERANCE:g}){rest}")
         if self.cls == "drift":
             if self.detail:
                 return f"drift: {self.detail}"
@@ -67,7 +75,7 @@ class StateDiff:
                 "layer_max_rel": self.layer_max_rel, "sha_a": self.sha_a, "sha_b": self.sha_b,
                 "n_tokens": self.n_tokens, "attention_token": self.attention_token,
                 "attention_layer": self.attention_layer, "summary": self.summary(),
-                "attention": self.attention_summary()}
+                "attention": self.attention_summary(), "other_max_rel": self.other_max_rel}
 
 
 def first_attention_divergence(ra: np.ndarray, rb: np.ndarray, n: int) -> tuple[int | None, int | None]:
@@ -127,12 +135,25 @@ def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> S
                 mabs, mrel = errors(t)
                 return StateDiff("routing", t, layer, mabs, mrel, n_tokens=n,
                                  detail=f"experts {sorted(ea.tolist())} vs {sorted(eb.tolist())}", **common)
+    for t in np.flatnonzero(ra["next"][:n] != rb["next"][:n])[:1]:     # the last pick (the others are tokens)
+        mabs, mrel = errors(n)
+        return StateDiff("routing", int(t) + 1, 0, mabs, mrel, n_tokens=n,
+                         detail=f"the token picked after token {int(t)} differs ({ra['next'][t]} vs {rb['next'][t]})",
+                         **common)
     mabs, mrel = errors(n)
-    finite = [bool(np.isfinite(s.records["hidden"][:n]).all()) for s in (sa, sb)]
-    if not all(finite):
-        which = " and ".join(str(s.path) for s, ok in zip((sa, sb), finite) if not ok)
+    fields = ("hidden", *(f for f in OTHER_FLOATS if f in ra.dtype.names))
+    bad = [f"{OTHER_FLOATS.get(f, 'hidden states')} of {s.path}" for s in (sa, sb) for f in fields
+           if not np.isfinite(s.records[f][:n]).all()]
+    if bad:
         return StateDiff("drift", None, None, mabs, mrel, n_tokens=n,
-                         detail=f"non-finite hidden states (NaN or Inf) in {which}", **common)
+                         detail=f"non-finite values (NaN or Inf): {', '.join(bad)}", **common)
+    common["other_max_rel"] = {f: _max_rel(*(_by_expert(r, f, n) for r in (ra, rb))) for f in fields[1:]}
+    off = {f: v for f, v in common["other_max_rel"].items() if v > LOW_BIT_TOLERANCE}
+    if off and max(mrel, default=0.0) <= LOW_BIT_TOLERANCE:
+        return StateDiff("drift", None, None, mabs, mrel, n_tokens=n, **common,
+                         detail="same routing and hidden states, but " + ", ".join(
+                             f"{OTHER_FLOATS[f]} differ by up to {v:.2e} relative" for f, v in off.items())
+                         + f" (tolerance {LOW_BIT_TOLERANCE:g})")
     within = max(mrel, default=0.0) <= LOW_BIT_TOLERANCE
     if len(ra) != len(rb):
         same = "bit-identical" if within and max(mabs, default=0.0) == 0.0 else (
@@ -141,4 +162,24 @@ def diff_states(a: str | os.PathLike | State, b: str | os.PathLike | State) -> S
             return StateDiff("prefix", None, None, mabs, mrel, n_tokens=n,
                              detail=f"the first {n} tokens have the same routing and states {same};"
                                     f" the runs have {len(ra)} and {len(rb)} tokens", **common)
-    return StateDiff("low-bit" if within else "drift", None, None, mabs, mrel, n_tokens=n, **common)
+    same_records = len(ra) == len(rb) and ra.tobytes() == rb.tobytes()
+    return StateDiff("low-bit" if within else "drift", None, None, mabs, mrel, n_tokens=n, **common,
+                     detail="the records are bit-identical; the files differ in their headers" if same_records else "")
+
+
+def _by_expert(records: np.ndarray, name: str, n: int) -> np.ndarray:
+    """The first n records' values of a field; the expert weights in the order of the expert ids
+    (the sets are equal here; two backends may list a near tie in either order)."""
+    values = records[name][:n]
+    if name != "weights":
+        return values
+    return np.take_along_axis(values, np.argsort(records["ids"][:n], axis=-1, kind="stable"), axis=-1)
+
+
+def _max_rel(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| over max(|a|, |b|), in float64 (0 for empty or all-zero values)."""
+    if a.size == 0:
+        return 0.0
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    scale = max(float(np.abs(a).max()), float(np.abs(b).max()))
+    return float(np.abs(a - b).max() / scale) if scale > 0 else 0.0

@@ -86,3 +86,36 @@ def test_a_state_with_nan_is_never_low_bit(tiny_model, tmp_path):
         for a, b in ((base, bad), (bad, base)):
             d = diff_states(a, b)
             assert d.cls == "drift" and "non-finite" in d.summary(), d.summary()
+
+
+def test_every_float_of_the_records_counts(tiny_model, tmp_path):
+    """A NaN, or a difference beyond the tolerance, in the attention outputs, the expert weights or
+    the top logits is never low-bit: the hidden states are not the only values a dump holds."""
+    base = _run(tiny_model, tmp_path, "base", 3)
+    s = read_state(base)
+    data = base.read_bytes()
+    start = len(data) - len(s.records) * s.records.dtype.itemsize
+
+    def altered(name: str, field: str, value) -> str:
+        out = bytearray(data)
+        off = start + (len(s.records) - 1) * s.records.dtype.itemsize + s.records.dtype.fields[field][1]
+        at = off + s.records.dtype.fields[field][0].itemsize - 4          # its last value
+        old = float(np.frombuffer(bytes(out[at:at + 4]), np.float32)[0])
+        out[at:at + 4] = np.array([value(old)], np.float32).tobytes()
+        (tmp_path / name).write_bytes(bytes(out))
+        return tmp_path / name
+
+    for field in ("attn", "weights", "top_logits"):
+        nan = diff_states(base, altered(f"nan-{field}.bin", field, lambda v: np.nan))
+        assert nan.cls == "drift" and "non-finite" in nan.summary(), (field, nan.summary())
+        far = diff_states(base, altered(f"far-{field}.bin", field, lambda v: v * 3 + 1))
+        assert far.cls == "drift" and "differ by up to" in far.summary(), (field, far.summary())
+        near = diff_states(base, altered(f"near-{field}.bin", field, lambda v: np.nextafter(np.float32(v), np.inf)))
+        assert near.cls == "low-bit", (field, near.summary())
+    # the last record's pick (no later token shows it): a divergence of the output, named
+    out = bytearray(data)
+    at = start + (len(s.records) - 1) * s.records.dtype.itemsize + s.records.dtype.fields["next"][1]
+    out[at:at + 4] = np.array([int(s.records["next"][-1]) ^ 1], np.int32).tobytes()
+    (tmp_path / "next.bin").write_bytes(bytes(out))
+    picked = diff_states(base, tmp_path / "next.bin")
+    assert picked.cls == "routing" and picked.token == len(s.records) and "picked after" in picked.summary()
