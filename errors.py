@@ -28,3 +28,18 @@ class Ds4fError(Exception):
         self.kind = kind or ("invalid" if param is not None else "data")
         if self.kind not in KINDS:
             raise ValueError(f"Ds4fError kind {self.kind!r} is not one of {', '.join(KINDS)}")
+
+
+def parse_json(data: str | bytes, where: str):
+    """json.loads with every way it can fail as a Ds4fError that names `where` (a file, "body"):
+    malformed, not UTF-8, or nested too deeply for the parser (a RecursionError otherwise)."""
+    import json
+
+    try:
+        return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except UnicodeDecodeError as exc:
+        raise Ds4fError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})", path=None) from None
+    except RecursionError:
+        raise Ds4fError(f"{where}: JSON nested too deeply to read") from None
+    except ValueError as exc:
+        raise Ds4fError(f"{where}: malformed JSON: {exc}") from None

@@ -232,6 +232,8 @@ def _chat(args) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
+    if hasattr(sys.stdin, "reconfigure"):   # a line of invalid UTF-8 is refused as that line, not the end of the chat
+        sys.stdin.reconfigure(errors="surrogateescape")
     session = _Session(args)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     start = len(messages)

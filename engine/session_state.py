@@ -206,8 +206,8 @@ def read_header(path: str | os.PathLike) -> dict:
         return doc
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read the session state: {exc.strerror or exc}", path=str(path)) from None
-    except ValueError as exc:
-        raise Ds4fError(f"{path}: not a readable session state ({exc})", path=str(path)) from None
+    except (ValueError, RecursionError) as exc:
+        raise Ds4fError(f"{path}: not a readable session state ({exc or 'nested too deeply'})", path=str(path)) from None
 
 
 def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None) -> SessionState:
@@ -236,7 +236,7 @@ def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint
                                            e["offset"]).reshape(e["shape"]).copy() for e in head["arrays"]}
         tokens = tuple(int(t) for t in head["tokens"])
         layers = tuple(_layer(i, layer["tokens"], arrays) for i, layer in enumerate(head["layers"]))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise Ds4fError(f"{path}: not a readable session state ({exc})", path=str(path)) from None
     if geometry is not None and head["geometry"] != canonical(geometry):
         raise Ds4fError(f"{path}: this session state belongs to another model geometry", path=str(path))

@@ -112,6 +112,7 @@ def _check_text_settings(config: RunConfig) -> None:
                         f"not {' and '.join(given)}", param=given[1])
     if config.text is not None and (not isinstance(config.text, str) or not config.text):
         raise Ds4fError("text: the prompt text is empty", param="text")
+    _check_text(config)
     if config.special_tokens and config.text is None:
         raise Ds4fError("special_tokens: for a text prompt only (a chat's messages are always text)",
                         param="special_tokens")
@@ -130,6 +131,23 @@ def _check_text_settings(config: RunConfig) -> None:
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise Ds4fError(f"stop: at most {MAX_STOP} stop strings, each of 1 to {MAX_STOP_CHARS} characters",
                         param="stop")
+
+
+def _check_text(config: RunConfig) -> None:
+    """Every text of the run is text: encodable as UTF-8 (a lone surrogate, which invalid bytes in
+    a command line or a JSON escape give, is not), named by its parameter."""
+    stops = config.stop if isinstance(config.stop, (tuple, list)) else ()
+    texts = [("text", config.text)] + [("stop", s) for s in stops]
+    for i, m in enumerate(config.messages or ()):
+        if isinstance(m, dict):
+            texts += [(f"messages[{i}].{k}", m.get(k)) for k in ("content", "reasoning")]
+    for name, value in texts:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise Ds4fError(f"{name}: not valid text: {value[exc.start]!r} at character {exc.start} is a lone"
+                                f" surrogate (invalid UTF-8 in the input?)", param=name.split("[")[0]) from None
 
 
 def prompt_of(config: RunConfig, checkpoint, kept=()) -> tuple[tuple[int, ...], object]:

@@ -150,7 +150,7 @@ def _load_report(path: Path) -> dict | None:
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith("ds4f.report/"):
         return None
@@ -484,6 +484,8 @@ def _parse_header(path: Path, raw: bytes) -> tuple[dict, np.dtype]:
         return header, geometry_record_dtype(header["geometry"])
     except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
+    except RecursionError:
+        raise Ds4fError(f"{path}: corrupt state dump header (JSON nested too deeply to read)") from None
 
 
 def read_state(path: str | os.PathLike, check_report: bool = True) -> State:

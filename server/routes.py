@@ -33,6 +33,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ds4f import __version__
 from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig
+from ds4f.errors import parse_json
 
 from .errors import HttpError, bad, json_response
 from .queue import Ticket
@@ -144,11 +145,9 @@ def parse_json_object(body: bytes, what: str = "run parameters") -> dict:
     if not body.strip():
         return {}
     try:
-        value = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise bad("body", "not UTF-8") from None
-    except ValueError as exc:
-        raise bad("body", f"malformed JSON: {exc}") from None
+        value = parse_json(body, "body")
+    except Ds4fError as exc:
+        raise bad("body", exc.message.removeprefix("body: ")) from None
     if not isinstance(value, dict):
         raise bad("body", f"expected a JSON object of {what}, got {type(value).__name__}")
     return value

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4f.errors import Ds4fError
+from ds4f.errors import Ds4fError, parse_json
 from ds4f.engine.checkpoint.formats import ST_DTYPES, st_itemsize
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -42,6 +42,8 @@ def read_json(path: Path, what: str = "JSON") -> object:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise Ds4fError(f"{path}: bad {what}: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise Ds4fError(f"{path}: bad {what}: nested too deeply to read") from None
 
 
 def read_shard_header(path: Path) -> dict[str, TensorInfo]:
@@ -63,10 +65,7 @@ def read_shard_header(path: Path) -> dict[str, TensorInfo]:
         raise Ds4fError(f"{path}: is a directory, expected a safetensors shard") from None
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Ds4fError(f"{path}: bad safetensors header: {exc}") from None
+    header = parse_json(raw, f"{path}: bad safetensors header")
     if not isinstance(header, dict):
         raise Ds4fError(f"{path}: bad safetensors header: not a JSON object")
     base = 8 + n

@@ -67,6 +67,8 @@ def _read_json(path: Path, what: str) -> dict:
         raise Ds4fError(f"{path}: cannot read the {what}: {exc.strerror or exc}", path=path) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise Ds4fError(f"{path}: not a valid {what} (corrupt JSON: {exc})", path=path) from None
+    except RecursionError:
+        raise Ds4fError(f"{path}: not a valid {what} (JSON nested too deeply to read)", path=path) from None
     if not isinstance(obj, dict):
         raise Ds4fError(f"{path}: not a valid {what} (a JSON object expected)", path=path)
     return obj

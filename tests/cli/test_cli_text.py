@@ -12,10 +12,8 @@ from ds4f.engine.text.tokenizer import Tokenizer
 
 
 def _cli(*args, tmp_path, stdin=None):
-    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CACHE_HOME=str(tmp_path / "cache"),
-               XDG_CONFIG_HOME=str(tmp_path / "config"))
     return subprocess.run([sys.executable, "-m", "ds4f.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, input=stdin, timeout=300)
+                          env=_env(tmp_path), input=stdin, timeout=300)
 
 
 def test_generate_prints_the_tokens_decoded_and_a_summary(tiny_model, tmp_path):
@@ -107,3 +105,26 @@ def test_generate_reads_special_token_strings_as_text_unless_asked(tiny_model, t
     assert tok.special_id("<｜User｜>") in prompts[("--special-tokens",)]
     bad = _cli("generate", tiny_model, "-p", text, "--chat", "--special-tokens", tmp_path=tmp_path)
     assert bad.returncode == 2 and "--special-tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _env(tmp_path):
+    return dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+                XDG_CONFIG_HOME=str(tmp_path / "config"))
+
+
+def test_chat_refuses_a_line_of_invalid_utf8_and_goes_on(tiny_model, tmp_path):
+    env = _env(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "ds4f.cli", "chat", str(tiny_model), "-n", "2", "--temp", "0"],
+                         input=b"Hello \xff\xfe there\nHello\n/quit\n", capture_output=True, timeout=300, env=env)
+    err = out.stderr.decode("utf-8", "replace")
+    assert out.returncode == 0, err
+    assert "not valid text" in err and "Traceback" not in err
+    summaries = [line for line in err.splitlines() if line.startswith("[") and "prompt tokens" in line]
+    assert len(summaries) == 1        # the bad line answered nothing; the next one was answered
+
+
+def test_generate_refuses_invalid_utf8_in_its_prompt(tiny_model, tmp_path):
+    out = subprocess.run([sys.executable.encode(), b"-m", b"ds4f.cli", b"generate", str(tiny_model).encode(), b"-p",
+                          b"caf\xe9", b"-n", b"2"], capture_output=True, timeout=300, env=_env(tmp_path))
+    err = out.stderr.decode("utf-8", "replace")
+    assert out.returncode == 2 and "not valid text" in err and "Traceback" not in err

@@ -523,6 +523,22 @@ def test_marker_strings_from_a_client_are_text(srv, tiny_model):
     assert srv.get(f"/runs/{done['id'].removeprefix('cmpl-')}/report").json()["prompt"] == ids
 
 
+def test_text_that_is_not_text_gets_400_naming_it(srv):
+    """A lone surrogate (a JSON escape of half a character) in a message, a prompt or a stop string:
+    OpenAI's error shape naming the parameter, no run, and the server goes on serving."""
+    for path, body, param in (
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+             "messages"),
+            ("/v1/completions", b'{"prompt": "caf\\udce9", "max_tokens": 2}', "prompt"),
+            ("/v1/completions", b'{"prompt": "ok", "stop": ["\\ud800"], "max_tokens": 2}', "stop")):
+        r = srv.request("POST", path, raw=body, headers={"Content-Type": "application/json"})
+        assert r.status == 400, r.body
+        err = r.error()
+        assert err["param"] == param and "not valid text" in err["message"] and "surrogate" in err["message"]
+    assert srv.service.runs_started == 0
+    assert srv.chat(max_tokens=2, temperature=0).status == 200
+
+
 def test_sse_framing_on_the_wire(srv):
     s = sse_request(srv.port, {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "stream": True},
                     path="/v1/completions")
@@ -1316,6 +1332,7 @@ def test_bad_query_parameters_get_400_naming_them(idle, query, param):
 @pytest.mark.parametrize("raw,param", [
     (b'{"gen": 2', "body"), (b"[1, 2]", "body"), (b'"gen"', "body"), (b"\xff\xfe{}", "body"),
     (b"gen=2", "body"), (b'{"gen": NaN}', "gen"), (b'{"gen": 2} trailing', "body"),
+    (b"[" * 100_000 + b"]" * 100_000, "body"), (b'{"gen": 2, "x": ' + b"[" * 60_000 + b"]" * 60_000 + b"}", "body"),
 ])
 def test_malformed_json_gets_400(idle, raw, param):
     for path in ("/runs", "/v1/chat/completions"):

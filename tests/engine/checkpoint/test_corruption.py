@@ -57,3 +57,19 @@ def test_a_nan_scale_fails_the_run_naming_the_expert(tiny_official, tmp_path, pa
     (tmp_path / "out").mkdir()
     run = _failed_run(broken, tmp_path / "out")
     assert f"layer 0: expert {e}" in run.error and "non-finite" in run.error, run.error
+
+
+@pytest.mark.parametrize("name", ["config.json", "pool-mxfp4.json", "trunk.json", "tokenizer_config.json"])
+def test_json_nested_too_deeply_is_a_clear_error_naming_the_file(tiny_model, tmp_path, name):
+    from ds4f.engine.text import Tokenizer
+    from ds4f.errors import Ds4fError
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    (model / name).write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(Ds4fError) as e:
+        if name == "tokenizer_config.json":
+            Tokenizer.load(model)
+        else:
+            open_checkpoint(model).close()
+    assert str(model / name) in str(e.value) and "nested too deeply" in str(e.value)
