@@ -33,6 +33,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -492,20 +493,38 @@ def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
     """The dump at `path`. check_report: refuse a dump whose run's report (next to it, see
     pair_problem) names another sha256: a run interrupted while committing, not a finished one."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
+    try:   # the header first, and the size it implies against the file's, before reading the records
+        if path.exists() and not path.is_file():    # a FIFO would block the open itself
+            raise Ds4fError(f"{path}: not a regular file, so not a state dump")
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise Ds4fError(f"{path}: not a regular file, so not a state dump")
+            head = f.read(16)
+            hlen = _header_length(path, head)
+            if 16 + hlen > st.st_size:
+                raise Ds4fError(f"{path}: truncated state dump: its header says {hlen} bytes, the file has"
+                                f" {st.st_size - 16}")
+            raw = f.read(hlen)
+            header, dtype = _parse_header(path, raw)
+            n = header.get("n_tokens")
+            if not isinstance(n, int) or n < 0:
+                raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
+            if st.st_size - 16 - hlen != n * dtype.itemsize:
+                raise Ds4fError(f"{path}: truncated or padded state dump: {st.st_size - 16 - hlen} bytes of records,"
+                                f" expected {n} x {dtype.itemsize}")
+            body = f.read(n * dtype.itemsize)
     except FileNotFoundError:
         raise Ds4fError(f"{path}: state dump not found") from None
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
-    hlen = _header_length(path, data[:16])
-    header, dtype = _parse_header(path, data[16:16 + hlen])
-    body = data[16 + hlen:]
-    if len(body) != header.get("n_tokens", -1) * dtype.itemsize:
-        raise Ds4fError(f"{path}: truncated or padded state dump: {len(body)} bytes of records, "
-                        f"expected {header.get('n_tokens')} x {dtype.itemsize}")
+    if len(body) != n * dtype.itemsize:
+        raise Ds4fError(f"{path}: the state dump changed while it was read")
     records = np.frombuffer(body, dtype=dtype)
-    sha = hashlib.sha256(data).hexdigest()
+    h = hashlib.sha256(head)
+    h.update(raw)
+    h.update(body)
+    sha = h.hexdigest()
     if check_report:
         problem = pair_problem(path, sha256=sha)
         if problem is not None:

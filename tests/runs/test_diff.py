@@ -119,3 +119,31 @@ def test_every_float_of_the_records_counts(tiny_model, tmp_path):
     (tmp_path / "next.bin").write_bytes(bytes(out))
     picked = diff_states(base, tmp_path / "next.bin")
     assert picked.cls == "routing" and picked.token == len(s.records) and "picked after" in picked.summary()
+
+
+def test_inputs_that_are_not_dumps_are_refused_from_their_first_bytes(tiny_model, tmp_path):
+    """A device, a FIFO (no writer: an open would block), a large file of another kind, a dump
+    with bytes added: refused from the header and the file's size, before the records are read
+    (ds4f diff answers at once, its memory bounded)."""
+    import os
+
+    base = _run(tiny_model, tmp_path, "base", 2)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    junk = tmp_path / "junk.bin"
+    with open(junk, "wb") as f:
+        f.truncate(1 << 30)                     # 1 GiB, sparse: nothing of a dump
+    padded = tmp_path / "padded.bin"
+    padded.write_bytes(base.read_bytes() + b"\0" * 1000)
+    for other, says in (("/dev/zero", "not a regular file"), (fifo, "not a regular file"), (junk, "bad magic"),
+                        (padded, "truncated or padded")):
+        cli = subprocess.run([sys.executable, "-m", "ds4f.cli", "diff", str(base), str(other)], capture_output=True,
+                             text=True, timeout=60)
+        assert cli.returncode == 2 and says in cli.stderr and str(other) in cli.stderr, (other, cli.stderr)
+        assert "Traceback" not in cli.stderr
+    big = subprocess.run([sys.executable, "-c", "import resource, sys\nfrom ds4f.runs.statedump import read_state\n"
+                          "try:\n    read_state(sys.argv[1])\nexcept Exception as e:\n    print(e)\n"
+                          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)", str(junk)],
+                         capture_output=True, text=True, timeout=60)
+    said, peak_kib = big.stdout.splitlines()
+    assert "bad magic" in said and int(peak_kib) < 400_000, big.stdout     # far below the file's 1 GiB
