@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ds4f.cachelab.replay import replay
 from ds4f.cachelab.trace import Trace
+from ds4f.engine.config import parse_budget
 from ds4f.errors import Ds4fError
 
 
@@ -24,7 +25,10 @@ class Cell:
 
 
 def sweep(traces: list[Trace], budgets: list[str], policies: list[str]) -> dict[tuple[str, str], Cell]:
-    """(budget, policy) -> hits and misses summed over the traces."""
+    """(budget, policy) -> hits and misses summed over the traces. A budget that is not a size or
+    a fraction is an error here (only a budget too small for the traces becomes a cell's note)."""
+    for budget in budgets:
+        parse_budget(budget, "--cache")
     out: dict[tuple[str, str], Cell] = {}
     for budget in budgets:
         for policy in policies:

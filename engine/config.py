@@ -62,6 +62,9 @@ class Budget:
         return format_bytes(self.nbytes or 0)
 
 
+MAX_BYTES = 1 << 60      # a size past this is a typo, not a machine
+
+
 def parse_budget(value, where: str) -> Budget:
     """'25%' / 0.25 (fraction of the pool) or '4 GiB' / '512MiB' / a byte count."""
     if isinstance(value, bool):
@@ -74,6 +77,8 @@ def parse_budget(value, where: str) -> Budget:
     if isinstance(value, int):
         if value <= 0:
             raise Ds4fError(f"{where}: a size in bytes must be positive, got {value}")
+        if value > MAX_BYTES:
+            raise Ds4fError(f"{where}: {value} bytes is more than any machine has (at most 1 EiB)")
         return Budget(nbytes=value)
     if isinstance(value, str):
         text = value.strip()
@@ -89,7 +94,10 @@ def parse_budget(value, where: str) -> Budget:
         if m and m.group(2) is None:
             raise Ds4fError(f"{where}: {value!r} has no unit: write '{text} GiB', '{text} MiB' or a percentage")
         if m:
-            nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if not math.isfinite(size) or size > MAX_BYTES:
+                raise Ds4fError(f"{where}: {value!r} is more than any machine has (at most 1 EiB)")
+            nbytes = int(size)
             if nbytes <= 0:
                 raise Ds4fError(f"{where}: {value!r} is no room at all")
             return Budget(nbytes=nbytes)

@@ -137,6 +137,12 @@ def test_cli_replay_sweep_and_plot(tiny_model, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ds4f.cli", "replay", str(tmp_path / "s.bin"), "--policy", "mru"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "mru" in bad.stderr and "Traceback" not in bad.stderr
+    # a budget that is not one is refused, not tabulated as "too small"
+    for budget, says in (("nan", "expected a size"), ("0.25", "no unit"), ("-1 GiB", "expected a size"),
+                         ("20%,300%", "at most 100%")):
+        bad = subprocess.run([sys.executable, "-m", "ds4f.cli", "replay", str(tmp_path / "s.bin"),
+                              f"--sweep={budget}"], capture_output=True, text=True)
+        assert bad.returncode == 2 and says in bad.stderr and "too small" not in bad.stdout, (budget, bad.stderr)
 
 
 def test_bench_cache_runs_end_to_end_on_the_tiny_model(tiny_model, tmp_path):

@@ -78,6 +78,8 @@ def test_budget_forms():
     ("0", ["positive"]),
     ("'0%'", ["more than 0%"]),
     ("'0 GiB'", ["no room"]),
+    ("'99999999 TiB'", ["more than any machine", "1 EiB"]),
+    ("18446744073709551615", ["more than any machine"]),
 ])
 def test_cache_sizes_need_a_unit_and_a_sane_value(tmp_path, value, words):
     path = tmp_path / "ds4f.toml"
