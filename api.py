@@ -14,7 +14,7 @@ Errors are Ds4fError: `message`, and the `param`, `path` and `kind` it concerns.
 """
 from __future__ import annotations
 
-from ds4f.errors import Ds4fError
+from ds4f.errors import Ds4fError, parse_json
 from ds4f.paths import user_cache_dir, user_config_path, user_data_dir
 from ds4f.native.kernels import BACKENDS, available_backends, best_backend
 # the engine: checkpoints, config, geometry, text, the disk floor
@@ -48,7 +48,7 @@ from ds4f.runs.traces import export_trace, load_trace
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
-    "MAX_THREADS", "Budget", "Config", "Ds4fError", "EngineHost", "History", "Preset", "Run", "RunConfig",
+    "MAX_THREADS", "Budget", "Config", "Ds4fError", "parse_json", "EngineHost", "History", "Preset", "Run", "RunConfig",
     "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "available_backends", "best_backend",
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
     "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",

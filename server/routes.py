@@ -32,8 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ds4f import __version__
-from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig
-from ds4f.errors import parse_json
+from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig, parse_json
 
 from .errors import HttpError, bad, json_response
 from .queue import Ticket

@@ -29,7 +29,7 @@ from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import st_itemsize
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact
-from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir
+from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir, write_error
 from ds4f.engine.text.tokenizer import TOKENIZER_FILES
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -44,10 +44,15 @@ def convert_checkpoint(src: Path | str, dst: Path | str, progress: ProgressArg =
     dst = Path(dst)
     _check_destination(root, dst, force)
     with OfficialCheckpoint(root) as ck:
-        tmp = _fresh_dir(dst, force)
+        g = ck.geometry
+        trunk = sum(t.nbytes for n, t in ck.tensors.items() if not (".experts." in n and ".shared_experts." not in n))
+        tmp = _fresh_dir(dst, force, g.n_layers * g.n_experts * ck.slot_nbytes + trunk)
         try:
             _convert(ck, tmp, progress)
             _commit_dir(tmp, dst)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_error(exc, tmp, dst) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

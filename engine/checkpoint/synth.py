@@ -61,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4f.engine.config import format_bytes
 from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, quantize_fp8
 from ds4f.engine.checkpoint.tensors import TensorPlan, attention_tensors, official_tensors
@@ -305,8 +306,9 @@ def plan_shards(tensors: list[TensorPlan], shard_bytes: int) -> list[list[Tensor
     return shards
 
 
-def _fresh_dir(out: Path, force: bool) -> Path:
-    """A temporary sibling directory; the result is renamed to `out` when complete."""
+def _fresh_dir(out: Path, force: bool, need_bytes: int = 0) -> Path:
+    """A temporary sibling directory; the result is renamed to `out` when complete. need_bytes:
+    what will be written there, checked against the disk's free room first."""
     out = Path(out)
     if out.exists() and not force:
         if out.is_dir() and not any(out.iterdir()):
@@ -318,6 +320,10 @@ def _fresh_dir(out: Path, force: bool) -> Path:
     except OSError as exc:
         raise Ds4fError(f"{out.parent}: cannot create: {exc.strerror or exc}") from None
     _remove_leftovers(out)
+    free = shutil.disk_usage(out.parent).free
+    if need_bytes > free:
+        raise Ds4fError(f"{out}: needs {format_bytes(need_bytes)}, and {out.parent} has {format_bytes(free)} free;"
+                        f" nothing was written")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -366,6 +372,13 @@ def _remove_leftovers(out: Path) -> None:
                 pass
 
 
+def write_error(exc: OSError, tmp: Path, out: Path) -> Ds4fError:
+    """An OSError while writing `out` (in its temporary sibling `tmp`), as the error to show: the
+    path, the system's reason, and that nothing is left."""
+    where = exc.filename or tmp
+    return Ds4fError(f"{out}: cannot write {where}: {exc.strerror or exc}; nothing was left behind")
+
+
 def _commit_dir(tmp: Path, out: Path) -> None:
     """Atomically put the finished directory in place (an old `out` is moved aside, then removed)."""
     old = None
@@ -383,7 +396,7 @@ def _commit_dir(tmp: Path, out: Path) -> None:
 def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, progress: ProgressArg = None,
                      *, shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
     """Write a synthetic checkpoint of `geometry` in the official format to directory `out`."""
-    from safetensors import serialize_file
+    from safetensors import SafetensorError, serialize_file
 
     g = get_geometry(geometry) if isinstance(geometry, str) else geometry
     out = Path(out)
@@ -394,7 +407,7 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
     tensors = official_tensors(g)
     shards = plan_shards(tensors, shard_bytes)
     total = sum(t.nbytes for t in tensors)
-    tmp = _fresh_dir(out, force)
+    tmp = _fresh_dir(out, force, total)
     try:
         design = Design(g, seed)
         experts = _ExpertSource(g, seed)
@@ -413,7 +426,10 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
                         arr = arr["__this__"]
                     specs[t.name] = _keepalive_spec(arr, t.dtype, keep)
                     weight_map[t.name] = fname
-                serialize_file(specs, str(tmp / fname), metadata={"format": "pt"})
+                try:
+                    serialize_file(specs, str(tmp / fname), metadata={"format": "pt"})
+                except SafetensorError as exc:     # the library's own error for a failed write
+                    raise OSError(None, str(exc), str(tmp / fname)) from None
                 os.chmod(tmp / fname, 0o644)
                 del keep, specs, cur_expert
                 bar.advance(sum(t.nbytes for t in shard), f"shard {si + 1}/{n_sh}")
@@ -430,6 +446,9 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
             if g.vocab >= MIN_VOCAB:   # a smaller vocabulary cannot hold the 256 bytes: no tokenizer
                 write_tokenizer_files(tmp, g)
         _commit_dir(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(exc, tmp, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

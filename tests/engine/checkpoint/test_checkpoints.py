@@ -664,3 +664,38 @@ def test_cli_sizes_on_disk_agree_with_the_bars(tmp_path):
     assert ver.returncode == 0 and re.search(r"records, [\d.]+ MB checked", ver.stdout), ver.stdout
     for text in (out.stdout, conv.stdout, ver.stdout):
         assert "GiB" not in text and "KiB" not in text
+
+
+def _tmpfs(where: Path, nbytes: int) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("command", ["synth", "convert"])
+@pytest.mark.parametrize("room", ["too little to start", "full part way"])
+def test_a_full_disk_is_named_and_leaves_nothing(tiny_official, tmp_path, command, room):
+    """synth and convert check the room they need before writing (a geometry of terabytes never
+    starts), and a disk that fills part way (the tensors fit, the rest does not) is an error naming
+    the path and the reason, with nothing left behind."""
+    from ds4f.engine.checkpoint.synth import official_tensors
+
+    tensors = sum(t.nbytes for t in official_tensors(GEOMETRIES["tiny"]))
+    need = tensors if command == "synth" else sum(p.stat().st_size for p in tiny_official.iterdir())
+    small = tmp_path / "small"
+    page = 4096
+    if not _tmpfs(small, page if room == "too little to start" else -(-need // page) * page + page):
+        pytest.skip("cannot mount a tmpfs here (needs root and mount)")
+    try:
+        args = ("synth", small / "out", "--geometry", "tiny") if command == "synth" else \
+            ("convert", tiny_official, small / "out")
+        out = run_cli(*args)
+        assert out.returncode != 0 and "Traceback" not in out.stderr and "internal error" not in out.stderr
+        assert str(small / "out") in out.stderr, out.stderr
+        said = "free" if room == "too little to start" else "No space left"
+        assert said in out.stderr, out.stderr
+        assert list(small.iterdir()) == [], "nothing left behind"
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
