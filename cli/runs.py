@@ -200,6 +200,8 @@ def _run(args) -> int:
     _print_summary(run, s, snap, out)
     if to_stdout:
         write_json(run.report, "-")
+    if run.history_error:
+        raise Ds4fError(run.history_error)
     return 0
 
 

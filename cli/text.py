@@ -208,6 +208,8 @@ def _generate(args) -> int:
         print(_summary(run, session), file=sys.stderr)
         if args.json:
             write_json(run.report, args.json)
+        if run.history_error:
+            raise Ds4fError(run.history_error)
         return 0
     finally:
         session.close()
@@ -239,13 +241,14 @@ def _chat(args) -> int:
     start = len(messages)
     print(f"ds4f chat · {session.model} · {session.settings()}", file=sys.stderr)
     print(HELP, file=sys.stderr)
+    lost = 0          # turns whose history record was not written: the exit status says so
     try:
         while True:
             try:
                 line = input("> ")
             except EOFError:
                 print(file=sys.stderr)
-                return 0
+                return 1 if lost else 0
             except KeyboardInterrupt:
                 print(file=sys.stderr)
                 continue
@@ -253,7 +256,7 @@ def _chat(args) -> int:
             if not command:
                 continue
             if command in ("/quit", "/exit"):
-                return 0
+                return 1 if lost else 0
             if command == "/reset":
                 del messages[start:]
                 print("(conversation cleared)", file=sys.stderr)
@@ -272,6 +275,9 @@ def _chat(args) -> int:
                 reply = run.assistant_message      # with the ids it was generated as: the next turn reuses it
                 messages.append({k: reply[k] for k in ("role", "content", "tokens") if k in reply})
                 print(f"[{_summary(run, session)}]", file=sys.stderr)
+                if run.history_error:
+                    lost += 1
+                    print(f"error: {run.history_error}", file=sys.stderr)
             else:
                 messages.pop()   # a stopped or failed answer is not part of the conversation
                 why = "stopped" if run.state == "cancelled" else f"failed: {run.error}"

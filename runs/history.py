@@ -176,6 +176,9 @@ def _json_default(obj: Any):
     return str(obj)
 
 
+LOCK_WAIT_S = 10.0      # how long a call waits for another process's lock on the database
+
+
 class History:
     """The SQLite run history at `path` (created with its parent directory if missing)."""
 
@@ -193,7 +196,7 @@ class History:
     # -- plumbing -------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(str(self.path), timeout=10.0, check_same_thread=False)
+            conn = sqlite3.connect(str(self.path), timeout=LOCK_WAIT_S, check_same_thread=False)
         except sqlite3.Error as exc:
             raise Ds4fError(f"{self.path}: cannot open the run history: {exc}") from None
         conn.row_factory = sqlite3.Row
@@ -205,6 +208,11 @@ class History:
             try:
                 with conn:
                     return fn(conn)
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise Ds4fError(f"{self.path}: the run history is locked by another process (waited"
+                                    f" {LOCK_WAIT_S:g} s)") from None
+                raise Ds4fError(f"{self.path}: run history is unreadable ({exc}); move it aside to start afresh") from None
             except sqlite3.DatabaseError as exc:
                 raise Ds4fError(f"{self.path}: run history is unreadable ({exc}); move it aside to start afresh") from None
             finally:

@@ -151,6 +151,7 @@ class Run:
         self._floor = None
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._session = None
+        self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
         self._marked: list = []                      # the states kept there so far
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
@@ -673,7 +674,8 @@ class Run:
                                     state_sha256=sha, error=self._error,
                                     started_at=self.started_at, finished_at=self.finished_at)
             except Exception as exc:  # the run itself succeeded; say what went wrong with the record
-                self._log(f"could not record the run in the history: {exc}")
+                self.history_error = f"the run's history record was not written: {exc}"
+                self._log(self.history_error)
 
     def _optimum_hit_rate(self, state_file: Path) -> float | None:
         fig = self._engine.figures(self._session_nbytes) if self._engine is not None else self._final_figures

@@ -134,3 +134,33 @@ def test_runs_with_other_sampling_are_not_comparable(tmp_path):
     assert r["r0"].comparable_with(r["r1"])                 # both greedy
     assert not r["r0"].comparable_with(r["r2"])             # greedy against a draw
     assert not r["r2"].comparable_with(r["r3"])             # draws with other seeds diverge by design
+
+
+def test_a_locked_history_is_said_and_the_command_fails(tiny_model, tmp_path):
+    """Another process holds the database (an open write transaction): the run is done and its
+    files written, but its record cannot be; after a bounded wait the CLI says so on stderr and
+    exits non-zero, never 0 with the record quietly gone."""
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "h.sqlite3"
+    History(db)                                          # the database exists (WAL: readers go on)
+    cfg = tmp_path / "ds4f.toml"
+    cfg.write_text(f'[engine]\nprobe_floor = false\n\n[history]\npath = "{db}"\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time\n"
+                               "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+                               "c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep(60)", str(db)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = subprocess.run([sys.executable, "-m", "ds4f.cli", "run", str(tiny_model), "--gen", "2", "--no-probe",
+                              "--history", "--config", str(cfg), "--dump-state", str(tmp_path / "a.bin")],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "history record was not written" in out.stderr and "locked" in out.stderr and str(db) in out.stderr
+    assert (tmp_path / "a.bin").is_file()                  # the run itself is done, its files kept
+    assert History(db).list_runs() == []                   # and indeed not recorded
