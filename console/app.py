@@ -21,6 +21,7 @@ from typing import Callable
 
 from textual import work
 from textual.app import App
+from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
 from ds4f.api import (DEFAULT_GEN, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
@@ -66,6 +67,18 @@ class Ds4fConsole(App):
     # below 80x24 (widgets.MIN_SIZE) the screens show a SizeNotice instead of a squeezed layout
     HORIZONTAL_BREAKPOINTS = [(0, "-too-narrow"), (80, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-too-short"), (24, "-short"), (36, "-tall")]
+
+    def pop_screen(self):
+        """Textual's, except with one screen left: a burst of keys (two Enters for one command
+        palette) may ask to close a screen that is already closed; the console stays."""
+        if len(self.screen_stack) <= 1:
+            self.log.warning("a screen was closed twice (a key burst): nothing to pop")
+
+            async def nothing() -> None:
+                return None
+
+            return AwaitComplete(nothing()).call_next(self)
+        return super().pop_screen()
 
     def __init__(self, config_path: str | None = None, model: str | None = None, preset: str | None = None,
                  *, gen: int | None = None, config: Config | None = None, history: History | None = None,

@@ -163,7 +163,8 @@ class DiffScreen(Screen):
         self.query_one("#sides", Static).update(table)
 
     def action_back(self) -> None:
-        self.dismiss()
+        if self.is_current:   # a second key of a burst finds it gone
+            self.dismiss()
 
     def action_swap(self) -> None:
         self.app.switch_screen(DiffScreen(self.b, self.a, diff_fn=self.diff_fn))

@@ -187,7 +187,8 @@ class HistoryScreen(Screen):
 
     # -- actions ------------------------------------------------------------------------------
     def action_back(self) -> None:
-        self.dismiss()
+        if self.is_current:   # a second key of a burst finds it gone
+            self.dismiss()
 
     def action_mark(self) -> None:
         r = self._current()

@@ -47,7 +47,8 @@ class HelpScreen(ModalScreen[None]):
             yield Static(files)
 
     def action_dismiss(self, result=None) -> None:
-        self.dismiss(None)
+        if self.is_current:   # a second key of a burst finds it gone
+            self.dismiss(None)
 
 
 class TokenCountScreen(ModalScreen[int | None]):
@@ -78,10 +79,12 @@ class TokenCountScreen(ModalScreen[int | None]):
         if not 1 <= n <= MAX_GEN:
             self.query_one("#tokens-error", Label).update(f"Enter a whole number between 1 and {MAX_GEN}.")
             return
-        self.dismiss(n)
+        if self.is_current:   # a second key of a burst finds it gone
+            self.dismiss(n)
 
     def action_cancel(self) -> None:
-        self.dismiss(None)
+        if self.is_current:   # a second key of a burst finds it gone
+            self.dismiss(None)
 
 
 class ErrorScreen(Screen[str]):
@@ -118,7 +121,8 @@ class ErrorScreen(Screen[str]):
             return
         if choice == "back" and not self.can_go_back:
             return
-        self.dismiss(choice)
+        if self.is_current:   # a second key of a burst finds it gone
+            self.dismiss(choice)
 
 
 class SetupScreen(Screen[None]):
