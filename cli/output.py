@@ -19,8 +19,10 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from ds4f.api import Ds4fError
@@ -54,13 +56,16 @@ def add_kv_options(parser) -> None:
 def add_json_option(parser: argparse.ArgumentParser, what: str = "the results") -> None:
     parser.add_argument("--json", metavar="PATH",
                         help=f"write {what} as JSON to PATH ('-': stdout, the other output then goes to stderr)")
+    parser.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
 
 
 def check_streams(args) -> None:
-    """Refuse two things on stdout at once."""
+    """Refuse two things on stdout at once, and a --json file that check_output refuses."""
     if getattr(args, "json", None) == "-" and getattr(args, "output", "text") != "text":
         raise Ds4fError(f"--json - and -o {args.output} would both write to stdout; "
                         f"give --json a file, or leave -o at text")
+    if getattr(args, "json", None) not in (None, "-"):
+        check_output(args.json, "--json", getattr(args, "force", False))
 
 
 def human_stream(args) -> TextIO:
@@ -68,6 +73,29 @@ def human_stream(args) -> TextIO:
     if getattr(args, "json", None) == "-" or getattr(args, "output", "text") != "text":
         return sys.stderr
     return sys.stdout
+
+
+def check_output(path: str | Path, option: str, force: bool = False, inputs=(), suffixes=()) -> Path:
+    """The file a command is about to write, refused before any work when writing it would lose
+    something or land elsewhere: a directory, a device, FIFO or socket (never replaced, even with
+    --force), one of the command's `inputs`, an existing file without `force`, or (with `suffixes`)
+    a name a library would extend with a suffix of its own. Every writing command calls it."""
+    p = Path(path).expanduser()
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise Ds4fError(f"{option}: {p} must end in {' or '.join(suffixes)} (the file is written under exactly"
+                        f" this name)", param=option.lstrip("-"))
+    if p.is_dir():
+        raise Ds4fError(f"{option}: {p} is a directory; give a file path", param=option.lstrip("-"))
+    if p.exists() and not p.is_file():
+        raise Ds4fError(f"{option}: {p} is not a regular file (a device, FIFO or socket); it is never replaced",
+                        param=option.lstrip("-"))
+    for source in inputs:
+        if source is not None and Path(source).exists() and p.exists() and os.path.samefile(p, source):
+            raise Ds4fError(f"{option}: {p} is this command's input {source}; give another path",
+                            param=option.lstrip("-"))
+    if (p.exists() or p.is_symlink()) and not force:
+        raise Ds4fError(f"{option}: {p} already exists; pass --force to overwrite it", path=str(p))
+    return p
 
 
 def write_json(data: Any, dest: str, option: str = "--json") -> None:

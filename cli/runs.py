@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import (Cell, Column, Label, Table, add_json_option, add_output_option, check_streams, human_stream,
-                             print_tables, write_json)
+from ds4f.cli.output import (Cell, Column, Label, Table, add_json_option, add_output_option, check_output, check_streams,
+                             human_stream, print_tables, write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -152,12 +152,8 @@ def _output_paths(dump: str | None, report: str | None, force: bool) -> tuple[st
         raise Ds4fError(f"--dump-state {dump} and --json {report}: the same file, so the report would overwrite "
                         f"the state dump; give them different paths")
     for option, path in named.items():
-        if path is None:
-            continue
-        if path.is_dir():
-            raise Ds4fError(f"{option}: {path} is a directory; give a file path")
-        if (path.exists() or path.is_symlink()) and not force:
-            raise Ds4fError(f"{option}: {path} already exists; pass --force to overwrite it", path=str(path))
+        if path is not None:
+            check_output(path, option, force)
     return (str(dump_p) if dump_p else None), (str(report_p) if report_p else None)
 
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import add_kv_options, write_json
+from ds4f.cli.output import add_kv_options, check_output, write_json
 from ds4f.cli.runs import _default_model, _model_options, _per_second
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -184,8 +184,8 @@ def _summary(run, session: _Session) -> str:
 
 
 def _generate(args) -> int:
-    if args.json and args.json != "-" and Path(args.json).exists() and not args.force:
-        raise Ds4fError(f"--json: {args.json} already exists; pass --force to overwrite it", path=args.json)
+    if args.json and args.json != "-":
+        check_output(args.json, "--json", args.force)
     if args.json == "-":
         raise Ds4fError("--json -: stdout carries the generated text; give --json a file")
     if args.chat and args.special_tokens:
