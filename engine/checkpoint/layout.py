@@ -61,7 +61,7 @@ class Ds4fCheckpoint(Checkpoint):
         self.slot_nbytes = self.record_nbytes
         self.regions: dict[str, tuple[int, int]] = layout.regions
         self.region_crc32: dict[str, int] = layout.region_crc32
-        self._global_checked = False
+        self._checked_regions: set[str] = set()   # trunk regions whose crc32 matched (each read once)
         self.trunk_tensors: dict[str, dict] = layout.tensors
         self._layer_layout = layout.layer_layout
         self.trunk_layer_buf_nbytes = max(self.regions[f"layer.{L}"][1] for L in range(self.geometry.n_layers))
@@ -149,27 +149,31 @@ class Ds4fCheckpoint(Checkpoint):
                             f" {TRUNK_JSON} says {want:08x}; `ds4f verify {self.path}` checks the whole checkpoint",
                             path=str(self.trunk_path), kind="data")
 
-    def _check_global_region(self) -> None:
-        """The global region (embed, head, final norm, ...) checked once, streamed in chunks."""
-        off, n = self.regions["global"]
+    def _check_region_once(self, region: str) -> None:
+        """A region outside the layers' MoE regions (the global one: embed, head, final norm; a
+        layer's extra.N: attention, compressors, indexer, hyper-connections) checked against its
+        crc32 the first time one of its tensors is read, streamed in chunks."""
+        if region in self._checked_regions or region not in self.regions:
+            return
+        off, n = self.regions[region]
         crc, done = 0, 0
         chunk = bytearray(min(n, 64 << 20) or 1)
         while done < n:
             mv = memoryview(chunk)[: min(len(chunk), n - done)]
-            pread_exact(self._trunk_buffered, mv, off + done, self.trunk_path, "the global region")
+            pread_exact(self._trunk_buffered, mv, off + done, self.trunk_path, f"trunk region {region}")
             crc = crc32(mv, crc)
             done += len(mv)
         _dontneed(self._trunk_buffered, off, n)
-        self._check_region("global", crc)
-        self._global_checked = True
+        self._check_region(region, crc)
+        self._checked_regions.add(region)
 
     def global_tensor(self, name: str) -> np.ndarray:
-        """A tensor of the global region, as stored (the region's crc32 is checked on first use)."""
+        """A tensor outside the layers' MoE regions, as stored (its region's crc32 is checked on
+        the first read from that region)."""
         t = self.trunk_tensors.get(name)
         if t is None:
             raise Ds4fError(f"{self.path / TRUNK_JSON}: no tensor {name}")
-        if not self._global_checked and "global" in self.regions:
-            self._check_global_region()
+        self._check_region_once(t.get("region") or "global")
         arr = np.empty(t["shape"], dtype=st_numpy_dtype(t["dtype"]))
         pread_exact(self._trunk_buffered, memoryview(arr.reshape(-1).view(np.uint8)), t["offset"],
                     self.trunk_path, name)
@@ -232,6 +236,19 @@ def load_ds4f_layout(root: Path, *, check_sizes: bool = True) -> tuple[Ds4fLayou
     return layout, problems
 
 
+MAX_OVERLAPS_LISTED = 20
+
+
+def _overlapping_records(pool_json: Path, offs: np.ndarray, rec_n: int) -> list[str]:
+    """Records whose bytes overlap (two experts aliased onto one record would run the same weights
+    for both, their crc32s agreeing): each pair named, the first MAX_OVERLAPS_LISTED."""
+    order = np.argsort(offs, kind="stable")
+    gaps = np.diff(offs[order])
+    return [f"{pool_json}: records {int(order[i])} and {int(order[i + 1])} overlap"
+            f" (offsets {int(offs[order[i]])}, {int(offs[order[i + 1]])})"
+            for i in np.flatnonzero(gaps < rec_n)[:MAX_OVERLAPS_LISTED]]
+
+
 def _load_pool(root: Path, pool: dict, pool_json: Path, g: Geometry, layout: Ds4fLayout,
                check_sizes: bool) -> list[str]:
     """pool-mxfp4.json into `layout`: the record size, the canonical parts, each record's offset
@@ -270,6 +287,8 @@ def _load_pool(root: Path, pool: dict, pool_json: Path, g: Geometry, layout: Ds4
                 problems.append(f"{pool_json}: record {i} (layer {i // g.n_experts}, expert {i % g.n_experts})"
                                 f" at offset {r[0]} is not {ALIGN}-aligned")
     layout.record_offsets, layout.record_crc32 = offs, crcs
+    if isinstance(records, list) and len(records) == n_rec and n_rec > 1:
+        problems += _overlapping_records(pool_json, offs, rec_n)
     if check_sizes:
         if not pool_path.exists():
             problems.append(f"{pool_path}: missing")

@@ -91,6 +91,11 @@ def read_shard_header(path: Path) -> dict[str, TensorInfo]:
             raise Ds4fError(f"{path}: truncated: {name} ends at byte {base + end} but the file has {size} bytes")
         data_end = max(data_end, end)
         out[name] = TensorInfo(name, path, dtype, shape, base + start, end - start)
+    # no two tensors share bytes (the safetensors library refuses such a file too)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out.values() if t.nbytes)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise Ds4fError(f"{path}: tensors {a} and {b} overlap (bytes {start_b - base}..{end_a - base} of the data)")
     return out
 
 

@@ -86,12 +86,6 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
     if g is None or layout.record_offsets is None or layout.pool_path is None:
         return problems
     info["geometry"] = g
-    offs, rec_n = layout.record_offsets, layout.record_nbytes
-    order = np.argsort(offs, kind="stable")
-    gaps = np.diff(offs[order])
-    for i in np.flatnonzero(gaps < rec_n)[:MAX_LISTED]:
-        a, b = int(order[i]), int(order[i + 1])
-        problems.append(f"{root / 'pool-mxfp4.json'}: records {a} and {b} overlap (offsets {offs[a]}, {offs[b]})")
     problems += _pool_record_problems(layout, g, progress, info, problems)
     trunk_path: Path = layout.trunk_path
     if trunk_path.exists():

@@ -699,3 +699,16 @@ def test_a_full_disk_is_named_and_leaves_nothing(tiny_official, tmp_path, comman
         assert list(small.iterdir()) == [], "nothing left behind"
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_tensors_that_share_bytes_are_refused(sharded, tmp_path):
+    """Two tensors of a shard whose data offsets overlap (one tensor's bytes read as another's):
+    refused as the safetensors library refuses them, naming both."""
+    root = copy_ck(sharded, tmp_path)
+    shard = shard_of(root, "layers.1.ffn_norm.weight")
+    header = json.loads(shard.read_bytes()[8:8 + struct.unpack("<Q", shard.read_bytes()[:8])[0]])
+    names = sorted((n for n, m in header.items() if n != "__metadata__" and m["dtype"] == "BF16"),
+                   key=lambda n: header[n]["data_offsets"][0])
+    a, b = names[0], next(n for n in names[1:] if header[n]["shape"] == header[names[0]]["shape"])
+    rewrite_header(shard, lambda h: h[b].update(data_offsets=list(h[a]["data_offsets"])))
+    _expect_everywhere(root, tmp_path, rf"{shard.name}: tensors .* overlap")

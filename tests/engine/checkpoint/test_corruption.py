@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
+from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.safetensors_index import load_official_index
 from ds4f.runs.config import RunConfig
 from ds4f.runs.run import start_run
@@ -73,3 +74,38 @@ def test_json_nested_too_deeply_is_a_clear_error_naming_the_file(tiny_model, tmp
         else:
             open_checkpoint(model).close()
     assert str(model / name) in str(e.value) and "nested too deeply" in str(e.value)
+
+
+@pytest.mark.parametrize("region", ["extra.0", "extra.3", "global"])
+def test_a_corrupt_trunk_region_outside_the_moe_fails_the_run_naming_it(tiny_model, tmp_path, region):
+    """The attention, compressors, indexer and hyper-connections (a layer's extra.N region) and
+    the global region are checked against their crc32 when the run loads them, like every other."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    regions = {r["name"]: r for r in json.loads((broken / "trunk.json").read_text())["regions"]}
+    r = regions[region]
+    with open(broken / "trunk.bin", "r+b") as f:
+        f.seek(r["offset"] + r["nbytes"] // 2)
+        byte = f.read(1)
+        f.seek(r["offset"] + r["nbytes"] // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    (tmp_path / "out").mkdir()
+    run = _failed_run(broken, tmp_path / "out")
+    assert f"region {region}" in run.error and "crc32" in run.error and "trunk.bin" in run.error, run.error
+
+
+def test_pool_records_aliased_onto_one_another_are_refused_when_the_run_opens_them(tiny_model, tmp_path):
+    """Two experts pointed at one record (the same offset and crc32, so each read checks out) would
+    run one expert's weights for both: the run refuses the checkpoint as verify does, naming them."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    doc = json.loads((broken / "pool-mxfp4.json").read_text())
+    doc["records"][5] = list(doc["records"][4])
+    (broken / "pool-mxfp4.json").write_text(json.dumps(doc))
+    with pytest.raises(Ds4fError) as e:
+        open_checkpoint(broken)
+    assert "records 4 and 5 overlap" in str(e.value) and "pool-mxfp4.json" in str(e.value)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(Ds4fError, match="overlap"):
+        start_run(RunConfig(model=str(broken), gen=2, probe_floor=False, dump_path=str(tmp_path / "out" / "s.bin")))
+    assert list((tmp_path / "out").iterdir()) == []
