@@ -20,6 +20,8 @@ from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, keep_freed_memory, war
 from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
 from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
+from ds4f.engine.checkpoint.formats import non_finite
+from ds4f.engine.checkpoint.verify import tid2eid_problems
 from ds4f.engine.session import Session
 from ds4f.engine.prefix_cache import PrefixCache
 from ds4f.engine.session_state import SessionState
@@ -84,6 +86,7 @@ class Engine:
             layer: self.pinned[layer].router if layer in self.pinned
             else RouterWeights.from_tensors(checkpoint.layer_tensors(layer), copy=True)
             for layer in range(g.n_layers)}
+        _check_routers(checkpoint, self.routers, g)
 
         self.pool_bytes = g.n_layers * g.n_experts * checkpoint.slot_nbytes
         self.notes: list[str] = []   # settings the engine had to adjust, for the run's event log
@@ -192,3 +195,19 @@ class Engine:
     def close(self) -> None:
         self.reader.close()
         self.cache.close()
+
+
+def _check_routers(checkpoint, routers: dict[int, "RouterWeights"], g) -> None:
+    """What routing reads, refused when no later check would catch it: a NaN or infinity in a
+    layer's norm, gate or selection bias (it reroutes tokens silently), a hash table whose expert
+    ids are out of range or repeated within a token's row (an IndexError, or one expert twice)."""
+    for layer, r in routers.items():
+        for name, arr in (("ffn_norm.weight", r.ffn_norm), ("ffn.gate.weight", r.gate), ("ffn.gate.bias", r.bias)):
+            bad = non_finite(arr) if arr is not None else 0
+            if bad:
+                raise Ds4fError(f"{checkpoint.path}: tensor layers.{layer}.{name} holds {bad} non-finite values"
+                                f" (NaN or infinity); `ds4f verify {checkpoint.path}` lists every such tensor",
+                                path=checkpoint.path)
+        problems = tid2eid_problems(r.tid2eid, g, f"{checkpoint.path}: layers.{layer}.ffn.gate.tid2eid")
+        if problems:
+            raise Ds4fError(problems[0], path=checkpoint.path)

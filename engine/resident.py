@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4f.engine.checkpoint.formats import non_finite
+from ds4f.errors import Ds4fError
+
 from ds4f.engine.model.attention import (AttentionWeights, CompressorWeights, IndexerWeights, attention_shapes,
                                          layer_ropes)
 from ds4f.engine.model.geometry import Geometry
@@ -21,7 +24,15 @@ class _Reader:
         self.ck = checkpoint
 
     def raw(self, name: str) -> np.ndarray:
-        return self.ck.global_tensor(name)
+        """The tensor as stored, refused when it holds a NaN or an infinity (one in a bias, a norm
+        or a hyper-connection parameter would reroute tokens or change what attention reads
+        silently; no output check reaches it)."""
+        arr = self.ck.global_tensor(name)
+        bad = non_finite(arr)
+        if bad:
+            raise Ds4fError(f"{self.ck.path}: tensor {name} holds {bad} non-finite values (NaN or infinity);"
+                            f" `ds4f verify {self.ck.path}` lists every such tensor", path=self.ck.path)
+        return arr
 
     def f32(self, name: str) -> np.ndarray:
         return np.asarray(self.raw(name), dtype=np.float32)

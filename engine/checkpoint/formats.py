@@ -143,3 +143,12 @@ def quantize_fp8(w: np.ndarray, tile: int = 128) -> tuple[np.ndarray, np.ndarray
     return q, scale_bytes.view(E8M0)
 
 
+
+
+def non_finite(arr) -> int:
+    """How many NaN or infinite values a tensor holds, in its stored dtype (fp32, bf16, fp8, the
+    e8m0 scales); 0 for integer and boolean tensors."""
+    a = np.asarray(arr)
+    if a.dtype.kind in "biu":
+        return 0
+    return int(a.size - np.count_nonzero(np.isfinite(a)))

@@ -32,7 +32,7 @@ from ds4f.engine.checkpoint.base import _views, aligned_buffer
 from ds4f.engine.checkpoint.layout import load_ds4f_layout
 from ds4f.engine.checkpoint.official import check_official_tensors
 from ds4f.errors import Ds4fError
-from ds4f.engine.checkpoint.formats import E8M0_NAN, st_numpy_dtype
+from ds4f.engine.checkpoint.formats import E8M0_NAN, non_finite, st_numpy_dtype
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import read_json, load_official_index
@@ -163,7 +163,7 @@ def _hash_table_problems(layout, g: Geometry, trunk_path: Path) -> list[str]:
             f.seek(reg[0])
             f.readinto(memoryview(rbuf))
         views = _views(rbuf, lay)
-        problems += _tid2eid_problems(views.get("gate.tid2eid"), g, f"{trunk_path}: layers.{L}.ffn.gate.tid2eid")
+        problems += tid2eid_problems(views.get("gate.tid2eid"), g, f"{trunk_path}: layers.{L}.ffn.gate.tid2eid")
     return problems
 
 
@@ -172,8 +172,8 @@ def _trunk_problems(layout, trunk_path: Path, progress: ProgressArg) -> list[str
     0x7F / 0xFF), reading trunk.bin once, a chunk at a time."""
     tsize = trunk_path.stat().st_size
     regions = {name: r for name, r in layout.regions.items() if r[0] + r[1] <= tsize}  # the rest: "truncated"
-    fp8 = sorted((t["offset"], t["nbytes"], t["name"], t["dtype"]) for t in layout.tensors.values()
-                 if t["dtype"] in ("F8_E4M3", "F8_E8M0") and t["offset"] + t["nbytes"] <= tsize)
+    floats = sorted((t["offset"], t["nbytes"], t["name"], t["dtype"]) for t in layout.tensors.values()
+                    if t["dtype"] in FLOAT_DTYPES and t["offset"] + t["nbytes"] <= tsize)
     bad_crc, nan = [], []
     chunk = 64 << 20
     fd = os.open(trunk_path, os.O_RDONLY)
@@ -188,20 +188,17 @@ def _trunk_problems(layout, trunk_path: Path, progress: ProgressArg) -> list[str
                 if crc != layout.region_crc32[name]:
                     bad_crc.append(f"{trunk_path}: region {name} (bytes {off}..{off + n}): crc32 {crc:08x},"
                                    f" trunk.json says {layout.region_crc32[name]:08x}")
-            for off, n, name, dtype in fp8:
-                data = np.frombuffer(os.pread(fd, n, off), np.uint8)
-                bad = int(np.count_nonzero(data == E8M0_NAN)) if dtype == "F8_E8M0" else \
-                    int(np.count_nonzero((data & 0x7F) == 0x7F))
+            for off, n, name, dtype in floats:
+                bad = non_finite(np.frombuffer(os.pread(fd, n, off), st_numpy_dtype(dtype)))
                 if bad:
-                    what = "NaN scale bytes (0xFF)" if dtype == "F8_E8M0" else "NaN E4M3 codes (0x7F/0xFF)"
-                    nan.append(f"{trunk_path}: {name}: {bad} {what}")
+                    nan.append(f"{trunk_path}: {name}: {bad} {_NON_FINITE.get(dtype, 'non-finite values (NaN or inf)')}")
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):
             pass
     finally:
         os.close(fd)
-    return _capped(bad_crc, "trunk regions with a bad crc32") + _capped(nan, "FP8 tensors with NaN")
+    return _capped(bad_crc, "trunk regions with a bad crc32") + _capped(nan, "tensors with non-finite values")
 
 
 def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]:
@@ -251,11 +248,18 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
                     fp8_problems.append(f"{t.file}: {n}: {c} {what} in the FP8 scale tiles of"
                                         f" {n[:-len('.scale')]}.weight")
                 bar.advance(t.nbytes)
+        for n in sorted(n for n, t in tensors.items() if t.dtype in FLOAT_DTYPES and ".experts." not in n
+                        and n not in fp8_scales):
+            data = read(n)
+            bad = non_finite(np.frombuffer(data, st_numpy_dtype(tensors[n].dtype))) if data is not None else 0
+            if bad:
+                fp8_problems.append(f"{tensors[n].file}: {n}: {bad} "
+                                    f"{_NON_FINITE.get(tensors[n].dtype, 'non-finite values (NaN or inf)')}")
         for L in range(g.n_hash_layers):
             t = tensors[f"layers.{L}.ffn.gate.tid2eid"]
             arr = np.frombuffer(os.pread(fds.get(t.file) or fds.setdefault(t.file, os.open(t.file, os.O_RDONLY)),
                                          t.nbytes, t.offset), dtype="<i8").reshape(t.shape)
-            problems += _tid2eid_problems(arr, g, f"{t.file}: {t.name}")
+            problems += tid2eid_problems(arr, g, f"{t.file}: {t.name}")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -264,8 +268,13 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
     if nan_total:
         problems.append(f"{root}: {nan_total} NaN scale bytes (0xFF) in expert scales: "
                         + "; ".join(nan_where[:10]) + (" ..." if len(nan_where) > 10 else ""))
-    problems += _capped(fp8_problems, "FP8 scale tensors with NaN scales")
+    problems += _capped(fp8_problems, "tensors with non-finite values")
     return problems
+
+
+# every float dtype a tensor may be stored in, and how its non-finite values are named
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0")
+_NON_FINITE = {"F8_E8M0": "NaN scale bytes (0xFF)", "F8_E4M3": "NaN E4M3 codes (0x7F/0xFF)"}
 
 
 def _fp8_scale_names(tensors: dict) -> list[str]:
@@ -286,7 +295,7 @@ def _nan_scales(data: bytes, dtype: str) -> int:
     return data.count(bytes([E8M0_NAN]))
 
 
-def _tid2eid_problems(arr, g: Geometry, what: str) -> list[str]:
+def tid2eid_problems(arr, g: Geometry, what: str) -> list[str]:
     """Ids out of range, and rows (one token's experts) naming the same expert twice."""
     if arr is None:
         return []

@@ -109,3 +109,65 @@ def test_pool_records_aliased_onto_one_another_are_refused_when_the_run_opens_th
     with pytest.raises(Ds4fError, match="overlap"):
         start_run(RunConfig(model=str(broken), gen=2, probe_floor=False, dump_path=str(tmp_path / "out" / "s.bin")))
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def _poke(root, name: str, value: bytes, at: int = 0) -> None:
+    tensors, _files = load_official_index(root)
+    t = tensors[name]
+    with open(t.file, "r+b") as f:
+        f.seek(t.offset + at)
+        f.write(value)
+
+
+NAN_F32, NAN_BF16 = b"\x00\x00\xc0\x7f", b"\xc0\x7f"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("layers.3.ffn.gate.bias", NAN_F32),              # the selection bias of a learned layer
+    ("layers.1.ffn.gate.weight", NAN_BF16),
+    ("layers.2.ffn_norm.weight", b"\x80\x7f"),         # +inf in bf16
+    ("layers.0.hc_attn_fn", NAN_F32),                  # a hyper-connection parameter
+    ("layers.1.hc_ffn_scale", NAN_F32),
+    ("hc_head_base", NAN_F32),
+    ("layers.0.attn.attn_sink", NAN_F32),
+    ("layers.0.attn.q_norm.weight", NAN_BF16),
+])
+def test_a_non_finite_value_where_no_output_check_reaches_fails_the_run(tiny_official, tmp_path, name, value):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_official, broken)
+    _poke(broken, name, value)
+    (tmp_path / "out").mkdir()
+    run = _failed_run(broken, tmp_path / "out")
+    assert name in run.error and "non-finite" in run.error, run.error
+
+
+@pytest.mark.parametrize("row, says", [([99, 1, 2, 3], "outside 0..15"), ([-1, 1, 2, 3], "outside 0..15"),
+                                       ([5, 5, 2, 3], "same expert twice")])
+def test_a_hash_table_with_bad_expert_ids_fails_the_run_as_verify_says(tiny_official, tmp_path, row, says):
+    import numpy as np
+
+    from ds4f.engine.checkpoint.verify import verify_checkpoint
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_official, broken)
+    _poke(broken, "layers.0.ffn.gate.tid2eid", np.array(row, np.int64).tobytes(), at=7 * 4 * 8)   # token 7
+    (tmp_path / "out").mkdir()
+    run = _failed_run(broken, tmp_path / "out")
+    assert "layers.0.ffn.gate.tid2eid" in run.error and says in run.error, run.error
+    assert any(says in p for p in verify_checkpoint(broken))
+
+
+@pytest.mark.parametrize("layout", ["official", "ds4f"])
+def test_verify_names_every_float_tensor_with_a_non_finite_value(tiny_official, tmp_path, layout):
+    from ds4f.engine.checkpoint.convert import convert_checkpoint
+    from ds4f.engine.checkpoint.verify import verify_checkpoint
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_official, broken)
+    names = ("layers.3.ffn.gate.bias", "layers.0.hc_attn_fn", "layers.2.attn_norm.weight", "norm.weight")
+    for name in names:
+        _poke(broken, name, NAN_F32 if name.endswith(("bias", "fn")) else NAN_BF16)
+    root = broken if layout == "official" else convert_checkpoint(broken, tmp_path / "ds4f")
+    problems = verify_checkpoint(root)
+    for name in names:
+        assert any(name in p and "non-finite" in p for p in problems), (name, problems)
