@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,15 @@ def check_official_tensors(g: Geometry, tensors: dict[str, TensorInfo], root: Pa
         if tuple(t.shape) != tuple(plan.shape):
             problems.append(f"{t.file}: {plan.name}: shape {list(t.shape)}, expected {list(plan.shape)}"
                             f" for the geometry in config.json")
+    beyond = sorted({int(m.group(1)) for n in tensors if (m := _LAYER_NAME.match(n)) and int(m.group(1)) >= g.n_layers})
+    if beyond:   # the MTP layer is mtp.0.*: layers.N past the config's count are layers it would drop
+        problems.append(f"{root / 'config.json'}: num_hidden_layers = {g.n_layers}, but the shards hold"
+                        f" layers.{beyond[0]}.* tensors (up to layers.{beyond[-1]}): the config is not this"
+                        f" checkpoint's, and its layers would be dropped")
     return problems
+
+
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 
 
 def _attention_key(g: Geometry) -> str:

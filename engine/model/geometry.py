@@ -106,6 +106,28 @@ ATTENTION_KEYS = ("num_attention_heads", "head_dim", "q_lora_rank", "o_groups", 
                   "partial_rotary_factor", "sliding_window", "compress_ratios", "layer_types", "compress_rates",
                   "compress_rope_theta", "rope_scaling", "rope_parameters", "index_n_heads", "index_head_dim",
                   "index_topk", "hc_mult", "hc_sinkhorn_iters", "hc_eps")
+# Upper bounds of the config values, each far past DeepSeek-V4-Flash's own (in brackets): what is
+# beyond one is a typo or an attack, refused naming its key rather than run for hours, out of
+# memory, or with numbers near the float limit. Both readers (the run and verify) go by them.
+MAX_DIM = 1 << 16                      # any width, head count or rank not listed below
+GEOMETRY_MAXIMA = {"hidden": 1 << 16,            # [4096]
+                   "inter": 1 << 16,             # [2048]
+                   "n_layers": 1024,             # [43]
+                   "n_experts": 1 << 14,         # [256]
+                   "top_k": 256,                 # [6]
+                   "vocab": 1 << 22,             # [129280]
+                   "n_shared_experts": 64}       # [1]
+ATTENTION_MAXIMA = {"window": 1 << 20,           # [128]
+                    "hc_sinkhorn_iters": 1000,   # [20]
+                    "hc_mult": 64,               # [4]
+                    "index_topk": 1 << 20}       # [512]
+FLOAT_MAXIMA = {"routed_scaling_factor": 1e3,    # [1.5]
+                "swiglu_limit": 1e6,             # [10]
+                "rms_norm_eps": 1.0,             # [1e-6]
+                "hc_eps": 1.0,                   # [1e-6]
+                "rope_theta": 1e12,              # [10000]
+                "compress_rope_theta": 1e12}     # [160000]
+
 _REQUIRED_INTS = ("n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window", "index_n_heads",
                   "index_head_dim", "index_topk", "hc_mult")
 
@@ -221,10 +243,14 @@ class AttentionGeometry:
             v = getattr(self, f)
             if not _is_int(v) or v < 1:
                 raise bad(f, "must be a positive integer")
+            if v > ATTENTION_MAXIMA.get(f, MAX_DIM):
+                raise bad(f, f"more than {ATTENTION_MAXIMA.get(f, MAX_DIM)}, far past any DeepSeek-V4")
         for f in ("hc_eps", "rope_theta", "compress_rope_theta"):
             v = getattr(self, f)
             if not _is_num(v) or v <= 0:
                 raise bad(f, "must be a finite positive number")
+            if v > FLOAT_MAXIMA[f]:
+                raise bad(f, f"more than {FLOAT_MAXIMA[f]:g}, far past any DeepSeek-V4")
         if self.rope_dim % 2:
             raise bad("rope_dim", "must be even (RoPE turns pairs of dims)")
         if self.rope_dim > self.head_dim:
@@ -562,6 +588,8 @@ class Geometry:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(f, "must be a positive integer")
+            if v > GEOMETRY_MAXIMA[f]:
+                raise bad(f, f"more than {GEOMETRY_MAXIMA[f]}, far past any DeepSeek-V4")
         for f in ("hidden", "inter"):
             if getattr(self, f) % MX_BLOCK:
                 raise bad(f, f"must be a multiple of {MX_BLOCK} (the MXFP4 block)")
@@ -578,6 +606,8 @@ class Geometry:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise bad(f, "must be a finite positive number")
+            if v > FLOAT_MAXIMA[f]:
+                raise bad(f, f"more than {FLOAT_MAXIMA[f]:g}, far past any DeepSeek-V4")
         att = self.attention
         if att is not None:
             if not isinstance(att, AttentionGeometry):

@@ -340,7 +340,7 @@ def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
              "layers.1.attn.future_proj.scale": TensorSpec(dtype="float8_e8m0fnu", shape=[2, 2], data_ptr=keep[1].ctypes.data, data_len=keep[1].nbytes),
              "layers.1.hc_future_base": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
              "mtp.0.norm.weight": TensorSpec(dtype="float32", shape=[8], data_ptr=hc.ctypes.data, data_len=hc.nbytes),
-             "layers.4.ffn.experts.0.w1.weight": TensorSpec(dtype="int8", shape=[32], data_ptr=keep[0].ctypes.data, data_len=32)}
+             "mtp.0.ffn.experts.0.w1.weight": TensorSpec(dtype="int8", shape=[32], data_ptr=keep[0].ctypes.data, data_len=32)}
     serialize_file(specs, str(root / "model-extra.safetensors"))
     index = json.loads((root / "model.safetensors.index.json").read_text())
     for k in specs:
@@ -353,7 +353,7 @@ def test_convert_with_extra_trunk_tensors(tiny_official, tmp_path):
     assert by["layers.1.attn.future_proj.scale"]["region"] == "extra.1" and by["layers.1.attn.future_proj.scale"]["dtype"] == "F8_E8M0"
     assert by["mtp.0.norm.weight"]["region"] == "global"
     assert by["layers.1.attn.wq_a.weight"]["region"] == "extra.1" and by["hc_head_fn"]["region"] == "global"
-    assert "layers.4.ffn.experts.0.w1.weight" not in by and trunk["skipped"]["count"] == 1  # MTP experts
+    assert "mtp.0.ffn.experts.0.w1.weight" not in by and trunk["skipped"]["count"] == 1  # MTP experts
     with open_checkpoint(dst) as ck:
         assert ck.global_tensor("layers.1.attn.future_proj.weight").tobytes() == w.tobytes()
         assert ck.global_tensor("layers.1.attn.future_proj.scale").tobytes() == s.tobytes()
@@ -712,3 +712,29 @@ def test_tensors_that_share_bytes_are_refused(sharded, tmp_path):
     a, b = names[0], next(n for n in names[1:] if header[n]["shape"] == header[names[0]]["shape"])
     rewrite_header(shard, lambda h: h[b].update(data_offsets=list(h[a]["data_offsets"])))
     _expect_everywhere(root, tmp_path, rf"{shard.name}: tensors .* overlap")
+
+
+def test_layers_past_the_configs_count_are_refused_not_dropped(sharded, tmp_path):
+    """A config.json whose num_hidden_layers is below the shards' layers (another checkpoint's
+    config): refused naming both, never run on the first layers alone (the MTP layer is mtp.0.*)."""
+    root = copy_ck(sharded, tmp_path)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["num_hidden_layers"] -= 1
+    for key in ("compress_ratios", "layer_types", "mlp_layer_types"):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:cfg["num_hidden_layers"]]
+    (root / "config.json").write_text(json.dumps(cfg))
+    _expect_everywhere(root, tmp_path, rf"num_hidden_layers = {cfg['num_hidden_layers']}, but the shards hold"
+                                       rf" layers\.{cfg['num_hidden_layers']}\.\* tensors")
+
+
+@pytest.mark.parametrize("key, value", [("hc_sinkhorn_iters", 10**7), ("sliding_window", 10**9),
+                                        ("routed_scaling_factor", 1e300), ("hidden_size", 1 << 20),
+                                        ("rms_norm_eps", 5.0), ("n_routed_experts", 10**6)])
+def test_config_values_far_past_any_model_are_refused_naming_the_key(sharded, tmp_path, key, value):
+    root = copy_ck(sharded, tmp_path)
+    cfg = json.loads((root / "config.json").read_text())
+    assert key in cfg, sorted(cfg)
+    cfg[key] = value
+    (root / "config.json").write_text(json.dumps(cfg))
+    _expect_everywhere(root, tmp_path, rf"config.json: {key} = .*far past any DeepSeek-V4")
