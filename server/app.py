@@ -117,6 +117,9 @@ def build_app(service: Service):
     return Guard(app, service.options, service.metrics, ROUTES)
 
 
+CONCURRENCY_HEADROOM = 64      # connections being closed, and requests' tasks, past max_connections
+
+
 class Server:
     """uvicorn serving the app in a thread of its own, on a socket bound at construction."""
 
@@ -132,10 +135,14 @@ class Server:
             self.service.close()
             raise
         self.app = build_app(self.service)
-        config = uvicorn.Config(self.app, http=protocol_class(options.header_timeout_s, options.max_client_connections),
+        config = uvicorn.Config(self.app, http=protocol_class(options.header_timeout_s, options.max_client_connections,
+                                                                    options.max_connections),
                                 lifespan="on", log_config=None, log_level="warning", access_log=False,
                                 timeout_keep_alive=max(1, int(round(options.keep_alive_s))),
-                                timeout_graceful_shutdown=5, limit_concurrency=options.max_connections,
+                                timeout_graceful_shutdown=5,
+                                # the protocol keeps the connections within max_connections, closing
+                                # waiting ones first; uvicorn's own bound is the backstop past it
+                                limit_concurrency=options.max_connections + CONCURRENCY_HEADROOM,
                                 server_header=False, date_header=True, ws="none",
                                 h11_max_incomplete_event_size=64 * 1024)
         self.uvicorn = uvicorn.Server(config)

@@ -28,8 +28,8 @@ class ServerOptions:
     header_timeout_s: float = 10.0      # a request's line and headers must arrive within this
     body_timeout_s: float = 30.0        # its whole body within this of its headers (408 else)
     keep_alive_s: float = 5.0           # an idle keep-alive connection is closed after this
-    max_connections: int = 512          # open connections in all; requests beyond get 503
-    max_client_connections: int = 128   # open connections from one address; more are closed at once
+    max_connections: int = 512          # open connections in all; past it the oldest waiting one closes (503 if none)
+    max_client_connections: int = 128   # open connections from one address; likewise, its oldest waiting one
     max_client_requests: int = 32       # requests in progress from one address; more get 429
     queue_size: int = 8                 # requests waiting for the engine; more get 429
     client_queue_share: int | None = None   # of them, from one address; None: half the queue (at least 1)

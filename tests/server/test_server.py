@@ -749,12 +749,56 @@ def test_each_client_address_gets_a_fair_share(start):
     assert srv.get("/health").status == 200              # another address is served
 
     idle = [connect_from("127.0.0.4", srv.port) for _ in range(4)]
-    extra = connect_from("127.0.0.4", srv.port)          # one connection too many from that address
-    assert read_all(extra).startswith(b"HTTP/1.1 503 ")
+    extra = connect_from("127.0.0.4", srv.port)          # one connection more than that address may hold:
+    extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    assert read_all(extra).startswith(b"HTTP/1.1 200 ")  # served, in place of its oldest waiting one
+    assert read_all(idle[0]) == b"" and all(still_open(s) for s in idle[1:])
     assert srv.get("/status").status == 200
     for s in hogs + idle + [third, extra]:
         s.close()
     assert srv.service.runs_started == 0
+    # with every place of an address serving a request, a connection more is refused
+    tight = start(max_client_requests=2, max_client_connections=2, body_timeout_s=20)
+    busy = []
+    for _ in range(2):
+        s = connect_from("127.0.0.6", tight.port)
+        s.sendall(b"POST /runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 50\r\n\r\n{")
+        busy.append(s)
+    deadline = time.monotonic() + 10
+    while tight.server.app.in_progress.get("127.0.0.6", 0) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    refused = connect_from("127.0.0.6", tight.port)
+    assert read_all(refused).startswith(b"HTTP/1.1 503 ")
+    for s in busy + [refused]:
+        s.close()
+
+
+@pytest.mark.parametrize("spread", ["one address", "six addresses"])
+def test_half_open_sockets_never_shut_out_a_local_client(start, spread):
+    """Connections that never send a whole request head, from 127.0.0.1 (as every local client is)
+    past the per-address bound, or spread over six addresses past the server's total: a client
+    that sends its request is served at once, the oldest waiting sockets closed to make room."""
+    srv = start(max_client_connections=16, max_connections=40, header_timeout_s=60)
+    addresses = ["127.0.0.1"] if spread == "one address" else [f"127.0.0.{i}" for i in range(2, 8)]
+    waiting = []
+    for i in range(60):
+        s = connect_from(addresses[i % len(addresses)], srv.port)
+        if i % 3 == 0:
+            s.sendall(b"GET /hea")                       # a head that never ends; others say nothing
+        waiting.append(s)
+    time.sleep(0.3)
+    for _ in range(3):
+        assert srv.get("/health").status == 200          # from 127.0.0.1, over the bounds
+    chat = srv.chat(max_tokens=2, temperature=0)
+    assert chat.status == 200, chat.body
+    closed = [s for s in waiting if not still_open(s)]
+    assert closed and all(s in waiting[:len(closed) + 8] for s in closed)   # the oldest went first
+    partial = [read_all(s) for s in closed if waiting.index(s) % 3 == 0]
+    assert all(a == b"" or a.startswith(b"HTTP/1.1 408 ") for a in partial)
+    for s in waiting:
+        s.close()
 
 
 def test_a_client_gets_its_share_of_the_queue(start):
