@@ -21,6 +21,7 @@ from typing import Callable
 
 from textual import work
 from textual.app import App
+from textual.command import CommandPalette
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
@@ -59,6 +60,20 @@ def builtin_config_path() -> Path:
     return Path(str(resources.files("ds4f").joinpath("ds4f.toml")))
 
 
+class ConsolePalette(CommandPalette):
+    """Textual's command palette, except that its search worker ends quietly when the palette was
+    closed under it (a key burst: typed letters, then Escape, before the search ran), instead of
+    failing the worker, and the console with it, on the palette's vanished option list."""
+
+    @work(exclusive=True, group=CommandPalette._GATHER_COMMANDS_GROUP)
+    async def _gather_commands(self, search_value: str) -> None:
+        try:
+            await CommandPalette._gather_commands.__wrapped__(self, search_value)
+        except NoMatches:
+            if self.is_attached and self.is_current:
+                raise      # the palette is still there: a real problem
+
+
 class Ds4fConsole(App):
     TITLE = "ds4f-console"
     CSS_PATH = str(stylesheet_path("console.tcss"))
@@ -67,6 +82,11 @@ class Ds4fConsole(App):
     # below 80x24 (widgets.MIN_SIZE) the screens show a SizeNotice instead of a squeezed layout
     HORIZONTAL_BREAKPOINTS = [(0, "-too-narrow"), (80, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-too-short"), (24, "-short"), (36, "-tall")]
+
+    def action_command_palette(self) -> None:
+        """Textual's command palette, in the variant a burst of keys cannot break."""
+        if self.use_command_palette and not CommandPalette.is_open(self):
+            self.push_screen(ConsolePalette(id="--command-palette"))
 
     def pop_screen(self):
         """Textual's, except with one screen left: a burst of keys (two Enters for one command

@@ -43,3 +43,23 @@ async def test_random_key_bursts_never_end_the_console(tiny_model, history_path)
         _queue(app, ["escape"] * 6)
         await pilot.pause(0.3)
         assert app._exception is None
+
+
+PALETTE_KEYS = ["ctrl+p", "colon", "a", "r", "u", "escape", "enter", "backspace", "down"]
+
+
+@async_test
+async def test_palette_bursts_never_end_the_console(tiny_model, history_path):
+    """The command palette opened, typed into and closed faster than its search runs: the search
+    must end quietly when its palette is gone (Textual's own fails its worker, and the app)."""
+    app = make_app(tiny_model, history_path, gen=4000)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.controller is not None and app._booted, 30, "boot")
+        for seed in range(40):
+            _queue(app, random.Random(seed).choices(PALETTE_KEYS, k=40))
+            await pilot.pause(0.15)
+            assert app.is_running and app._exception is None, seed
+        run = app.controller.run
+        if run is not None:            # "r" typed outside the palette starts one
+            run.cancel()
+            run.wait(30)
