@@ -20,7 +20,7 @@ from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES, keep_freed_memory, war
 from ds4f.engine.runtime.reader import Reader
 from ds4f.engine.runtime.streamer import Streamer
 from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
-from ds4f.engine.checkpoint.formats import non_finite
+from ds4f.engine.checkpoint.formats import check_finite
 from ds4f.engine.checkpoint.verify import tid2eid_problems
 from ds4f.engine.session import Session
 from ds4f.engine.prefix_cache import PrefixCache
@@ -203,11 +203,8 @@ def _check_routers(checkpoint, routers: dict[int, "RouterWeights"], g) -> None:
     ids are out of range or repeated within a token's row (an IndexError, or one expert twice)."""
     for layer, r in routers.items():
         for name, arr in (("ffn_norm.weight", r.ffn_norm), ("ffn.gate.weight", r.gate), ("ffn.gate.bias", r.bias)):
-            bad = non_finite(arr) if arr is not None else 0
-            if bad:
-                raise Ds4fError(f"{checkpoint.path}: tensor layers.{layer}.{name} holds {bad} non-finite values"
-                                f" (NaN or infinity); `ds4f verify {checkpoint.path}` lists every such tensor",
-                                path=checkpoint.path)
+            if arr is not None:
+                check_finite(arr, f"layers.{layer}.{name}", checkpoint.path)
         problems = tid2eid_problems(r.tid2eid, g, f"{checkpoint.path}: layers.{layer}.ffn.gate.tid2eid")
         if problems:
             raise Ds4fError(problems[0], path=checkpoint.path)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4f.engine.checkpoint.formats import non_finite
-from ds4f.errors import Ds4fError
-
+from ds4f.engine.checkpoint.formats import check_finite
 from ds4f.engine.model.attention import (AttentionWeights, CompressorWeights, IndexerWeights, attention_shapes,
                                          layer_ropes)
 from ds4f.engine.model.geometry import Geometry
@@ -28,10 +26,7 @@ class _Reader:
         or a hyper-connection parameter would reroute tokens or change what attention reads
         silently; no output check reaches it)."""
         arr = self.ck.global_tensor(name)
-        bad = non_finite(arr)
-        if bad:
-            raise Ds4fError(f"{self.ck.path}: tensor {name} holds {bad} non-finite values (NaN or infinity);"
-                            f" `ds4f verify {self.ck.path}` lists every such tensor", path=self.ck.path)
+        check_finite(arr, name, self.ck.path)
         return arr
 
     def f32(self, name: str) -> np.ndarray:

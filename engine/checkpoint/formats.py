@@ -152,3 +152,12 @@ def non_finite(arr) -> int:
     if a.dtype.kind in "biu":
         return 0
     return int(a.size - np.count_nonzero(np.isfinite(a)))
+
+
+def check_finite(arr, name: str, path) -> None:
+    """A Ds4fError naming the tensor and the checkpoint when `arr` holds a NaN or an infinity
+    (for the tensors no output check reaches: a value there reroutes tokens silently)."""
+    bad = non_finite(arr)
+    if bad:
+        raise Ds4fError(f"{path}: tensor {name} holds {bad} non-finite values (NaN or infinity);"
+                        f" `ds4f verify {path}` lists every such tensor", path=path)

@@ -216,7 +216,7 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
              for p in ("w1.scale", "w3.scale", "w2.scale")]
     fp8_scales = _fp8_scale_names(tensors)
     total = sum(tensors[n].nbytes for n in names) + sum(tensors[n].nbytes for n in fp8_scales)
-    nan_total, nan_where, fp8_nan, fp8_problems = 0, [], 0, []
+    nan_total, nan_where, fp8_nan, value_problems = 0, [], 0, []
     fds: dict[Path, int] = {}
 
     def read(n: str) -> bytes | None:
@@ -245,7 +245,7 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
                 if c:
                     fp8_nan += c
                     what = "NaN scale bytes (0xFF)" if t.dtype in ("F8_E8M0", "U8") else "NaN scales"
-                    fp8_problems.append(f"{t.file}: {n}: {c} {what} in the FP8 scale tiles of"
+                    value_problems.append(f"{t.file}: {n}: {c} {what} in the FP8 scale tiles of"
                                         f" {n[:-len('.scale')]}.weight")
                 bar.advance(t.nbytes)
         for n in sorted(n for n, t in tensors.items() if t.dtype in FLOAT_DTYPES and ".experts." not in n
@@ -253,7 +253,7 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
             data = read(n)
             bad = non_finite(np.frombuffer(data, st_numpy_dtype(tensors[n].dtype))) if data is not None else 0
             if bad:
-                fp8_problems.append(f"{tensors[n].file}: {n}: {bad} "
+                value_problems.append(f"{tensors[n].file}: {n}: {bad} "
                                     f"{_NON_FINITE.get(tensors[n].dtype, 'non-finite values (NaN or inf)')}")
         for L in range(g.n_hash_layers):
             t = tensors[f"layers.{L}.ffn.gate.tid2eid"]
@@ -268,7 +268,7 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
     if nan_total:
         problems.append(f"{root}: {nan_total} NaN scale bytes (0xFF) in expert scales: "
                         + "; ".join(nan_where[:10]) + (" ..." if len(nan_where) > 10 else ""))
-    problems += _capped(fp8_problems, "tensors with non-finite values")
+    problems += _capped(value_problems, "tensors with non-finite values")
     return problems
 
 
