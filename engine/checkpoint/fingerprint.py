@@ -15,10 +15,23 @@ WHOLE_BYTES = 16 << 20
 SLICE_BYTES = 1 << 20
 
 
+_known: dict[tuple, str] = {}    # (path, each file's name, size and mtime) -> fingerprint, this process's
+
+
 def checkpoint_fingerprint(path: str | Path) -> str:
+    """The fingerprint; computed once per process for files that have not changed since (the
+    run's prompt and the engine both ask for it, and it reads megabytes of every shard)."""
     path = Path(path)
     files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
         else [path]
+    stamps = tuple((f.name, st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
+    key = (str(path.resolve()), stamps)
+    if key not in _known:
+        _known[key] = _compute(files)
+    return _known[key]
+
+
+def _compute(files: list[Path]) -> str:
     h = hashlib.sha256(b"ds4f.checkpoint/1")
     for f in files:
         size = f.stat().st_size
