@@ -2,11 +2,13 @@
 refuses costs it an engine load, and every refusal names the setting (`param`) it concerns."""
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, replace
 
 from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_PROMPT, MAX_THREADS, Config,
                                 Preset)
-from ds4f.engine.text.chat import chat_prompt_ids
+from ds4f.engine.text.chat import chat_prompt_ids, check_chat
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.errors import Ds4fError
@@ -36,6 +38,9 @@ class RunConfig:
                                              # control token; else (and always for messages) it is text
     messages: tuple | None = None            # chat turns ({"role", "content"}), in the model's chat format
     thinking: bool = False                   # chat: the model reasons first (thinking mode) or answers (chat mode)
+    tools: tuple | None = None               # chat: the function schemas offered ({name, description, parameters})
+    tool_choice: str | None = None           # chat: auto (None) | none | required | a function's name
+    reasoning_effort: str | None = None      # chat, thinking mode: low | medium | high | max (max: the prompt says so)
     sampling: "SamplingParams | None" = None # None: greedy
     stop: tuple[str, ...] = ()               # stop strings: the output ends before the first one
     stop_at_eos: bool | None = None          # end at the end-of-sentence token; None: when the prompt is text
@@ -119,11 +124,10 @@ def _check_text_settings(config: RunConfig) -> None:
     if config.messages is not None:
         if not config.messages:
             raise Ds4fError("messages: no chat messages given", param="messages")
-        for i, m in enumerate(config.messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                    or m.get("role") not in ("system", "user", "assistant"):
-                raise Ds4fError(f"messages[{i}]: each message needs a role (system, user or assistant) and its"
-                                f" content as text", param="messages")
+        check_chat(config.messages, config.tools, config.reasoning_effort, config.tool_choice)
+    elif config.tools is not None or config.tool_choice is not None or config.reasoning_effort is not None:
+        name = next(n for n in ("tools", "tool_choice", "reasoning_effort") if getattr(config, n) is not None)
+        raise Ds4fError(f"{name}: for a chat (messages) only", param=name)
     if config.sampling is not None and not isinstance(config.sampling, SamplingParams):
         raise Ds4fError(f"sampling: expected SamplingParams, got {type(config.sampling).__name__}", param="sampling")
     stop = config.stop
@@ -141,6 +145,11 @@ def _check_text(config: RunConfig) -> None:
     for i, m in enumerate(config.messages or ()):
         if isinstance(m, dict):
             texts += [(f"messages[{i}].{k}", m.get(k)) for k in ("content", "reasoning")]
+            if m.get("tool_calls"):
+                texts.append((f"messages[{i}].tool_calls", json.dumps(m["tool_calls"], ensure_ascii=False,
+                                                                      default=str)))
+    if config.tools:
+        texts.append(("tools", json.dumps(config.tools, ensure_ascii=False, default=str)))
     for name, value in texts:
         if isinstance(value, str):
             try:
@@ -161,7 +170,9 @@ def prompt_of(config: RunConfig, checkpoint, kept=()) -> tuple[tuple[int, ...], 
                         f" text; give the prompt as token ids, or use a checkpoint with its tokenizer files",
                         param="model", path=str(checkpoint.path))
     if config.messages is not None:
-        prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking, kept=kept))
+        prompt = tuple(chat_prompt_ids(tokenizer, list(config.messages), thinking=config.thinking, kept=kept,
+                                       tools=config.tools, reasoning_effort=config.reasoning_effort,
+                                       tool_choice=config.tool_choice))
     elif config.text is not None:
         prompt = (tokenizer.bos_id, *(tokenizer.encode if config.special_tokens else tokenizer.encode_text)(
             config.text))

@@ -245,7 +245,8 @@ class Run:
         turn's prompt begins with this run's state); None for a run that is not a chat's."""
         if self.config.messages is None or self.tokenizer is None:
             return None
-        return answer_message(self.tokenizer, self.generated_ids, self.output_text, self.config.thinking)
+        return answer_message(self.tokenizer, self.generated_ids, self.output_text, self.config.thinking,
+                              self.config.tools, self.config.tool_choice)
 
     @property
     def output_text(self) -> str:
@@ -698,7 +699,9 @@ class Run:
     def _text_report(self) -> dict:
         sampling = self.config.sampling
         return {"prompt": self.config.text, "messages": list(self.config.messages) if self.config.messages else None,
-                "thinking": self.config.thinking, "output": self.output_text if self.tokenizer is not None else None,
+                "thinking": self.config.thinking, "tools": list(self.config.tools) if self.config.tools else None,
+                "tool_choice": self.config.tool_choice, "reasoning_effort": self.config.reasoning_effort,
+                "output": self.output_text if self.tokenizer is not None else None,
                 "sampling": sampling.to_dict() if sampling is not None else "greedy",
                 "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
                 "finish_reason": self._finish_reason, "prompt_tokens": len(self.prompt),

@@ -71,6 +71,15 @@ class Metrics:
         self.rejections = Counter("ds4f_rejections", "Requests refused with 429: the engine queue full, the "
                                   "client's share of it taken, a run busy, or too many requests from the client.",
                                   ["reason"], registry=r)
+        self.tool_calls = Counter("ds4f_tool_calls", "Tool calls answered, by endpoint (chat, responses, "
+                                  "messages).", ["endpoint"], registry=r)
+        self.tool_call_errors = Counter("ds4f_tool_call_errors", "Answers whose tool calls were refused (a block "
+                                        "that does not parse, an unknown function, arguments the schema refuses):"
+                                        " their text was sent as content, finish reason tool_call_error.",
+                                        ["endpoint"], registry=r)
+        self.tool_call_repairs = Counter("ds4f_tool_call_repairs", "Repairs made to answers' tool calls and "
+                                         "reasoning (unclosed_think, misspelt_dsml, unclosed_block, value_type, "
+                                         "string_attribute, parallel_calls_dropped).", ["repair"], registry=r)
         self.queue_wait = Histogram("ds4f_queue_wait_seconds", "Time a request waited for the engine.",
                                     buckets=WAIT_BUCKETS, registry=r)
         for phase in PHASES:
@@ -112,6 +121,15 @@ class Metrics:
                            ("unresolved", issued - useful - wasted - cancelled)):
             self.prefetch_outcomes.labels(outcome).inc(max(0, n))
         self.prefetch_late.inc(max(0, int(prefetch.get("late", 0))))
+
+    def tool_reply(self, endpoint: str, reply) -> None:
+        """A chat answer read (engine.text.reply.Reply): its calls, a refusal, its repairs."""
+        if reply.calls:
+            self.tool_calls.labels(endpoint).inc(len(reply.calls))
+        if reply.error is not None:
+            self.tool_call_errors.labels(endpoint).inc()
+        for repair in reply.repairs:
+            self.tool_call_repairs.labels(repair).inc()
 
     def request(self, endpoint: str, method: str, status: int) -> None:
         code = f"{status // 100}xx" if status else "none"   # none: the client left before an answer

@@ -2,74 +2,71 @@
 
     GET  /v1/models              the model served (one)
     GET  /v1/models/{model}
-    POST /v1/chat/completions    messages -> an assistant message; "stream": true for server-sent events
+    POST /v1/chat/completions    messages -> an assistant message (reasoning, content, tool calls); streams too
     POST /v1/completions         a prompt (text, or token ids) -> its continuation; streams too
 
 Parameters: model, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k, min_p,
-seed, stop (a string or a list), n (1 only), stream, stream_options.include_usage; chat also
-`thinking` (DeepSeek's thinking mode: the reasoning comes as reasoning_content). A parameter left
-out (or null) takes the checkpoint's generation_config.json; seed, a fresh random one, recorded
-with the run. Parameters OpenAI has and this server cannot honour are refused (400 naming them)
-unless they ask for the default (frequency_penalty 0, logprobs false...); unknown ones too.
+seed, stop (a string or a list), n (1 only), stream, stream_options.include_usage. Chat also:
 
-Each request is one run of the engine (the run API, on the server's loaded engine), waiting its
-turn in the engine queue; the completion's id is `chatcmpl-<run id>` / `cmpl-<run id>`, so
-GET /runs/<run id> shows it. A streaming request that waits for the engine gets SSE comment lines
-(`: queued, position 2 of 3`) until its run starts. A client that disconnects cancels its run at
-the next token, or leaves the queue.
+- tools (function schemas), tool_choice (none, auto, required, {"type": "function", "function":
+  {"name"}}), parallel_tool_calls (false: the first call only). The model's DSML calls come back
+  as `tool_calls` (finish_reason "tool_calls"); tool results go back as `tool` messages. With
+  tool_choice none the tools stay in the prompt and DSML is read as content; required or a name
+  puts the call's opening in the prompt (the model then writes the call; no reasoning first).
+- thinking (DeepSeek's thinking mode: the reasoning comes as reasoning_content), asked for by any
+  of the shapes clients use (see `thinking_of`): `thinking` true/false or {"type": "enabled" |
+  "disabled"}, `reasoning_effort` (none turns it off; xhigh or max ask for the release's maximum
+  effort), `reasoning` {"effort", "enabled"}, `chat_template_kwargs` {"thinking" |
+  "enable_thinking", "reasoning_effort"}. Earlier turns' reasoning_content (or reasoning) is
+  taken back; "" and null are the same.
+- An answer whose calls do not parse, or that the tools refuse (an unknown function, arguments
+  against the schema): its text is the content, finish_reason "tool_call_error", and the choice's
+  `tool_call_error` says what was wrong; counted in /metrics (engine.text.reply lists what is
+  repaired instead).
+
+A parameter left out (or null) takes the checkpoint's generation_config.json; seed, a fresh random
+one, recorded with the run. Parameters OpenAI has and this server cannot honour are refused (400
+naming them) unless they ask for the default (frequency_penalty 0, logprobs false...); unknown
+ones too.
+
+Each request is one run of the engine (server.generation, shared with /v1/responses and
+/v1/messages); the completion's id is `chatcmpl-<run id>` / `cmpl-<run id>`, so GET /runs/<run id>
+shows it. A streaming request that waits for the engine gets SSE comment lines (`: queued,
+position 2 of 3`) until its run starts. A client that disconnects cancels its run at the next
+token, or leaves the queue.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import secrets
-import time
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4f import __version__
-from ds4f.api import MAX_GEN, Ds4fError, ReasoningSplit, RunConfig, SamplingParams
+from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_choice, check_tools
+from ds4f.engine.text.chat import check_chat
 
 from .errors import HttpError, bad, json_bytes, json_response
-from .feed import END
-from .queue import QueueFull, Ticket
-from .routes import json_body, refused
+from .generation import NO_ANSWER, Ask, begin, counted, ended_badly as ended_badly_of, reply_of, stream
+from .routes import json_body
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+TOOL_CALL_ERROR = "tool_call_error"    # the finish reason of an answer whose calls were refused
 MAX_STOP = 4               # as OpenAI
-QUEUE_LOOK_S = 1.0         # how often a queued streaming request looks at its position
-QUEUE_REPEAT_S = 15.0      # and says it again, unchanged (a keep-alive for proxies and clients)
 
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
           "stream_options", "user")
-CHAT_PARAMS = COMMON + ("messages", "max_completion_tokens", "thinking")
+THINKING_PARAMS = ("thinking", "reasoning_effort", "reasoning", "chat_template_kwargs")
+CHAT_PARAMS = COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls") \
+    + THINKING_PARAMS
 COMPLETION_PARAMS = COMMON + ("prompt",)
 # OpenAI parameters accepted when they ask for what this server does anyway
 DEFAULT_ONLY = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, 0),
                 "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,), "suffix": ("",), "best_of": (1,),
-                "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
                 "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
                 "metadata": ({},), "service_tier": ("auto", "default")}
-
-
-@dataclass
-class Ask:
-    """One generation request, parsed."""
-    kind: str                      # "chat" | "completion"
-    fields: dict                   # RunConfig's text fields: messages / text / prompt, thinking, stop, stop_at_eos
-    gen: int
-    gen_param: str                 # what the request called it: max_tokens, max_completion_tokens
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-    thinking: bool = False
-
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.kind == "chat" else "text_completion"
+EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
 
 
 # -- parameters ----------------------------------------------------------------------------------
@@ -91,26 +88,108 @@ def _whole(raw: dict, name: str, lo: int, hi: int):
     return v
 
 
-def _check_names(raw: dict, known: tuple) -> None:
+def check_names(raw: dict, known: tuple, default_only: dict = DEFAULT_ONLY) -> None:
     for key, value in raw.items():
         if key in known or value is None:
             continue
-        if key in DEFAULT_ONLY:
-            if value not in DEFAULT_ONLY[key]:
-                raise bad(key, f"not supported by this server (only {json.dumps(DEFAULT_ONLY[key][0])})",
+        if key in default_only:
+            if value not in default_only[key]:
+                raise bad(key, f"not supported by this server (only {json.dumps(default_only[key][0])})",
                           code="unsupported_parameter")
             continue
         raise bad(key, f"unknown parameter (known: {', '.join(known)})", code="unknown_parameter")
 
 
-def _text_parts(value, where: str) -> str:
+def _text_parts(value, where: str, kinds: tuple = ("text",)) -> str:
     """A message's content: a string, or a list of text parts."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") in kinds
                                        and isinstance(p.get("text"), str) for p in value):
         return "\n".join(p["text"] for p in value)
     raise bad(where, "expected text: a string, or a list of {\"type\": \"text\", \"text\": ...} parts")
+
+
+def from_ds4f(exc: Ds4fError) -> HttpError:
+    """A chat setting the engine's checks refused, as a 400 naming the parameter."""
+    return HttpError(400, exc.message, param=exc.param, code="invalid_value")
+
+
+def thinking_of(raw: dict, default: bool = False) -> tuple[bool, str | None]:
+    """(thinking mode, reasoning effort) from the shapes clients ask with; an explicit on/off
+    (`thinking`, `chat_template_kwargs`) wins over what an effort implies."""
+    explicit, effort = None, None
+    kwargs = raw.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "expected an object")
+    kwargs = kwargs or {}
+    reasoning = raw.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise bad("reasoning", "expected an object: {\"effort\": ..., \"enabled\": ...}")
+    reasoning = reasoning or {}
+    for name, value in (("reasoning_effort", raw.get("reasoning_effort")),
+                        ("reasoning.effort", reasoning.get("effort")),
+                        ("chat_template_kwargs.reasoning_effort", kwargs.get("reasoning_effort"))):
+        if value is None:
+            continue
+        if value == "none":
+            explicit = False if explicit is None else explicit
+            continue
+        if value not in EFFORTS:
+            raise bad(name.split(".")[0], f"{json.dumps(value)} is not an effort ({', '.join(['none', *EFFORTS])})")
+        effort = EFFORTS[value]
+    if effort is not None and explicit is None:
+        explicit = True
+    for name, value in (("reasoning.enabled", reasoning.get("enabled")),
+                        ("chat_template_kwargs.enable_thinking", kwargs.get("enable_thinking")),
+                        ("chat_template_kwargs.thinking", kwargs.get("thinking")),
+                        ("thinking", raw.get("thinking"))):
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            kind = value.get("type")
+            if kind not in ("enabled", "disabled", "adaptive"):
+                raise bad(name.split(".")[0], "expected {\"type\": \"enabled\"} or {\"type\": \"disabled\"}")
+            value = kind != "disabled"
+        if not isinstance(value, bool):
+            raise bad(name.split(".")[0], f"expected true or false, got {json.dumps(value)}")
+        explicit = value
+    thinking = default if explicit is None else explicit
+    return thinking, effort if thinking else None
+
+
+def parse_tool_choice(value, tools: tuple, param: str = "tool_choice"):
+    """OpenAI's tool_choice -> none | auto | required | a function's name."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        fn = value.get("function") if isinstance(value.get("function"), dict) else value
+        if value.get("type") not in ("function", None) or not isinstance(fn.get("name"), str):
+            raise bad(param, "expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        value = fn["name"]
+    elif value not in ("none", "auto", "required"):
+        raise bad(param, f"expected none, auto, required or a function object, got {json.dumps(value)}")
+    try:
+        return check_choice(value, tools)
+    except Ds4fError as exc:
+        raise bad(param, exc.message.split(": ", 1)[-1]) from None
+
+
+def parse_tools(value, param: str = "tools") -> tuple:
+    if value is None:
+        return ()
+    try:
+        return check_tools(value, param)
+    except Ds4fError as exc:
+        raise HttpError(400, exc.message, param=param, code="invalid_value") from None
+
+
+def _reasoning_field(m: dict, where: str) -> str | None:
+    for key in ("reasoning_content", "reasoning"):
+        value = m.get(key)
+        if value is not None:
+            return _text_parts(value, f"{where}.{key}") or None
+    return None
 
 
 def parse_messages(value) -> tuple[dict, ...]:
@@ -124,14 +203,40 @@ def parse_messages(value) -> tuple[dict, ...]:
         role = m.get("role")
         if role == "developer":
             role = "system"
-        if role not in ("system", "user", "assistant"):
-            raise bad(f"{where}.role", f"{json.dumps(role)} is not supported (system, developer, user, assistant)")
-        if m.get("tool_calls"):
-            raise bad(f"{where}.tool_calls", "tools are not supported", code="unsupported_parameter")
-        msg = {"role": role, "content": _text_parts(m.get("content"), f"{where}.content")}
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None:
-            msg["reasoning"] = _text_parts(reasoning, f"{where}.reasoning_content")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise bad(f"{where}.role", f"{json.dumps(role)} is not supported (system, developer, user, assistant,"
+                                       f" tool)")
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise bad(f"{where}.tool_calls", "expected a list of tool calls")
+            parsed = []
+            for j, c in enumerate(calls):
+                if not isinstance(c, dict) or not isinstance(c.get("function"), dict) \
+                        or c.get("type", "function") != "function":
+                    raise bad(f"{where}.tool_calls[{j}]", "expected {\"id\", \"type\": \"function\", \"function\": "
+                                                          "{\"name\", \"arguments\"}}")
+                try:
+                    parsed.append(check_call({"id": c.get("id"), **c["function"]}, f"{where}.tool_calls[{j}]",
+                                             "messages"))
+                except Ds4fError as exc:
+                    raise from_ds4f(exc) from None
+            content = m.get("content")
+            msg = {"role": role, "content": "" if content is None else _text_parts(content, f"{where}.content"),
+                   "tool_calls": parsed}
+        elif calls:
+            raise bad(f"{where}.tool_calls", "on an assistant message only")
+        else:
+            content = m.get("content")
+            if content is None and role == "assistant":
+                content = ""
+            msg = {"role": role, "content": _text_parts(content, f"{where}.content")}
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+        if role == "assistant":
+            reasoning = _reasoning_field(m, where)
+            if reasoning:
+                msg["reasoning"] = reasoning
         out.append(msg)
     return tuple(out)
 
@@ -147,24 +252,48 @@ def parse_prompt(value) -> dict:
     raise bad("prompt", "expected a string, or a list of token ids (one prompt per request)")
 
 
-def parse_ask(raw: dict, kind: str, svc) -> Ask:
-    _check_names(raw, CHAT_PARAMS if kind == "chat" else COMPLETION_PARAMS)
+def check_model(raw: dict, svc) -> None:
     model = raw.get("model")
     if model is not None and model != svc.model_id:
         if not isinstance(model, str):
             raise bad("model", f"expected a model name, got {json.dumps(model)}")
         raise HttpError(404, f"model: no model {model!r} here; this server serves {svc.model_id!r} "
                              f"(GET /v1/models)", param="model", code="model_not_found")
+
+
+def parse_stop(stop, param: str = "stop") -> tuple:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
+        return tuple(stop)
+    raise bad(param, f"expected a string or a list of at most {MAX_STOP} strings")
+
+
+def chat_fields(messages: tuple, tools: tuple, tool_choice, thinking: bool, effort) -> dict:
+    """RunConfig's chat fields, checked as the prompt reads them (a 400 naming the parameter)."""
+    try:
+        check_chat(messages, tools or None, effort, tool_choice)
+    except Ds4fError as exc:
+        raise from_ds4f(exc) from None
+    return {"messages": messages, "thinking": thinking, "tools": tools or None, "tool_choice": tool_choice,
+            "reasoning_effort": effort}
+
+
+def parse_ask(raw: dict, kind: str, svc) -> Ask:
+    check_names(raw, CHAT_PARAMS if kind == "chat" else COMPLETION_PARAMS)
+    check_model(raw, svc)
     n = raw.get("n")
     if n is not None and n != 1:
         raise bad("n", f"only 1 choice per request is supported, got {json.dumps(n)}", code="unsupported_value")
-    stream = raw.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("stream", f"expected true or false, got {json.dumps(stream)}")
+    stream_ = raw.get("stream")
+    if stream_ is not None and not isinstance(stream_, bool):
+        raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
     options = raw.get("stream_options")
     include_usage = False
     if options is not None:
-        if not stream:
+        if not stream_:
             raise bad("stream_options", "only with \"stream\": true")
         if not isinstance(options, dict) or any(k != "include_usage" for k in options) \
                 or not isinstance(options.get("include_usage", False), bool):
@@ -179,39 +308,37 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
         raise bad("max_tokens", "max_tokens and max_completion_tokens differ; give one")
     if given:
         gen_param, gen = next(iter(given.items()))
+    stop = parse_stop(raw.get("stop"))
 
-    stop = raw.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
-        stop = tuple(stop)
-    else:
-        raise bad("stop", f"expected a string or a list of at most {MAX_STOP} strings")
-
-    thinking = False
+    thinking, tools, choice, parallel = False, (), None, True
     if kind == "chat":
-        thinking = raw.get("thinking") or False
-        if not isinstance(thinking, bool):
-            raise bad("thinking", f"expected true or false, got {json.dumps(thinking)}")
+        thinking, effort = thinking_of(raw)
         if "messages" not in raw:
             raise bad("messages", "required: the conversation to answer", code="missing_parameter")
-        fields = {"messages": parse_messages(raw["messages"]), "thinking": thinking}
+        tools = parse_tools(raw.get("tools"))
+        choice = parse_tool_choice(raw.get("tool_choice"), tools)
+        parallel = raw.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
+        parallel = parallel is not False
+        fields = chat_fields(parse_messages(raw["messages"]), tools, choice, thinking, effort)
     else:
         if "prompt" not in raw:
             raise bad("prompt", "required: the text to continue", code="missing_parameter")
         fields = parse_prompt(raw["prompt"])
     fields["stop"] = stop
     fields["stop_at_eos"] = True
-    return Ask(kind, fields, gen, gen_param, parse_sampling(raw, svc), bool(stream), include_usage, thinking)
+    return Ask(kind, fields, gen, gen_param, parse_sampling(raw, svc), bool(stream_), include_usage, thinking,
+               tools, choice, parallel, names={"gen": gen_param, "text": "prompt", "sampling": "temperature"})
 
 
-def parse_sampling(raw: dict, svc) -> SamplingParams:
-    """The request's sampling settings over the checkpoint's defaults; seed: random unless given."""
+def parse_sampling(raw: dict, svc, names: dict | None = None) -> SamplingParams:
+    """The request's sampling settings over the checkpoint's defaults; seed: random unless given.
+    names: what the request calls them, where it is not OpenAI's name."""
     d = svc.generation_defaults
-    given = {"temperature": _number(raw, "temperature", 0, 2), "top_p": _number(raw, "top_p", 0, 1),
-             "top_k": _whole(raw, "top_k", 0, 1 << 31), "min_p": _number(raw, "min_p", 0, 1)}
+    names = names or {}
+    given = {k: (_number if k != "top_k" else _whole)(raw, names.get(k, k), *rng)
+             for k, rng in (("temperature", (0, 2)), ("top_p", (0, 1)), ("top_k", (0, 1 << 31)), ("min_p", (0, 1)))}
     seed = _whole(raw, "seed", 0, (1 << 63) - 1)
     settings = {"temperature": d.temperature if d.do_sample else 0.0, "top_p": d.top_p, "top_k": d.top_k,
                 "min_p": d.min_p}
@@ -224,222 +351,129 @@ def parse_sampling(raw: dict, svc) -> SamplingParams:
 
 
 # -- answers -------------------------------------------------------------------------------------
-def _usage(run) -> dict:
+def usage_of(run) -> dict:
     return {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.generated_tokens,
             "total_tokens": run.prompt_tokens + run.generated_tokens,
             # as OpenAI reports it: the prompt tokens served from the prefix cache
             "prompt_tokens_details": {"cached_tokens": run.prompt_tokens_reused}}
 
 
-def _ended_badly(run) -> HttpError | None:
-    if run.state == "failed":
-        return HttpError(500, f"the run failed: {run.error}", code="run_failed", extra={"run_id": run.id})
-    if run.state == "cancelled":
-        return HttpError(503, "the run was cancelled (an operator cancelled it, or the server is shutting down)",
-                         code="cancelled", extra={"run_id": run.id})
-    return None
+def finish_of(run, reply=None) -> str:
+    if reply is not None and reply.error is not None:
+        return TOOL_CALL_ERROR
+    if reply is not None and reply.calls:
+        return "tool_calls"
+    return FINISH_REASONS.get(run.finish_reason, "length")
+
+
+def openai_calls(reply) -> list[dict]:
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in reply.calls]
+
+
+def _head(ask: Ask, run, svc, obj: str) -> dict:
+    return {"id": ("chatcmpl-" if ask.kind == "chat" else "cmpl-") + run.id, "object": obj,
+            "created": int(run.started_at), "model": svc.model_id, "system_fingerprint": f"ds4f-{__version__}"}
 
 
 def _answer(ask: Ask, run, svc) -> dict:
-    text = run.output_text
-    finish = FINISH_REASONS.get(run.finish_reason, "length")
-    head = {"id": ("chatcmpl-" if ask.kind == "chat" else "cmpl-") + run.id, "object": ask.object,
-            "created": int(run.started_at), "model": svc.model_id, "system_fingerprint": f"ds4f-{__version__}"}
     if ask.kind == "chat":
-        parts = ReasoningSplit(ask.thinking, reasoning="reasoning_content", answer="content")
-        fields = parts.push(text) + parts.finish()
-        message = {"role": "assistant", "content": "".join(v for k, v in fields if k == "content")}
+        reply = reply_of(ask, run, svc)
+        message = {"role": "assistant", "content": reply.content if reply.content or not reply.calls else None}
         if ask.thinking:
-            message["reasoning_content"] = "".join(v for k, v in fields if k == "reasoning_content")
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {**head, "choices": [choice], "usage": _usage(run)}
-
-
-def _run_config(ask: Ask, svc) -> RunConfig:
-    return RunConfig(model=svc.model, preset=svc.preset, gen=ask.gen, backend=svc.cfg.backend,
-                     config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
-                     reuse_prefix=svc.options.reuse_prefix, **ask.fields)
-
-
-def _names(ask: Ask) -> dict:
-    """The run API's parameter names as this request spells them."""
-    return {"gen": ask.gen_param, "text": "prompt", "sampling": "temperature"}
-
-
-async def _disconnected(receive) -> None:
-    """Returns when the client has gone (http.disconnect)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(aw, gone: asyncio.Task) -> bool:
-    """Await `aw` unless the client goes first (then `aw` is cancelled): True if `aw` finished."""
-    task = asyncio.ensure_future(aw)
-    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()
-        return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False
-
-
-async def NO_ANSWER(scope, receive, send) -> None:
-    """The answer to a client that is gone: nothing (the access log says `-`)."""
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = openai_calls(reply)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_of(run, reply)}
+        if reply.error is not None:
+            choice[TOOL_CALL_ERROR] = reply.error
+        return {**_head(ask, run, svc, "chat.completion"), "choices": [choice], "usage": usage_of(run)}
+    choice = {"index": 0, "text": run.output_text, "logprobs": None, "finish_reason": finish_of(run)}
+    return {**_head(ask, run, svc, "text_completion"), "choices": [choice], "usage": usage_of(run)}
 
 
 async def _generate(request: Request, kind: str) -> Response:
     svc = request.app.state.service
     raw = await json_body(request, "request parameters")
     ask = parse_ask(raw, kind, svc)
-    config = _run_config(ask, svc)
-    ticket = Ticket(ask.object, request.client.host if request.client else "-")
-    svc.join(ticket)
-    waited_from = time.monotonic()
-    run = feed = None
-    if ticket.granted.done():   # the engine was free: start now, so a refusal is a proper status
-        svc.metrics.queue_wait.observe(0.0)
-        try:
-            run, feed = await svc.start(config, ticket)
-        except Ds4fError as exc:
-            raise refused(exc, raw, _names(ask)) from None
+    pending = await begin(request, ask, raw)
     if ask.stream:
-        return EventStream(_events(svc, ask, config, ticket, run, feed, raw, waited_from), svc.abandon_factory(ticket))
-    gone = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        if run is None:
-            try:
-                if not await _unless_gone(svc.queue.wait(ticket), gone):
-                    return NO_ANSWER
-            except QueueFull as exc:
-                raise HttpError(503, exc.message, code=exc.code, headers={"Retry-After": "5"}) from None
-            svc.metrics.queue_wait.observe(time.monotonic() - waited_from)
-            try:
-                run, feed = await svc.start(config, ticket)
-            except Ds4fError as exc:
-                raise refused(exc, raw, _names(ask)) from None
-        if not await _unless_gone(feed.ended.wait(), gone):
-            ticket.abandon()
-            return NO_ANSWER
-    except BaseException:
-        svc.abandon(ticket)
-        raise
-    finally:
-        gone.cancel()
-    failure = _ended_badly(run)
-    if failure is not None:
-        raise failure
+        return stream(pending, _events(pending))
+    run = await pending.finish(request)
+    if run is None:
+        return NO_ANSWER
     return json_response(200, _answer(ask, run, svc))
 
 
-def _sse(obj) -> bytes:
+def sse(obj) -> bytes:
     return b"data: " + json_bytes(obj).rstrip(b"\n") + b"\n\n"
 
 
-async def _events(svc, ask: Ask, config: RunConfig, ticket: Ticket, run, feed, raw: dict, waited_from: float):
-    """The SSE body: queue comments while waiting, a chunk per piece of text, the final chunk, [DONE]."""
-    if run is None:
-        shown, shown_at = None, 0.0
-        while True:
-            pos = svc.queue.position(ticket)
-            if pos and (pos != shown or time.monotonic() - shown_at >= QUEUE_REPEAT_S):   # news, or a keep-alive
-                shown, shown_at = pos, time.monotonic()
-                yield f": queued, position {pos} of {len(svc.queue.waiting)}\n\n".encode()
-            try:
-                await asyncio.wait_for(asyncio.shield(ticket.granted), QUEUE_LOOK_S)
-                break
-            except asyncio.TimeoutError:
-                continue
-            except QueueFull as exc:
-                yield _sse(HttpError(503, exc.message, code=exc.code).body())
-                yield b"data: [DONE]\n\n"
-                return
-        svc.metrics.queue_wait.observe(time.monotonic() - waited_from)
-        try:
-            run, feed = await svc.start(config, ticket)
-        except (Ds4fError, HttpError) as exc:
-            err = refused(exc, raw, _names(ask)) if isinstance(exc, Ds4fError) else exc
-            yield _sse(err.body())
-            yield b"data: [DONE]\n\n"
-            return
-    head = {"id": ("chatcmpl-" if ask.kind == "chat" else "cmpl-") + run.id,
-            "object": "chat.completion.chunk" if ask.kind == "chat" else "text_completion",
-            "created": int(run.started_at), "model": svc.model_id, "system_fingerprint": f"ds4f-{__version__}"}
-    if ask.include_usage:
-        head["usage"] = None
+async def _events(pending):
+    """The SSE body: queue comments while waiting, a chunk per piece of text (reasoning, content)
+    or call, the final chunk, [DONE]."""
+    ask, svc = pending.ask, pending.svc
+    chat = ask.kind == "chat"
+    parser = ask.parser() if chat else None
+    head, calls = None, 0
 
-    def chunk(delta: dict | str | None, finish: str | None = None) -> bytes:
-        if ask.kind == "chat":
+    def chunk(delta, finish: str | None = None) -> bytes:
+        if chat:
             choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return _sse({**head, "choices": [choice]})
+        return sse({**head, "choices": [choice]})
 
-    def pieces(fields: list[tuple[str, str]]):
-        for key, text in fields:
-            yield chunk({key: text} if ask.kind == "chat" else text)
+    def deltas(events):
+        nonlocal calls
+        for event in events:
+            if not chat:
+                yield chunk(event)
+            elif event[0] == "call":
+                if calls and not ask.parallel_calls:
+                    continue
+                call = event[1]
+                yield chunk({"tool_calls": [{"index": calls, "id": call["id"], "type": "function",
+                                             "function": {"name": call["name"], "arguments": ""}}]})
+                for fragment in call["fragments"]:
+                    yield chunk({"tool_calls": [{"index": calls, "function": {"arguments": fragment}}]})
+                calls += 1
+            else:
+                yield chunk({"reasoning_content" if event[0] == "reasoning" else "content": event[1]})
 
-    split = ReasoningSplit(ask.thinking, reasoning="reasoning_content", answer="content")
-    if ask.kind == "chat":
-        yield chunk({"role": "assistant", "content": ""})
-    sent = []
-    while (piece := await feed.pieces.get()) is not END:
-        sent.append(piece)
-        for c in pieces(split.push(piece) if ask.kind == "chat" else [("text", piece)]):
-            yield c
-    text, streamed = run.output_text, "".join(sent)
-    if len(text) > len(streamed) and text.startswith(streamed):   # anything the records did not carry
-        rest = text[len(streamed):]
-        for c in pieces(split.push(rest) if ask.kind == "chat" else [("text", rest)]):
-            yield c
-    for c in pieces(split.finish()):
-        yield c
-    failure = _ended_badly(run)
-    if failure is not None:
-        yield _sse(failure.body())
-    else:
-        yield chunk(None, FINISH_REASONS.get(run.finish_reason, "length"))
-        if ask.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(run)})
-    yield b"data: [DONE]\n\n"
-
-
-class EventStream:
-    """A server-sent-events answer (an ASGI app). The events are sent as they come; if the client
-    disconnects first, the events stop and `on_close` is called (it cancels the run or leaves the
-    queue), as it is however the stream ends."""
-
-    def __init__(self, events, on_close):
-        self.events = events
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                (b"x-accel-buffering", b"no")]})
-        gone = asyncio.ensure_future(_disconnected(receive))
-        try:
-            while True:
-                nxt = asyncio.ensure_future(self.events.__anext__())
-                await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not nxt.done():
-                    nxt.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await nxt
-                    break
-                try:
-                    data = nxt.result()
-                except StopAsyncIteration:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    break
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-        finally:
-            gone.cancel()
-            await self.events.aclose()
-            self.on_close()
+    async for event in pending.events():
+        if event[0] == "queued":
+            yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
+        elif event[0] == "refused":
+            yield sse(event[1].body())
+            yield b"data: [DONE]\n\n"
+            return
+        elif event[0] == "started":
+            head = _head(ask, event[1], svc, "chat.completion.chunk" if chat else "text_completion")
+            if ask.include_usage:
+                head["usage"] = None
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
+        elif event[0] == "piece":
+            for c in deltas(parser.push(event[1]) if chat else [event[1]]):
+                yield c
+        else:
+            run = event[1]
+            for c in deltas(parser.finish() if chat else []):
+                yield c
+            failure = ended_badly_of(run)
+            if failure is not None:
+                yield sse(failure.body())
+            else:
+                reply = counted(ask, parser.result, svc) if chat else None
+                if reply is not None and reply.error is not None:
+                    yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                    "finish_reason": TOOL_CALL_ERROR, TOOL_CALL_ERROR: reply.error}]})
+                else:
+                    yield chunk(None, finish_of(run, reply))
+                if ask.include_usage:
+                    yield sse({**head, "choices": [], "usage": usage_of(run)})
+            yield b"data: [DONE]\n\n"
 
 
 # -- endpoints ----------------------------------------------------------------------------------

@@ -1,119 +1,301 @@
-"""DeepSeek-V4's chat prompt format (the release's encoding/encoding_dsv4.py, without tools).
+"""DeepSeek-V4's chat prompt format (the release's encoding/encoding_dsv4.py).
 
     <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜>
     <｜User｜>{user}<｜Assistant｜><think>         (thinking mode; chat mode ends with </think>)
 
 System text goes in as it is, with no role token. Each user turn is <｜User｜> + its text. Each
-earlier assistant turn is <｜Assistant｜></think> + its content + <｜end▁of▁sentence｜>: its
-reasoning is dropped. The prompt ends with <｜Assistant｜> and <think> (thinking mode: the model
-reasons first, then writes </think> and the answer) or </think> (chat mode: straight to the
-answer). The last message must be the user's.
+earlier assistant turn is <｜Assistant｜></think> + its content + its tool calls (DSML, see
+engine.text.dsml) + <｜end▁of▁sentence｜>. The prompt ends with <｜Assistant｜> and <think>
+(thinking mode: the model reasons first, then writes </think> and the answer) or </think> (chat
+mode: straight to the answer). The last message must be the user's, or a tool's result.
+
+Tools: the function schemas go at the end of the system prompt, after two newlines, as the
+"## Tools" section (an empty system prompt is put first when there is none). There is no tool
+role in the prompt: tool results are a user turn, <｜User｜><tool_result>...</tool_result> blocks
+joined by a blank line, in the order of the calls they answer; a user message after them joins
+the same turn, as consecutive user messages do.
+
+Reasoning: thinking mode drops the reasoning of earlier turns (<｜Assistant｜></think>{answer}),
+unless tools are given: then every turn keeps it, <｜Assistant｜><think>{reasoning}</think>
+{answer}. reasoning_effort "max" opens a thinking-mode prompt with the release's instruction to
+reason exhaustively ("high" and the default add nothing).
+
+A forced call (tool_choice "required" or a function's name) is the answer's opening already in the
+prompt: `\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="` (and the name), after an empty
+reasoning in thinking mode; `answer_opening` says what the answer then begins with.
 
 The markers are the format's alone: every content is encoded as text (Tokenizer.encode_text), so
 a message holding "<｜Assistant｜>" or "</think>" is those characters, never the control tokens
 (render_chat's text, read back with Tokenizer.encode, would make them control tokens: it is for
-showing, not for the model).
+showing, not for the model). The format's own strings (the markers, the DSML tags, the tools
+section's text) are read with the tokenizer's special tokens.
 
-An earlier assistant turn may carry `tokens`: the ids the model generated for its content. When
-they still spell the content exactly, the prompt holds those ids rather than the tokenizer's
-reading of the text (a model's output seldom re-tokenizes to the ids it was sampled as), so a
-conversation's prompt begins with the state its last turn left: the prefix cache then reuses the
-answers too, not only what came before them. They come from this process (the console, `ds4f
-chat`), never from a client.
+An earlier assistant turn may carry `tokens`: the ids the model generated for its answer (content
+and calls). When they still spell it exactly, the prompt holds those ids rather than the
+tokenizer's reading of the text (a model's output seldom re-tokenizes to the ids it was sampled
+as), so a conversation's prompt begins with the state its last turn left: the prefix cache then
+reuses the answers too, not only what came before them. They come from this process (the
+console, `ds4f chat`), never from a client.
 
 A client that sends answers back as text (an OpenAI client) gets the same from `kept`: the token
-ids of the states the prefix cache keeps. An earlier answer without `tokens` is then spelled the
-way a kept state continues the prompt so far, as far as that state spells the answer's bytes, and
-tokenized only after that (the ids already computed stay authoritative, as in antirez/ds4).
+ids of the states the prefix cache keeps. An earlier answer (or reasoning) without `tokens` is then
+spelled the way a kept state continues the prompt so far, as far as that state spells the answer's
+bytes, and tokenized only after that (the ids already computed stay authoritative, as in
+antirez/ds4).
 """
 from __future__ import annotations
 
+import json
 from typing import Mapping, Sequence
 
 from ds4f.errors import Ds4fError
-from ds4f.engine.text.output import split_reasoning
+from ds4f.engine.text.dsml import (CALLS_START, INVOKE_OPEN, REASONING_EFFORT_MAX, TOOL_RESULT, check_call,
+                                   check_tools, pieces_text, render_calls, render_tools)
+from ds4f.engine.text.reply import parse_reply
 from ds4f.engine.text.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+EFFORTS = ("low", "medium", "high", "max")
 
 
-def _check(messages: Sequence[Mapping]) -> list[tuple[str, str, tuple[int, ...] | None]]:
+def _fail(message: str) -> Ds4fError:
+    return Ds4fError(message, param="messages")
+
+
+def _check(messages: Sequence[Mapping]) -> list[dict]:
+    """The messages checked, as dicts of the fields the format reads."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise Ds4fError("messages: a list of {role, content} messages expected", param="messages")
-    out = []
+        raise _fail("messages: a list of {role, content} messages expected")
+    out: list[dict] = []
+    open_calls: dict[str, int] | None = None      # the last assistant turn's calls not yet answered: id -> index
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise Ds4fError(f"messages[{i}]: a {{role, content}} mapping expected", param="messages")
+            raise _fail(f"messages[{i}]: a {{role, content}} mapping expected")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise Ds4fError(f"messages[{i}]: role {role!r} is not one of {', '.join(ROLES)}", param="messages")
+            raise _fail(f"messages[{i}]: role {role!r} is not one of {', '.join(ROLES)}")
+        calls = m.get("tool_calls") or ()
+        if content is None and role == "assistant" and calls:
+            content = ""
         if not isinstance(content, str):
-            raise Ds4fError(f"messages[{i}]: content must be a string", param="messages")
+            raise _fail(f"messages[{i}]: content must be a string")
+        msg = {"role": role, "content": content}
         reasoning = m.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, str):
-            raise Ds4fError(f"messages[{i}]: reasoning must be a string", param="messages")
+            raise _fail(f"messages[{i}]: reasoning must be a string")
+        if reasoning:
+            msg["reasoning"] = reasoning
         tokens = m.get("tokens")
         if tokens is not None:
             if role != "assistant" or isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) \
                     or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-                raise Ds4fError(f"messages[{i}]: tokens, on an assistant message only, must be a list of token ids",
-                                param="messages")
-            tokens = tuple(tokens)
-        out.append((role, content, tokens))
-    if not out or out[-1][0] != "user":
-        raise Ds4fError("messages: the last message must be the user's (the model answers it)", param="messages")
+                raise _fail(f"messages[{i}]: tokens, on an assistant message only, must be a list of token ids")
+            msg["tokens"] = tuple(tokens)
+        if calls:
+            if role != "assistant":
+                raise _fail(f"messages[{i}]: tool_calls on an assistant message only")
+            if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+                raise _fail(f"messages[{i}].tool_calls: expected a list of calls")
+            msg["tool_calls"] = [check_call(c, f"messages[{i}].tool_calls[{j}]", "messages")
+                                 for j, c in enumerate(calls)]
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise _fail(f"messages[{i}].tool_call_id: a tool result names the call it answers")
+            if open_calls is None or cid not in open_calls:
+                raise _fail(f"messages[{i}].tool_call_id: {cid!r} answers no call of the assistant message"
+                            f" before it" + (" (answered twice?)" if open_calls is not None else ""))
+            msg["tool_call_id"], msg["order"] = cid, open_calls.pop(cid)
+        elif role == "assistant":
+            _check_answered(open_calls, i)
+            open_calls = None
+        else:           # a user who speaks instead of a tool leaves the calls unanswered: that is allowed
+            open_calls = None
+        if role == "assistant" and calls:
+            ids = [c["id"] for c in msg["tool_calls"]]
+            if any(not c for c in ids) or len(set(ids)) != len(ids):
+                raise _fail(f"messages[{i}].tool_calls: each call needs an id of its own (its result names it)")
+            open_calls = {c: j for j, c in enumerate(ids)}
+        out.append(msg)
+    if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+        raise _fail(f"messages[{len(out) - 1}]: the conversation ends with a tool call and no result: send the"
+                    f" tool's result (a tool message with its tool_call_id) for the model to go on")
+    if not out or out[-1]["role"] not in ("user", "tool"):
+        raise _fail("messages: the last message must be the user's or a tool's result (the model answers it)")
+    if out[-1]["role"] == "tool":
+        _check_answered(open_calls, len(out))
     return out
 
 
-def _rendered(role: str, content: str) -> str:
-    """One message as the prompt holds it."""
-    if role == "system":
-        return content
-    if role == "user":
-        return USER + content
-    return ASSISTANT + END_THINK + content + EOS
+def _check_answered(open_calls: dict | None, i: int) -> None:
+    if open_calls:
+        raise _fail(f"messages[{i}]: the calls {', '.join(map(repr, open_calls))} before it have no tool result"
+                    f" (a tool message with their tool_call_id)")
 
 
-def _opening(thinking: bool) -> str:
-    """What follows the last user message: the assistant's turn, reasoning first or not."""
-    return ASSISTANT + (THINK if thinking else END_THINK)
+def _turns(msgs: list[dict]) -> list[dict]:
+    """The messages as the prompt's turns: tool results and the user messages after them merged into
+    one user turn of parts (tool results in the order of the calls they answer)."""
+    turns: list[dict] = []
+    for m in msgs:
+        if m["role"] in ("user", "tool"):
+            part = ("result", m["content"], m.get("order", 0)) if m["role"] == "tool" else ("text", m["content"])
+            if turns and turns[-1]["role"] == "user":
+                turns[-1]["parts"].append(part)
+            else:
+                turns.append({"role": "user", "parts": [part]})
+        else:
+            turns.append(m)
+    for t in turns:
+        if t["role"] == "user":
+            results = sorted((p for p in t["parts"] if p[0] == "result"), key=lambda p: p[2])
+            it = iter(results)
+            t["parts"] = [next(it) if p[0] == "result" else p for p in t["parts"]]
+    return turns
 
 
-def render_chat(messages: Sequence[Mapping], thinking: bool = False) -> str:
+def check_effort(effort) -> str | None:
+    if effort is not None and effort not in EFFORTS:
+        raise Ds4fError(f"reasoning_effort: one of {', '.join(EFFORTS)}, got {json.dumps(effort)}",
+                        param="reasoning_effort")
+    return effort
+
+
+def check_choice(choice, tools) -> str | None:
+    """tool_choice: None / "auto" / "none" / "required" / a function's name (one the tools offer)."""
+    if choice in (None, "auto", "none"):
+        return choice
+    if not tools:
+        raise Ds4fError(f"tool_choice: {json.dumps(choice)} needs tools to choose from", param="tool_choice")
+    if choice == "required" or (isinstance(choice, str) and choice in {t["name"] for t in tools}):
+        return choice
+    if isinstance(choice, str):
+        raise Ds4fError(f"tool_choice: no function {choice!r} among the tools ({', '.join(t['name'] for t in tools)})",
+                        param="tool_choice")
+    raise Ds4fError(f"tool_choice: expected auto, none, required or a function's name, got {json.dumps(choice)}",
+                    param="tool_choice")
+
+
+def answer_opening(thinking: bool, tool_choice: str | None = None) -> tuple[bool, str]:
+    """(does the answer begin in its reasoning, the answer's text the prompt already holds): a
+    forced call's opening (then no reasoning), else nothing."""
+    if tool_choice in (None, "auto", "none"):
+        return thinking, ""
+    return False, CALLS_START + "\n" + INVOKE_OPEN + ' name="' + ("" if tool_choice == "required"
+                                                                     else tool_choice + '">\n')
+
+
+def check_chat(messages: Sequence[Mapping], tools=None, reasoning_effort=None, tool_choice=None) -> tuple:
+    """A chat's settings checked as the prompt reads them: (the messages, the function schemas);
+    a Ds4fError naming the parameter (messages, tools, reasoning_effort, tool_choice) that is wrong."""
+    msgs = _check(messages)
+    schemas = check_tools(tools) if tools else ()
+    check_effort(reasoning_effort)
+    check_choice(tool_choice, schemas)
+    return msgs, schemas
+
+
+def _render(messages: Sequence[Mapping], thinking: bool, tools, effort, tool_choice) -> list:
+    """The prompt as pieces: ("mark", text) the format's strings, ("text", text) a message's,
+    ("answer", message, pieces) an earlier assistant turn's answer (content and calls), spelled by
+    its ids where they are known (chat_prompt_ids), ("reasoning", message, text) its kept reasoning."""
+    msgs, schemas = check_chat(messages, tools, effort, tool_choice)
+    if schemas and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": ""})
+    turns = _turns(msgs)
+    keep_reasoning = bool(schemas)         # with tools, every turn's reasoning stays
+    out: list = [("mark", BOS)]
+    if thinking and effort == "max":
+        out.append(("mark", REASONING_EFFORT_MAX))
+    for k, turn in enumerate(turns):
+        role = turn["role"]
+        if role == "system":
+            out.append(("text", turn["content"]))
+            if schemas and k == 0:
+                out += [("mark", "\n\n")] + render_tools(schemas)
+        elif role == "user":
+            out.append(("mark", USER))
+            for j, part in enumerate(turn["parts"]):
+                if j:
+                    out.append(("mark", "\n\n"))
+                if part[0] == "result":
+                    out += [("mark", TOOL_RESULT[0]), ("text", part[1]), ("mark", TOOL_RESULT[1])]
+                else:
+                    out.append(("text", part[1]))
+            last = k == len(turns) - 1
+            if last or turns[k + 1]["role"] == "assistant":
+                out.append(("mark", ASSISTANT + (THINK if thinking and (keep_reasoning or last) else END_THINK)))
+        else:
+            if thinking and keep_reasoning:
+                out += [("reasoning", turn, turn.get("reasoning", "")), ("mark", END_THINK)]
+            out += [("answer", turn, [("text", turn["content"])] + render_calls(turn.get("tool_calls", ()))),
+                    ("mark", EOS)]
+    begins_in_reasoning, forced = answer_opening(thinking, tool_choice)
+    if forced:
+        if thinking:
+            out.append(("mark", END_THINK))
+        head, _, name = forced.rpartition(' name="')
+        out += [("mark", head + ' name="')] + ([("text", name[:-3]), ("mark", '">\n')] if name else [])
+    return out
+
+
+def _text_of(item) -> str:
+    return item[1] if item[0] in ("mark", "text") else item[2] if item[0] == "reasoning" else pieces_text(item[2])
+
+
+def render_chat(messages: Sequence[Mapping], thinking: bool = False, tools=None, reasoning_effort=None,
+                tool_choice=None) -> str:
     """The prompt text, BOS and the special token strings inline (see the module docstring)."""
-    return BOS + "".join(_rendered(role, content) for role, content, _ in _check(messages)) + _opening(thinking)
+    return "".join(_text_of(item) for item in _render(messages, thinking, tools, reasoning_effort, tool_choice))
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[Mapping], thinking: bool = False,
-                    kept: Sequence[Sequence[int]] = ()) -> list[int]:
+                    kept: Sequence[Sequence[int]] = (), tools=None, reasoning_effort=None,
+                    tool_choice=None) -> list[int]:
     """The prompt's token ids, BOS first: the format's markers as their control tokens, every
     content as text (a special token's string in a message is ordinary text: no content can forge
     a turn). `kept`: the token ids of kept states, to spell earlier answers given as text alone
     (see the module docstring)."""
-    bos, user, assistant, think, end_think, eos = (tokenizer.special_id(s)   # a Ds4fError naming the
-                                                   for s in (BOS, USER, ASSISTANT, THINK, END_THINK, EOS))  # tokenizer
-    ids = [bos]
-    for role, content, tokens in _check(messages):
-        if role == "system":
-            ids += tokenizer.encode_text(content)
-        elif role == "user":
-            ids += [user] + tokenizer.encode_text(content)
-        else:                  # its ids when they are known: given, or as a kept state spells it
-            ids += [assistant, end_think]
-            spelled = list(tokens) if tokens is not None and tokenizer.decode(tokens) == content \
-                else _as_kept(tokenizer, content, ids, kept) if kept else None
-            ids += (spelled if spelled is not None else tokenizer.encode_text(content)) + [eos]
-    return ids + [assistant, think if thinking else end_think]
+    for s in (BOS, USER, ASSISTANT, THINK, END_THINK, EOS):   # a Ds4fError naming the tokenizer
+        tokenizer.special_id(s)
+    ids: list[int] = []
+    for item in _render(messages, thinking, tools, reasoning_effort, tool_choice):
+        kind = item[0]
+        if kind in ("mark", "text"):
+            ids += _encode_pieces(tokenizer, [item])
+            continue
+        pieces = item[2] if kind == "answer" else [("text", item[2])]
+        target = pieces_text(pieces)
+        tokens = item[1].get("tokens") if kind == "answer" else None
+        if tokens is not None and tokenizer.decode(tokens) == target:
+            ids += tokens
+            continue
+        spelled = _as_kept(tokenizer, pieces, ids, kept) if kept and target else None
+        ids += spelled if spelled is not None else _encode_pieces(tokenizer, pieces)
+    return ids
+
+
+def _encode_pieces(tokenizer, pieces, skip: int = 0) -> list[int]:
+    """Pieces' ids, each by its kind (marks with the special tokens, texts as text), from character `skip` on."""
+    ids: list[int] = []
+    for kind, text in pieces:
+        if skip >= len(text):
+            skip -= len(text)
+            continue
+        text, skip = text[skip:], 0
+        ids += tokenizer.encode(text) if kind == "mark" else tokenizer.encode_text(text)
+    return ids
 
 
 TRIES = 8      # tokens _as_kept gives back at most, looking for a spelling of the rest
 
 
-def _as_kept(tokenizer, content: str, prefix: list[int], kept: Sequence[Sequence[int]]) -> list[int] | None:
-    """`content` spelled as the kept state that spells most of it after `prefix` does (the rest
-    tokenized), or None when no kept state continues `prefix` with any of it. A kept state ends a
-    token short of a run's answer (the last pick is not fed), so its tail is usually a prefix of the
-    content; an undecodable byte sequence at its end costs a token or a few."""
+def _as_kept(tokenizer, pieces, prefix: list[int], kept: Sequence[Sequence[int]]) -> list[int] | None:
+    """`pieces` (an answer's text) spelled as the kept state that spells most of it after `prefix`
+    does (the rest encoded piece by piece), or None when no kept state continues `prefix` with any
+    of it. A kept state ends a token short of a run's answer (the last pick is not fed), so its tail
+    is usually a prefix of the answer; an undecodable byte sequence at its end costs a token or a few."""
+    content = pieces_text(pieces)
     n, best = len(prefix), None
     for tokens in kept:
         if len(tokens) <= n or list(tokens[:n]) != prefix:
@@ -126,30 +308,30 @@ def _as_kept(tokenizer, content: str, prefix: list[int], kept: Sequence[Sequence
             said = tokenizer.decode(tail[:k])
             if not content.startswith(said):
                 continue
-            rest = content[len(said):]
-            spelled = tail[:k] + (tokenizer.encode_text(rest) if rest else [])
+            spelled = tail[:k] + _encode_pieces(tokenizer, pieces, len(said))
             if tokenizer.decode(spelled) == content:
                 best = (k, spelled)
                 break
     return best[1] if best is not None else None
 
 
-def answer_message(tokenizer, generated: Sequence[int], text: str, thinking: bool) -> dict:
+def answer_message(tokenizer, generated: Sequence[int], text: str, thinking: bool, tools=None,
+                   tool_choice=None) -> dict:
     """An answer as the assistant message of the next turn: its content (the reasoning apart, as
-    `reasoning`) and, when they spell the content exactly, the ids the model generated for it
-    (`tokens`: after </think> in thinking mode, the end-of-sentence token left out).
-    `generated`: the run's picked ids; `text`: its output text."""
-    reasoning, answer = split_reasoning(text, thinking)
-    message = {"role": "assistant", "content": answer}
-    if reasoning:
-        message["reasoning"] = reasoning
+    `reasoning`; its calls as `tool_calls`, read by engine.text.reply) and, when they spell the
+    answer exactly, the ids the model generated for it (`tokens`: after </think> in thinking mode,
+    the end-of-sentence token left out). `generated`: the run's picked ids; `text`: its output text."""
+    begins_in_reasoning, forced = answer_opening(thinking, tool_choice)
+    reply = parse_reply(text, begins_in_reasoning, tools or None, calls=tool_choice != "none", prefix=forced)
+    message = reply.message()
     ids = list(generated)
-    if thinking:
+    if begins_in_reasoning:
         end = tokenizer.special_id(END_THINK)
         ids = ids[ids.index(end) + 1:] if end in ids else []
     eos = tokenizer.special_id(EOS)
     if eos in ids:
         ids = ids[:ids.index(eos)]
-    if tokenizer.decode(ids) == answer:
+    answer = [("text", message["content"])] + render_calls(message.get("tool_calls", ()))
+    if not forced and tokenizer.decode(ids) == pieces_text(answer):
         message["tokens"] = ids
     return message

@@ -319,13 +319,41 @@ BAD_CHAT = [
     ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 2}, "min_p"), ({"seed": -5}, "seed"),
     ({"seed": 1.5}, "seed"), ({"stop": 5}, "stop"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": ""}, "stop"), ({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]},
+    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]},
                                                                        "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),   # a result without its call
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logprobs": True}, "logprobs"), ({"tools": [{}]}, "tools"),
     ({"bogus": 1}, "bogus"), ({"thinking": "yes"}, "thinking"), ({"max_tokens": 2, "max_completion_tokens": 3}, "max_tokens"),
     ({"max_tokens": 9000}, "max_tokens"),   # past the preset's context: the run API's refusal, named as asked
+    # tools, tool results, reasoning
+    ({"tools": "get_weather"}, "tools"), ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]},
+     "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c2", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "c"}]}]}, "messages[0].tool_calls"),
+    ({"reasoning_effort": "huge"}, "reasoning_effort"), ({"thinking": {"type": "maybe"}}, "thinking"),
+    ({"chat_template_kwargs": 3}, "chat_template_kwargs"), ({"chat_template_kwargs": {"thinking": "on"}},
+                                                            "chat_template_kwargs"),
+    ({"reasoning": "high"}, "reasoning"),
 ]
 
 
