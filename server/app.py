@@ -15,6 +15,8 @@ beyond loopback without one is refused.
     protocol.py  uvicorn's h11 protocol with a deadline for request heads, connections per client
     routes.py    the operator's endpoints: /, /health, /status, /metrics, /runs...
     openai.py    the OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions
+    responses.py OpenAI's Responses API: /v1/responses
+    generation.py the engine path every generating endpoint shares
     service.py   the Service: the engine host and its queue, runs, their views, the history
     queue.py     the engine's waiting line
     feed.py      a run's tokens, from its thread to the event loop
@@ -37,7 +39,7 @@ from starlette.routing import Match, Route
 
 from ds4f.api import Ds4fError
 
-from . import openai, routes
+from . import openai, responses, routes
 from .errors import HttpError
 from .guard import Guard
 from .options import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, is_loopback, read_token_file
@@ -64,6 +66,7 @@ ROUTES = [
     Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
+    Route("/v1/responses", responses.create, methods=["POST"]),
 ]
 
 

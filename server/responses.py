@@ -1,0 +1,400 @@
+"""OpenAI's Responses API: POST /v1/responses, what Codex CLI and other Responses clients speak.
+
+    input         a string (one user message) or a list of items: messages ({role, content}: system,
+                  developer, user, assistant; content a string or input_text / output_text parts),
+                  function_call ({call_id, name, arguments}), function_call_output ({call_id,
+                  output}), reasoning ({content: reasoning_text parts, or summary, or the
+                  encrypted_content this server gave}: the next assistant turn's reasoning)
+    instructions  the system prompt
+    tools         [{"type": "function", "name", "description", "parameters"}]; tool_choice auto,
+                  none, required or {"type": "function", "name"}; parallel_tool_calls
+    reasoning     {"effort": none | minimal | low | medium | high | xhigh}: thinking mode unless none
+                  (xhigh asks for the release's maximum effort); summary is accepted
+    max_output_tokens, temperature, top_p, stream; store, include, metadata, user,
+    prompt_cache_key, truncation "disabled", text {"format": {"type": "text"}} are accepted
+    (nothing is stored: no GET /v1/responses/{id}, previous_response_id is refused).
+
+The answer's output items, in order: reasoning (thinking mode, when the model reasoned), the
+message (its output_text), one function_call per call. status is completed, or incomplete with
+incomplete_details.reason max_output_tokens. An answer whose calls were refused (engine.text.reply):
+its text is the message, and the response's `tool_call_error` says why. Streaming sends the API's
+events: response.created, response.in_progress, per item response.output_item.added, its deltas
+(response.reasoning_text.delta, response.content_part.added / response.output_text.delta /
+.done / response.content_part.done, response.function_call_arguments.delta / .done),
+response.output_item.done, then response.completed, response.incomplete or response.failed.
+One engine path with the chat endpoint (server.generation).
+"""
+from __future__ import annotations
+
+import base64
+import json
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ds4f.api import MAX_GEN
+
+from .errors import bad, json_bytes, json_response
+from .generation import NO_ANSWER, Ask, begin, counted, ended_badly, reply_of, stream
+from .openai import (EFFORTS, _text_parts, _whole, chat_fields, check_model, check_names, parse_sampling,
+                     parse_tool_choice, parse_tools)
+from .routes import json_body
+
+PARAMS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
+          "max_output_tokens", "temperature", "top_p", "stream", "store", "include", "metadata", "user",
+          "prompt_cache_key", "text", "truncation", "service_tier", "safety_identifier", "background",
+          "previous_response_id", "top_logprobs")
+DEFAULT_ONLY = {"truncation": ("disabled", "auto"), "background": (False,), "top_logprobs": (0,),
+                "service_tier": ("auto", "default")}
+ENCRYPTED = "ds4f:"        # the prefix of the reasoning this server hands out as encrypted_content (not encrypted)
+
+
+def _tools(value) -> tuple:
+    """Responses tools ({"type": "function", "name", ...}, flat) as function schemas."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad("tools", "expected a list of function tools")
+    flat = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise bad("tools", f"tools[{i}]: only function tools are supported, got {json.dumps(kind)}",
+                      code="unsupported_value")
+        flat.append({k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None})
+    return parse_tools(flat)
+
+
+def _choice(value, tools):
+    if isinstance(value, dict) and value.get("type") == "function" and "function" not in value:
+        value = {"type": "function", "function": {"name": value.get("name")}}
+    return parse_tool_choice(value, tools)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    parts = item.get("content") or []
+    summary = item.get("summary") or []
+    if not isinstance(parts, list) or not isinstance(summary, list):
+        raise bad("input", f"{where}: content and summary are lists of text parts")
+    texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") in ("reasoning_text", "text")]
+    if not texts:
+        texts = [p.get("text") for p in summary if isinstance(p, dict)]
+    if not texts and isinstance(item.get("encrypted_content"), str) and item["encrypted_content"].startswith(ENCRYPTED):
+        try:
+            texts = [base64.b64decode(item["encrypted_content"][len(ENCRYPTED):]).decode("utf-8")]
+        except ValueError:
+            raise bad("input", f"{where}.encrypted_content: not one this server gave") from None
+    if not all(isinstance(t, str) for t in texts):
+        raise bad("input", f"{where}: reasoning text parts hold text")
+    return "\n".join(texts)
+
+
+def parse_input(value, instructions) -> tuple[dict, ...]:
+    """The input items as the chat format's messages: an assistant turn gathers the reasoning,
+    message and function_call items that follow each other; function_call_output is a tool message."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise bad("input", "expected a string or a non-empty list of input items")
+    out: list[dict] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad("instructions", "expected a string")
+        out.append({"role": "system", "content": instructions})
+    turn: dict | None = None       # the assistant turn being gathered
+
+    def assistant() -> dict:
+        nonlocal turn
+        if turn is None:
+            turn = {"role": "assistant", "content": ""}
+            out.append(turn)
+        return turn
+
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad("input", f"{where}: expected an input item object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user", "assistant"):
+                raise bad("input", f"{where}.role: {json.dumps(role)} is not supported (system, developer, user,"
+                                   f" assistant)")
+            text = _text_parts(item.get("content"), f"{where}.content", ("input_text", "output_text", "text"))
+            if role == "assistant":
+                t = assistant()
+                t["content"] += text
+            else:
+                turn = None
+                out.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            t = assistant()
+            text = _reasoning_text(item, where)
+            t["reasoning"] = t.get("reasoning", "") + text
+        elif kind == "function_call":
+            t = assistant()
+            t.setdefault("tool_calls", []).append({"id": item.get("call_id"), "name": item.get("name"),
+                                                   "arguments": item.get("arguments")})
+        elif kind == "function_call_output":
+            turn = None
+            output = item.get("output")
+            output = output if isinstance(output, str) else _text_parts(output, f"{where}.output",
+                                                                        ("input_text", "output_text", "text"))
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        else:
+            raise bad("input", f"{where}.type: {json.dumps(kind)} items are not supported (message, reasoning,"
+                               f" function_call, function_call_output)", code="unsupported_value")
+    return tuple(out)
+
+
+def parse_ask(raw: dict, svc) -> Ask:
+    check_names(raw, PARAMS, DEFAULT_ONLY)
+    check_model(raw, svc)
+    if raw.get("previous_response_id") is not None:
+        raise bad("previous_response_id", "this server stores no responses: send the whole conversation as input",
+                  code="unsupported_parameter")
+    if "input" not in raw:
+        raise bad("input", "required: the conversation to answer", code="missing_parameter")
+    stream_ = raw.get("stream")
+    if stream_ is not None and not isinstance(stream_, bool):
+        raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
+    text = raw.get("text")
+    if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}).get("type") != "text"):
+        raise bad("text", "only text output is supported ({\"format\": {\"type\": \"text\"}})",
+                  code="unsupported_value")
+    gen = _whole(raw, "max_output_tokens", 1, MAX_GEN) or svc.options.default_max_tokens
+    reasoning = raw.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise bad("reasoning", "expected an object: {\"effort\": ...}")
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort != "none" and effort not in EFFORTS:
+        raise bad("reasoning", f"effort {json.dumps(effort)} is not one of none, {', '.join(EFFORTS)}")
+    thinking = effort is not None and effort != "none"
+    tools = _tools(raw.get("tools"))
+    choice = _choice(raw.get("tool_choice"), tools)
+    parallel = raw.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
+    fields = chat_fields(parse_input(raw["input"], raw.get("instructions")), tools, choice, thinking,
+                         EFFORTS[effort] if thinking else None)
+    fields.update(stop=(), stop_at_eos=True)
+    sampling = parse_sampling({k: raw.get(k) for k in ("temperature", "top_p")}, svc)
+    return Ask("chat", fields, gen, "max_output_tokens", sampling, bool(stream_), thinking=thinking, tools=tools,
+               tool_choice=choice, parallel_calls=parallel is not False, endpoint="responses",
+               names={"gen": "max_output_tokens", "text": "input", "sampling": "temperature"})
+
+
+# -- the response ---------------------------------------------------------------------------------
+class Shape:
+    """The response object and its items, as the request asked for them."""
+
+    def __init__(self, ask: Ask, raw: dict, svc, run) -> None:
+        self.ask, self.raw, self.svc, self.run = ask, raw, svc, run
+        self.encrypted = "reasoning.encrypted_content" in (raw.get("include") or ())
+
+    def response(self, status: str, output: list, usage: dict | None = None, **extra) -> dict:
+        raw, ask = self.raw, self.ask
+        effort = (raw.get("reasoning") or {}).get("effort")
+        return {"id": "resp_" + self.run.id, "object": "response", "created_at": int(self.run.started_at),
+                "status": status, "error": None, "incomplete_details": None, "instructions": raw.get("instructions"),
+                "max_output_tokens": ask.gen, "model": self.svc.model_id, "output": output,
+                "parallel_tool_calls": ask.parallel_calls, "previous_response_id": None,
+                "reasoning": {"effort": effort, "summary": (raw.get("reasoning") or {}).get("summary")},
+                "store": False, "temperature": ask.sampling.temperature, "text": {"format": {"type": "text"}},
+                "tool_choice": _choice_out(ask.tool_choice), "tools": raw.get("tools") or [],
+                "top_p": ask.sampling.top_p, "truncation": "disabled", "usage": usage,
+                "metadata": raw.get("metadata") or {}, **extra}
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict:
+        item = {"type": "reasoning", "id": f"rs_{self.run.id}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
+        if self.encrypted:
+            item["encrypted_content"] = ENCRYPTED + base64.b64encode(text.encode()).decode()
+        return item
+
+    def message_item(self, text: str, status: str = "completed") -> dict:
+        return {"type": "message", "id": f"msg_{self.run.id}", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+    @staticmethod
+    def call_item(call: dict, status: str = "completed") -> dict:
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": call["name"], "arguments": call["arguments"] if status == "completed" else "",
+                "status": status}
+
+    def usage(self) -> dict:
+        run = self.run
+        reasoning = 0
+        if self.ask.thinking:   # the tokens up to and with </think>
+            ids = run.generated_ids
+            end = _end_think(run)
+            reasoning = ids.index(end) + 1 if end is not None and end in ids else len(ids)
+        return {"input_tokens": run.prompt_tokens, "input_tokens_details": {"cached_tokens": run.prompt_tokens_reused},
+                "output_tokens": run.generated_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": run.prompt_tokens + run.generated_tokens}
+
+    def finished(self, reply, output: list) -> dict:
+        extra = {"tool_call_error": reply.error} if reply.error is not None else {}
+        if self.run.finish_reason == "length" and not reply.calls:
+            return self.response("incomplete", output, self.usage(), **extra) | \
+                {"incomplete_details": {"reason": "max_output_tokens"}}
+        return self.response("completed", output, self.usage(), **extra)
+
+
+def _end_think(run):
+    tok = getattr(run, "tokenizer", None)
+    try:
+        return tok.special_id("</think>") if tok is not None else None
+    except Exception:   # a tokenizer without the marker: no reasoning tokens to count
+        return None
+
+
+def _choice_out(choice):
+    if choice in (None, "auto", "none", "required"):
+        return choice or "auto"
+    return {"type": "function", "name": choice}
+
+
+def _output(shape: Shape, reply) -> list:
+    out = []
+    if shape.ask.thinking and reply.reasoning:
+        out.append(shape.reasoning_item(reply.reasoning))
+    if reply.content or not (out or reply.calls):      # an empty answer is an empty message
+        out.append(shape.message_item(reply.content))
+    out += [shape.call_item(c) for c in reply.calls]
+    return out
+
+
+async def create(request: Request) -> Response:
+    svc = request.app.state.service
+    raw = await json_body(request, "request parameters")
+    ask = parse_ask(raw, svc)
+    pending = await begin(request, ask, raw)
+    if ask.stream:
+        return stream(pending, _events(pending))
+    run = await pending.finish(request)
+    if run is None:
+        return NO_ANSWER
+    shape = Shape(ask, raw, svc, run)
+    reply = reply_of(ask, run, svc)
+    return json_response(200, shape.finished(reply, _output(shape, reply)))
+
+
+def _event(kind: str, seq: int, **fields) -> bytes:
+    return f"event: {kind}\n".encode() + b"data: " + json_bytes({"type": kind, "sequence_number": seq, **fields}) \
+        .rstrip(b"\n") + b"\n\n"
+
+
+async def _events(pending):
+    """The Responses API's event stream (see the module docstring)."""
+    ask, svc, raw = pending.ask, pending.svc, pending.raw
+    parser = ask.parser()
+    seq = 0
+    shape: Shape | None = None
+    output: list = []          # the items done
+    open_item: dict | None = None
+    texts = {"reasoning": "", "content": ""}
+
+    def emit(kind: str, **fields) -> bytes:
+        nonlocal seq
+        seq += 1
+        return _event(kind, seq - 1, **fields)
+
+    def close_open():
+        nonlocal open_item
+        if open_item is None:
+            return
+        index = len(output)
+        if open_item["type"] == "reasoning":
+            item = shape.reasoning_item(texts["reasoning"])
+            yield emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                       text=texts["reasoning"])
+        else:
+            item = shape.message_item(texts["content"])
+            part = item["content"][0]
+            yield emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                       text=texts["content"], logprobs=[])
+            yield emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                       part=part)
+        yield emit("response.output_item.done", output_index=index, item=item)
+        output.append(item)
+        open_item = None
+
+    def on(event):
+        nonlocal open_item
+        kind = event[0]
+        if kind == "call":
+            if any(i["type"] == "function_call" for i in output) and not ask.parallel_calls:
+                return
+            yield from close_open()
+            call, index = event[1], len(output)
+            item = shape.call_item(call, "in_progress")
+            yield emit("response.output_item.added", output_index=index, item=item)
+            for fragment in call["fragments"]:
+                yield emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=fragment)
+            yield emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                       arguments=call["arguments"])
+            item = shape.call_item(call)
+            yield emit("response.output_item.done", output_index=index, item=item)
+            output.append(item)
+            return
+        want = "reasoning" if kind == "reasoning" else "message"
+        if want == "reasoning" and not ask.thinking:
+            return
+        if open_item is not None and open_item["type"] != want:
+            yield from close_open()
+        index = len(output)
+        if open_item is None:
+            if want == "reasoning":
+                open_item = shape.reasoning_item("", "in_progress")
+                yield emit("response.output_item.added", output_index=index, item=open_item)
+            else:
+                open_item = shape.message_item("", "in_progress")
+                yield emit("response.output_item.added", output_index=index, item=open_item)
+                yield emit("response.content_part.added", item_id=open_item["id"], output_index=index,
+                           content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        texts["reasoning" if want == "reasoning" else "content"] += event[1]
+        yield emit("response.reasoning_text.delta" if want == "reasoning" else "response.output_text.delta",
+                   item_id=open_item["id"], output_index=index, content_index=0, delta=event[1],
+                   **({} if want == "reasoning" else {"logprobs": []}))
+
+    async for event in pending.events():
+        if event[0] == "queued":
+            yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
+        elif event[0] == "refused":
+            err = event[1]
+            yield emit("error", code=err.code, message=err.message, param=err.param)
+            return
+        elif event[0] == "started":
+            shape = Shape(ask, raw, svc, event[1])
+            yield emit("response.created", response=shape.response("in_progress", []))
+            yield emit("response.in_progress", response=shape.response("in_progress", []))
+        elif event[0] == "piece":
+            for e in parser.push(event[1]):
+                for b in on(e):
+                    yield b
+        else:
+            run = event[1]
+            for e in parser.finish():
+                for b in on(e):
+                    yield b
+            failure = ended_badly(run)
+            if failure is not None:
+                yield emit("response.failed", response=shape.response(
+                    "failed", output, error={"code": failure.code or "server_error", "message": failure.message}))
+                return
+            reply = counted(ask, parser.result, svc)
+            if open_item is None and not output and not reply.calls:   # an empty answer is an empty message
+                index = 0
+                open_item = shape.message_item("", "in_progress")
+                yield emit("response.output_item.added", output_index=index, item=open_item)
+                yield emit("response.content_part.added", item_id=open_item["id"], output_index=index,
+                           content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            for b in close_open():
+                yield b
+            final = shape.finished(reply, output)
+            yield emit("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                       response=final)
