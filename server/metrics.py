@@ -79,7 +79,8 @@ class Metrics:
                                         ["endpoint"], registry=r)
         self.tool_call_repairs = Counter("ds4f_tool_call_repairs", "Repairs made to answers' tool calls and "
                                          "reasoning (unclosed_think, misspelt_dsml, unclosed_block, value_type, "
-                                         "string_attribute, parallel_calls_dropped).", ["repair"], registry=r)
+                                         "string_attribute, text_after_calls, parallel_calls_dropped).",
+                                         ["repair"], registry=r)
         self.queue_wait = Histogram("ds4f_queue_wait_seconds", "Time a request waited for the engine.",
                                     buckets=WAIT_BUCKETS, registry=r)
         for phase in PHASES:

@@ -20,8 +20,9 @@ What the model gets wrong, and what it becomes (never an exception):
 - repaired, where the format leaves one reading: a call block that opens inside the reasoning (an
   unclosed `</think>`: the reasoning ends there), the DSML marker with a doubled or missing bar or
   ASCII bars, a block missing only its closing tag, a value whose type the schema fixes (string
-  "3" for an integer, 3 for a string), a parameter without its `string` attribute. Each repair is
-  named in `Reply.repairs`.
+  "3" for an integer, 3 for a string), a parameter without its `string` attribute; text after
+  the closed block (the answer ends with its calls: that text is dropped). Each repair is named
+  in `Reply.repairs`.
 - refused: a block that does not parse, a call to a function the request did not offer, arguments
   the schema refuses (a missing required one, an unknown one where `additionalProperties` is
   false, a value of the wrong type). The whole answer after the reasoning is then the content, as
@@ -90,6 +91,7 @@ class ReplyParser:
         self.parse_calls = calls
         self.buf = ""              # text not yet handed out (a marker's possible start), or the calls block
         self.block = ""            # the calls block as written (after its opening), for a refusal
+        self.after = ""            # what came after a closed calls block (dropped)
         self.opening = ""          # how the block's opening was written
         self.result = Reply()
         self._hidden = len(prefix)  # characters of the prefix: parsed, not handed out
@@ -107,8 +109,14 @@ class ReplyParser:
             elif self.phase == "content":
                 if not self._content(out):
                     break
-            else:
+            elif self.phase == "calls":
                 self._calls_text(out)
+                break
+            elif self.phase == "after":        # past a closed block: not the answer's (see finish)
+                self.after += self.buf
+                self.buf = ""
+                break
+            else:
                 break
         return out
 
@@ -120,6 +128,8 @@ class ReplyParser:
             self._emit(out, "content", self.buf)
         elif self.phase == "calls":
             self._close_block(out, closed=False)
+        if self.after.strip():
+            self.result.repairs.append("text_after_calls")
         self.buf = ""
         self.phase = "done"
         return out
@@ -201,8 +211,11 @@ class ReplyParser:
 
     # -- the block ------------------------------------------------------------------------------------
     def _close_block(self, out: list, closed: bool) -> None:
-        self.phase = "done"
+        self.phase = "after"
         text = normalize_dsml(self.block)
+        end = text.find(CALLS_CLOSE)
+        if end >= 0:                   # what follows the block is not part of it
+            self.after, text = text[end + len(CALLS_CLOSE):], text[:end + len(CALLS_CLOSE)]
         if text != self.block and "misspelt_dsml" not in self.result.repairs:
             self.result.repairs.append("misspelt_dsml")
         try:
@@ -210,7 +223,8 @@ class ReplyParser:
         except ValueError as exc:
             self.result.error = str(exc)
             self.result.repairs = [r for r in self.result.repairs if r == "unclosed_think"]
-            self._emit(out, "content", self.opening + self.block)   # as the model wrote it
+            self._emit(out, "content", self.opening + self.block)   # as the model wrote it, and the rest too
+            self.after, self.phase, self.parse_calls = "", "content", False
             return
         self.result.calls = calls
         for call in calls:
@@ -218,12 +232,7 @@ class ReplyParser:
 
     def _parse_block(self, text: str, closed: bool) -> list[dict]:
         end = text.find(CALLS_CLOSE)
-        if end < 0:
-            body, rest = text, ""
-        else:
-            body, rest = text[:end], text[end + len(CALLS_CLOSE):]
-        if rest.strip():
-            raise ValueError(f"text after the tool calls block: {rest.strip()[:60]!r}")
+        body = text if end < 0 else text[:end]
         calls, at = [], 0
         while True:
             m = _INVOKE.match(body, at)
