@@ -454,14 +454,21 @@ class Ds4fConsole(App):
             return
         dash.prompt_taken()
         transcript.add_prompt(message.line, ctl.chat.mode)
-        transcript.start_answer("starting…")
+        self._ask(request)
+
+    def _ask(self, request: dict) -> None:
+        """Start the answer to `request` (Chat's fields), shown in the transcript as it streams."""
+        self.dashboard.chat.transcript.start_answer("starting…")
         self._answer = Answer(request)
-        self._start(ctl, request)
+        self._start(self.controller, request)
 
     def _chat_command(self, command: Command) -> None:
         ctl, transcript = self.controller, self.dashboard.chat.transcript
         if command.name == "reset":
             self._clear_chat()
+            return
+        if command.name in ("system", "tools", "result"):
+            self._tool_command(command)
             return
         if command.name == "seed":
             try:
@@ -474,6 +481,29 @@ class Ds4fConsole(App):
             ctl.chat.set_mode(command.name)
             transcript.add_note(f"· mode: {MODE_NAMES[ctl.chat.mode]}", "dim")
         self._show_prompt()
+
+    def _tool_command(self, command: Command) -> None:
+        """/system, /tools, /result (see console.chat)."""
+        ctl, transcript = self.controller, self.dashboard.chat.transcript
+        try:
+            if command.name == "system":
+                ctl.chat.set_system(command.arg)
+                transcript.add_note(f"· system prompt: {command.arg}" if command.arg else "· no system prompt", "dim")
+            elif command.name == "tools":
+                n = ctl.chat.load_tools(command.arg)
+                names = ", ".join(t["name"] for t in ctl.chat.tools)
+                transcript.add_note(f"· tools: {names} ({n} from {command.arg})" if n else "· no tools", "dim")
+            else:
+                if self._starting or ctl.live:
+                    self.notify("A run is live: ctrl+c (or s) stops it first.", severity="warning")
+                    return
+                request = ctl.chat.result(command.arg)
+                transcript.add_prompt(f"/result {command.arg}", "tool")
+                if request is not None:
+                    ctl.text_run_config(request)
+                    self._ask(request)
+        except Ds4fError as exc:
+            transcript.add_note(str(exc), "bold red")
 
     def on_dashboard_screen_cycle_mode(self, _message: DashboardScreen.CycleMode) -> None:
         if self.controller is not None:
@@ -508,7 +538,7 @@ class Ds4fConsole(App):
             return
         status = f"reading the prompt: {run.prompt_tokens} tokens…" if run.generated_tokens == 0 else "…"
         thinking = bool(answer.request.get("thinking"))
-        transcript.show_answer(text, thinking, status)
+        transcript.show_answer(text, thinking, status, done=ended)
         if ended:
             self._answer_ended(answer)
 

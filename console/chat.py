@@ -5,17 +5,26 @@ Three modes: "chat" (the chat format, the model answers), "think" (the chat form
 mode: the model reasons, writes </think>, then answers) and "text" (plain completion: the typed
 text is the prompt and the model continues it; no history). A chat turn enters the history when
 its answer ends (done, or stopped: the partial answer stays); a run that fails leaves no turn.
+
+Tools: `/system TEXT` sets the system prompt, `/tools FILE` offers the function schemas of a JSON
+file (a list, in OpenAI's tool shape or bare {name, description, parameters}); a call the model
+makes shows as a call, and `/result TEXT` answers it, as the tool would (one /result per call, in
+the order they were made); the last one sends the results to the model.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams
+from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams, check_tools
 
 MODES = ("chat", "think", "text")
 MODE_NAMES = {"chat": "chat", "think": "chat, thinking", "text": "plain completion"}
 PROMPT_KINDS = {"chat": "chat", "think": "thinking", "text": "completion"}
-COMMANDS = ("/reset", "/chat", "/think", "/text", "/seed N")   # clear; the three modes; the sampling seed
+COMMANDS = ("/reset", "/chat", "/think", "/text", "/seed N",   # clear; the three modes; the sampling seed
+            "/system TEXT", "/tools FILE", "/result TEXT")     # the system prompt; tools; a call's result
+MAX_TOOLS_FILE = 1 << 20
 COMMANDS_HELP = " ".join(COMMANDS)
 
 
@@ -37,6 +46,12 @@ def parse_command(line: str) -> Command | None:
     word, arg = word.lower(), arg.strip()
     if word in ("reset", "chat", "think", "text") and not arg:
         return Command(word)
+    if word in ("system", "tools"):             # no argument: none
+        return Command(word, arg)
+    if word == "result":
+        if not arg:
+            raise Ds4fError("/result: the tool's result expected, e.g. /result {\"sky\": \"sunny\"}", param="prompt")
+        return Command(word, arg)
     if word == "seed":
         if not (arg.isascii() and arg.isdigit()):
             raise Ds4fError(f"/seed: a whole number of 0 or more expected, got {arg!r}", param="seed")
@@ -50,7 +65,9 @@ class Chat:
 
     mode: str = "chat"
     seed: int = 0
-    messages: list[dict] = field(default_factory=list)   # finished turns, user and assistant
+    messages: list[dict] = field(default_factory=list)   # finished turns: user, assistant, tool results
+    system: str = ""                                     # the system prompt ("" none)
+    tools: tuple = ()                                    # the function schemas offered
 
     @property
     def thinking(self) -> bool:
@@ -80,18 +97,69 @@ class Chat:
             raise Ds4fError("prompt: the prompt is empty", param="prompt")
         if self.mode == "text":
             return {"text": prompt}
-        messages = tuple(dict(m) for m in self.messages) + ({"role": "user", "content": prompt},)
-        return {"messages": messages, "thinking": self.thinking}
+        return self._chat_request(self.messages + [{"role": "user", "content": prompt}])
+
+    def _chat_request(self, turns: list[dict]) -> dict:
+        system = ({"role": "system", "content": self.system},) if self.system else ()
+        request = {"messages": system + tuple(dict(m) for m in turns), "thinking": self.thinking}
+        if self.tools:
+            request["tools"] = self.tools
+        return request
+
+    def pending_calls(self) -> list[str]:
+        """The ids of the last answer's calls that no /result answered yet."""
+        if not self.messages or self.mode == "text":
+            return []
+        k = max((i for i, m in enumerate(self.messages) if m["role"] == "assistant"), default=None)
+        if k is None or not self.messages[k].get("tool_calls"):
+            return []
+        answered = {m.get("tool_call_id") for m in self.messages[k + 1:] if m["role"] == "tool"}
+        if any(m["role"] == "user" for m in self.messages[k + 1:]):
+            return []
+        return [c["id"] for c in self.messages[k]["tool_calls"] if c["id"] not in answered]
+
+    def result(self, text: str) -> dict | None:
+        """/result: the next pending call's result joins the history; once every call has one, the
+        request that sends them to the model (None while calls wait for theirs)."""
+        pending = self.pending_calls()
+        if not pending:
+            raise Ds4fError("/result: no tool call waits for a result (the model's last answer made none)",
+                            param="prompt")
+        self.messages.append({"role": "tool", "tool_call_id": pending[0], "content": text})
+        return self._chat_request(self.messages) if len(pending) == 1 else None
+
+    def set_system(self, text: str) -> None:
+        self.system = text
+
+    def load_tools(self, path: str) -> int:
+        """/tools FILE: the function schemas of a JSON file (none: no path); how many."""
+        if not path:
+            self.tools = ()
+            return 0
+        file = Path(path).expanduser()
+        try:
+            if file.stat().st_size > MAX_TOOLS_FILE:
+                raise Ds4fError(f"{file}: not a tools file (larger than {MAX_TOOLS_FILE >> 20} MiB)", path=file)
+            tools = json.loads(file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise Ds4fError(f"{file}: cannot read the tools: {exc.strerror or exc}", path=file) from None
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise Ds4fError(f"{file}: not a tools file (corrupt JSON: {exc})", path=file) from None
+        try:
+            self.tools = check_tools(tools)
+        except Ds4fError as exc:
+            raise Ds4fError(f"{file}: {exc.message}", path=file) from None
+        return len(self.tools)
 
     def answered(self, request: dict, message: dict | None) -> None:
         """A chat answer ended (done or stopped): its turn (the run's assistant_message: the
-        reasoning apart, since the chat format drops it from later prompts, and the ids generated
-        for the content, so the next turn's prompt continues this run's state) joins the history.
-        Completions leave no history."""
+        reasoning apart, its calls, and the ids generated for the answer, so the next turn's prompt
+        continues this run's state) joins the history. Completions leave no history; the system
+        prompt is not history (/system may change it)."""
         messages = request.get("messages")
         if not messages or message is None:
             return
-        self.messages = [dict(m) for m in messages] + [dict(message)]
+        self.messages = [dict(m) for m in messages if m["role"] != "system"] + [dict(message)]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Input, Static
 
-from ds4f.api import split_reasoning
+from ds4f.api import ReplyParser, parse_reply
 
 from ..bindings import PROMPT_BINDINGS
 from ..chat import CHECKING, COMMANDS_HELP, MODE_NAMES
@@ -19,16 +19,30 @@ from ..figures import printable
 from .common import Panel
 
 
-def answer_text(output: str, thinking: bool) -> Text:
+def answer_text(output: str, thinking: bool, done: bool = True) -> Text:
     """An answer as the transcript shows it: in thinking mode the reasoning dimmed, then (once
-    </think> came) the answer on a line of its own."""
-    reasoning, answer = split_reasoning(output, thinking)
+    </think> came) the answer on a line of its own, then each tool call the model made as a call,
+    `→ name {arguments}` (read by the engine's answer reader: a call block still being written
+    shows once it closes, never as raw DSML; one that does not parse is the answer's text once
+    the answer is `done`)."""
+    if done:
+        reply = parse_reply(output, thinking)
+    else:                  # so far: what may still become a marker or a call waits
+        parser = ReplyParser(thinking)
+        parser.push(output)
+        reply = parser.result
     t = Text()
-    if reasoning:
-        t.append(printable(reasoning), "dim italic")
-        if reasoning != output:
+    if reply.reasoning:
+        t.append(printable(reply.reasoning), "dim italic")
+        if reply.reasoning != output:
             t.append("\n")
-    t.append(printable(answer))
+    t.append(printable(reply.content))
+    for call in reply.calls:
+        if t.plain and not t.plain.endswith("\n"):
+            t.append("\n")
+        t.append("→ ", "bold cyan")
+        t.append(printable(call["name"]), "bold cyan")
+        t.append(" " + printable(call["arguments"]), "cyan")
     return t
 
 
@@ -39,7 +53,7 @@ class Transcript(VerticalScroll):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._answer: Static | None = None   # the answer being written
-        self._shown: tuple[str, str] | None = None
+        self._shown: tuple[str, str, bool] | None = None
 
     def on_mount(self) -> None:
         self.anchor()
@@ -64,12 +78,13 @@ class Transcript(VerticalScroll):
         self._answer = self._add(Text(status, style="dim italic"), "answer")
         self._shown = None
 
-    def show_answer(self, output: str, thinking: bool, status: str = "") -> None:
-        """The answer so far (`status`: what shows before any text, e.g. 'reading the prompt…')."""
-        if self._answer is None or self._shown == (output, status):
+    def show_answer(self, output: str, thinking: bool, status: str = "", done: bool = True) -> None:
+        """The answer so far (`status`: what shows before any text, e.g. 'reading the prompt…';
+        `done`: the whole answer, else what has come of it)."""
+        if self._answer is None or self._shown == (output, status, done):
             return
-        self._shown = (output, status)
-        self._answer.update(answer_text(output, thinking) if output else Text(status or "…", style="dim italic"))
+        self._shown = (output, status, done)
+        self._answer.update(answer_text(output, thinking, done) if output else Text(status or "…", style="dim italic"))
 
     def end_answer(self, line: str, style: str = "dim") -> None:
         """The answer ended: its last line says how (end of answer, stopped, failed)."""

@@ -436,3 +436,55 @@ def test_printable_and_sampling_text():
     assert F.sampling_text({"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 3}) == "greedy"
     assert F.sampling_text({"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 3}) == \
         "T 0.7 · top-p 0.95 · top-k 40 · min-p 0.05 · seed 3"
+
+
+TOOLS_FILE = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+DSML_CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+             '</｜DSML｜tool_calls>')
+
+
+def test_tools_system_prompt_and_results_in_the_chat(tmp_path):
+    chat = Chat()
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS_FILE))
+    assert chat.load_tools(str(tools)) == 1
+    chat.set_system("Be a weather desk.")
+    req = chat.request("Paris?")
+    assert req["tools"][0]["name"] == "get_weather"
+    assert req["messages"][0] == {"role": "system", "content": "Be a weather desk."}
+    call = {"id": "c1", "name": "get_weather", "arguments": {"city": "Paris"}}
+    chat.answered(req, {"role": "assistant", "content": "", "tool_calls": [call]})
+    assert chat.messages[0]["role"] == "user", "the system prompt is not history"
+    assert chat.pending_calls() == ["c1"]
+    sent = chat.result("sunny")
+    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert chat.pending_calls() == []
+    with pytest.raises(Ds4fError, match="no tool call waits"):
+        chat.result("again")
+    for body, what in (("{not json", "corrupt JSON"), ('[{"type": "function", "function": {"name": "a b"}}]',
+                                                         "function name")):
+        tools.write_text(body)
+        with pytest.raises(Ds4fError, match=what) as e:
+            chat.load_tools(str(tools))
+        assert str(tools) in str(e.value)
+    with pytest.raises(Ds4fError, match="cannot read"):
+        chat.load_tools(str(tmp_path / "absent.json"))
+    assert chat.load_tools("") == 0 and chat.tools == ()
+    assert parse_command("/tools x.json").arg == "x.json" and parse_command("/system").arg == ""
+    with pytest.raises(Ds4fError):
+        parse_command("/result")
+
+
+def test_a_tool_call_shows_as_a_call_never_as_dsml():
+    from ds4f.console.widgets.chat import answer_text
+
+    shown = answer_text("Let me look." + DSML_CALL, thinking=False).plain
+    assert shown == 'Let me look.\n→ get_weather {"city": "Paris"}' and "DSML" not in shown
+    half = answer_text("Let me look." + DSML_CALL[:40], thinking=False, done=False).plain
+    assert half == "Let me look." and "DSML" not in half          # a block being written waits
+    think = answer_text("I should call it" + DSML_CALL, thinking=True).plain   # no </think> before the call
+    assert think == 'I should call it\n→ get_weather {"city": "Paris"}'
+    broken = answer_text("Let me look." + DSML_CALL[:40], thinking=False).plain
+    assert broken == "Let me look." + DSML_CALL[:40], "a block that never closed is the answer's text"
