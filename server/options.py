@@ -24,7 +24,7 @@ class ServerOptions:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     token: str | None = None            # bearer token; set: every endpoint requires it
-    max_body_bytes: int = 256 * 1024    # request bodies; larger ones get 413
+    max_body_bytes: int = 8 << 20       # request bodies (an agent's conversation with its tools); larger get 413
     header_timeout_s: float = 10.0      # a request's line and headers must arrive within this
     body_timeout_s: float = 30.0        # its whole body within this of its headers (408 else)
     keep_alive_s: float = 5.0           # an idle keep-alive connection is closed after this

@@ -141,7 +141,10 @@ def idle(tiny_model, tmp_path_factory) -> Srv:
     root = tmp_path_factory.mktemp("idle")
     config = root / "ds4f.toml"
     config.write_text(f'[engine]\nkernel_threads = 1\nprobe_floor = false\n\n[history]\npath = "{root / "h.sqlite3"}"\n')
-    srv = Srv(Server(ServerOptions(model=str(tiny_model), config_path=str(config), port=0, access_log=False)))
+    # bodies up to 256 KiB: a body past it is refused while the client still sends (small enough
+    # for the socket buffers to take the rest, so the client reads the 413)
+    srv = Srv(Server(ServerOptions(model=str(tiny_model), config_path=str(config), port=0, access_log=False,
+                                   max_body_bytes=256 * 1024)))
     yield srv
     assert srv.service.runs_started == 0
     srv.close()

@@ -1299,7 +1299,7 @@ def test_paths_methods_and_sizes(idle):
         r = idle.request(method, path)
         assert r.status == 405, (method, path, r.body)
         assert r.headers["allow"] == allowed
-    big = b'{"gen": 2, "prompt": [' + b"0, " * 100_000 + b"0]}"
+    big = b'{"gen": 2, "prompt": [' + b"0, " * (idle.service.options.max_body_bytes // 3) + b"0]}"
     r = idle.request("POST", "/runs", raw=big, headers={"Content-Type": "application/json"})
     assert r.status == 413 and r.headers.get("connection") == "close" and r.error()["param"] == "body"
     assert idle.get("/runs?limit=0").status == 400
@@ -1310,7 +1310,8 @@ def test_paths_methods_and_sizes(idle):
     assert idle.service.runs_started == 0
 
 
-def test_bad_requests_do_not_harm_a_run_in_progress(srv):
+def test_bad_requests_do_not_harm_a_run_in_progress(start):
+    srv = start(max_body_bytes=256 * 1024)     # see the idle server's
     run_id = srv.post_run(gen=BUSY_GEN).json()["id"]
     before = srv.wait_tokens(run_id, 3)["live"]["tokens_done"]
     for body, _param in BAD_BODIES[:12]:
@@ -1319,7 +1320,7 @@ def test_bad_requests_do_not_harm_a_run_in_progress(srv):
         assert srv.get(f"/run?{query}").status in (400, 429)
     for body, _param in BAD_CHAT[:10]:
         assert srv.chat(**body).status == 400
-    big = b'{"prompt": [' + b"1," * 200_000 + b"1]}"
+    big = b'{"prompt": [' + b"1," * (srv.service.options.max_body_bytes // 2) + b"1]}"
     assert srv.request("POST", "/runs", raw=big).status == 413
     assert srv.request("DELETE", "/runs/../status").status == 404
     view = srv.get(f"/runs/{run_id}").json()
