@@ -109,7 +109,7 @@ class _Session:
                            stop_at_eos=not a.ignore_eos, io_threads=a.io_threads, kernel_threads=a.threads,
                            backend=a.backend, config_path=a.config, probe_floor=a.probe,
                            kv_dir=a.kv_dir, reuse_prefix=not a.no_kv)
-        printer = _Printer(thinking, self.color)
+        printer = _Printer(thinking, self.color, chat=messages is not None)
         run = start_run(config, history=self.history, engines=self.host, on_token=printer.token)
         try:
             while not run.wait(0.1):
@@ -125,32 +125,35 @@ class _Session:
 
 
 class _Printer:
-    """Writes each token's text as it comes; in thinking mode, the reasoning dimmed (on a terminal)
-    until `</think>`, which is not printed (the answer starts on a new line)."""
+    """Writes each token's text as it comes, read by the engine's answer reader: in thinking mode
+    the reasoning dimmed (on a terminal) until `</think>`, which is not printed (the answer starts
+    on a new line); a tool call the model makes as `→ name {arguments}` on a line of its own."""
 
-    def __init__(self, thinking: bool, color: bool) -> None:
-        from ds4f.api import ReasoningSplit
+    def __init__(self, thinking: bool, color: bool, chat: bool) -> None:
+        from ds4f.api import ReplyParser
 
-        self.thinking, self.color = thinking, color
-        self.split = ReasoningSplit(thinking)
+        self.color = color
+        self.reply = ReplyParser(thinking, calls=chat)    # a completion's text is all text
+        self.last = None        # the kind of what was written last
 
     def token(self, record) -> None:
-        if not record.text:
-            return
-        was_reasoning = self.split.reasoning
-        for kind, text in self.split.push(record.text):
-            if kind == "answer" and was_reasoning:
-                self._write("\n")
-                was_reasoning = False
-            self._write(text, dim=kind == "reasoning")
-        if was_reasoning and not self.split.reasoning:   # the marker came, the answer not yet
-            self._write("\n")
+        if record.text:
+            self._events(self.reply.push(record.text))
 
     def end(self) -> None:
-        for kind, text in self.split.finish():
-            self._write(text, dim=kind == "reasoning")
+        self._events(self.reply.finish())
         sys.stdout.write("\n")
         sys.stdout.flush()
+
+    def _events(self, events) -> None:
+        for kind, value in events:
+            if self.last is not None and kind != self.last:
+                self._write("\n")
+            if kind == "call":
+                self._write(f"→ {value['name']} {value['arguments']}", dim=False)
+            else:
+                self._write(value, dim=kind == "reasoning")
+            self.last = kind
 
     def _write(self, text: str, dim: bool = False) -> None:
         if not text:

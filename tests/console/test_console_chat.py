@@ -17,7 +17,7 @@ from rich.console import Console
 from textual.command import CommandPalette
 from textual.widgets import Static
 
-from ds4f.api import split_reasoning
+from ds4f.api import parse_reply
 from ds4f.console import figures as F
 from ds4f.console.app import Ds4fConsole
 from ds4f.console.bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS, PROMPT_BINDINGS, typed
@@ -293,7 +293,8 @@ async def test_modes_commands_and_clearing(tiny_model, history_path):
         await pilot.press("enter")
         run = await send(pilot, "Why?")
         assert run.config.thinking is True and run.config.sampling.seed == 7
-        reasoning, answer = split_reasoning(run.output_text, True)
+        reply = parse_reply(run.output_text, True)
+        reasoning, answer = reply.reasoning, reply.content
         entry = transcript(app).query(".answer").results(Static)
         text = list(entry)[-1].content
         assert text.plain == answers(app)[-1]

@@ -253,3 +253,23 @@ def test_an_answers_calls_come_back_as_the_next_turns_message_and_prompt(tok):
     # the answer is in the prompt as the ids it was generated as
     at = ids.index(ASSISTANT) + 2
     assert ids[at:at + len(generated)] == generated
+
+
+def test_the_reasoning_is_split_from_the_answer_however_the_text_is_cut():
+    text = "First I think. Then</think>The answer."
+    for cuts in ([len(text)], [3, 17, 19, 21, len(text)], list(range(1, len(text) + 1))):
+        reader, events, start = ReplyParser(True), [], 0
+        for cut in cuts:                                  # the text in pieces, the marker split across them
+            events += reader.push(text[start:cut])
+            start = cut
+        events += reader.finish()
+        assert (joined(events, "reasoning"), joined(events, "content")) == ("First I think. Then", "The answer."), cuts
+        whole = parse_reply(text, True)
+        assert (whole.reasoning, whole.content) == ("First I think. Then", "The answer.")
+
+
+def test_held_text_is_released_and_chat_mode_is_all_answer():
+    unfinished = ReplyParser(True)
+    assert unfinished.push("still </thi") + unfinished.finish() == [("reasoning", "still "), ("reasoning", "</thi")]
+    assert ReplyParser(False).push("a</think>b") == [("content", "a</think>b")]
+    assert parse_reply("a</think>b", thinking=False).content == "a</think>b"
