@@ -31,7 +31,7 @@ from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
                               find_tokenizer, render_chat)
 from ds4f.engine.text.output import THINK_END
-from ds4f.engine.text.chat import answer_opening, check_choice, check_effort
+from ds4f.engine.text.chat import answer_opening, check_chat, check_choice, check_effort
 from ds4f.engine.text.dsml import check_call, check_function, check_tools
 from ds4f.engine.text.reply import Reply, ReplyParser, new_call_id, parse_reply
 # the cache lab
@@ -70,7 +70,7 @@ __all__ = [
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
     "SamplingParams", "Sampler", "THINK_END",
     # tools: DeepSeek-V4's tool calls, and the answer's reader
-    "answer_opening", "check_choice", "check_effort", "check_call", "check_function", "check_tools",
+    "answer_opening", "check_chat", "check_choice", "check_effort", "check_call", "check_function", "check_tools",
     "Reply", "ReplyParser", "new_call_id", "parse_reply",
 ]
 

@@ -44,8 +44,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4f import __version__
-from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_choice, check_tools
-from ds4f.engine.text.chat import check_chat
+from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_chat, check_choice, check_tools
 
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import NO_ANSWER, Ask, begin, counted, ended_badly as ended_badly_of, reply_of, stream
