@@ -261,6 +261,12 @@ class Run:
         "stop" (a stop string); None while running, or when cancelled or failed."""
         return self._finish_reason
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output (finish reason "stop"), else None."""
+        out = self._output
+        return out.stopped if out is not None and self._finish_reason == "stop" else None
+
     def switch(self, backend: str | None = None, kernel_threads: int | None = None,
                io_threads: int | None = None) -> None:
         """Change settings; they take effect at the next token boundary."""

@@ -15,6 +15,7 @@ beyond loopback without one is refused.
     protocol.py  uvicorn's h11 protocol with a deadline for request heads, connections per client
     routes.py    the operator's endpoints: /, /health, /status, /metrics, /runs...
     openai.py    the OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions
+    anthropic.py Anthropic's Messages API: /v1/messages, /v1/messages/count_tokens
     responses.py OpenAI's Responses API: /v1/responses
     generation.py the engine path every generating endpoint shares
     service.py   the Service: the engine host and its queue, runs, their views, the history
@@ -39,7 +40,7 @@ from starlette.routing import Match, Route
 
 from ds4f.api import Ds4fError
 
-from . import openai, responses, routes
+from . import anthropic, openai, responses, routes
 from .errors import HttpError
 from .guard import Guard
 from .options import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, is_loopback, read_token_file
@@ -67,6 +68,8 @@ ROUTES = [
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
     Route("/v1/responses", responses.create, methods=["POST"]),
+    Route("/v1/messages", anthropic.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
 ]
 
 
@@ -84,7 +87,7 @@ def _allowed(scope) -> list[str]:
 
 
 async def _http_error(request, exc: HttpError):
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _starlette_error(request, exc: HTTPException):
@@ -92,14 +95,14 @@ async def _starlette_error(request, exc: HTTPException):
         allowed = _allowed(request.scope)
         return HttpError(405, f"{request.method} is not allowed on {request.url.path} (allowed: "
                               f"{', '.join(allowed)})", code="method_not_allowed",
-                         headers={"Allow": ", ".join(allowed)}).response()
+                         headers={"Allow": ", ".join(allowed)}).response(request.url.path)
     if exc.status_code == 404:
-        return HttpError(404, f"no such endpoint: {request.url.path}", code="not_found").response()
-    return HttpError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+        return HttpError(404, f"no such endpoint: {request.url.path}", code="not_found").response(request.url.path)
+    return HttpError(exc.status_code, str(exc.detail), headers=exc.headers).response(request.url.path)
 
 
 async def _ds4f_error(request, exc: Ds4fError):
-    return routes.refused(exc, {}).response()
+    return routes.refused(exc, {}).response(request.url.path)
 
 
 def build_app(service: Service):

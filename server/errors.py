@@ -1,6 +1,7 @@
 """Answers of `ds4f serve` that are not a success, and JSON answers in general.
 
-Every error, on every endpoint, has OpenAI's shape, so one client-side handler reads them all:
+Every error has OpenAI's shape, so one client-side handler reads them all (on the Messages API's
+paths, Anthropic's: {"type": "error", "error": {"type", "message"}}):
 
     {"error": {"message": "n: only 1 choice per request is supported, got 2",
                "type": "invalid_request_error", "param": "n", "code": "unsupported_value"}}
@@ -24,6 +25,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                500: "server_error", 503: "server_error"}
 
 
+# Anthropic's error types by status (the Messages API's shape: {"type": "error", "error": {type, message}})
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                         409: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)     # paths whose errors take Anthropic's shape
+
+
 class HttpError(Exception):
     """An answer other than success: status, a one-line message, the parameter it concerns."""
 
@@ -43,8 +52,14 @@ class HttpError(Exception):
         err.update(self.extra)
         return {"error": err}
 
-    def response(self) -> Response:
-        return json_response(self.status, self.body(), self.headers)
+    def anthropic_body(self) -> dict:
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status) or ("api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message, **self.extra}}
+
+    def response(self, path: str = "") -> Response:
+        """The answer; on the Messages API's paths in Anthropic's error shape."""
+        anthropic = path.startswith(ANTHROPIC_PATHS)
+        return json_response(self.status, self.anthropic_body() if anthropic else self.body(), self.headers)
 
 
 def bad(param: str | None, message: str, code: str = "invalid_value") -> HttpError:

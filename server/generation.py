@@ -60,11 +60,12 @@ class Ask:
             self.endpoint, "chat.completion" if self.kind == "chat" else "text_completion")
 
     def parser(self) -> ReplyParser:
-        """The answer's reader: reasoning first in thinking mode, calls read unless tool_choice is none,
-        a forced call's opening (in the prompt already) read first."""
+        """The answer's reader: reasoning first in thinking mode, calls read when tools are offered
+        and tool_choice is not none (else DSML is text), a forced call's opening (in the prompt
+        already) read first."""
         begins_in_reasoning, forced = answer_opening(self.thinking, self.tool_choice)
-        return ReplyParser(begins_in_reasoning, self.tools if self.tools else None,
-                           calls=self.tool_choice != "none", prefix=forced)
+        return ReplyParser(begins_in_reasoning, self.tools, calls=bool(self.tools) and self.tool_choice != "none",
+                           prefix=forced)
 
 
 def run_config(ask: Ask, svc) -> RunConfig:

@@ -1,13 +1,14 @@
 """The ASGI middleware every request passes before an endpoint sees it.
 
-In order: the bearer token (when one is set); the Host header (a loopback server answers only
-to loopback names, so DNS rebinding cannot reach it); requests a browser marks as cross-site
-(Sec-Fetch-Site); for a request that starts or cancels a run (any method but GET and HEAD,
-and the GET /run alias) an Origin or Referer naming another site; a cap on the requests in
-progress from one client address (its fair share); and the body, read whole within a size limit
-and a deadline for all of it (408), so a client trickling its body cannot hold a request open.
-It adds Cache-Control: no-store, counts every answer for /metrics, and writes the access log:
-one line per request on stderr, with a timestamp.
+In order: the bearer token (when one is set; Anthropic's clients send it as `x-api-key`, taken
+too); the Host header (a loopback server answers only to loopback names, so DNS rebinding cannot
+reach it); requests a browser marks as cross-site (Sec-Fetch-Site); for a request that starts
+or cancels a run (any method but GET and HEAD, and the GET /run alias) an Origin or Referer
+naming another site; a cap on the requests in progress from one client address (its fair
+share); and the body, read whole within a size limit and a deadline for all of it (408), so a
+client trickling its body cannot hold a request open. It adds Cache-Control: no-store, counts
+every answer for /metrics, and writes the access log: one line per request on stderr, with a
+timestamp.
 """
 from __future__ import annotations
 
@@ -114,12 +115,12 @@ class Guard:
                 await self.app(scope, _replay(body, receive), send_and_note)
         except HttpError as exc:
             if sent["status"] is None:
-                await exc.response()(scope, receive, send_and_note)
+                await exc.response(scope["path"])(scope, receive, send_and_note)
         except Exception as exc:   # a bug: the traceback on stderr, a 500 if nothing was sent yet
             sys.stderr.write(f"ds4f serve: error in {scope['method']} {scope['path']}:\n{traceback.format_exc()}")
             if sent["status"] is None:
                 await HttpError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                code="internal_error").response()(scope, receive, send_and_note)
+                                code="internal_error").response(scope["path"])(scope, receive, send_and_note)
         finally:
             if counted:
                 self.in_progress[client] -= 1
@@ -145,10 +146,15 @@ class Guard:
         token = self.options.token
         if not token:
             return
+        expected = token.encode("ascii")
         scheme, _, credentials = headers.get("authorization", "").partition(" ")
-        given = credentials.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, token.encode("ascii")):
-            raise HttpError(401, "Authorization: a bearer token is required: Authorization: Bearer <token>",
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(
+            credentials.strip().encode("latin-1", "replace"), expected)
+        api_key = headers.get("x-api-key")    # Anthropic's clients send the key so
+        keyed = api_key is not None and hmac.compare_digest(api_key.strip().encode("latin-1", "replace"), expected)
+        if not (bearer or keyed):
+            raise HttpError(401, "Authorization: a bearer token is required: Authorization: Bearer <token> (or, as "
+                                 "Anthropic's clients send it, x-api-key: <token>)",
                             param="Authorization", code="invalid_api_key",
                             headers={"WWW-Authenticate": 'Bearer realm="ds4f"'})
 
