@@ -45,7 +45,7 @@ the engine gets `ping` events until its run starts; an error once the stream is 
 `error` event. Errors have Anthropic's shape, {"type": "error", "error": {"type", "message"}},
 the message starting with the parameter it concerns (messages[1].content[0].tool_use_id: ...).
 The server's own checks ahead of the endpoint (the token, the Host, the body's size) answer in
-the server's usual shape (server.errors), with the status Anthropic's clients expect.
+that shape too on these paths (server.errors).
 
 count_tokens counts the prompt as it is tokenized afresh; a run's prompt_tokens may be a few
 tokens off for a conversation whose earlier answers the prefix cache spells as their generated ids.
