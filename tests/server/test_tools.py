@@ -27,6 +27,8 @@ LOOPS = ["weather_Paris", "forecast_Tokyo_5", "pair_Rome_Lima", "think_weather_L
 
 @pytest.fixture(scope="module")
 def tool_srv(tmp_path_factory):
+    if not (FIXTURE / "model.safetensors").is_file():
+        pytest.skip("tests/fixtures/toolcall/model.safetensors is not built (tools/make_tool_model.py)")
     root = tmp_path_factory.mktemp("toolsrv")
     config = root / "ds4f.toml"
     config.write_text(f'[engine]\nkernel_threads = 1\nprobe_floor = false\n\n[history]\npath = "{root / "h.sqlite3"}"\n'
