@@ -21,8 +21,8 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
 SCRIPT = json.loads((FIXTURE / "script.json").read_text(encoding="utf-8"))
 TOOLS = [{"type": "function", "function": t} for t in SCRIPT["tools"]]
 CASES = {c["name"]: c for c in SCRIPT["cases"]}
-LOOPS = ["weather_Paris", "forecast_Tokyo_5", "pair_Rome_Lima", "think_weather_Lima", "think_forecast_Paris_2",
-         "think_pair_Tokyo_Paris"]
+LOOPS = ["weather_Paris", "forecast_Paris_2", "pair_Paris_Rome", "think_weather_Paris", "think_forecast_Paris_3",
+         "think_pair_Paris_Rome"]
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +125,13 @@ def test_chat_completions_tool_loop(tool_srv, name, streaming):
         assert r.choices[0].finish_reason == "stop" and not m.tool_calls
         assert (m.content, (m.model_extra or {}).get("reasoning_content") or "") == \
             (case["final"]["content"], case["final"]["reasoning"])
-        # the second request continues the first one's kept state: all of it reused
-        assert r.usage.prompt_tokens_details.cached_tokens == first_prompt + first_out - 1
+        # the second request continues the first one's kept state: all of it reused (at least: an
+        # earlier test's run of the same conversation may have kept more)
+        assert r.usage.prompt_tokens_details.cached_tokens >= first_prompt + first_out - 1
 
 
 def test_tool_choice_forces_a_call_and_none_reads_dsml_as_text(tool_srv):
-    case = CASES["weather_Rome"]
+    case = CASES["weather_Paris"]
     client = tool_srv.openai()
     msgs = [{"role": "system", "content": SCRIPT["system"]}] + case["messages"]
     model = tool_srv.service.model_id
@@ -141,10 +142,10 @@ def test_tool_choice_forces_a_call_and_none_reads_dsml_as_text(tool_srv):
     r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="none")
     m = r.choices[0].message
     assert r.choices[0].finish_reason == "stop" and not m.tool_calls
-    assert "<｜DSML｜invoke name=\"get_weather\">" in m.content and "Rome" in m.content
-    one = client.chat.completions.create(model=model, messages=[msgs[0]] + CASES["pair_Paris_Tokyo"]["messages"],
+    assert "<｜DSML｜invoke name=\"get_weather\">" in m.content and "Paris" in m.content
+    one = client.chat.completions.create(model=model, messages=[msgs[0]] + CASES["pair_Paris_Rome"]["messages"],
                                          tools=TOOLS, parallel_tool_calls=False)
-    assert _calls(one.choices[0].message.tool_calls) == _want_calls(CASES["pair_Paris_Tokyo"])[:1]
+    assert _calls(one.choices[0].message.tool_calls) == _want_calls(CASES["pair_Paris_Rome"])[:1]
 
 
 def test_a_call_the_tools_refuse_is_text_with_the_reason_and_counted(tool_srv):
@@ -178,7 +179,7 @@ def _responses_tools():
     return [{"type": "function", **t} for t in SCRIPT["tools"]]
 
 
-@pytest.mark.parametrize("name", ["weather_Tokyo", "think_pair_Lima_Rome", "think_forecast_Rome_3"])
+@pytest.mark.parametrize("name", ["forecast_Paris_3", "think_pair_Paris_Rome", "think_forecast_Paris_2"])
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
 def test_responses_tool_loop(tool_srv, name, streaming):
     case = CASES[name]
@@ -215,7 +216,7 @@ def test_responses_tool_loop(tool_srv, name, streaming):
     assert r2.status == "completed" and r2.output_text == case["final"]["content"]
     assert not [o for o in r2.output if o.type == "function_call"]
     if not streaming:
-        assert r2.usage.input_tokens_details.cached_tokens == r.usage.input_tokens + r.usage.output_tokens - 1
+        assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
 
 
 # -- the Responses API on the random-weight model: shapes, events, bad input ----------------------------
