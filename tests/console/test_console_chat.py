@@ -489,3 +489,47 @@ def test_a_tool_call_shows_as_a_call_never_as_dsml():
     assert think == 'I should call it\n→ get_weather {"city": "Paris"}'
     broken = answer_text("Let me look." + DSML_CALL[:40], thinking=False).plain
     assert broken == "Let me look." + DSML_CALL[:40], "a block that never closed is the answer's text"
+
+
+TOOL_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
+
+
+async def submit(pilot, line: str) -> None:
+    """The prompt line set to `line` and sent (a command's JSON is awkward to type key by key)."""
+    prompt = pilot.app.dashboard.query_one(PromptInput)
+    prompt.value = line
+    await pilot.press("enter")
+    await pilot.pause(0.1)
+
+
+@async_test
+async def test_the_operator_offers_tools_and_answers_a_call(history_path, tmp_path):
+    """On the model trained to call tools: /system and /tools as the script's, the question, the
+    call in the transcript as a call, /result as the tool, the model's answer to it."""
+    script = json.loads((TOOL_MODEL / "script.json").read_text())
+    case = next(c for c in script["cases"] if c["name"] == "weather_Paris")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": t} for t in script["tools"]]))
+    app = make_app(TOOL_MODEL, history_path, gen=120)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await pilot.press("i")
+        await pilot.pause(0.1)
+        await submit(pilot, f"/system {script['system']}")
+        await submit(pilot, f"/tools {tools}")
+        assert "tools: get_weather, get_forecast" in transcript(app).plain
+        before = app.controller.run
+        await submit(pilot, case["messages"][0]["content"])
+        await wait_for(pilot, lambda: app.controller.run is not before and app.controller.run.finished
+                       and app._answer is None, 120, "the call")
+        call = case["reply"]["tool_calls"][0]
+        assert answers(app)[-1] == f"→ {call['name']} {json.dumps(call['arguments'])}"
+        assert "DSML" not in transcript(app).plain
+        first = app.controller.run
+        await submit(pilot, f"/result {case['results'][0]}")
+        await wait_for(pilot, lambda: app.controller.run is not first and app.controller.run.finished
+                       and app._answer is None, 120, "the answer to the result")
+        assert answers(app)[-1] == case["final"]["content"]
+        msgs = app.controller.run.config.messages
+        assert msgs[0] == {"role": "system", "content": script["system"]}
+        assert msgs[-1]["role"] == "tool" and msgs[-1]["content"] == case["results"][0]
