@@ -15,7 +15,7 @@ import pytest
 
 from ds4f.server.app import Server, ServerOptions
 
-from server_helpers import Srv
+from server_helpers import Srv, idle, serve_config, srv, start  # noqa: F401 (fixtures)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
 SCRIPT = json.loads((FIXTURE / "script.json").read_text(encoding="utf-8"))
@@ -33,10 +33,10 @@ def tool_srv(tmp_path_factory):
     config = root / "ds4f.toml"
     config.write_text(f'[engine]\nkernel_threads = 1\nprobe_floor = false\n\n[history]\npath = "{root / "h.sqlite3"}"\n'
                       f'\n[kv]\ndir = "{root / "kv"}"\n')
-    srv = Srv(Server(ServerOptions(model=str(FIXTURE), config_path=str(config), port=0, access_log=False,
-                                   default_max_tokens=96)))
-    yield srv
-    srv.close()
+    server = Srv(Server(ServerOptions(model=str(FIXTURE), config_path=str(config), port=0, access_log=False,
+                                      default_max_tokens=96)))
+    yield server
+    server.close()
 
 
 def _thinking(case) -> dict:
@@ -163,10 +163,10 @@ def test_a_call_the_tools_refuse_is_text_with_the_reason_and_counted(tool_srv):
     assert _metric(tool_srv, "ds4f_tool_call_errors_total", endpoint="chat") == before + 1
 
 
-def _metric(srv, name: str, **labels) -> float:
+def _metric(server, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = srv.get("/metrics").body.decode()
+    text = server.get("/metrics").body.decode()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -220,7 +220,6 @@ def test_responses_tool_loop(tool_srv, name, streaming):
 
 
 # -- the Responses API on the random-weight model: shapes, events, bad input ----------------------------
-from server_helpers import idle, serve_config, srv, start  # noqa: E402,F401 (fixtures)
 
 BAD_RESPONSES = [
     ({}, "input"), ({"input": []}, "input"), ({"input": 5}, "input"), ({"input": [{"type": "image"}]}, "input"),
