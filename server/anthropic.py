@@ -63,7 +63,7 @@ from starlette.responses import Response
 from ds4f.api import MAX_GEN, Ds4fError, Tokenizer, chat_prompt_ids, check_choice, check_tools
 
 from .errors import HttpError, bad, json_bytes, json_response
-from .generation import NO_ANSWER, Ask, begin, counted, ended_badly, reply_of, stream
+from .generation import Ask, counted, ended_badly, reply_of, respond
 from .openai import EFFORTS, chat_fields, check_model, check_names, parse_sampling
 from .routes import json_body, refused
 
@@ -585,15 +585,7 @@ async def _events(pending):
 # -- endpoints ----------------------------------------------------------------------------------
 async def _create(request: Request) -> Response:
     svc = request.app.state.service
-    raw = await json_body(request, "request parameters")
-    ask = parse_ask(raw, svc)
-    pending = await begin(request, ask, raw)
-    if ask.stream:
-        return stream(pending, _events(pending))
-    run = await pending.finish(request)
-    if run is None:
-        return NO_ANSWER
-    return json_response(200, answer(ask, run, svc))
+    return await respond(request, lambda raw: parse_ask(raw, svc), _events, lambda ask, run, raw: answer(ask, run, svc))
 
 
 _tokenizer_lock = threading.Lock()

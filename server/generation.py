@@ -4,6 +4,7 @@
     ask = Ask(...)                               # the request, parsed by its endpoint
     pending = await begin(request, ask, raw)     # joins the engine queue; starts the run if the engine is free
     run = await pending.finish(request)          # not streaming: the ended run (None: the client left)
+    return await respond(request, parse, events, answer)     # all of that, as an endpoint does it
     async for event in pending.events(): ...     # streaming: ("queued", position, waiting) | ("piece", text)
                                                  #   | ("refused", HttpError) | ("end", run)
     reply = reply_of(ask, run, svc)              # a chat answer read whole: reasoning, content, calls
@@ -27,10 +28,10 @@ from starlette.requests import Request
 
 from ds4f.api import Ds4fError, ReplyParser, RunConfig, SamplingParams, answer_opening
 
-from .errors import HttpError
+from .errors import HttpError, json_response
 from .feed import END
 from .queue import QueueFull, Ticket
-from .routes import refused
+from .routes import json_body, refused
 
 QUEUE_LOOK_S = 1.0         # how often a queued streaming request looks at its position
 QUEUE_REPEAT_S = 15.0      # and says it again, unchanged (a keep-alive for proxies and clients)
@@ -250,3 +251,18 @@ def stream(pending: Pending, body) -> EventStream:
 
 async def NO_ANSWER(scope, receive, send) -> None:
     """The answer to a client that is gone: nothing (the access log says `-`)."""
+
+
+async def respond(request: Request, parse, events, answer):
+    """A generating endpoint's whole way: its JSON body read and parsed (parse(raw) -> Ask), the run
+    begun, then its SSE stream (events(pending): an async generator of bytes) or, once the run
+    ended, its JSON answer (answer(ask, run, raw) -> dict); nothing for a client that left."""
+    raw = await json_body(request, "request parameters")
+    ask = parse(raw)
+    pending = await begin(request, ask, raw)
+    if ask.stream:
+        return stream(pending, events(pending))
+    run = await pending.finish(request)
+    if run is None:
+        return NO_ANSWER
+    return json_response(200, answer(ask, run, raw))

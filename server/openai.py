@@ -47,8 +47,7 @@ from ds4f import __version__
 from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_chat, check_choice, check_tools
 
 from .errors import HttpError, bad, json_bytes, json_response
-from .generation import NO_ANSWER, Ask, begin, counted, ended_badly as ended_badly_of, reply_of, stream
-from .routes import json_body
+from .generation import Ask, counted, ended_badly as ended_badly_of, reply_of, respond
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TOOL_CALL_ERROR = "tool_call_error"    # the finish reason of an answer whose calls were refused
@@ -393,15 +392,8 @@ def _answer(ask: Ask, run, svc) -> dict:
 
 async def _generate(request: Request, kind: str) -> Response:
     svc = request.app.state.service
-    raw = await json_body(request, "request parameters")
-    ask = parse_ask(raw, kind, svc)
-    pending = await begin(request, ask, raw)
-    if ask.stream:
-        return stream(pending, _events(pending))
-    run = await pending.finish(request)
-    if run is None:
-        return NO_ANSWER
-    return json_response(200, _answer(ask, run, svc))
+    return await respond(request, lambda raw: parse_ask(raw, kind, svc), _events,
+                         lambda ask, run, raw: _answer(ask, run, svc))
 
 
 def sse(obj) -> bytes:

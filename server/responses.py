@@ -34,11 +34,10 @@ from starlette.responses import Response
 
 from ds4f.api import MAX_GEN
 
-from .errors import bad, json_bytes, json_response
-from .generation import NO_ANSWER, Ask, begin, counted, ended_badly, reply_of, stream
+from .errors import bad, json_bytes
+from .generation import Ask, counted, ended_badly, reply_of, respond
 from .openai import (EFFORTS, _text_parts, _whole, chat_fields, check_model, check_names, parse_sampling,
                      parse_tool_choice, parse_tools)
-from .routes import json_body
 
 PARAMS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
           "max_output_tokens", "temperature", "top_p", "stream", "store", "include", "metadata", "user",
@@ -269,17 +268,13 @@ def _output(shape: Shape, reply) -> list:
 
 async def create(request: Request) -> Response:
     svc = request.app.state.service
-    raw = await json_body(request, "request parameters")
-    ask = parse_ask(raw, svc)
-    pending = await begin(request, ask, raw)
-    if ask.stream:
-        return stream(pending, _events(pending))
-    run = await pending.finish(request)
-    if run is None:
-        return NO_ANSWER
-    shape = Shape(ask, raw, svc, run)
-    reply = reply_of(ask, run, svc)
-    return json_response(200, shape.finished(reply, _output(shape, reply)))
+
+    def answer(ask: Ask, run, raw: dict) -> dict:
+        shape = Shape(ask, raw, svc, run)
+        reply = reply_of(ask, run, svc)
+        return shape.finished(reply, _output(shape, reply))
+
+    return await respond(request, lambda raw: parse_ask(raw, svc), _events, answer)
 
 
 def _event(kind: str, seq: int, **fields) -> bytes:
