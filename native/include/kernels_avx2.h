@@ -35,6 +35,87 @@ INL void mxfp4_half8(const uint8_t *c, lut8 l, __m256 *wlo, __m256 *whi) {
     *whi = lookup(l, _mm256_srli_epi32(v, 4), _mm256_slli_epi32(v, 24));
 }
 
+/* ---- MXFP4 through integers: the matvec's and the multi-token tile's decode ----------------------
+ *
+ * The LUT above costs four lane-crossing vpermps and two blends per 16 weights, which bound the
+ * old matvec on Zen 3 (~2 weights per cycle).  Here every shuffle stays in its 128-bit lane: the
+ * 16 code bytes of a block are broadcast to both lanes, vpshufb looks up 2 * e2m1 as an int8 for
+ * the low and the high nibbles, a second vpshufb spreads those bytes to byte 3 of the dword lanes
+ * (the int32 2v * 2^24, exact), vcvtdq2ps makes them floats, and one multiply by the block's
+ * factor 2^(s-152) gives e2m1(c) * 2^(s-127), exactly: the decode's weights, in mxfp4_half8's
+ * lanes.  Code 8 (-0) becomes +0: no sum can tell, as the accumulators start at +0 and a sum that
+ * rounds to zero is +0, so an accumulator is never -0 (and 0 * inf or NaN is the same NaN).  The
+ * factor is a float only for s >= 3: rows with a scale below (weights under 2^-124) take the LUT
+ * steps, which give the same weights, so which path a row takes never shows in its result. */
+
+/* s -> 2^(s-152) as fp32 bits: 3..25 subnormal, 26..254 normal, 255 the NaN; 0..2 unused */
+#define MXF(b) ((b) < 3 ? 0u : (b) == 255 ? DS4F_QNAN_BITS : (b) < 26 ? 1u << ((b) - 3) : (uint32_t)((b) - 25) << 23)
+#define MXF4(b) MXF(b), MXF((b) + 1), MXF((b) + 2), MXF((b) + 3)
+#define MXF16(b) MXF4(b), MXF4((b) + 4), MXF4((b) + 8), MXF4((b) + 12)
+static const ds4f_byte_table mxfp4_factor = {{MXF16(0), MXF16(16), MXF16(32), MXF16(48), MXF16(64), MXF16(80),
+                                              MXF16(96), MXF16(112), MXF16(128), MXF16(144), MXF16(160), MXF16(176),
+                                              MXF16(192), MXF16(208), MXF16(224), MXF16(240)}};
+#undef MXF16
+#undef MXF4
+#undef MXF
+#define MXFP4_INT_MIN_SCALE 3
+
+/* the constants of the integer decode, loaded once per call */
+typedef struct {
+    __m256i table, nib, spread_lo, spread_hi; /* 2*e2m1 (both lanes), 0x0F, byte j -> dword j's byte 3 */
+} mxfp4_int;
+
+INL mxfp4_int mxfp4_int_consts(void) {
+    mxfp4_int m;
+    m.table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
+                               -2, -3, -4, -6, -8, -12);
+    m.nib = _mm256_set1_epi8(0x0F);
+#define Z (char)0x80
+    m.spread_lo = _mm256_setr_epi8(Z, Z, Z, 0, Z, Z, Z, 1, Z, Z, Z, 2, Z, Z, Z, 3, Z, Z, Z, 4, Z, Z, Z, 5, Z, Z, Z, 6, Z,
+                                   Z, Z, 7);
+    m.spread_hi = _mm256_setr_epi8(Z, Z, Z, 8, Z, Z, Z, 9, Z, Z, Z, 10, Z, Z, Z, 11, Z, Z, Z, 12, Z, Z, Z, 13, Z, Z, Z,
+                                   14, Z, Z, Z, 15);
+#undef Z
+    return m;
+}
+
+/* the 32 weights of one block (16 code bytes c, scale s >= 3) in mxfp4_half8's lanes: w[0], w[1]
+ * = elements 0, 2, .., 14 and 1, 3, .., 15; w[2], w[3] the same for 16..31 */
+INL void mxfp4_block_int(const mxfp4_int *m, const uint8_t *c, uint8_t s, __m256 w[4]) {
+    const __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)c));
+    const __m256i lo = _mm256_shuffle_epi8(m->table, _mm256_and_si256(cb, m->nib));
+    const __m256i hi = _mm256_shuffle_epi8(m->table, _mm256_and_si256(_mm256_srli_epi16(cb, 4), m->nib));
+    const __m256 f = _mm256_broadcast_ss(&mxfp4_factor.f[s]);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, m->spread_lo)), f);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, m->spread_lo)), f);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, m->spread_hi)), f);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, m->spread_hi)), f);
+}
+
+/* a block's weights by the integer steps (use_int: its scale is >= MXFP4_INT_MIN_SCALE) or the LUT */
+INL void mxfp4_block_w(int use_int, const mxfp4_int *m, const uint8_t *c, uint8_t s, __m256 w[4]) {
+    if (use_int) {
+        mxfp4_block_int(m, c, s, w);
+    } else {
+        const lut8 l = scaled_lut(s);
+        mxfp4_half8(c, l, &w[0], &w[1]);
+        mxfp4_half8(c + 8, l, &w[2], &w[3]);
+    }
+}
+
+/* every one of n scale bytes >= MXFP4_INT_MIN_SCALE */
+INL int mxfp4_scales_int(const uint8_t *s, size_t n) {
+    __m256i lo = _mm256_set1_epi8((char)0xFF);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) lo = _mm256_min_epu8(lo, _mm256_loadu_si256((const __m256i *)(s + i)));
+    const __m256i bad = _mm256_cmpeq_epi8(_mm256_max_epu8(lo, _mm256_set1_epi8(MXFP4_INT_MIN_SCALE - 1)),
+                                          _mm256_set1_epi8(MXFP4_INT_MIN_SCALE - 1));
+    if (_mm256_movemask_epi8(bad)) return 0;
+    for (; i < n; i++)
+        if (s[i] < MXFP4_INT_MIN_SCALE) return 0;
+    return 1;
+}
+
 /* 16 bf16 weights: the even elements are the low halves (<< 16), the odd ones the high halves */
 INL void bf16_half8(const uint16_t *w, __m256 *we, __m256 *wo) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)w);

@@ -56,14 +56,14 @@ T256 static void prep_h(const float *x, size_t k, float *xp) {
 INL void h_decode(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t b0, size_t nb,
                   float *wb) {
     const size_t kb = k / 2, ks = k / 32;
+    const mxfp4_int mi = mxfp4_int_consts();
     _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
         for (size_t b = 0; b < nb; b++) {
             __m256 v[4];
-            if (kind == DS4F_MM_MXFP4) {
+            if (kind == DS4F_MM_MXFP4) { /* the matvec's weights */
                 const uint8_t *c = (const uint8_t *)w + (r + i) * kb + 16 * (b0 + b);
-                const lut8 l = scaled_lut(scales[(r + i) * ks + b0 + b]);
-                mxfp4_half8(c, l, &v[0], &v[1]);
-                mxfp4_half8(c + 8, l, &v[2], &v[3]);
+                const uint8_t s = scales[(r + i) * ks + b0 + b];
+                mxfp4_block_w(s >= MXFP4_INT_MIN_SCALE, &mi, c, s, v);
             } else {
                 const uint16_t *wr = (const uint16_t *)w + (r + i) * k + 32 * (b0 + b);
                 bf16_half8(wr, &v[0], &v[1]);

@@ -55,55 +55,85 @@ T256 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t
     if (stream) _mm_sfence();
 }
 
-INL void mxfp4_half(const uint8_t *c, lut8 l, __m256 xe, __m256 xo, __m256 *alo, __m256 *ahi) {
-    __m256 wlo, whi;
-    mxfp4_half8(c, l, &wlo, &whi);
-    *alo = _mm256_fmadd_ps(wlo, xe, *alo);
-    *ahi = _mm256_fmadd_ps(whi, xo, *ahi);
-}
-
-/* one row, one 32-element block: two halves of 16 */
-#define ROW_BLOCK(cr, sr, a, bb)                                      \
-    do {                                                               \
-        const lut8 l_ = scaled_lut((sr)[b]);                           \
-        mxfp4_half((cr) + 16 * b, l_, xe0, xo0, &(a), &(bb));          \
-        mxfp4_half((cr) + 16 * b + 8, l_, xe1, xo1, &(a), &(bb));      \
+/* Rows r..r+R-1 (R = 1 or 4, the same op sequence per row either way); loops over them
+ * unrolled, so that a row's state stays in registers. */
+#define FOR_ROWS(R, stmt)                                                                          \
+    do {                                                                                           \
+        _Pragma("GCC unroll 4") for (int i_ = 0; i_ < (R); i_++) { stmt; }                         \
     } while (0)
 
-T256 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1,
-                             size_t k, const float *x, float *y) {
+/* MXFP4 matvec: x de-interleaved once per call into xp (per 32-block [x_even, x_odd] of 0..15,
+ * then of 16..31: prep_h's order in x86/avx2_matmul.c); rows 4 at a time share each x vector; a
+ * row's block adds w[0] * xe0 and w[2] * xe1 into its accumulator alo, w[1] * xo0 and w[3] * xo1
+ * into ahi, in that order, with the weights of mxfp4_block_int (or, for a group with a scale
+ * below MXFP4_INT_MIN_SCALE, of the LUT: the same values). */
+#define MX_XMAX 8192 /* k up to this: x prepared on the stack (32 KiB); beyond, block by block */
+
+INL void mx_x_block(const float *x, const float *xp, size_t b, __m256 xv[4]) {
+    if (xp) {
+        xv[0] = _mm256_load_ps(xp + 32 * b), xv[1] = _mm256_load_ps(xp + 32 * b + 8);
+        xv[2] = _mm256_load_ps(xp + 32 * b + 16), xv[3] = _mm256_load_ps(xp + 32 * b + 24);
+    } else {
+        deinterleave(x + 32 * b, &xv[0], &xv[1]);
+        deinterleave(x + 32 * b + 16, &xv[2], &xv[3]);
+    }
+}
+
+/* rows r..r+R-1 (R = 1 or 4), with one decode path for all of them */
+INL void mx_rows(int R, int use_int, const mxfp4_int *m, const uint8_t *codes, const uint8_t *scales, size_t r,
+                 size_t r1, size_t k, const float *x, const float *xp, float *y) {
     const size_t kb = k / 2, ks = k / 32;
+    const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
+    const int ahead = R == 4 && r + 4 < r1; /* the next group's bytes follow this one's */
+    __m256 alo[4], ahi[4];
+    FOR_ROWS(R, (alo[i_] = _mm256_setzero_ps(), ahi[i_] = _mm256_setzero_ps()));
+    for (size_t b = 0; b < ks; b++) {
+        if (ahead) MXFP4_PREFETCH(c0, s0, kb, ks, b);
+        __m256 xv[4];
+        mx_x_block(x, xp, b, xv);
+        FOR_ROWS(R, {
+            __m256 w[4];
+            mxfp4_block_w(use_int, m, c0 + i_ * kb + 16 * b, s0[i_ * ks + b], w);
+            alo[i_] = _mm256_fmadd_ps(w[0], xv[0], alo[i_]);
+            ahi[i_] = _mm256_fmadd_ps(w[1], xv[1], ahi[i_]);
+            alo[i_] = _mm256_fmadd_ps(w[2], xv[2], alo[i_]);
+            ahi[i_] = _mm256_fmadd_ps(w[3], xv[3], ahi[i_]);
+        });
+    }
+    FOR_ROWS(R, y[r + i_] = finish(alo[i_], ahi[i_]));
+}
+
+INL void mx_matvec(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k, const float *x,
+                   const float *xp, float *y) {
+    const size_t ks = k / 32;
+    const mxfp4_int m = mxfp4_int_consts();
     size_t r = r0;
     for (; r + 4 <= r1; r += 4) {
-        const uint8_t *c0 = codes + r * kb, *c1 = c0 + kb, *c2 = c1 + kb, *c3 = c2 + kb;
-        const uint8_t *s0 = scales + r * ks, *s1 = s0 + ks, *s2 = s1 + ks, *s3 = s2 + ks;
-        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-        const int ahead = r + 4 < r1; /* the next group's bytes follow this one's */
-        for (size_t b = 0; b < ks; b++) {
-            if (ahead) MXFP4_PREFETCH(c0, s0, kb, ks, b);
-            __m256 xe0, xo0, xe1, xo1;
-            deinterleave(x + 32 * b, &xe0, &xo0);
-            deinterleave(x + 32 * b + 16, &xe1, &xo1);
-            ROW_BLOCK(c0, s0, a0, b0);
-            ROW_BLOCK(c1, s1, a1, b1);
-            ROW_BLOCK(c2, s2, a2, b2);
-            ROW_BLOCK(c3, s3, a3, b3);
-        }
-        y[r] = finish(a0, b0);
-        y[r + 1] = finish(a1, b1);
-        y[r + 2] = finish(a2, b2);
-        y[r + 3] = finish(a3, b3);
+        if (mxfp4_scales_int(scales + r * ks, 4 * ks))
+            mx_rows(4, 1, &m, codes, scales, r, r1, k, x, xp, y);
+        else
+            mx_rows(4, 0, &m, codes, scales, r, r1, k, x, xp, y);
     }
     for (; r < r1; r++) {
-        const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
-        __m256 a0 = _mm256_setzero_ps(), b0 = a0;
-        for (size_t b = 0; b < ks; b++) {
-            __m256 xe0, xo0, xe1, xo1;
-            deinterleave(x + 32 * b, &xe0, &xo0);
-            deinterleave(x + 32 * b + 16, &xe1, &xo1);
-            ROW_BLOCK(c0, s0, a0, b0);
+        if (mxfp4_scales_int(scales + r * ks, ks))
+            mx_rows(1, 1, &m, codes, scales, r, r1, k, x, xp, y);
+        else
+            mx_rows(1, 0, &m, codes, scales, r, r1, k, x, xp, y);
+    }
+}
+
+T256 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                             const float *x, float *y) {
+    if (k <= MX_XMAX) {
+        float xp[MX_XMAX] __attribute__((aligned(32)));
+        for (size_t b = 0; b < k / 32; b++) {
+            __m256 xv[4];
+            mx_x_block(x, NULL, b, xv);
+            for (int i = 0; i < 4; i++) _mm256_store_ps(xp + 32 * b + 8 * i, xv[i]);
         }
-        y[r] = finish(a0, b0);
+        mx_matvec(codes, scales, r0, r1, k, x, xp, y);
+    } else {
+        mx_matvec(codes, scales, r0, r1, k, x, NULL, y);
     }
 }
 
@@ -208,44 +238,37 @@ INL void fp8_tile_end(fp8_row *s, uint8_t b) {
 
 INL float fp8_row_end(const fp8_row *s) { return fp8_result(s->acc, s->nan); }
 
-/* Rows r..r+R-1 (R = 1 or 4, the same op sequence per row either way); a full tile is four
- * 32-byte chunks, the last tile may be ragged.  Row loops unrolled: row state in registers. */
-#define FP8_FOR_ROWS(R, stmt)                                                                      \
-    do {                                                                                           \
-        _Pragma("GCC unroll 4") for (int i_ = 0; i_ < (R); i_++) { stmt; }                         \
-    } while (0)
-
 INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, const float *x,
                   const float *xb, float *y) {
     const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE, full = k / DS4F_FP8_TILE;
     const uint8_t *wr[4], *sr[4];
     fp8_row st[4];
-    FP8_FOR_ROWS(R, (wr[i_] = w + (r + i_) * k, sr[i_] = scales + (r + i_) / DS4F_FP8_TILE * kt,
+    FOR_ROWS(R, (wr[i_] = w + (r + i_) * k, sr[i_] = scales + (r + i_) / DS4F_FP8_TILE * kt,
                      fp8_row_init(&st[i_])));
     __m256 xv[4];
     for (size_t t = 0; t < full; t++) {
         const size_t j0 = t * DS4F_FP8_TILE;
-        FP8_FOR_ROWS(R, (_mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH, _MM_HINT_T0),
+        FOR_ROWS(R, (_mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH, _MM_HINT_T0),
                          _mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH + 64, _MM_HINT_T0)));
         for (size_t j = j0; j < j0 + DS4F_FP8_TILE; j += 32) {
             fp8_x_chunk(x, xb, j, k, xv);
-            FP8_FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
+            FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
         }
-        FP8_FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][t]));
+        FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][t]));
     }
     if (k > full * DS4F_FP8_TILE) {
         size_t j = full * DS4F_FP8_TILE;
         for (; j + 32 <= k; j += 32) {
             fp8_x_chunk(x, xb, j, k, xv);
-            FP8_FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
+            FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
         }
         if (j < k) {
             fp8_x_chunk(x, xb, j, k, xv);
-            FP8_FOR_ROWS(R, fp8_chunk(fp8_load_tail(wr[i_] + j, k - j), xv, &st[i_]));
+            FOR_ROWS(R, fp8_chunk(fp8_load_tail(wr[i_] + j, k - j), xv, &st[i_]));
         }
-        FP8_FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][full]));
+        FOR_ROWS(R, fp8_tile_end(&st[i_], sr[i_][full]));
     }
-    FP8_FOR_ROWS(R, y[r + i_] = fp8_row_end(&st[i_]));
+    FOR_ROWS(R, y[r + i_] = fp8_row_end(&st[i_]));
 }
 
 INL void fp8_matvec_impl(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
