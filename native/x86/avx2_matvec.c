@@ -192,13 +192,23 @@ T256 static void bf16_rows(const uint16_t *w, size_t r0, size_t r1, size_t k, co
  * (0, 2, .., 14 | 16, .., 30 | 1, .., 15 | 17, .., 31), and a tile's partial sum is multiplied
  * by 2^(b-119) (or 2^8, then 2^(b-127), for b >= 247).  NaN codes: max(b & 0x7F) == 0x7F.  4
  * rows share each x load (their state partly spills with 16 ymm registers; 2 rows at a time is
- * no faster), rows are prefetched 512 bytes ahead.  k tails go through zero-filled 32-byte
- * copies.  ~15-16 G weights/s on one core of the Sapphire Rapids VM (AVX-512 ~20): the 2-uop
- * conversions, 4 per 32 weights, dominate.
+ * no faster), the next group is prefetched (fp8_prefetch_next).  k tails go through zero-filled
+ * 32-byte copies.  ~15-16 G weights/s on one core of a Sapphire Rapids VM (AVX-512 ~20), ~10-11 on
+ * a Zen 3 one, where llvm-mca (znver3) finds all four FP pipes busy: ~24 cycles for 4 rows x 32
+ * weights, the 2-uop conversions (4 per 32 weights) the largest share.  An integer decode (spread
+ * each byte to a dword's top byte, an arithmetic shift and a mask: e4m3 * 2^-120, one multiply by
+ * 2^120) gives the same bits but needs more uops, and measured ~40% slower there.
  */
 
 #define FP8_XMAX 8192    /* x floats permuted into the stack buffer (32 KiB); larger k: per chunk */
-#define FP8_PREFETCH 512 /* bytes ahead in each row: 4 tiles */
+/* The next 4-row group's bytes follow this group's (4k of them): while a group computes tile t,
+ * the next group's bytes 512t..512t+511 are prefetched, so that the whole next group is on its
+ * way by the time it starts.  Prefetching ahead within each row instead (as the hardware does)
+ * leaves every group's start to wait on RAM, which on short rows (k = 1024: 4 KiB per group) kept
+ * a matrix streamed from RAM at ~0.3 of the memory floor on one core (~0.7 with it, Zen 3). */
+INL void fp8_prefetch_next(const uint8_t *next, size_t from, size_t to) {
+    for (size_t o = from; o < to; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+}
 
 typedef struct {
     __m256 p, acc; /* tile partial (e4m3/2^8 * x), row total */
@@ -238,7 +248,7 @@ INL void fp8_tile_end(fp8_row *s, uint8_t b) {
 
 INL float fp8_row_end(const fp8_row *s) { return fp8_result(s->acc, s->nan); }
 
-INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k, const float *x,
+INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, int ahead, size_t k, const float *x,
                   const float *xb, float *y) {
     const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE, full = k / DS4F_FP8_TILE;
     const uint8_t *wr[4], *sr[4];
@@ -246,10 +256,10 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
     FOR_ROWS(R, (wr[i_] = w + (r + i_) * k, sr[i_] = scales + (r + i_) / DS4F_FP8_TILE * kt,
                      fp8_row_init(&st[i_])));
     __m256 xv[4];
+    const uint8_t *next = ahead ? w + (r + 4) * k : NULL;
     for (size_t t = 0; t < full; t++) {
         const size_t j0 = t * DS4F_FP8_TILE;
-        FOR_ROWS(R, (_mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH, _MM_HINT_T0),
-                         _mm_prefetch((const char *)wr[i_] + j0 + FP8_PREFETCH + 64, _MM_HINT_T0)));
+        if (next) fp8_prefetch_next(next, 4 * j0, 4 * j0 + 4 * DS4F_FP8_TILE);
         for (size_t j = j0; j < j0 + DS4F_FP8_TILE; j += 32) {
             fp8_x_chunk(x, xb, j, k, xv);
             FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
@@ -258,6 +268,7 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
     }
     if (k > full * DS4F_FP8_TILE) {
         size_t j = full * DS4F_FP8_TILE;
+        if (next) fp8_prefetch_next(next, 4 * j, 4 * k);
         for (; j + 32 <= k; j += 32) {
             fp8_x_chunk(x, xb, j, k, xv);
             FOR_ROWS(R, fp8_chunk(_mm256_loadu_si256((const __m256i *)(wr[i_] + j)), xv, &st[i_]));
@@ -274,8 +285,8 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
 INL void fp8_matvec_impl(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
                          const float *x, const float *xb, float *y) {
     size_t r = r0;
-    for (; r + 4 <= r1; r += 4) fp8_rows(w, scales, r, 4, k, x, xb, y);
-    for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, x, xb, y);
+    for (; r + 4 <= r1; r += 4) fp8_rows(w, scales, r, 4, r + 8 <= r1, k, x, xb, y);
+    for (; r < r1; r++) fp8_rows(w, scales, r, 1, 0, k, x, xb, y);
 }
 
 T256 static void fp8_matvec_rows(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1,
