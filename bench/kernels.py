@@ -13,6 +13,14 @@ weights from RAM: 6 routed experts at the real shape (experts_forward), and FP8 
 attention projections.  Cold buffers are allocated on transparent huge pages, 4 KiB pages or
 both (`pages`), one working set at a time.
 
+The FMA peak ("fma" records) is what the backend's vector unit retires on 12 independent
+multiply-add chains of its width and nothing else, on the same pool: G multiply-add lanes per
+second (a fused multiply-add on the SIMD backends; a multiply and an add on scalar, which never
+fuses).  Every kernel that does one multiply-add lane per weight and vector (the matvecs, the
+experts, the multi-token kernels) carries fraction_of_fma_peak = its Gw/s / that peak, and wall:
+"memory" when it reads at MEMORY_WALL (0.7) of the floor or more, else "compute" (then the FMA
+fraction says how much of the core the products themselves take; the rest is decoding).
+
 The "multi" records compare the multi-token kernels (several input vectors per call, each weight
 decoded once) with as many single-vector calls on the same vectors, measured in turn in the same
 run: MXFP4, bf16 and FP8 at 1, 8 and 32 vectors; their Gw/s count every weight once per vector.
@@ -44,7 +52,11 @@ HIDDEN, INTER, N_EXPERTS = 4096, 2048, 6
 # kv (512x4096) and o (4096x8192)
 FP8_SHAPES = ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192))
 FP8_TILE = 128
-KERNELS = ("memory", "decode", "matvec", "bf16_matvec", "experts", "fp8_matvec", "multi")
+KERNELS = ("memory", "fma", "decode", "matvec", "bf16_matvec", "experts", "fp8_matvec", "multi")
+# the kernels that do one multiply-add lane per weight and vector, whose Gw/s is held to the FMA peak
+FMA_KERNELS = ("matvec", "bf16_matvec", "experts", "fp8_matvec", "multi")
+MEMORY_WALL = 0.7           # a kernel reading at this fraction of the floor or more stands at the memory wall
+FMA_ITERS = 1 << 21         # per task of the FMA peak: 12 chains x 2^21 multiply-adds (~5 ms on one core)
 # the multi-token kernels against single-vector calls: (format, rows, k) at MULTI_TOKENS vectors
 MULTI_CASES = (("mxfp4", 2048, 4096), ("mxfp4", 4096, 2048), ("bf16", 2048, 4096), ("fp8", 1024, 4096))
 MULTI_TOKENS = (1, 8, 32)
@@ -79,6 +91,9 @@ class Record:
     tokens: int | None = None             # multi: input vectors per call
     single_gweights_per_s: float | None = None  # multi: the same vectors through single-vector calls
     vs_single: float | None = None        # multi: gweights_per_s / single_gweights_per_s
+    glanes_per_s: float | None = None     # fma: G multiply-add lanes per second, the backend's peak
+    fraction_of_fma_peak: float | None = None  # Gw/s (one multiply-add lane per weight) / the FMA peak
+    wall: str | None = None               # "memory" (>= MEMORY_WALL of the floor) or "compute"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,6 +185,35 @@ def _floor_records(nbytes: int, pages: str, backends: list[str], threads: list[i
                 cold=True, pages=pages, working_set_bytes=nbytes, huge_page_bytes=huge,
             ))  # fmt: skip
     del buf
+    return records
+
+
+# ---- the FMA peak -------------------------------------------------------------------------------
+
+
+def fma_peak(backend: str) -> float:
+    """One run of the FMA peak loop (native/membench.c) on the kernels' pool; returns the
+    multiply-add lanes it computed."""
+    lanes = ffi.new("double *")
+    if lib.ds4f_fma_peak(K.BACKENDS.index(backend), FMA_ITERS, lanes) < 0:
+        raise ValueError(f"backend: {backend!r} is not available here")
+    return float(lanes[0])
+
+
+def _fma_records(backends: list[str], threads: list[int], repeat: int) -> list[Record]:
+    records = []
+    for backend in backends:
+        lanes: dict[int, float] = {}
+
+        def call(_i: int, b=backend) -> None:
+            lanes[K.get_threads()] = fma_peak(b)
+
+        times = _interleaved_times(call, threads, repeat)
+        per = lib.ds4f_fma_lanes(K.BACKENDS.index(backend))
+        for nt in threads:
+            t = times[nt]
+            records.append(Record("fma", f"{per} lane{'s' if per > 1 else ''} per op", backend, nt, t, 0.0, None,
+                                  speedup_vs_1thread=times[threads[0]] / t, glanes_per_s=lanes[nt] / t / 1e9))
     return records
 
 
@@ -520,6 +564,9 @@ def run_bench(
             for mode in page_modes:
                 note(f"memory floor: {plan.floor_bytes / 2**30:.2f} GiB on {mode} pages")
                 records += _floor_records(plan.floor_bytes, mode, backends, threads, repeat)
+        if "fma" in kernels:
+            note("FMA peak")
+            records += _fma_records(backends, threads, repeat)
         if cases in ("hot", "all"):
             for case in _hot_cases(rng, kernels):
                 if case.kernel in kernels:
@@ -598,14 +645,21 @@ def _cold_cases(rng, kernels, plan, page_modes: list[str], has_fp8: bool, notes:
 
 
 def _relate(records: list[Record], hot_pages: str) -> None:
-    """fraction_of_floor on every kernel record, vs_hot_matvec on the experts records."""
+    """fraction_of_floor on every kernel record, fraction_of_fma_peak and wall where they apply,
+    vs_hot_matvec on the experts records."""
     floor = {(r.backend, r.threads, r.pages): r.gb_per_s for r in records if r.kernel == "memory"}
+    peak = {(r.backend, r.threads): r.glanes_per_s for r in records if r.kernel == "fma"}
     for r in records:
-        if r.kernel == "memory" or r.backend == "numpy":
+        if r.kernel in ("memory", "fma") or r.backend == "numpy":
             continue
         f = floor.get((r.backend, r.threads, r.pages if r.cold else hot_pages))
         if f:
             r.fraction_of_floor = r.gb_per_s / f
+        p = peak.get((r.backend, r.threads))
+        if p and r.kernel in FMA_KERNELS and r.gweights_per_s:
+            r.fraction_of_fma_peak = r.gweights_per_s / p
+        if r.fraction_of_floor is not None:
+            r.wall = "memory" if r.fraction_of_floor >= MEMORY_WALL else "compute"
     # the experts' work is 2/3 in w1/w3's shape and 1/3 in w2's: the same mix of hot matvecs
     mv = {(r.backend, r.threads, r.shape): r.gweights_per_s for r in records
           if r.kernel == "matvec" and not r.cold and r.backend != "numpy"}

@@ -22,8 +22,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         "--backends", help="comma-separated subset of the available backends (scalar is always measured)"
     )
     parser.add_argument("-t", "--threads", help="comma-separated thread counts (default: 1 and all cores)")
-    parser.add_argument("--kernels", help="comma-separated subset of memory,decode,matvec,bf16_matvec,experts,"
+    parser.add_argument("--kernels", help="comma-separated subset of memory,fma,decode,matvec,bf16_matvec,experts,"
                                           "fp8_matvec,multi (memory = the RAM floor the others are divided by; "
+                                          "fma = the FMA peak, the compute wall; "
                                           "multi = several vectors per call against single-vector calls)")
     parser.add_argument("--cases", choices=CASES, default="all",
                         help="hot (weights reused, in cache), cold (a working set beyond 2x the last-level cache, "
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     out = human_stream(args)
-    console = Console(file=out, width=None if out.isatty() else 132)  # the table needs ~125 columns
+    console = Console(file=out, width=None if out.isatty() else 150)  # the table needs ~140 columns
     err = Console(stderr=True)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     notes: list[str] = []
@@ -92,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
     memory = [r for r in records if r.kernel == "memory"]
     if memory:
         console.print(_floor_table(memory, head))
-    rest = [r for r in records if r.kernel != "memory"]
+    peak = [r for r in records if r.kernel == "fma"]
+    if peak:
+        console.print(_peak_table(peak))
+    rest = [r for r in records if r.kernel not in ("memory", "fma")]
     single = [r for r in rest if r.kernel != "multi"]  # multi has its own table below
     if single:
-        console.print(_kernel_table(single, head, bool(memory)))
+        console.print(_kernel_table(single, head, bool(memory), bool(peak)))
     ratio = _experts_table(rest)
     if ratio is not None:
         console.print(ratio)
@@ -141,7 +145,32 @@ def _floor_table(memory, head: str):
     return t
 
 
-def _kernel_table(records, head: str, with_floor: bool):
+def _peak_table(peak):
+    from rich.table import Table as RichTable
+
+    threads = sorted({r.threads for r in peak})
+    t = RichTable(title="FMA peak — 12 independent multiply-add chains of the backend's width",
+                  caption="G multiply-add lanes/s on the kernels' pool (scalar: a multiply and an add, as its kernels "
+                          "do); ×1T = all cores / 1 thread")
+    for col in ("backend", "per op"):
+        t.add_column(col)
+    for nt in threads:
+        t.add_column(f"{nt} thr G lanes/s", justify="right")
+    if len(threads) > 1:
+        t.add_column("×1T", justify="right")
+    rows: dict[str, dict[int, object]] = {}
+    for r in peak:
+        rows.setdefault(r.backend, {"shape": r.shape})[r.threads] = r.glanes_per_s
+    for backend, by_nt in rows.items():
+        cells = [backend, by_nt["shape"].removesuffix(" per op")] + [_fmt(by_nt.get(nt), ".1f") for nt in threads]
+        if len(threads) > 1:
+            lo, hi = by_nt.get(threads[0]), by_nt.get(threads[-1])
+            cells.append(_fmt(hi / lo if lo and hi else None, ".2f"))
+        t.add_row(*cells)
+    return t
+
+
+def _kernel_table(records, head: str, with_floor: bool, with_peak: bool = False):
     from rich.table import Table as RichTable
 
     table = RichTable(
@@ -150,13 +179,16 @@ def _kernel_table(records, head: str, with_floor: bool):
                 "beyond 2x the LLC (from RAM), on huge or 4 KiB pages · GB/s = weight bytes read/s · "
                 "Gw/s = G weights/s · of floor = GB/s / the memory floor at the same backend and threads"
                 + ("" if with_floor else " (not measured: add memory to --kernels)")
+                + " · of FMA = Gw/s / the FMA peak in lanes/s (one multiply-add lane per weight)"
+                + ("" if with_peak else " (not measured: add fma to --kernels)")
+                + " · wall = memory at 0.7 of the floor or more, else compute"
                 + " · ×scalar at the same thread count · ×numpy = table decode + np.dot (its own BLAS threads) · "
                 "×1T = same backend at 1 thread",
     )
     for col, just in (("kernel", "left"), ("shape", "left"), ("data", "left"), ("backend", "left"),
                       ("thr", "right"), ("median ms", "right"), ("GB/s", "right"), ("Gw/s", "right"),
-                      ("of floor", "right"), ("×scalar", "right"), ("×numpy", "right"),
-                      ("×1T", "right")):  # fmt: skip
+                      ("of floor", "right"), ("of FMA", "right"), ("wall", "left"), ("×scalar", "right"),
+                      ("×numpy", "right"), ("×1T", "right")):  # fmt: skip
         table.add_column(col, justify=just)
     last = None
     for r in records:
@@ -167,8 +199,8 @@ def _kernel_table(records, head: str, with_floor: bool):
         table.add_row(
             r.kernel, r.shape, _data(r), r.backend, str(r.threads) if r.threads else "np",
             f"{r.median_s * 1e3:.2f}", f"{r.gb_per_s:.2f}", _fmt(r.gweights_per_s, ".2f"),
-            _fmt(r.fraction_of_floor, ".2f"), _fmt(r.speedup_vs_scalar, ".1f"), _fmt(r.speedup_vs_numpy, ".0f"),
-            _fmt(r.speedup_vs_1thread, ".2f"),
+            _fmt(r.fraction_of_floor, ".2f"), _fmt(r.fraction_of_fma_peak, ".2f"), r.wall or "—",
+            _fmt(r.speedup_vs_scalar, ".1f"), _fmt(r.speedup_vs_numpy, ".0f"), _fmt(r.speedup_vs_1thread, ".2f"),
         )  # fmt: skip
     return table
 
@@ -202,13 +234,14 @@ def _multi_table(records):
         return None
     t = RichTable(title="several vectors per call against single-vector calls",
                   caption="Gw/s = G weights/s, each weight counted once per vector · batched = one call on all "
-                          "vectors · single = one call per vector, measured in turn · ratio = batched / single")
+                          "vectors · single = one call per vector, measured in turn · ratio = batched / single · "
+                          "of FMA = batched Gw/s / the FMA peak in lanes/s")
     for col, just in (("format", "left"), ("vectors", "right"), ("backend", "left"), ("thr", "right"),
-                      ("batched Gw/s", "right"), ("single Gw/s", "right"), ("ratio", "right")):
+                      ("batched Gw/s", "right"), ("single Gw/s", "right"), ("ratio", "right"), ("of FMA", "right")):
         t.add_column(col, justify=just)
     for r in rows:
         t.add_row(r.shape, str(r.tokens), r.backend, str(r.threads), f"{r.gweights_per_s:.2f}",
-                  f"{r.single_gweights_per_s:.2f}", f"{r.vs_single:.2f}")
+                  f"{r.single_gweights_per_s:.2f}", f"{r.vs_single:.2f}", _fmt(r.fraction_of_fma_peak, ".2f"))
     return t
 
 
@@ -232,6 +265,8 @@ def _table(records) -> Table:
                           Column("backend", align="left"), Column("threads", "thr"),
                           Column("median_ms", "median ms", ".2f"), Column("gb_per_s", "GB/s", ".2f"),
                           Column("gweights_per_s", "Gw/s", ".2f"), Column("fraction_of_floor", "of floor", ".2f"),
+                          Column("fraction_of_fma_peak", "of FMA", ".2f"), Column("wall", align="left"),
+                          Column("glanes_per_s", "G lanes/s", ".1f"),
                           Column("x_scalar", "×scalar", ".1f"), Column("x_numpy", "×numpy", ".0f"),
                           Column("x_1thread", "×1T", ".2f"), Column("vs_hot_matvec", "÷ hot matvec", ".2f"),
                           Column("tokens", "vectors"), Column("vs_single", "×single", ".2f"),
@@ -239,6 +274,7 @@ def _table(records) -> Table:
                           Column("huge_page_bytes", "on huge pages")])
     for r in records:
         t.add(r.kernel, r.shape, r.cold, r.pages, r.backend, r.threads if r.threads else "numpy", r.median_s * 1e3,
-              r.gb_per_s, r.gweights_per_s, r.fraction_of_floor, r.speedup_vs_scalar, r.speedup_vs_numpy,
+              r.gb_per_s, r.gweights_per_s, r.fraction_of_floor, r.fraction_of_fma_peak, r.wall, r.glanes_per_s,
+              r.speedup_vs_scalar, r.speedup_vs_numpy,
               r.speedup_vs_1thread, r.vs_hot_matvec, r.tokens, r.vs_single, r.working_set_bytes, r.huge_page_bytes)
     return t

@@ -1,5 +1,6 @@
-/* membench.c — the memory floor (ds4f_membench.h): one streaming read of a buffer per call,
- * with the load width of a backend, split across the kernels' pool.
+/* membench.c — the limits a kernel can stand at (ds4f_membench.h): the memory floor, one
+ * streaming read of a buffer per call with the load width of a backend, and the FMA peak, both
+ * split across the kernels' pool.
  *
  * Each width has its own loop, selected per function with target attributes like the kernels
  * (no global -m flags): 64-bit scalar loads, 128-bit NEON, 256-bit AVX2, 512-bit AVX-512, four
@@ -127,4 +128,94 @@ int ds4f_mem_read(const void *buf, size_t nbytes, int backend, uint64_t *sum) {
     ds4f_pool_run(read_task, &j, (j.words + j.chunk - 1) / j.chunk);
     *sum = atomic_load(&j.total);
     return 0;
+}
+
+/* ---- the FMA peak --------------------------------------------------------------------------
+ *
+ * How many multiply-add lanes per second a backend's vector unit retires: FMA_CHAINS independent
+ * chains a = a * m + c of the backend's width (FMA latency 4-5 cycles x 2 FMA pipes needs at least
+ * 10 chains in flight), nothing else in the loop.  The scalar backend, which never fuses, runs a
+ * multiply and an add per lane, as its kernels do.  m = 1 - 2^-10 and c = 2^-10 keep every value
+ * in [0.5, 1]: no overflow, no subnormals.  Split across the pool like the kernels. */
+#define FMA_CHAINS 12
+
+typedef double (*fma_fn)(size_t iters);
+
+#define FMA_BODY(T, SET1, FMA, FIRST)                                                                  \
+    const T m = SET1(1.0f - 0x1p-10f), c = SET1(0x1p-10f);                                           \
+    T a0 = SET1(0.5f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, \
+      a10 = a0, a11 = a0;                                                                              \
+    for (size_t i = 0; i < iters; i++) {                                                               \
+        a0 = FMA(a0, m, c), a1 = FMA(a1, m, c), a2 = FMA(a2, m, c), a3 = FMA(a3, m, c);                \
+        a4 = FMA(a4, m, c), a5 = FMA(a5, m, c), a6 = FMA(a6, m, c), a7 = FMA(a7, m, c);                \
+        a8 = FMA(a8, m, c), a9 = FMA(a9, m, c), a10 = FMA(a10, m, c), a11 = FMA(a11, m, c);            \
+    }                                                                                                  \
+    return (double)FIRST(a0) + FIRST(a1) + FIRST(a2) + FIRST(a3) + FIRST(a4) + FIRST(a5) + FIRST(a6) +  \
+           FIRST(a7) + FIRST(a8) + FIRST(a9) + FIRST(a10) + FIRST(a11);
+
+static inline float scalar_set1(float v) { return v; }
+static inline float scalar_madd(float a, float m, float c) { return a * m + c; } /* -ffp-contract=off: two ops */
+static inline float scalar_first(float a) { return a; }
+static double fma_scalar(size_t iters) { FMA_BODY(float, scalar_set1, scalar_madd, scalar_first) }
+
+#ifdef DS4F_X86
+#define F256 __attribute__((target("avx2,fma")))
+static inline F256 __m256 avx2_set1(float v) { return _mm256_set1_ps(v); }
+static inline F256 __m256 avx2_fma(__m256 a, __m256 m, __m256 c) { return _mm256_fmadd_ps(a, m, c); }
+static inline F256 float avx2_first(__m256 a) { return _mm256_cvtss_f32(a); }
+F256 static double fma_avx2(size_t iters) { FMA_BODY(__m256, avx2_set1, avx2_fma, avx2_first) }
+
+#define F512 __attribute__((target("avx512f")))
+static inline F512 __m512 avx512_set1(float v) { return _mm512_set1_ps(v); }
+static inline F512 __m512 avx512_fma(__m512 a, __m512 m, __m512 c) { return _mm512_fmadd_ps(a, m, c); }
+static inline F512 float avx512_first(__m512 a) { return _mm512_cvtss_f32(a); }
+F512 static double fma_avx512(size_t iters) { FMA_BODY(__m512, avx512_set1, avx512_fma, avx512_first) }
+#endif
+
+#ifdef DS4F_ARM64
+static inline float32x4_t neon_fma(float32x4_t a, float32x4_t m, float32x4_t c) { return vfmaq_f32(c, a, m); }
+static inline float neon_first(float32x4_t a) { return vgetq_lane_f32(a, 0); }
+static double fma_neon(size_t iters) { FMA_BODY(float32x4_t, vdupq_n_f32, neon_fma, neon_first) }
+#endif
+
+typedef struct {
+    fma_fn fn;
+    size_t iters;
+    _Atomic long long sum; /* the chains' values x 2^20, so that the compiler keeps every FMA */
+} fma_job;
+
+static void fma_task(void *ctx, size_t i) {
+    (void)i;
+    fma_job *j = ctx;
+    atomic_fetch_add_explicit(&j->sum, (long long)(j->fn(j->iters) * 1048576.0), memory_order_relaxed);
+}
+
+int ds4f_fma_lanes(int backend) {
+    switch (backend) {
+    case DS4F_SCALAR: return 1;
+    case DS4F_AVX2: return 8;
+    case DS4F_AVX512: return 16;
+    case DS4F_NEON: return 4;
+    default: return 0;
+    }
+}
+
+long long ds4f_fma_peak(int backend, size_t iters, double *lanes) {
+    if (!lanes || !ds4f_backend_supported(backend)) return -1;
+    fma_fn fn = fma_scalar;
+    switch (backend) {
+#ifdef DS4F_X86
+    case DS4F_AVX2: fn = fma_avx2; break;
+    case DS4F_AVX512: fn = fma_avx512; break;
+#endif
+#ifdef DS4F_ARM64
+    case DS4F_NEON: fn = fma_neon; break;
+#endif
+    default: break;
+    }
+    const size_t nt = (size_t)ds4f_pool_get_threads(), ntasks = nt > 1 ? 4 * nt : 1;
+    fma_job j = {fn, iters, 0};
+    ds4f_pool_run(fma_task, &j, ntasks);
+    *lanes = (double)ntasks * (double)iters * FMA_CHAINS * ds4f_fma_lanes(backend);
+    return atomic_load(&j.sum);
 }

@@ -16,4 +16,12 @@
  * Returns 0, or -1 (nothing read) for an unsupported backend or bad arguments. */
 int ds4f_mem_read(const void *buf, size_t nbytes, int backend, uint64_t *sum);
 
+/* The FMA peak: 4 tasks per pool thread (1 task on 1 thread), each running `iters` iterations of
+ * 12 independent multiply-add chains of the backend's width (a fused multiply-add on the SIMD
+ * backends; a multiply and an add on scalar, which never fuses).  *lanes = the multiply-add lanes
+ * computed, so lanes / seconds is the backend's peak; ds4f_fma_lanes = its lanes per instruction.
+ * Returns a checksum of the chains' values (>= 0), or -1 for an unsupported backend or lanes NULL. */
+long long ds4f_fma_peak(int backend, size_t iters, double *lanes);
+int ds4f_fma_lanes(int backend);
+
 #endif

@@ -111,7 +111,7 @@ def small_run():
     """Every kernel that matters here on tiny sizes: an 8 MiB floor, two copies per cold set."""
     notes: list[str] = []
     records = B.run_bench(repeat=1, backends=AVAILABLE, threads=[1, 2],
-                          kernels=("memory", "matvec", "experts", "fp8_matvec"), cases="all", pages="both",
+                          kernels=("memory", "fma", "matvec", "experts", "fp8_matvec"), cases="all", pages="both",
                           floor_bytes=8 << 20, cold_bytes=1, notes=notes)
     return records, notes
 
@@ -128,10 +128,49 @@ def test_memory_records_per_backend_thread_count_and_pages(small_run):
     assert records[:len(memory)] == memory  # the floor comes first
 
 
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_fma_peak_loop_runs_every_multiply_add(backend):
+    """The peak loop's 12 chains a = a * (1 - 2^-10) + 2^-10 start at 0.5 and, after 2^21 steps,
+    sit at their fixed point 1 (to fp32 rounding): a checksum of 12 x 2^20 per task says that
+    every task ran its whole loop (a skipped or shortened one leaves values near 0.5)."""
+    saved = K.get_threads()
+    try:
+        for nt in (1, 2):
+            K.set_threads(nt)
+            ntasks = 1 if nt == 1 else 4 * nt
+            lanes = B.ffi.new("double *")
+            check = B.lib.ds4f_fma_peak(K.BACKENDS.index(backend), B.FMA_ITERS, lanes)
+            per = {"scalar": 1, "avx2": 8, "avx512": 16, "neon": 4}[backend]
+            assert B.lib.ds4f_fma_lanes(K.BACKENDS.index(backend)) == per
+            assert lanes[0] == ntasks * B.FMA_ITERS * 12 * per
+            assert check == pytest.approx(ntasks * 12 * 2**20, rel=1e-4)
+    finally:
+        K.set_threads(saved)
+    unsupported = [b for b in K.BACKENDS if b not in AVAILABLE]
+    if unsupported:
+        with pytest.raises(ValueError, match="backend"):
+            B.fma_peak(unsupported[0])
+
+
+def test_fma_peak_records_and_the_wall_each_kernel_stands_at(small_run):
+    records, _ = small_run
+    peak = {(r.backend, r.threads): r for r in records if r.kernel == "fma"}
+    assert set(peak) == {(b, nt) for b in AVAILABLE for nt in (1, 2)}
+    for r in peak.values():
+        assert r.glanes_per_s > 0 and r.gweights_per_s is None and r.fraction_of_floor is None
+    for r in records:
+        if r.kernel in ("memory", "fma") or r.backend == "numpy":
+            assert r.fraction_of_fma_peak is None and r.wall is None
+            continue
+        assert r.fraction_of_fma_peak == pytest.approx(r.gweights_per_s / peak[(r.backend, r.threads)].glanes_per_s,
+                                                       rel=1e-9)
+        assert r.wall == ("memory" if r.fraction_of_floor >= B.MEMORY_WALL else "compute")
+
+
 def test_fraction_of_floor_is_gb_per_s_over_the_floor(small_run):
     records, _ = small_run
     floor = {(r.backend, r.threads, r.pages): r.gb_per_s for r in records if r.kernel == "memory"}
-    kernel_records = [r for r in records if r.kernel != "memory" and r.backend != "numpy"]
+    kernel_records = [r for r in records if r.kernel not in ("memory", "fma") and r.backend != "numpy"]
     assert kernel_records
     for r in kernel_records:
         pages = r.pages if r.cold else "huge"  # hot cases against the first --pages kind
