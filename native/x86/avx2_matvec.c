@@ -1,13 +1,19 @@
 /* x86/avx2_matvec.c — AVX2 + FMA + F16C backend (target attributes only; see x86/avx512_matvec.c).
  *
- * Same structure as the AVX-512 backend, with one difference forced by the ISA: vpermps on
- * ymm has an 8-entry table, so the 16-entry E2M1 LUT is two scaled 8-entry tables (positive
- * and negative magnitudes) and the code's sign bit selects between them with vblendvps (which
- * reads only bit 31: the sign bit shifted there).  Selecting the product keeps decode
- * bit-identical to scalar, NaN blocks included.
+ * decode (ds4f_mxfp4_decode): vpermps on ymm has an 8-entry table, so the 16-entry E2M1 LUT is
+ * two scaled 8-entry tables (positive and negative magnitudes) and the code's sign bit selects
+ * between them with vblendvps (which reads only bit 31: the sign bit shifted there).  Selecting
+ * the product keeps decode bit-identical to scalar, NaN blocks included.
  *
- * matvec per row and 16 elements (8 code bytes): widen to 8 dwords, look up low and high
- * nibbles, FMA with x_even / x_odd (de-interleaved once, shared by 4 rows).
+ * matvec: per row and 32-element block, the integer decode of kernels_avx2.h (mxfp4_block_int:
+ * in-lane vpshufb lookup and spread, vcvtdq2ps, one multiply by the block's factor), the same
+ * weights in the same lanes as the LUT, FMA with x_even / x_odd (de-interleaved once per call,
+ * shared by 4 rows).  The profile (llvm-mca -mcpu=znver3, 4 rows x one block = 128 weights):
+ * with the LUT, 55 cycles, the two shuffle pipes 95% busy (16 two-uop vpermps, 8 vpmovzxbd and
+ * x's de-interleave); with the integer decode, 33 cycles and 122 uops, all four FP pipes busy
+ * (FPP1, shared by the pshufbs and half of the multiplies and FMAs, the most); measured ~1.7x on
+ * one Zen 3 core.  Per 8 weights it still takes a spread, a conversion, a multiply and an FMA:
+ * the limit of an exact fp32 decode, where ggml's int8 activations take ~1.5 vector ops.
  */
 #include <stdint.h>
 
