@@ -37,62 +37,80 @@ INL void mxfp4_half8(const uint8_t *c, lut8 l, __m256 *wlo, __m256 *whi) {
 
 /* ---- MXFP4 through integers: the matvec's and the multi-token tile's decode ----------------------
  *
- * The LUT above costs four lane-crossing vpermps and two blends per 16 weights, which bound the
- * old matvec on Zen 3 (~2 weights per cycle).  Here every shuffle stays in its 128-bit lane: the
- * 16 code bytes of a block are broadcast to both lanes, vpshufb looks up 2 * e2m1 as an int8 for
- * the low and the high nibbles, a second vpshufb spreads those bytes to byte 3 of the dword lanes
- * (the int32 2v * 2^24, exact), vcvtdq2ps makes them floats, and one multiply by the block's
- * factor 2^(s-152) gives e2m1(c) * 2^(s-127), exactly: the decode's weights, in mxfp4_half8's
- * lanes.  Code 8 (-0) becomes +0: no sum can tell, as the accumulators start at +0 and a sum that
- * rounds to zero is +0, so an accumulator is never -0 (and 0 * inf or NaN is the same NaN).  The
- * factor is a float only for s >= 3: rows with a scale below (weights under 2^-124) take the LUT
- * steps, which give the same weights, so which path a row takes never shows in its result. */
+ * The LUT above costs four lane-crossing vpermps (two uops each on Zen 3) and two blends per 16
+ * weights, which bound the old matvec on the shuffle pipes.  Here every shuffle stays in its
+ * 128-bit lane and no multiply is spent on the decode (removing the multiply from an earlier form
+ * of this decode, which converted and then scaled, was worth ~7% on Zen 3):
+ *   - the 16 code bytes of a block are broadcast to both lanes, and vpshufb looks up
+ *     u = 2 * e2m1 + 12 (0..24) for the low nibbles and for the high ones;
+ *   - the exponent bytes of M = 2^(s-105) (s the block's scale) are blended into the lookup results'
+ *     spare dwords (each lane spreads only 8 of its 16 bytes);
+ *   - a second vpshufb spreads u to the low byte of each dword lane and M's bytes above it: the
+ *     float M + u * 2^(s-128), exact;
+ *   - one subtraction of C = M + 12 * 2^(s-128) leaves (u - 12) * 2^(s-128) = e2m1(c) * 2^(s-127),
+ *     exactly (Sterbenz: two floats within a factor 2 of each other).
+ * These are the decode's weights, in mxfp4_half8's lanes.  Code 8 (-0) becomes +0: no sum can tell,
+ * as the accumulators start at +0 and a sum that rounds to zero is +0, so an accumulator is never -0
+ * (and 0 * inf or NaN is the same NaN).  M is a normal float for s <= 232: rows with a larger scale
+ * (weights beyond 2^105, and the NaN scale) take the LUT steps, which give the same weights, so
+ * which path a row takes never shows in its result. */
 
-/* s -> 2^(s-152) as fp32 bits: 3..25 subnormal, 26..254 normal, 255 the NaN; 0..2 unused */
-#define MXF(b) ((b) < 3 ? 0u : (b) == 255 ? DS4F_QNAN_BITS : (b) < 26 ? 1u << ((b) - 3) : (uint32_t)((b) - 25) << 23)
-#define MXF4(b) MXF(b), MXF((b) + 1), MXF((b) + 2), MXF((b) + 3)
-#define MXF16(b) MXF4(b), MXF4((b) + 4), MXF4((b) + 8), MXF4((b) + 12)
-static const ds4f_byte_table mxfp4_factor = {{MXF16(0), MXF16(16), MXF16(32), MXF16(48), MXF16(64), MXF16(80),
-                                              MXF16(96), MXF16(112), MXF16(128), MXF16(144), MXF16(160), MXF16(176),
-                                              MXF16(192), MXF16(208), MXF16(224), MXF16(240)}};
-#undef MXF16
-#undef MXF4
-#undef MXF
-#define MXFP4_INT_MIN_SCALE 3
+/* s -> the bits of M = 2^(s-105) and of C = M + 12 * 2^(s-128), for s <= MXFP4_INT_MAX_SCALE
+ * (0 above: unused); each read with a broadcast load, which costs no shuffle */
+#define MXM(b) ((b) > 232 ? 0u : (uint32_t)((b) + 22) << 23)
+#define MXC(b) ((b) > 232 ? 0u : MXM(b) + 12u)
+#define MX4(F, b) F(b), F((b) + 1), F((b) + 2), F((b) + 3)
+#define MX16(F, b) MX4(F, b), MX4(F, (b) + 4), MX4(F, (b) + 8), MX4(F, (b) + 12)
+#define MX256(F) {{MX16(F, 0), MX16(F, 16), MX16(F, 32), MX16(F, 48), MX16(F, 64), MX16(F, 80), MX16(F, 96),          \
+                   MX16(F, 112), MX16(F, 128), MX16(F, 144), MX16(F, 160), MX16(F, 176), MX16(F, 192), MX16(F, 208), \
+                   MX16(F, 224), MX16(F, 240)}}
+static const ds4f_byte_table mxfp4_magic = MX256(MXM), mxfp4_offset = MX256(MXC);
+#undef MX256
+#undef MX16
+#undef MX4
+#undef MXC
+#undef MXM
+#define MXFP4_INT_MAX_SCALE 232
 
 /* the constants of the integer decode, loaded once per call */
 typedef struct {
-    __m256i table, nib, spread_lo, spread_hi; /* 2*e2m1 (both lanes), 0x0F, byte j -> dword j's byte 3 */
+    __m256i table, nib, spread_lo, spread_hi; /* u (both lanes), 0x0F, the spreads: see mxfp4_block_int */
 } mxfp4_int;
 
 INL mxfp4_int mxfp4_int_consts(void) {
     mxfp4_int m;
-    m.table = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
-                               -2, -3, -4, -6, -8, -12);
+    m.table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24,
+                               12, 11, 10, 9, 8, 6, 4, 0);
     m.nib = _mm256_set1_epi8(0x0F);
+    /* dword j of the low lane: u of byte j (spread_lo) or 8 + j (spread_hi), then M's bytes from
+     * bytes 6, 7 (that lane's spare dword 1); of the high lane: byte 4 + j or 12 + j, then bytes 2, 3
+     * (its spare dword 0) */
 #define Z (char)0x80
-    m.spread_lo = _mm256_setr_epi8(Z, Z, Z, 0, Z, Z, Z, 1, Z, Z, Z, 2, Z, Z, Z, 3, Z, Z, Z, 4, Z, Z, Z, 5, Z, Z, Z, 6, Z,
-                                   Z, Z, 7);
-    m.spread_hi = _mm256_setr_epi8(Z, Z, Z, 8, Z, Z, Z, 9, Z, Z, Z, 10, Z, Z, Z, 11, Z, Z, Z, 12, Z, Z, Z, 13, Z, Z, Z,
-                                   14, Z, Z, Z, 15);
+    m.spread_lo = _mm256_setr_epi8(0, Z, 6, 7, 1, Z, 6, 7, 2, Z, 6, 7, 3, Z, 6, 7, 4, Z, 2, 3, 5, Z, 2, 3, 6, Z, 2, 3, 7,
+                                   Z, 2, 3);
+    m.spread_hi = _mm256_setr_epi8(8, Z, 6, 7, 9, Z, 6, 7, 10, Z, 6, 7, 11, Z, 6, 7, 12, Z, 2, 3, 13, Z, 2, 3, 14, Z, 2, 3,
+                                   15, Z, 2, 3);
 #undef Z
     return m;
 }
 
-/* the 32 weights of one block (16 code bytes c, scale s >= 3) in mxfp4_half8's lanes: w[0], w[1]
- * = elements 0, 2, .., 14 and 1, 3, .., 15; w[2], w[3] the same for 16..31 */
+/* the 32 weights of one block (16 code bytes c, scale s <= MXFP4_INT_MAX_SCALE) in mxfp4_half8's
+ * lanes: w[0], w[1] = elements 0, 2, .., 14 and 1, 3, .., 15; w[2], w[3] the same for 16..31 */
 INL void mxfp4_block_int(const mxfp4_int *m, const uint8_t *c, uint8_t s, __m256 w[4]) {
     const __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)c));
-    const __m256i lo = _mm256_shuffle_epi8(m->table, _mm256_and_si256(cb, m->nib));
-    const __m256i hi = _mm256_shuffle_epi8(m->table, _mm256_and_si256(_mm256_srli_epi16(cb, 4), m->nib));
-    const __m256 f = _mm256_broadcast_ss(&mxfp4_factor.f[s]);
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, m->spread_lo)), f);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, m->spread_lo)), f);
-    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, m->spread_hi)), f);
-    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, m->spread_hi)), f);
+    const __m256i mg = _mm256_castps_si256(_mm256_broadcast_ss(&mxfp4_magic.f[s]));
+    /* 0x12: dword 1 of the low lane and dword 0 of the high lane, which their spreads leave unread */
+    const __m256i lo = _mm256_blend_epi32(_mm256_shuffle_epi8(m->table, _mm256_and_si256(cb, m->nib)), mg, 0x12);
+    const __m256i hi =
+        _mm256_blend_epi32(_mm256_shuffle_epi8(m->table, _mm256_and_si256(_mm256_srli_epi16(cb, 4), m->nib)), mg, 0x12);
+    const __m256 off = _mm256_broadcast_ss(&mxfp4_offset.f[s]);
+    w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(lo, m->spread_lo)), off);
+    w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(hi, m->spread_lo)), off);
+    w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(lo, m->spread_hi)), off);
+    w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(hi, m->spread_hi)), off);
 }
 
-/* a block's weights by the integer steps (use_int: its scale is >= MXFP4_INT_MIN_SCALE) or the LUT */
+/* a block's weights by the integer steps (use_int: its scale is <= MXFP4_INT_MAX_SCALE) or the LUT */
 INL void mxfp4_block_w(int use_int, const mxfp4_int *m, const uint8_t *c, uint8_t s, __m256 w[4]) {
     if (use_int) {
         mxfp4_block_int(m, c, s, w);
@@ -103,16 +121,16 @@ INL void mxfp4_block_w(int use_int, const mxfp4_int *m, const uint8_t *c, uint8_
     }
 }
 
-/* every one of n scale bytes >= MXFP4_INT_MIN_SCALE */
+/* every one of n scale bytes <= MXFP4_INT_MAX_SCALE */
 INL int mxfp4_scales_int(const uint8_t *s, size_t n) {
-    __m256i lo = _mm256_set1_epi8((char)0xFF);
+    __m256i hi = _mm256_setzero_si256();
     size_t i = 0;
-    for (; i + 32 <= n; i += 32) lo = _mm256_min_epu8(lo, _mm256_loadu_si256((const __m256i *)(s + i)));
-    const __m256i bad = _mm256_cmpeq_epi8(_mm256_max_epu8(lo, _mm256_set1_epi8(MXFP4_INT_MIN_SCALE - 1)),
-                                          _mm256_set1_epi8(MXFP4_INT_MIN_SCALE - 1));
+    for (; i + 32 <= n; i += 32) hi = _mm256_max_epu8(hi, _mm256_loadu_si256((const __m256i *)(s + i)));
+    const __m256i bad = _mm256_cmpeq_epi8(_mm256_min_epu8(hi, _mm256_set1_epi8((char)(MXFP4_INT_MAX_SCALE + 1))),
+                                          _mm256_set1_epi8((char)(MXFP4_INT_MAX_SCALE + 1)));
     if (_mm256_movemask_epi8(bad)) return 0;
     for (; i < n; i++)
-        if (s[i] < MXFP4_INT_MIN_SCALE) return 0;
+        if (s[i] > MXFP4_INT_MAX_SCALE) return 0;
     return 1;
 }
 

@@ -63,7 +63,7 @@ INL void h_decode(int kind, const void *w, const uint8_t *scales, size_t r, int 
             if (kind == DS4F_MM_MXFP4) { /* the matvec's weights */
                 const uint8_t *c = (const uint8_t *)w + (r + i) * kb + 16 * (b0 + b);
                 const uint8_t s = scales[(r + i) * ks + b0 + b];
-                mxfp4_block_w(s >= MXFP4_INT_MIN_SCALE, &mi, c, s, v);
+                mxfp4_block_w(s <= MXFP4_INT_MAX_SCALE, &mi, c, s, v);
             } else {
                 const uint16_t *wr = (const uint16_t *)w + (r + i) * k + 32 * (b0 + b);
                 bf16_half8(wr, &v[0], &v[1]);

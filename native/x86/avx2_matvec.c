@@ -6,14 +6,15 @@
  * the product keeps decode bit-identical to scalar, NaN blocks included.
  *
  * matvec: per row and 32-element block, the integer decode of kernels_avx2.h (mxfp4_block_int:
- * in-lane vpshufb lookup and spread, vcvtdq2ps, one multiply by the block's factor), the same
- * weights in the same lanes as the LUT, FMA with x_even / x_odd (de-interleaved once per call,
- * shared by 4 rows).  The profile (llvm-mca -mcpu=znver3, 4 rows x one block = 128 weights):
- * with the LUT, 55 cycles, the two shuffle pipes 95% busy (16 two-uop vpermps, 8 vpmovzxbd and
- * x's de-interleave); with the integer decode, 33 cycles and 122 uops, all four FP pipes busy
- * (FPP1, shared by the pshufbs and half of the multiplies and FMAs, the most); measured ~1.7x on
- * one Zen 3 core.  Per 8 weights it still takes a spread, a conversion, a multiply and an FMA:
- * the limit of an exact fp32 decode, where ggml's int8 activations take ~1.5 vector ops.
+ * in-lane vpshufb lookup and spread into a float's mantissa, one subtraction), the same weights in
+ * the same lanes as the LUT, FMA with x_even / x_odd (de-interleaved once per call, shared by 4
+ * rows).  The profile (llvm-mca -mcpu=znver3, 4 rows x one block = 128 weights): with the LUT, 55
+ * cycles, the two shuffle pipes 95% busy (16 two-uop vpermps, 8 vpmovzxbd and x's de-interleave);
+ * with the first integer decode (vcvtdq2ps and a multiply by 2^(s-152) in place of the mantissa
+ * trick), 33 cycles and 122 uops, all four FP pipes busy; measured ~1.7x on one Zen 3 core, and
+ * the mantissa trick ~7% more.  Per 8 weights it still takes a spread, a subtraction and the FMA
+ * plus a share of the lookups: the limit of an exact fp32 decode, where ggml's int8 activations
+ * take ~1.5 vector ops per 8 weights.
  */
 #include <stdint.h>
 
@@ -72,7 +73,7 @@ T256 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t
  * then of 16..31: prep_h's order in x86/avx2_matmul.c); rows 4 at a time share each x vector; a
  * row's block adds w[0] * xe0 and w[2] * xe1 into its accumulator alo, w[1] * xo0 and w[3] * xo1
  * into ahi, in that order, with the weights of mxfp4_block_int (or, for a group with a scale
- * below MXFP4_INT_MIN_SCALE, of the LUT: the same values). */
+ * above MXFP4_INT_MAX_SCALE, of the LUT: the same values). */
 #define MX_XMAX 8192 /* k up to this: x prepared on the stack (32 KiB); beyond, block by block */
 
 INL void mx_x_block(const float *x, const float *xp, size_t b, __m256 xv[4]) {

@@ -102,15 +102,16 @@ def test_mxfp4_matmul(backend, rows, k):
 
 @BACKEND
 def test_mxfp4_matmul_every_scale_byte(backend):
-    """Scale bytes over the whole E8M0 range: 0..2 (a row holding one takes the SIMD kernels'
-    table decode, the others their integer decode), the subnormal-factor edge 3..26, up to 250
-    (x small, so that nothing overflows float32), and 255 (NaN rows); every vector bit for bit the
-    single-vector kernel's, and close to float64."""
+    """Scale bytes over the whole E8M0 range: 0..2 and 3..26 (weights in float32's subnormals),
+    up to 250 (x small, so that nothing overflows float32; a row holding one above 232 takes the
+    AVX2 kernels' table decode, the others their integer decode), and 255 (NaN rows); every vector
+    bit for bit the single-vector kernel's, and close to float64."""
     rng = np.random.default_rng(17)
     rows, k = 203, 512
     codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
     scales = rng.integers(3, 251, (rows, k // 32), dtype=np.uint8)
     scales[::3, 5] = rng.integers(0, 3, len(range(0, rows, 3)))  # every third row: a scale below 3
+    scales[2::5, 9] = rng.integers(233, 251, len(range(2, rows, 5)))  # every fifth: one above 232
     scales[1::7, 2] = rng.integers(3, 27, len(range(1, rows, 7)))
     scales[[10, 101, 202], [0, 15, 7]] = 255
     w64 = mxfp4_64(codes, scales)
