@@ -23,7 +23,7 @@ from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
-from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, MAX_THREADS, Budget, Config, Preset,
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MAX_PARALLEL, MAX_GEN, MAX_PROMPT, MAX_THREADS, Budget, Config, Preset,
                                 format_bytes, load_config, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
@@ -42,8 +42,8 @@ from ds4f.runs.config import RunConfig
 from ds4f.runs.history import (History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, report_file,
                                run_files)
 from ds4f.runs.host import EngineHost
-from ds4f.runs.plan import MemoryPlan, memory_plan
-from ds4f.runs.run import END_STATES, LIVE_STATES, Run, active_run, start_run
+from ds4f.runs.plan import MemoryPlan, fit_parallel, memory_plan
+from ds4f.runs.run import END_STATES, LIVE_STATES, Run, active_run, active_runs, start_run
 from ds4f.runs.snapshot import Snapshot, TokenRecord, disk_occupancy
 from ds4f.runs.diff import LOW_BIT_TOLERANCE, StateDiff, diff_states
 from ds4f.runs.statedump import read_state
@@ -52,7 +52,7 @@ from ds4f.runs.traces import export_trace, load_trace
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
     "MAX_THREADS", "Budget", "Config", "Ds4fError", "parse_json", "EngineHost", "History", "Preset", "Run", "RunConfig",
-    "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "available_backends", "best_backend",
+    "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "active_runs", "available_backends", "best_backend",
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
     "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
     "user_config_path", "user_data_dir",
@@ -65,7 +65,7 @@ __all__ = [
     # pruning the run history
     "PrunePlan", "plan_prune", "prune_runs", "run_files", "report_file",
     # the memory plan
-    "MemoryPlan", "memory_plan",
+    "MemoryPlan", "memory_plan", "fit_parallel", "DEFAULT_PARALLEL", "MAX_PARALLEL",
     # text: tokenizer, streaming, chat format, sampling
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
     "SamplingParams", "Sampler", "THINK_END",

@@ -1,6 +1,7 @@
 """The benchmarks: each measures its subject against a baseline in the same run (SIMD against
 scalar, layer-major against token by token, a run against a replay of its own reads) and returns
 records; the CLI prints them. Only the CLI imports them (tests/test_layering.py)."""
+from ds4f.bench.batch import bench_batch
 from ds4f.bench.cache import bench_cache
 from ds4f.bench.chat import bench_chat
 from ds4f.bench.engine import bench_engine
@@ -8,4 +9,4 @@ from ds4f.bench.kernels import KERNELS as KERNEL_NAMES
 from ds4f.bench.kernels import run_bench as run_kernel_bench
 from ds4f.bench.prefill import bench_prefill
 
-__all__ = ["bench_cache", "bench_chat", "bench_engine", "bench_prefill", "run_kernel_bench", "KERNEL_NAMES"]
+__all__ = ["bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "run_kernel_bench", "KERNEL_NAMES"]

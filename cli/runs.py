@@ -47,11 +47,12 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat"],
+        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                                  "console (key-to-action latency and bytes per refresh during a run), "
                                  "prefill (the prompt token by token against layer-major chunks), "
-                                 "chat (a conversation's turns with the prefix cache and without, and a restart)")
+                                 "chat (a conversation's turns with the prefix cache and without, and a restart), "
+                                 "batch (1, 2, 4, 8 sequences decoded together against taking turns)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
                             help="tokens to generate per run (default: bench engine 8, bench cache 24)")
@@ -322,6 +323,8 @@ def _bench(args) -> int:
         return _bench_prefill(args, model)
     if args.what == "chat":
         return _bench_chat(args, model)
+    if args.what == "batch":
+        return _bench_batch(args, model)
     from ds4f.bench import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
@@ -342,6 +345,36 @@ def _bench_prefill(args, model) -> int:
     records = bench_prefill(model, args.preset, lengths, args.gen, args.config, log=_announce, progress=True)
     table = _prefill_table(records)
     _show(args, [table], lambda out: _print_prefill(records, table, out), records)
+    return 0
+
+
+def _bench_batch(args, model) -> int:
+    from ds4f.bench import bench_batch
+
+    records = bench_batch(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+    table = Table("batch", [Column("cache", align="left"), Column("sequences", "seqs"),
+                            Column("tokens_per_s", "agg tok/s", ".2f"), Column("turns_tokens_per_s", "turns tok/s", ".2f"),
+                            Column("speedup", "batched/turns", ".2f"), Column("over_one", "over 1 seq", ".2f"),
+                            Column("sequence_tokens_per_s", "tok/s per seq", ".2f"), Column("ttft_s", "TTFT s", ".2f"),
+                            Column("turns_ttft_s", "turns TTFT s", ".2f"), Column("gb_per_token", "GB/tok", ".3f"),
+                            Column("turns_gb_per_token", "turns GB/tok", ".3f"),
+                            Column("union_experts_per_layer", "union/layer", ".1f")],
+                  title="sequences decoded together against taking turns (the same requests, the same run)")
+    for r in records:
+        b, t = r["batched"], r["turns"]
+        table.add(r["cache"], r["sequences"], b["tokens_per_s"], t["tokens_per_s"], r["speedup"], r["over_one"],
+                  b["sequence_tokens_per_s"], b["ttft_s"], t["ttft_s"], b["gb_per_token"], t["gb_per_token"],
+                  b["union_experts_per_layer"])
+
+    def text(out):
+        print = functools.partial(builtins.print, file=out)
+        print()
+        print(table.text())
+        worst = min((r["speedup"] for r in records if r["sequences"] > 1 and r["speedup"]), default=None)
+        if worst is not None:
+            print(f"worst batched/turns: {worst:.2f}x (taking turns: the same requests one after another)")
+
+    _show(args, [table], text, records)
     return 0
 
 

@@ -35,6 +35,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="PATH", help="ds4f.toml to use")
     parser.add_argument("--queue", type=int, default=defaults.queue_size, metavar="N",
                         help=f"requests that may wait for the engine; more get 429 (default {defaults.queue_size})")
+    parser.add_argument("--parallel", type=int, metavar="N",
+                        help="sequences decoded together, one forward pass over their rows (default: ds4f.toml's "
+                             "[server] parallel; 0 there: as many as the memory plan fits, at most 4)")
     parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens, metavar="N",
                         help=f"tokens a chat completion generates when the request does not say "
                              f"(default {defaults.default_max_tokens})")
@@ -68,7 +71,7 @@ def run(args) -> int:
     options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
                             port=args.port, token=token, queue_size=args.queue,
                             default_max_tokens=args.max_tokens, access_log=not args.quiet,
-                            kv_dir=args.kv_dir, reuse_prefix=not args.no_kv)
+                            kv_dir=args.kv_dir, reuse_prefix=not args.no_kv, parallel=args.parallel)
     server = Server(options)
     service = server.service
 
@@ -85,7 +88,7 @@ def run(args) -> int:
         server.start()
         auth = "bearer token required" if token else "no token (loopback only)"
         _say(f"model {service.model} ({service.checkpoint_kind}) as {service.model_id!r}, preset {service.preset}, "
-             f"kernels {service.best_backend}, queue {options.queue_size}, history {service.history.path}, {auth}")
+             f"kernels {service.best_backend}, {service.parallel} sequences at once, queue {options.queue_size}, history {service.history.path}, {auth}")
         print(f"ds4f serve: listening on {server.url}", flush=True)
         while not stop.wait(0.5):
             if not server.serving:

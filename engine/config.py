@@ -29,6 +29,8 @@ DEFAULT_GEN = 8            # tokens to generate when a front end is not told
 MAX_GEN = 100_000          # tokens per run
 MAX_PROMPT = 4096          # prompt token ids per run
 MAX_THREADS = 256          # kernel or I/O threads
+MAX_PARALLEL = 64          # sequences a server steps together
+DEFAULT_PARALLEL = 4       # what [server] parallel = 0 gives where the memory plan fits it
 DEFAULT_CONTEXT = 4096     # positions a preset's KV cache holds when its [presets] entry does not say
 MAX_CONTEXT = 1 << 20      # the model's 1M positions
 DEFAULT_CHUNK = 64         # prompt tokens a layer-major prefill chunk takes when a preset does not say
@@ -167,6 +169,7 @@ class Config:
     history_path: str                    # resolved, never empty
     presets: dict[str, Preset] = field(default_factory=dict)
     kv: "KvSettings | None" = None       # the prefix cache ([kv]); None: off
+    server_parallel: int = 0             # [server] parallel: sequences `ds4f serve` steps together; 0 = auto
 
     def default_backend(self) -> str:
         """The backend a run gets when it names none: engine.backend unless it is auto; else
@@ -220,6 +223,7 @@ _SCHEMA = {
     "console": {"theme": str, "refresh_s": (int, float)},
     "history": {"path": str},
     "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int)},
+    "server": {"parallel": int},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
@@ -327,10 +331,14 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
         model_path = str((path.parent / model_path))  # relative to the config file
     history = raw["history"]["path"] or str(user_data_dir() / "history.sqlite3")
     kv = _kv_settings(raw["kv"], source, path)
+    parallel = raw["server"]["parallel"]
+    if not 0 <= parallel <= MAX_PARALLEL:
+        raise Ds4fError(f"{source}: server.parallel: must be between 0 (as many as the memory plan fits, at most"
+                        f" {DEFAULT_PARALLEL}) and {MAX_PARALLEL} sequences, got {parallel}")
     return Config(source=source, model_path=os.path.expanduser(model_path), preset=eng["preset"],
                   io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
                   probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
-                  history_path=os.path.expanduser(history), presets=presets, kv=kv)
+                  history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel)
 
 
 def _kv_settings(kv: dict, source: str, path: Path | None) -> KvSettings | None:

@@ -5,6 +5,7 @@ what belongs to one sequence; the engine outlives its sessions (see runs.EngineH
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ from ds4f.engine.runtime.streamer import Streamer
 from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
 from ds4f.engine.checkpoint.formats import check_finite
 from ds4f.engine.checkpoint.verify import tid2eid_problems
+from ds4f.engine.batch import StepBatcher
 from ds4f.engine.session import Session
 from ds4f.engine.prefix_cache import PrefixCache
 from ds4f.engine.session_state import SessionState
@@ -64,6 +66,10 @@ class KernelSettings:
 class Engine:
     def __init__(self, checkpoint, preset: Preset, io_threads: int, kernel_threads: int, backend: str) -> None:
         keep_freed_memory()          # a prefill's numpy temporaries reuse freed memory, not fresh pages
+        # held while a forward pass computes and while the kernel or I/O settings change, so that a
+        # switch lands between steps whichever thread asks for it (several sessions step together)
+        self.compute_lock = threading.RLock()
+        self.batcher: StepBatcher | None = None   # use_batcher makes it
         self.ckpt = checkpoint
         g = self.geometry = checkpoint.geometry
         self.preset = preset
@@ -130,13 +136,14 @@ class Engine:
     # -- settings that change at token boundaries ------------------------------------------------
     def set_kernels(self, backend: str, threads: int) -> None:
         """Backend ("auto" = the best here) and thread count, in force from the next kernel call."""
-        try:
-            resolved = kernels.best_backend() if backend == "auto" else backend
-            settings = KernelSettings(resolved, threads)
-            settings.apply()
-        except ValueError as exc:
-            raise Ds4fError(str(exc)) from None
-        self.kernels = settings
+        with self.compute_lock:
+            try:
+                resolved = kernels.best_backend() if backend == "auto" else backend
+                settings = KernelSettings(resolved, threads)
+                settings.apply()
+            except ValueError as exc:
+                raise Ds4fError(str(exc)) from None
+            self.kernels = settings
 
     @property
     def backend(self) -> str:
@@ -147,7 +154,8 @@ class Engine:
         return self.kernels.threads
 
     def set_io_threads(self, threads: int) -> None:
-        self.reader.resize(threads)
+        with self.compute_lock:
+            self.reader.resize(threads)
 
     @property
     def io_threads(self) -> int:
@@ -182,17 +190,42 @@ class Engine:
     def new_session(self, prefill_chunk: int = 0, cold: bool = True) -> Session:
         """A session starting at position 0 with this engine's kernel settings and zeroed counters,
         on an emptied expert cache (cold) or on the experts the cache holds (warm);
-        prefill_chunk: prompt tokens per layer-major chunk (0: token by token only)."""
-        self.streamer.reset(cold)
-        self.kernels.apply()
-        return Session(self, prefill_chunk)
+        prefill_chunk: prompt tokens per layer-major chunk (0: token by token only). While other
+        sessions step in the engine's batch, the cache and the counters are theirs too: the
+        session starts on them as they are (see `sharing`)."""
+        with self.compute_lock:
+            if not self.sharing:
+                self.streamer.reset(cold)
+                self.kernels.apply()
+            return Session(self, prefill_chunk)
+
+    @property
+    def sharing(self) -> bool:
+        """Sessions step in this engine's batch now."""
+        return self.batcher is not None and self.batcher.members > 0
+
+    def use_batcher(self, parallel: int, rows: int) -> StepBatcher:
+        """The engine's StepBatcher for `parallel` sequences in steps of `rows` rows, made on first
+        use (or when those change while no session is in it)."""
+        b = self.batcher
+        if b is None or ((b.parallel, b.rows) != (parallel, rows) and b.members == 0):
+            if b is not None:
+                b.close()
+            self.batcher = StepBatcher(self, parallel, rows)
+        return self.batcher
 
     def reset_for_run(self, io_threads: int, kernel_threads: int, backend: str) -> None:
-        """The settings of the next run on a loaded engine (new_session says whether the cache is emptied)."""
-        self.set_kernels(backend, kernel_threads)
-        self.set_io_threads(io_threads)
+        """The settings of the next run on a loaded engine (new_session says whether the cache is
+        emptied); while sessions step in its batch, theirs stay (a run joining takes them)."""
+        with self.compute_lock:
+            if self.sharing:
+                return
+            self.set_kernels(backend, kernel_threads)
+            self.set_io_threads(io_threads)
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         self.reader.close()
         self.cache.close()
 

@@ -13,7 +13,8 @@ import numpy as np
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
-from ds4f.engine.model.prefill import ChunkBuffers, prefill, transient_nbytes
+from ds4f.engine.batch import COST_KEYS, TIME_KEYS, engine_counters
+from ds4f.engine.model.rows import ChunkBuffers, prefill, transient_nbytes
 from ds4f.engine.runtime.helper_thread import beside
 from ds4f.engine.session_state import SessionState, canonical, put_layers, take_layers
 
@@ -38,6 +39,8 @@ class StepResult:
     attention_s: float = 0.0  # the step's time in attention sublayers (hyper-connection mixing included)
     moe_s: float = 0.0        # in MoE sublayers, waiting for expert reads (stall_s) included
     head_s: float = 0.0       # in the head (hc reduction, final norm, vocabulary matvec)
+    batch_steps: int = 1      # the forward passes its rows went in (engine.batch; 1 alone)
+    batch_shared: int = 0     # of those, the ones shared with another sequence
 
 
 class Session:
@@ -54,11 +57,24 @@ class Session:
         self.context = engine.preset.context   # the most positions this session may reach
         att = self.geometry.attention
         self.kv = KVCache(attention_shapes(att, self.geometry.rms_norm_eps), self.context) if att else None
+        self.batcher = None        # the engine's StepBatcher once joined (engine.batch): steps shared
+        self._batched = None       # the batcher's answer to the last step or chunk
+
+    def join(self, batcher) -> None:
+        """Step together with the other sessions of `batcher` from the next token on."""
+        batcher.join(self)
+        self.batcher = batcher
+
+    def leave(self) -> None:
+        """Step alone again (a session that ends leaves its batch)."""
+        if self.batcher is not None:
+            self.batcher.leave(self)
+            self.batcher = None
 
     @property
     def nbytes(self) -> int:
         """Its buffers, the KV cache, and a prefill chunk's buffers with the temporaries of one of its
-        layers (model.prefill.transient_nbytes)."""
+        layers (model.rows.transient_nbytes)."""
         chunk = self.chunk.nbytes + transient_nbytes(self.geometry, self.chunk.chunk) if self.chunk is not None else 0
         return self.buffers.nbytes + self.kv_nbytes + chunk
 
@@ -70,7 +86,13 @@ class Session:
     def eval(self, token_id: int) -> np.ndarray:
         """The logits after `token_id` (fp32 [vocab], the session's buffer: copy to keep)."""
         self._check_tokens([token_id])
-        logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
+        if self.batcher is not None:
+            b = self.buffers
+            self._batched = self.batcher.compute(self, [token_id], (b.ids[None], b.weights[None], b.hidden[None],
+                                                                    b.attn[None], b.logits[None]))
+            logits = b.logits
+        else:
+            logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
         self.position += 1
         self.tokens.append(int(token_id))
         self._logits = logits
@@ -91,14 +113,13 @@ class Session:
         logits = self.eval(token_id)
         next_token = int(np.argmax(logits)) if pick is None else int(pick(logits))
         b = self.buffers
-        return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits, **self._since(before),
-                          attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
+        return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits, **self._costs(before, b.times))
 
     def prefill(self, token_ids: list[int], should_stop=None) -> "ChunkResult":
-        """A chunk of prompt tokens through the model layer by layer (model.prefill): the same
+        """A chunk of prompt tokens through the model layer by layer (model.rows): the same
         records and logits as step() on each in turn, each chosen expert read once for the chunk.
         At most `prefill_chunk` tokens; the chunk's reads, hits and stall together. should_stop:
-        asked before each layer; True stops the chunk with model.prefill.Stopped, and the session
+        asked before each layer; True stops the chunk with model.rows.Stopped, and the session
         is not to be used further (its KV cache holds part of the chunk)."""
         n = len(token_ids)
         if self.chunk is None or not 0 < n <= self.chunk.chunk:
@@ -106,13 +127,17 @@ class Session:
                             param="prompt")
         self._check_tokens(token_ids)
         before = self._counters()
-        logits = prefill(self.source, list(token_ids), self.chunk, self.kv, self.position, should_stop, beside)
+        b = self.chunk
+        if self.batcher is not None:
+            out = (b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], b.logits[:n])
+            self._batched = self.batcher.compute(self, list(token_ids), out, should_stop)
+            logits = b.logits[:n]
+        else:
+            logits = prefill(self.source, list(token_ids), b, self.kv, self.position, should_stop, beside)
         self.position += n
         self.tokens += [int(t) for t in token_ids]
         self._logits = logits[n - 1]
-        b = self.chunk
-        return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._since(before),
-                           attention_s=float(b.times[0]), moe_s=float(b.times[1]), head_s=float(b.times[2]))
+        return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._costs(before, b.times))
 
     def snapshot(self) -> SessionState:
         """This session's state now, as a value (copies: the session goes on without changing it)."""
@@ -164,17 +189,19 @@ class Session:
             raise Ds4fError(f"position {last} is past the context of {self.context} positions the preset"
                             f" {self.engine.preset.name!r} allocates (raise its `context`)", param="context")
 
-    def _counters(self) -> tuple:
-        cache, reader, source = self.engine.cache, self.engine.reader, self.source
-        return (sum(c.hits for c in cache.layers), sum(c.misses for c in cache.layers),
-                reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1], *reader.occupancy.totals(),
-                source.stall_s, sum(source.prefetch_layer_hits), reader.started_reads)
+    def _counters(self) -> list:
+        return engine_counters(self.engine)
 
-    def _since(self, before: tuple) -> dict:
-        """What the reads, the cache and the waits did since `before` (a _counters())."""
-        d = [a - b for a, b in zip(self._counters(), before)]
-        return dict(hits=d[0], misses=d[1], bytes_read=d[2], disk_busy_s=d[3], disk_depth_s=d[4], stall_s=d[5],
-                    prefetch_hits=d[6], reads=d[7])
+    def _costs(self, before: list, times: np.ndarray) -> dict:
+        """What the reads, the cache and the waits did for the last step or chunk: since `before`
+        (a _counters()) alone, the batcher's share of its steps when batched; its times by part."""
+        req = self._batched
+        if self.batcher is None or req is None:
+            d = dict(zip(COST_KEYS + TIME_KEYS, [a - b for a, b in zip(self._counters(), before)]))
+            return dict(d, attention_s=float(times[0]), moe_s=float(times[1]), head_s=float(times[2]))
+        times[:] = req.times
+        return dict(req.costs, attention_s=float(times[0]), moe_s=float(times[1]), head_s=float(times[2]),
+                    batch_steps=req.steps, batch_shared=req.shared)
 
 
 @dataclass
@@ -197,3 +224,5 @@ class ChunkResult:
     attention_s: float = 0.0
     moe_s: float = 0.0
     head_s: float = 0.0
+    batch_steps: int = 1
+    batch_shared: int = 0

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from ds4f.engine.checkpoint.base import align_up, moe_region_layout
 from ds4f.engine.checkpoint.tensors import attention_weight_bytes, global_tensors
-from ds4f.engine.config import Preset
+from ds4f.engine.batch import batched_chunk, step_rows
+from ds4f.engine.config import DEFAULT_PARALLEL, MAX_PARALLEL, Preset
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.prefill import ChunkBuffers, transient_nbytes
+from ds4f.engine.model.rows import ChunkBuffers, transient_nbytes
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
 
 OS_HEADROOM = 2 << 30   # what the plan leaves the OS, the page cache of the checkpoint's metadata, the shell
@@ -28,7 +29,9 @@ class MemoryPlan:
     ram_bytes: int
     resident: dict[str, int] = field(default_factory=dict)     # part -> bytes (see memory_plan)
     attention_by_dtype: dict[str, int] = field(default_factory=dict)
-    kv_bytes: int = 0
+    kv_bytes: int = 0                    # every sequence's KV cache (parallel of them)
+    parallel: int = 1                    # sequences stepping together
+    sequence_bytes: int = 0              # what one more sequence holds: its KV cache and prompt chunk
     cache_bytes: int = 0                 # the preset's expert cache, in whole slots
     cache_fit_bytes: int = 0             # the largest expert cache that fits the RAM with the rest
     pool_bytes: int = 0                  # every routed expert, as stored
@@ -43,14 +46,22 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.total_bytes + OS_HEADROOM <= self.ram_bytes
 
+    @property
+    def sequences_fit(self) -> int:
+        """The most sequences that fit the RAM with the rest of the plan (the preset's cache)."""
+        free = self.ram_bytes - OS_HEADROOM - (self.total_bytes - self.parallel * self.sequence_bytes)
+        return max(0, free // self.sequence_bytes) if self.sequence_bytes else MAX_PARALLEL
+
     def gb_per_token(self, hit_rate: float) -> float:
         """Disk GB (1e9 B) per token if a fraction `hit_rate` of expert requests hit the cache."""
         return ((1 - hit_rate) * self.routed_bytes_per_token + self.streamed_trunk_bytes_per_token) / 1e9
 
 
-def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0) -> MemoryPlan:
-    """What the engine holds for geometry `g` under `preset` on a machine of `ram_bytes`, and
-    the prefix cache's RAM bound ([kv] ram) with it."""
+def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0,
+                parallel: int = 1) -> MemoryPlan:
+    """What the engine holds for geometry `g` under `preset` on a machine of `ram_bytes`, the
+    prefix cache's RAM bound ([kv] ram) with it, for `parallel` sequences stepping together
+    (engine.batch: each its KV cache and prompt chunk's records, and the batched step's buffers)."""
     slot = align_up(g.expert_nbytes)
     pool = g.n_layers * g.n_experts * slot
     regions = [moe_region_layout(g, layer)[1] for layer in range(g.n_layers)]
@@ -59,7 +70,9 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
                   + (8 * g.vocab * g.top_k if g.is_hash_layer(layer) else 4 * g.n_experts)
                   for layer in range(pinned, g.n_layers))                           # pinned layers hold theirs
     att = attention_weight_bytes(g) if g.attention is not None else {}
-    plan = MemoryPlan(g, preset, ram_bytes, pool_bytes=pool)
+    plan = MemoryPlan(g, preset, ram_bytes, pool_bytes=pool, parallel=parallel)
+    chunk = batched_chunk(preset.prefill_chunk) if parallel > 1 and preset.prefill_chunk else preset.prefill_chunk
+    chunk_bytes = ChunkBuffers.nbytes_for(g, chunk) + transient_nbytes(g, chunk) if chunk else 0
     plan.resident = {
         "globals (embed, head, final norm)": sum(t.nbytes for t in global_tensors(g) if not t.name.startswith("hc_")),
         "attention and hyper-connections": att.get("total", 0),
@@ -68,16 +81,32 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
         "read-ahead buffers": 2 * max(regions) if pinned < g.n_layers else 0,
         "bookkeeping": BOOKKEEPING_BYTES,
         "prefix cache (session states in RAM)": prefix_ram_bytes,
-        f"prefill chunk ({preset.prefill_chunk} tokens' activations, records and temporaries)":
-            ChunkBuffers.nbytes_for(g, preset.prefill_chunk) + transient_nbytes(g, preset.prefill_chunk)
-            if preset.prefill_chunk else 0,
+        (f"prefill chunk ({chunk} tokens' activations, records and temporaries)" if parallel == 1 else
+         f"prefill chunks ({parallel} sequences' of {chunk} tokens: activations, records, temporaries)"):
+            parallel * chunk_bytes,
     }
+    if parallel > 1:
+        rows = step_rows(parallel, preset.prefill_chunk)
+        plan.resident[f"batched step ({rows} rows: {parallel} decode rows and a prompt chunk)"] = \
+            ChunkBuffers.nbytes_for(g, rows) + transient_nbytes(g, rows)
     plan.attention_by_dtype = {k: v for k, v in att.items() if k != "total" and v}
-    if g.attention is not None:
-        plan.kv_bytes = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), preset.context)
+    one_kv = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), preset.context) \
+        if g.attention is not None else 0
+    plan.kv_bytes = parallel * one_kv
+    plan.sequence_bytes = one_kv + chunk_bytes
     plan.cache_bytes = preset.cache_bytes(pool) // slot * slot
     free = ram_bytes - OS_HEADROOM - sum(plan.resident.values()) - plan.kv_bytes
     plan.cache_fit_bytes = max(0, min(free, pool)) // slot * slot
     plan.routed_bytes_per_token = g.n_layers * g.top_k * g.expert_nbytes
     plan.streamed_trunk_bytes_per_token = sum(regions[pinned:])
     return plan
+
+
+def fit_parallel(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0,
+                 most: int = DEFAULT_PARALLEL) -> int:
+    """The most sequences, up to `most`, whose memory plan fits the RAM (1 when none does: one
+    sequence alone is the plan `ds4f plan` shows)."""
+    for n in range(most, 1, -1):
+        if memory_plan(g, preset, ram_bytes, prefix_ram_bytes, n).fits:
+            return n
+    return 1

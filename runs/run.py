@@ -10,8 +10,10 @@ report carries the state's sha256) under temporary names and commits them when c
 report first (see ds4f.runs.statedump); a cancelled or failed run leaves no files, and a run
 cleans what a killed one left in its place. A write error (no space, no permission) fails the
 run with a message naming the file.
-Only one run is active per process at a time: the kernel backend and thread count are
-process-wide settings of the native library.
+Only one run is active per process at a time (the kernel backend and thread count are
+process-wide settings of the native library), unless the runs share an EngineHost made for
+several sequences (EngineHost(parallel=N)): up to N runs then step together on its engine
+(engine.batch), each with its own session, files and figures.
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import Preset, load_config
+from ds4f.engine.batch import COST_KEYS, batched_chunk, split_whole
 from ds4f.engine.engine import Engine, EngineFigures
-from ds4f.engine.model.prefill import Stopped
+from ds4f.engine.model.rows import Stopped
 from ds4f.engine.runtime.disk_floor import cached_floor
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.output import OutputText
@@ -52,7 +55,7 @@ SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
 END_STATES = ("done", "cancelled", "failed")
 _active_lock = threading.Lock()
-_active: "Run | None" = None
+_active: "list[Run]" = []            # the runs started and not yet ended, oldest first
 
 
 def _new_run_id() -> str:
@@ -67,7 +70,14 @@ def kv_of(config: RunConfig, cfg):
 
 
 def active_run() -> "Run | None":
-    return _active if _active is not None and not _active.finished else None
+    """The oldest run still active (None: none)."""
+    live = active_runs()
+    return live[0] if live else None
+
+
+def active_runs() -> "list[Run]":
+    with _active_lock:
+        return [r for r in _active if not r.finished]
 
 
 def start_run(config: RunConfig, history=None, engines: EngineHost | None = None, on_token=None) -> "Run":
@@ -75,7 +85,6 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
 
     engines: keep the engine loaded after the run for the next one (see EngineHost).
     on_token: called in the run's thread after each token with its TokenRecord (keep it short)."""
-    global _active
     cfg = load_config(config.config_path)
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
     config = checked(config, cfg)
@@ -88,11 +97,15 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         checkpoint.close()
         raise
     with _active_lock:
-        if active_run() is not None:
+        live = [r for r in _active if not r.finished]
+        parallel = engines.parallel if engines is not None else 1
+        if live and (parallel < 2 or len(live) >= parallel or any(r.engines is not engines for r in live)):
             checkpoint.close()
-            raise Ds4fError(f"run {_active.id} is still active; stop it first", kind="busy")
+            more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
+            raise Ds4fError(f"run {live[0].id}{more} is still active; stop it first"
+                            + (f": {parallel} sequences step together at most" if parallel > 1 else ""), kind="busy")
         run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
-        _active = run
+        _active[:] = live + [run]
     run._thread.start()
     return run
 
@@ -105,12 +118,6 @@ class _Records:
     hidden: np.ndarray
     attn: np.ndarray
     logits: np.ndarray
-
-
-def _shares(total: int, n: int) -> list[int]:
-    """total split over n tokens in whole units, the remainder to the first ones (they add up)."""
-    q, r = divmod(int(total), n)
-    return [q + (1 if i < r else 0) for i in range(n)]
 
 
 class Run:
@@ -151,6 +158,7 @@ class Run:
         self._floor = None
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._session = None
+        self._passes = self._shared_passes = 0          # forward passes, and those shared (engine.batch)
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
         self._marked: list = []                      # the states kept there so far
@@ -166,6 +174,8 @@ class Run:
         config, preset, tokenizer, prompt = self.config, self.preset, self.tokenizer, self.prompt
         # a prompt of one token has nothing to prefill (and needs no chunk buffers)
         chunk = preset.prefill_chunk if config.prefill_chunk is None else config.prefill_chunk
+        if chunk and self.engines is not None and self.engines.parallel > 1:
+            chunk = batched_chunk(chunk)      # a prompt in a batch goes in steps of a few rows
         self.prefill_chunk = min(chunk, len(prompt)) if len(prompt) > 1 else 0
         self.stop_at_eos = config.stop_at_eos if config.stop_at_eos is not None else tokenizer is not None and (
             config.text is not None or config.messages is not None)
@@ -226,6 +236,12 @@ class Run:
     def prompt_tokens_reused(self) -> int:
         """Of the prompt's tokens, those taken from the prefix cache (not computed)."""
         return self._log_tokens.reused_tokens
+
+    @property
+    def bytes_read(self) -> int:
+        """Disk bytes its tokens read so far (their share of a step shared with other sequences)."""
+        with self._lock:
+            return self._log_tokens.bytes_read
 
     @property
     def generated_tokens(self) -> int:
@@ -402,8 +418,16 @@ class Run:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             writer = self._open_writer()
             eng = self._load_engine()
-            self._cache_at_start = 0 if self.config.cold_start else eng.cache.resident
+            sharing = eng.sharing
+            self._cache_at_start = 0 if self.config.cold_start and not sharing else eng.cache.resident
             session = eng.new_session(self.prefill_chunk, cold=self.config.cold_start)
+            self._session = session
+            if self.engines is not None and self.engines.parallel > 1:
+                session.join(eng.batcher)
+                self._log(f"batch: steps shared with up to {eng.batcher.parallel - 1} other sequences"
+                          + (f"; {eng.batcher.members - 1} step now" if sharing else ""))
+                if sharing and self.config.cold_start:
+                    self._log("cold start: not while other sequences step on the engine; on the cache as it is")
             self._log(f"expert cache warm: {self._cache_at_start} experts from earlier runs" if self._cache_at_start
                       else "expert cache cold: empty at the start")
             with self._lock:
@@ -415,7 +439,6 @@ class Run:
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
-            self._session = session
             self._generate(eng, session, writer, self._reuse(eng, session, writer))
             if self._cancel.is_set():
                 writer.abort()
@@ -481,14 +504,29 @@ class Run:
             t0 = time.perf_counter()
             res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
             seconds = time.perf_counter() - t0
+            self._count_steps(res)
             self._emit(eng, writer, step, token, res.next_token, res, vars(res), seconds, prefill=False)
             step += 1
             token = self.prompt[step] if step < len(self.prompt) else res.next_token
 
+    def _count_steps(self, res) -> None:
+        """The forward passes a step or chunk went in, and those shared with other sequences."""
+        with self._lock:
+            self._passes += res.batch_steps
+            self._shared_passes += res.batch_shared
+
+    def _batch_summary(self) -> dict | None:
+        """How the run shared its forward passes (None: it ran alone on its engine)."""
+        if self.engines is None or self.engines.parallel < 2:
+            return None
+        with self._lock:
+            return {"parallel": self.engines.parallel, "steps": self._passes, "shared_steps": self._shared_passes}
+
     def _release(self) -> None:
         """The run's end, whatever it was: the engine's last figures kept, the engine and the
         checkpoint closed unless a host keeps them, and the process free for the next run."""
-        global _active
+        if self._session is not None:
+            self._session.leave()
         if self._engine is not None:
             self._final_layer_prefetch_hits = tuple(self._engine.streamer.prefetch_layer_hits)
             self._final_figures = self._engine.figures(self._session_nbytes)
@@ -499,8 +537,8 @@ class Run:
             self.checkpoint.close()
         self._done.set()
         with _active_lock:
-            if _active is self:
-                _active = None
+            if self in _active:
+                _active.remove(self)
 
     def _prefill(self, eng: Engine, session, writer, sampler, start: int = 0) -> tuple[int, int]:
         """The prompt from `start`, chunk by chunk, layer by layer (Session.prefill); each token's
@@ -520,9 +558,10 @@ class Run:
                 res = session.prefill(part, should_stop=self._cancel.is_set)
             except Stopped:   # cancelled part way through the chunk: the run ends cancelled
                 break
+            self._count_steps(res)
             seconds = time.perf_counter() - t0
             costs = {k: v for k, v in vars(res).items() if not isinstance(v, np.ndarray)}   # the chunk's
-            shares = {k: _shares(costs[k], n) for k in ("hits", "misses", "bytes_read", "reads", "prefetch_hits")}
+            shares = {k: split_whole(costs[k], n) for k in COST_KEYS}
             for c in range(n):
                 generating = step == len(prompt) - 1
                 logits = res.logits[c]
@@ -658,6 +697,7 @@ class Run:
             self._replay = self._replay_reads()
             report = self._build_report(sha)
             report["state_nbytes"] = writer.nbytes
+            report["summary"]["batch"] = self._batch_summary()
             s = report["summary"]
             spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
             hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"
@@ -699,6 +739,9 @@ class Run:
     def _replay_reads(self) -> dict | None:
         """The I/O efficiency's replay, only when the run measures the disk (probe)."""
         if not self.probe or self._engine is None:
+            return None
+        if self._shared_passes:
+            self._log("I/O efficiency: not measured: the run's reads were shared with other sequences")
             return None
         return replay_last_reads(self._engine, self._log_tokens, self._log)
 

@@ -13,7 +13,7 @@ prometheus_client's ProcessCollector.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from ds4f import __version__
@@ -169,6 +169,9 @@ class LiveGauges:
                      pc.evictions),
                     ("rejected_files", "State files refused (damaged, foreign) and removed.", pc.rejected_files)):
                 yield GaugeMetricFamily(f"ds4f_prefix_cache_{name}", what, value=value)
+        b = d.get("batch")
+        if b is not None:
+            yield from _batch_gauges(b)
         s = d.get("snapshot")
         if s is None:
             return
@@ -180,6 +183,48 @@ class LiveGauges:
                                 value=s.budget_bytes)
         yield GaugeMetricFamily("ds4f_plan_bytes", "Memory the preset plans for the engine and the run.",
                                 value=s.plan_bytes)
+
+
+CAP_REASONS = ("none", "union_cost")
+
+
+def _batch_gauges(b: dict):
+    """The sequences decoded together (Service.batch_view): what a step holds, what it costs."""
+    yield GaugeMetricFamily("ds4f_batch_parallel", "Sequences the server decodes together at most (--parallel).",
+                            value=b["parallel"])
+    yield GaugeMetricFamily("ds4f_batch_active_sequences", "Sequences running now (each holds a slot).",
+                            value=b["active"])
+    yield GaugeMetricFamily("ds4f_batch_cap", "Sequences a step holds now: parallel, or less where batching more "
+                            "read more than it saved (see ds4f_batch_capped).", value=b["cap"])
+    capped = GaugeMetricFamily("ds4f_batch_capped", "1 for the reason the batch is capped below parallel now "
+                               "(union_cost: a step of more sequences took longer than that many steps of one); "
+                               "none: not capped.", labels=["reason"])
+    reason = "union_cost" if b["cap_reason"] else "none"
+    for r in CAP_REASONS:
+        capped.add_metric([r], int(r == reason))
+    yield capped
+    for name, what, key in (
+            ("rows_per_step", "Rows (tokens) in the last step: a decode row per sequence, and prompt rows.",
+             "rows_per_step"),
+            ("sequences_per_step", "Sequences in the last step.", "sequences_per_step"),
+            ("union_experts_per_layer", "Distinct routed experts per layer in the last step (mean over layers): "
+             "each read once for every row that chose it.", "union_experts_per_layer"),
+            ("tokens_per_second", "Tokens per second over the recent steps, all sequences together.",
+             "tokens_per_s")):
+        if b[key] is not None:
+            yield GaugeMetricFamily(f"ds4f_batch_{name}", what, value=b[key])
+    if b["tokens_per_s"] is not None and b["active"]:
+        yield GaugeMetricFamily("ds4f_batch_sequence_tokens_per_second", "Tokens per second per running sequence "
+                                "(the aggregate over the sequences running).", value=b["tokens_per_s"] / b["active"])
+    for name, what, key in (("steps", "Forward passes the engine's batcher ran.", "steps"),
+                            ("shared_steps", "Of them, passes shared by more than one sequence.", "shared_steps"),
+                            ("rows", "Rows those passes computed.", "rows")):
+        yield CounterMetricFamily(f"ds4f_batch_{name}", what, value=b[key])
+    seconds = GaugeMetricFamily("ds4f_batch_step_seconds", "Running mean wall time of a decode step, by the "
+                                "sequences in it (what the cap compares).", labels=["sequences"])
+    for k, v in b["step_s_by_sequences"].items():
+        seconds.add_metric([str(k)], v)
+    yield seconds
 
 
 def _info() -> GaugeMetricFamily:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4f.api import Ds4fError
+from ds4f.api import MAX_PARALLEL, Ds4fError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8734
@@ -38,6 +38,7 @@ class ServerOptions:
     access_log: bool = True             # one stderr line per request
     kv_dir: str | None = None           # the prefix cache's directory; None: ds4f.toml's [kv] dir
     reuse_prefix: bool = True           # False: every prompt computed whole
+    parallel: int | None = None         # sequences decoded together; None: ds4f.toml's [server] parallel
 
     @property
     def queue_share(self) -> int:
@@ -56,6 +57,8 @@ class ServerOptions:
             raise Ds4fError(f"--queue: must be between 0 and 10000, got {self.queue_size}")
         if not 1 <= self.max_client_requests <= 10_000:
             raise Ds4fError(f"--max-client-requests: must be between 1 and 10000, got {self.max_client_requests}")
+        if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
+            raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {self.parallel}")
         if not 1 <= self.default_max_tokens:
             raise Ds4fError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
 

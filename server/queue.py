@@ -1,7 +1,8 @@
-"""The engine's waiting line: one sequence computes at a time, the others wait in order.
+"""The engine's waiting line: up to `slots` sequences compute at a time (they step together,
+engine.batch), the others wait in order.
 
-A request takes a Ticket and joins; it holds the engine when its ticket is granted, and leaves
-when its run has ended (or it gave up). The line is bounded, in all and per client address (a
+A request takes a Ticket and joins; it holds one of the engine's slots when its ticket is
+granted, and leaves when its run has ended (or it gave up). The line is bounded, in all and per client address (a
 client's fair share), so a full line answers at once (429) instead of letting requests pile up.
 Everything here runs in the server's event loop: no locks.
 """
@@ -37,12 +38,22 @@ class Ticket:
 
 
 class EngineQueue:
-    def __init__(self, capacity: int, client_share: int):
+    def __init__(self, capacity: int, client_share: int, slots: int = 1):
         self.capacity = capacity
         self.client_share = client_share
-        self.holder: Ticket | None = None
+        self.slots = slots
+        self.holders: list[Ticket] = []
         self.waiting: deque[Ticket] = deque()
         self.closed = False
+
+    @property
+    def holder(self) -> Ticket | None:
+        """The ticket that has held the engine longest (None: no one holds it)."""
+        return self.holders[0] if self.holders else None
+
+    @property
+    def full(self) -> bool:
+        return len(self.holders) >= self.slots
 
     def join(self, ticket: Ticket) -> None:
         """Take the engine at once if it is free and nobody waits, else wait in line; QueueFull
@@ -50,7 +61,7 @@ class EngineQueue:
         if self.closed:
             raise QueueFull("the server is shutting down", "shutting_down")
         ticket.granted = asyncio.get_running_loop().create_future()
-        if self.holder is None and not self.waiting:
+        if not self.full and not self.waiting:
             self._grant(ticket)
             return
         if len(self.waiting) >= self.capacity:
@@ -63,8 +74,8 @@ class EngineQueue:
         self.waiting.append(ticket)
 
     def take_now(self, ticket: Ticket) -> bool:
-        """Take the engine if it is free and nobody waits; False otherwise (nothing joined)."""
-        if self.closed or self.holder is not None or self.waiting:
+        """Take a slot if one is free and nobody waits; False otherwise (nothing joined)."""
+        if self.closed or self.full or self.waiting:
             return False
         ticket.granted = asyncio.get_running_loop().create_future()
         self._grant(ticket)
@@ -80,7 +91,7 @@ class EngineQueue:
 
     def position(self, ticket: Ticket) -> int | None:
         """0 while it holds the engine, 1.. while it waits, None once it left."""
-        if ticket is self.holder:
+        if ticket in self.holders:
             return 0
         for i, t in enumerate(self.waiting, 1):
             if t is ticket:
@@ -88,10 +99,10 @@ class EngineQueue:
         return None
 
     def leave(self, ticket: Ticket) -> None:
-        """The ticket's run ended or it gave up: the next in line gets the engine."""
-        if ticket is self.holder:
-            self.holder = None
-            while self.waiting and self.holder is None:
+        """The ticket's run ended or it gave up: the next in line gets its slot."""
+        if ticket in self.holders:
+            self.holders.remove(ticket)
+            while self.waiting and not self.full:
                 self._grant(self.waiting.popleft())
         elif ticket in self.waiting:
             self.waiting.remove(ticket)
@@ -108,14 +119,16 @@ class EngineQueue:
 
     def _grant(self, ticket: Ticket) -> None:
         if not ticket.granted.done():   # done: it gave up (a cancelled future)
-            self.holder = ticket
+            self.holders.append(ticket)
             ticket.granted.set_result(True)
 
     def view(self) -> dict:
         now = time.monotonic()
         holder = self.holder
         return {"capacity": self.capacity, "client_share": self.client_share, "waiting": len(self.waiting),
+                "slots": self.slots,
                 "active": None if holder is None else {"kind": holder.kind, "run_id": holder.run_id,
                                                        "held_s": now - holder.joined_at},
+                "holding": [{"kind": t.kind, "run_id": t.run_id, "held_s": now - t.joined_at} for t in self.holders],
                 "queued": [{"position": i, "kind": t.kind, "waited_s": now - t.joined_at}
                            for i, t in enumerate(self.waiting, 1)]}

@@ -19,6 +19,8 @@ import hashlib
 import json
 import math
 import os
+
+import psutil
 import sys
 import threading
 import time
@@ -28,7 +30,8 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from ds4f import __version__
-from ds4f.api import (LIVE_STATES, MAX_GEN, MAX_PROMPT, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
+from ds4f.api import (DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
+                      open_checkpoint, MAX_PROMPT, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
                       load_config, report_file)
 from ds4f.api import start_run as api_start_run
@@ -123,21 +126,45 @@ class Service:
         self.run_history = RecordingHistory(self.history)   # what runs record themselves in
         self.backends = list(available_backends())
         self.best_backend = best_backend()
-        self.engines = EngineHost()            # one loaded engine, kept between runs; closed by close()
+        self.parallel = self._parallel()       # sequences decoded together on the engine
+        self.engines = EngineHost(self.parallel)   # one loaded engine, kept between runs; closed by close()
         self._start_run = start_run or api_start_run
-        self.queue = EngineQueue(options.queue_size, options.queue_share)
+        self.queue = EngineQueue(options.queue_size, options.queue_share, slots=self.parallel)
         self.metrics = Metrics(self._live_gauges)
         self.loop: asyncio.AbstractEventLoop | None = None   # the server's, from its startup
         self._lock = threading.Lock()          # guards starting a run, _current and _closing
         self._hashes_lock = threading.Lock()
         self._dump_hashes: dict[tuple, str] = {}   # state dumps hashed: (dev, inode, size, mtime, ctime) -> sha256
         self._watchers: set[asyncio.Task] = set()
-        # Only the current (or last) Run stays in memory; older runs are served from the history.
+        # The live runs and the one started last stay in memory; older runs are served from the history.
         self._current = None
+        self._live: dict[str, object] = {}
         self._closing = False
         self.started_at = time.time()
         self.runs_started = 0
         self._last_report = self._last_report_from_history()
+
+    def _parallel(self) -> int:
+        """--parallel, else [server] parallel, else as many as the memory plan fits (at most
+        DEFAULT_PARALLEL); a number beyond what the plan fits is refused with the figures."""
+        asked = self.options.parallel or self.cfg.server_parallel
+        preset = self.cfg.get_preset(self.preset)
+        ram = int(psutil.virtual_memory().total)
+        prefix_ram = self.cfg.kv.ram_bytes if self.cfg.kv is not None else 0
+        with open_checkpoint(self.model) as ck:
+            g = ck.geometry
+        if not asked:
+            return fit_parallel(g, preset, ram, prefix_ram, DEFAULT_PARALLEL)
+        if asked > 1:
+            plan = memory_plan(g, preset, ram, prefix_ram, asked)
+            if not plan.fits:
+                where = "--parallel" if self.options.parallel else f"{self.cfg.source}: server.parallel"
+                raise Ds4fError(f"{where} {asked}: {asked} sequences plan {format_bytes(plan.total_bytes)} with preset"
+                                f" {preset.name} (their KV caches {format_bytes(plan.kv_bytes)}, each sequence"
+                                f" {format_bytes(plan.sequence_bytes)}), more than the {format_bytes(ram)} of RAM"
+                                f" less 2 GiB for the OS; at most {max(1, min(plan.sequences_fit, MAX_PARALLEL))} fit"
+                                f" (`ds4f plan --parallel N` shows the plan)", param="parallel")
+        return asked
 
     def _last_report_from_history(self) -> dict | None:
         try:
@@ -178,10 +205,12 @@ class Service:
             raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.queue.take_now(ticket):
             waiting = len(self.queue.waiting)
-            raise self._refusal("busy: " + (f"run {self.queue.holder.run_id} holds the engine"
-                                            if self.queue.holder and self.queue.holder.run_id else "the engine is taken")
-                                + (f" and {waiting} requests wait for it" if waiting else "") + "; one run at a time",
-                                "busy")
+            held = [t.run_id for t in self.queue.holders if t.run_id]
+            who = (f"run {held[0]} holds the engine" if len(held) == 1 else
+                   f"runs {', '.join(held)} hold the engine" if held else "the engine is taken")
+            limit = "one run at a time" if self.parallel == 1 else f"{self.parallel} runs at a time"
+            raise self._refusal("busy: " + who + (f" and {waiting} requests wait for it" if waiting else "")
+                                + f"; {limit}", "busy")
 
     def _refusal(self, message: str, code: str) -> HttpError:
         """429 for a request the engine cannot take now: Retry-After is the active run's ETA."""
@@ -248,6 +277,7 @@ class Service:
                     raise self._refusal(f"busy: {exc.message}", "busy") from None
                 raise
             self._current = run
+            self._live[run.id] = run
             self.runs_started += 1
             return run
 
@@ -267,6 +297,7 @@ class Service:
             self._count_evictions(snap, counted)
             self.metrics.run_ended(snap.state, snap.prefetch, snap.prompt_tokens_reused)
         finally:
+            self._live.pop(run.id, None)
             self.queue.leave(ticket)
             feed.close()
 
@@ -280,11 +311,30 @@ class Service:
         run = self._current
         return {"busy": self.busy, "queue_waiting": len(self.queue.waiting), "queue_capacity": self.queue.capacity,
                 "snapshot": run.snapshot() if run is not None else None,
-                "prefix_cache": self.engines.prefix_cache_stats()}
+                "prefix_cache": self.engines.prefix_cache_stats(), "batch": self.batch_view()}
+
+    def batch_view(self) -> dict:
+        """The sequences decoded together: how many now, what the steps hold, the cap and why,
+        the aggregate rate (the engine's batcher's figures; before the engine loads, the settings)."""
+        f = self.engines.batch_figures()
+        live = [r for r in self._live.values() if not r.finished]
+        view = {"parallel": self.parallel, "active": len(live), "cap": self.parallel, "cap_reason": "",
+                "steps": 0, "shared_steps": 0, "rows": 0, "rows_per_step": None, "sequences_per_step": None,
+                "union_experts_per_layer": None, "tokens_per_s": None, "step_s_by_sequences": {}}
+        if f is not None:
+            view.update(cap=f.cap, cap_reason=f.cap_reason, steps=f.steps, shared_steps=f.shared_steps,
+                        rows=f.rows_total, rows_per_step=f.last_rows or None,
+                        sequences_per_step=f.last_sequences or None,
+                        union_experts_per_layer=f.union_per_layer or None, tokens_per_s=f.tokens_per_s,
+                        step_s_by_sequences={str(k): v for k, v in f.step_s_by_sequences.items()})
+        view["sequences"] = [{"run_id": r.id, "tokens_done": r.snapshot().tokens_done,
+                              "generated_tokens": r.generated_tokens, "s_per_token": r.snapshot().s_per_token}
+                             for r in live]
+        return view
 
     # -- runs --------------------------------------------------------------------------------------
     def _find(self, run_id: str):
-        run = self._current
+        run = self._live.get(run_id) or self._current
         return run if run is not None and run.id == run_id else None
 
     def run_view(self, run) -> dict:
@@ -463,8 +513,8 @@ class Service:
         """Recent runs, newest first, and why the history could not be read (None: it could);
         without the history the list holds this server's run alone."""
         seen, out = set(), []
-        run = self._current
-        for run in ([run] if run is not None else []):
+        mine = {**self._live, **({self._current.id: self._current} if self._current is not None else {})}
+        for run in mine.values():
             snap = run.snapshot()
             seen.add(run.id)
             out.append({"id": run.id, "state": snap.state, "source": "server", "started_at": run.started_at,
@@ -504,6 +554,7 @@ class Service:
             "engine": {"state": snap.state if snap is not None and not run.finished else "idle",
                        "current_run": run.id if run is not None else None, "loaded_engines": self.engines.loads},
             "queue": self.queue.view(),
+            "batch": self.batch_view(),
             "model": {"id": self.model_id, "path": self.model, "kind": self.checkpoint_kind,
                       "io_mode": self.io_mode, "geometry": self.geometry},
             "preset": {"name": preset.name, "detail": preset.describe(), "available": list(self.cfg.presets)},
@@ -526,15 +577,20 @@ class Service:
         with self._lock:
             self._closing = True
             run = self._current
+            live = [r for r in self._live.values() if r is not run]
         loop = self.loop
         if loop is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(self.queue.close)
             except RuntimeError:
                 pass
-        if run is not None and not run.finished:
-            run.cancel()
-            if not run.wait(timeout):
-                return False
+        for other in live:
+            other.cancel()
+        deadline = time.monotonic() + timeout
+        for r in live + ([run] if run is not None else []):
+            if not r.finished:
+                r.cancel()
+                if not r.wait(max(0.0, deadline - time.monotonic())):
+                    return False
         self.engines.close()
         return True

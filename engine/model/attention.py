@@ -242,21 +242,21 @@ def indexer_select(rows: np.ndarray, iq: np.ndarray, hw: np.ndarray, pos: int, r
 
 @dataclass
 class Projected:
-    """The projections of n tokens' normed inputs A [n, hidden] (row t: token t), everything the
-    attention computes before it needs the cache: they depend on each token's own input only,
-    so a chunk's tokens are projected together (each weight decoded once)."""
+    """The projections of n rows' normed inputs A [n, hidden] (row t: one token), everything the
+    attention computes before it needs the cache: they depend on each row's own input only, so a
+    step's rows are projected together (each weight decoded once), whichever sequences they are of."""
 
     q: np.ndarray                   # [n, H, head_dim]  after the per-head norm (RoPE not yet)
     kv: np.ndarray                  # [n, head_dim]     after kv_norm (RoPE not yet)
     comp: tuple | None = None       # the compressor's (kv [n, width], gate [n, width]), ape not yet
     index: tuple | None = None      # the indexer's compressor (kv, gate)
-    # the indexer's query (iq [n - selecting, ih id], hw [n - selecting, ih]) for tokens
-    # selecting, selecting + 1, ...: a token with at most index_topk compressed rows behind it
-    # attends to all of them and needs no query (see first_selecting)
+    # the indexer's query (iq [selecting, ih id], hw [selecting, ih]) for the rows expected to
+    # select (qrow[t] >= 0: row t's place in it): a token with at most index_topk compressed rows
+    # behind it attends to all of them and needs no query (see first_selecting)
     query: tuple | None = None
-    selecting: int = 0
+    qrow: np.ndarray | None = None
     qr: np.ndarray | None = None    # [n, q_lora] and the inputs A [n, hidden]: a query computed
-    A: np.ndarray | None = None     # for a token before `selecting` if its cache says it selects
+    A: np.ndarray | None = None     # for a row not expected to select if its cache says it selects
 
 
 def first_selecting(pos0: int, n: int, shape: AttentionShape) -> int:
@@ -271,9 +271,11 @@ def _matmul(m: Matrix, x: np.ndarray) -> np.ndarray:
     return m.matmul(x, np.empty((len(x), m.shape[0]), np.float32))
 
 
-def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, pos0: int, beside=None) -> Projected:
-    """The projections of the rows of A [n, hidden], tokens at positions pos0, pos0 + 1, ...
-    (see Projected); beside: for rms_rows."""
+def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, parts: list[tuple[int, int]],
+            beside=None) -> Projected:
+    """The projections of the rows of A [n, hidden] (see Projected); parts: (pos0, count) of each
+    run of consecutive rows, in row order, the tokens of one sequence at positions pos0, pos0 + 1, ...
+    beside: for rms_rows."""
     n, eps = len(A), shape.eps
     qr = rms_rows(_matmul(w.wq_a, A), eps, beside) * w.q_norm                # [n, q_lora], weighted_rms by row
     q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps, beside)
@@ -284,17 +286,25 @@ def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, pos0: int
     if shape.kind == "csa":
         ix = w.indexer
         p.index = (_matmul(ix.compressor.wkv, A), _matmul(ix.compressor.wgate, A))
-        p.selecting, p.qr, p.A = first_selecting(pos0, n, shape), qr, A
-        if p.selecting < n:
-            p.query = (_matmul(ix.wq_b, qr[p.selecting:]), _matmul(ix.weights_proj, A[p.selecting:]))
+        p.qr, p.A = qr, A
+        rows, a = [], 0
+        for pos0, count in parts:
+            rows.extend(range(a + first_selecting(pos0, count, shape), a + count))
+            a += count
+        p.qrow = np.full(n, -1, np.int64)
+        if rows:
+            p.qrow[rows] = np.arange(len(rows))
+            sel = np.asarray(rows)
+            p.query = (_matmul(ix.wq_b, qr[sel]), _matmul(ix.weights_proj, A[sel]))
     return p
 
 
 def _index_query(w: AttentionWeights, p: Projected, t: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token t's indexer query (iq [ih id], hw [ih]): from the batch, or for a token the batch
-    did not expect to select, computed alone (the same bits: a row of a batch is its own product)."""
-    if t >= p.selecting:
-        return p.query[0][t - p.selecting], p.query[1][t - p.selecting]
+    """Row t's indexer query (iq [ih id], hw [ih]): from the batch, or for a row the batch did not
+    expect to select, computed alone (the same bits: a row of a batch is its own product)."""
+    i = p.qrow[t]
+    if i >= 0:
+        return p.query[0][i], p.query[1][i]
     ix = w.indexer
     return _matmul(ix.wq_b, p.qr[t:t + 1])[0], _matmul(ix.weights_proj, p.A[t:t + 1])[0]
 
@@ -355,18 +365,30 @@ def _project_alone(w: AttentionWeights, O: np.ndarray, Y: np.ndarray) -> None:
 
 def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
                    rope: Rope, beside=None) -> np.ndarray:
-    """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens at positions
-    pos0, pos0 + 1, ... with normed inputs A [n, hidden]; updates the cache (window, compressors).
-    The projections go all tokens at once, the attention itself token after token. beside(fn,
-    *args): where a block of OVERLAP_BLOCK tokens' output projection runs (runtime.helper_thread, a
-    helper thread, its kernels on its own core) while the next block attends here; once every
-    token has attended, this thread projects the blocks the helper has not started, the last
-    first. Each row of a product is its own, so the outputs are those of one projection of all
-    rows. None: everything here, in order."""
-    p = project(w, A, shape, pos0, beside)
+    """The attention sublayer's outputs (fp32 [n, hidden]) for n consecutive tokens of one
+    sequence at positions pos0, pos0 + 1, ... with normed inputs A [n, hidden]: attention_parts
+    with one part."""
+    return attention_parts(w, [(cache, pos0, len(A))], A, shape, rope, beside)
+
+
+def attention_parts(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]], A: np.ndarray,
+                    shape: AttentionShape, rope: Rope, beside=None) -> np.ndarray:
+    """The attention sublayer's outputs (fp32 [n, hidden]) for a step's rows, normed inputs A
+    [n, hidden]; parts: (cache, pos0, count) of each run of consecutive rows in row order, the
+    tokens of one sequence at positions pos0, pos0 + 1, ..., updating that sequence's cache
+    (window, compressors). The projections go all rows at once, the attention itself row after
+    row, each against its own sequence's cache. beside(fn, *args): where a block of
+    OVERLAP_BLOCK rows' output projection runs (runtime.helper_thread, a helper thread, its
+    kernels on its own core) while the next block attends here; once every row has attended,
+    this thread projects the blocks the helper has not started, the last first. Each row of a
+    product is its own, so the outputs are those of one projection of all rows, and each row's
+    those it gets in a step of its own. None: everything here, in order."""
+    p = project(w, A, shape, [(pos0, count) for _, pos0, count in parts], beside)
     n = len(A)
+    where = [(cache, pos0 + i) for cache, pos0, count in parts for i in range(count)]   # row -> (cache, position)
     if beside is None or n <= OVERLAP_BLOCK:
-        return output_projection(w, np.stack([attention_core(w, cache, p, t, pos0 + t, shape, rope) for t in range(n)]))
+        return output_projection(w, np.stack([attention_core(w, cache, p, t, pos, shape, rope)
+                                              for t, (cache, pos) in enumerate(where)]))
     O = np.empty((n, shape.heads * shape.head_dim), np.float32)
     Y = np.empty((n, w.wo_b.shape[0]), np.float32)
     pending = []
@@ -374,7 +396,7 @@ def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: 
         for a in range(0, n, OVERLAP_BLOCK):
             b = min(a + OVERLAP_BLOCK, n)
             for t in range(a, b):
-                O[t] = attention_core(w, cache, p, t, pos0 + t, shape, rope)
+                O[t] = attention_core(w, where[t][0], p, t, where[t][1], shape, rope)
             pending.append((a, b, beside(_project_alone, w, O[a:b], Y[a:b])))
         for a, b, f in reversed(pending):
             if f.cancel():            # not started: the helper will skip it

@@ -40,7 +40,7 @@ import numpy as np
 
 from ds4f.native import kernels
 from ds4f.errors import Ds4fError
-from ds4f.engine.model.attention import KVCache, attention_rows
+from ds4f.engine.model.attention import KVCache, attention_parts
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import hc_head, hc_post, hc_post_rows, hc_pre, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
@@ -63,9 +63,9 @@ class WeightSource(Protocol):
     def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]: ...
     def finish_layer(self, layer: int, ids: np.ndarray) -> None: ...
     def attention(self, layer: int) -> LayerAttention: ...
-    # a chunk of prompt tokens, layer by layer (model.prefill)
+    # a step's rows, layer by layer (model.rows)
     def start_chunk(self, token_ids) -> None: ...
-    def chunk_arrivals(self, layer: int, ids: np.ndarray) -> Iterator[list[tuple[int, object]]]: ...
+    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None) -> Iterator[list[tuple[int, object]]]: ...
     def finish_chunk_layer(self, layer: int) -> None: ...
 
 
@@ -167,21 +167,27 @@ def check_logits(logits: np.ndarray, token_id: int) -> np.ndarray:
     return logits
 
 
-def attention_sublayer(la: LayerAttention, X: np.ndarray, cache, pos0: int, g: Geometry, layer: int,
-                       token_ids, h64: np.ndarray, beside=None) -> np.ndarray:
-    """The attention sublayer with its hyper-connections for n consecutive tokens: X (their
-    streams, [n, N, hidden]) updated in place, the layer's KV cache too (token after token);
-    returns the attention's outputs Y (fp32 [n, hidden]). One token: n = 1."""
+def attention_sublayer(la: LayerAttention, X: np.ndarray, parts: list, g: Geometry, layer: int, token_ids,
+                       h64: np.ndarray, beside=None, on_bad=None) -> np.ndarray:
+    """The attention sublayer with its hyper-connections for a step's n rows: X (their streams,
+    [n, N, hidden]) updated in place; parts: (layer cache, pos0, count) of each sequence's run of
+    consecutive rows, its cache updated (token after token); returns the attention's outputs Y
+    (fp32 [n, hidden]). One token: one part of one row. A row whose output is not finite raises,
+    or with on_bad(row, error) is reported there and the others go on."""
     att, eps = g.attention, g.rms_norm_eps
-    A = np.empty((len(X), g.hidden), np.float32)       # each token's normed input
+    A = np.empty((len(X), g.hidden), np.float32)       # each row's normed input
     H, post, comb = hc_pre_rows(X, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
     for c in range(len(X)):
         rms_norm(H[c], la.attn_norm, eps, A[c], h64)
-    Y = attention_rows(la.attention, cache, A, pos0, la.shape, la.rope, beside)
+    Y = attention_parts(la.attention, parts, A, la.shape, la.rope, beside)
     if not np.isfinite(Y).all():
-        c = int(np.flatnonzero(~np.isfinite(Y).all(axis=1))[0])
-        raise Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
-                        f" {token_ids[c]} at position {pos0 + c}: its weights are corrupt", kind="data")
+        positions = [pos0 + i for _, pos0, count in parts for i in range(count)]
+        for c in np.flatnonzero(~np.isfinite(Y).all(axis=1)):
+            err = Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
+                            f" {token_ids[c]} at position {positions[c]}: its weights are corrupt", kind="data")
+            if on_bad is None:
+                raise err
+            on_bad(int(c), err)
     hc_post_rows(X, Y, post, comb, beside)
     return Y
 
@@ -207,7 +213,8 @@ def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: 
     for layer in range(g.n_layers):
         t0 = perf_counter()
         la = source.attention(layer)
-        buf.attn[layer] = attention_sublayer(la, X[None], kv.layers[layer], pos, g, layer, (token_id,), buf.h64)[0]
+        buf.attn[layer] = attention_sublayer(la, X[None], [(kv.layers[layer], pos, 1)], g, layer, (token_id,),
+                                             buf.h64)[0]
         t1 = perf_counter()
         h, post, comb = hc_pre(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
         ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)

@@ -134,10 +134,12 @@ class Streamer:
         slots = self._slots.pop(layer)
         yield from self._land(layer, slots, _Shared(self, layer, self._trunk.pop(layer)), final=True)
 
-    def _land(self, layer: int, slots: list, shared: "_Shared", final: bool) -> Iterator[list[tuple[int, object]]]:
+    def _land(self, layer: int, slots: list, shared: "_Shared", final: bool,
+              on_error=None) -> Iterator[list[tuple[int, object]]]:
         """(index into slots, expert weights) for the slots as they are ready, those ready together
         in one batch; [(SHARED, weights)] in the first wait once the trunk is there. With `final`,
-        it returns only once the shared expert has been handed out too. The waits are the stall."""
+        it returns only once the shared expert has been handed out too. The waits are the stall.
+        A read that failed raises, or with on_error(index, error) is reported there and skipped."""
         pending = list(range(len(slots)))
         promoted = False
         while pending or (final and not shared.done):
@@ -154,21 +156,28 @@ class Streamer:
                 self._landed.wait(0.05)
                 self.stall_s += time.perf_counter() - t0
                 continue
+            failed = []
             for r in ready:
                 slot = slots[r]
+                pending.remove(r)
                 if slot.error is not None:
                     err, key = slot.error, slot.key
                     self.cache.discard(key)
-                    if isinstance(err, Ds4fError):
+                    if not isinstance(err, Ds4fError):
+                        err = Ds4fError(f"reading expert {key[1]} of layer {layer}: {err}")
+                    if on_error is None:
                         raise err
-                    raise Ds4fError(f"reading expert {key[1]} of layer {layer}: {err}") from err
-                pending.remove(r)
-            yield [(r, expert_weights(self.cache.pool[slots[r].index], self.ckpt.expert_layout)) for r in ready]
+                    on_error(r, err)
+                    failed.append(r)
+            landed = [(r, expert_weights(self.cache.pool[slots[r].index], self.ckpt.expert_layout))
+                      for r in ready if r not in failed]
+            if landed:
+                yield landed
 
     def finish_layer(self, layer: int, ids: np.ndarray) -> None:
         self.requests.leave(layer, ids)
 
-    # -- a chunk of prompt tokens, layer by layer (model.prefill) -------------------------------
+    # -- a step's rows (a prompt chunk, several sequences), layer by layer (model.rows) --------
     def start_chunk(self, token_ids) -> None:
         """A chunk of prompt tokens starts (instead of start_token for each): the first unpinned
         trunk layer's read starts; every expert is requested layer by layer (chunk_arrivals)."""
@@ -178,16 +187,18 @@ class Streamer:
         self._chunk_protected: set = set()
         self._trunk_next = self._read_ahead(0) if self.unpinned else None
 
-    def chunk_arrivals(self, layer: int, ids: np.ndarray) -> Iterator[list[tuple[int, object]]]:
-        """The chunk's routing at `layer` is known (ids: int32 [tokens, top_k]): each distinct
+    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None) -> Iterator[list[tuple[int, object]]]:
+        """The step's routing at `layer` is known (ids: int32 [rows, top_k]): each distinct
         expert is read once (runtime.schedule's chunk order, in batches the cache holds, the next
         batch's reads under way while one computes). Batches of (expert id, weights) as they land;
-        [(SHARED, shared expert weights)] once, when the layer's trunk is there."""
+        [(SHARED, shared expert weights)] once, when the layer's trunk is there. An expert whose
+        read failed raises, or with on_error(expert id, error) is reported there and skipped."""
         shared = _Shared(self, layer, self._layer_trunk(layer))
         keys = chunk_layer_keys(layer, ids)
         for batch, slots in chunk_layer_requests(self.cache, self._chunk_protected, self._chunk_first, layer, keys,
                                                  issue=lambda pairs: self._issue(layer, pairs)):
-            for landed in self._land(layer, slots, shared, final=False):
+            failed = None if on_error is None else (lambda e, err, batch=batch: on_error(batch[e][1], err))
+            for landed in self._land(layer, slots, shared, final=False, on_error=failed):
                 yield [(e if e == SHARED else batch[e][1], w) for e, w in landed]
         if not shared.done:
             yield from self._land(layer, [], shared, final=True)

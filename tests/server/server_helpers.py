@@ -118,7 +118,7 @@ def start(tiny_model, serve_config):
 
     def _start(**overrides) -> Srv:
         opts = dict(model=str(tiny_model), config_path=str(serve_config), host="127.0.0.1", port=0,
-                    access_log=False)
+                    access_log=False, parallel=1)   # one sequence at a time unless a test asks for more
         opts.update(overrides)
         srv = Srv(Server(ServerOptions(**opts)))
         servers.append(srv)

@@ -1,29 +1,39 @@
-"""The forward pass of a chunk of prompt tokens, layer by layer (prefill).
+"""The forward pass over rows: a step's tokens, layer by layer, whichever sequences they are of.
 
-    X[c] = embed[token c] in each stream, for every token c of the chunk
+A row is (sequence, token, position); a step's rows come in segments, each one sequence's tokens
+at consecutive positions (a prompt chunk of one session, or one decode token of each of several):
+
+    X[c] = embed[token c] in each stream, for every row c of the step
     for each layer l:
-        X = attention sublayer for all c: the projections of every token together, then the
-            attention token after token (its KV cache at position pos0 + c), then the output
-            projections together
+        X = attention sublayer for all c: the projections of every row together, then the
+            attention row after row against its own sequence's KV cache (positions in order
+            within a sequence), then the output projections together
         h[c], post[c], C[c] = hc_pre(X[c]) for all c at once;  x[c], ids[c], w[c] = route(h[c])
-        for each distinct expert e of the chunk's ids (each read once):
+        for each distinct expert e of the step's ids (the union, each read once):
             ys[c, rank] = expert e on x[c], for every (c, rank) that chose e
         X = hc_post(X, sum over ranks of ys + shared(x), post, C) for all c at once
     logits[c] = head(hc_head(X[c])) for every c
 
-Every token's arithmetic is the token-by-token forward's (model.forward) operation for
-operation: the same functions on the same inputs, the routed outputs summed in rank order, the
-attention run token after token so its caches advance in order. Only the order in which the
-chunk's tokens visit the layers differs, so a chunk's records and logits are byte-identical to
-those of the tokens fed one at a time, at any chunk size. What changes is the reads: an expert
-that several of the chunk's tokens chose is read and applied once per layer per chunk.
+Every row's arithmetic is the token-by-token forward's (model.forward) operation for operation:
+the same functions on the same inputs, each row of a multi-row product its own single-vector
+product's bits, the routed outputs summed in rank order, each sequence's attention run token
+after token so its caches advance in order. Only the order in which rows visit the layers
+differs, so a row's record and logits are byte-identical to those of its token fed alone,
+whatever else is in the step. What changes is the reads: an expert that several rows chose is
+read and applied once per layer per step.
+
+A row that fails (a non-finite attention or expert output, an expert whose read failed) fails
+its segment; with `isolate` the step goes on for the others (rows never mix), the failed
+segment's Segment.error says why, and its rows are not to be used.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
 
+from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.engine.model.attention import RMS_BLOCK
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
@@ -105,41 +115,71 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
 
 
 class Stopped(Exception):
-    """A chunk left part way because `should_stop` said so: the sequence's state is not usable."""
+    """A step left part way because `should_stop` said so: its sequences' states are not usable."""
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a step: its tokens at positions pos0, pos0 + 1, ... and its KV cache
+    (None: the MoE-only model), which the step advances. error: why its rows failed in this step
+    (with isolate: the other segments went on)."""
+
+    token_ids: list[int]
+    pos0: int
+    kv: object = None
+    error: Ds4fError | None = None
 
 
 def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, pos0: int,
             should_stop=None, beside=None) -> np.ndarray:
-    """The chunk's logits (fp32 [len(token_ids), vocab], buf.logits' rows); buf.ids / weights /
-    hidden / attn hold each token's record. The tokens sit at positions pos0, pos0 + 1, ... of
-    the sequence; kv (the whole model's attention state) advances past them. should_stop: asked
-    before each layer (a chunk of the real model takes minutes); True raises Stopped. beside:
-    where the attention may run its output projections beside this thread (runtime.helper_thread)."""
+    """A chunk of one sequence's prompt tokens: forward_rows with one segment."""
+    return forward_rows(source, [Segment(list(token_ids), pos0, kv)], buf, should_stop, beside)
+
+
+def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffers, should_stop=None,
+                 beside=None, isolate: bool = False) -> np.ndarray:
+    """The step's logits (fp32 [rows, vocab], buf.logits' rows, the segments' rows in order);
+    buf.ids / weights / hidden / attn hold each row's record. should_stop: asked before each
+    layer (a step of the real model takes minutes); True raises Stopped. beside: where the
+    attention may run its output projections beside this thread (runtime.helper_thread).
+    isolate: a row that fails marks its segment's error and the step goes on (see the module);
+    without it the first failure raises."""
     g = source.geometry
+    token_ids = [t for s in segments for t in s.token_ids]
     n = len(token_ids)
     if not 0 < n <= buf.chunk:
-        raise ValueError(f"a chunk of {n} tokens in buffers for {buf.chunk}")
+        raise ValueError(f"a step of {n} rows in buffers for {buf.chunk}")
     att, eps = g.attention, g.rms_norm_eps
     times = buf.times
     times[:] = 0.0
     X = buf.streams[:n]
     for c, t in enumerate(token_ids):
         X[c] = source.globals.embed[t]             # bf16 -> fp32, exact, in every stream
+    owner = np.repeat(np.arange(len(segments)), [len(s.token_ids) for s in segments])   # row -> segment
+
+    def bad(c: int, err: Ds4fError) -> None:
+        seg = segments[owner[c]]
+        if not isolate:
+            raise err
+        if seg.error is None:
+            seg.error = err
+
     source.start_chunk(token_ids)
     for layer in range(g.n_layers):
         if should_stop is not None and should_stop():
             raise Stopped(f"stopped before layer {layer}")
         t0 = perf_counter()
-        if att is not None:                        # projections together, the caches token after token
+        if att is not None:                        # projections together, each cache token after token
             la = source.attention(layer)
-            buf.attn[:n, layer] = attention_sublayer(la, X, kv.layers[layer], pos0, g, layer, token_ids, buf.h64,
-                                                     beside)
+            parts = [(s.kv.layers[layer], s.pos0, len(s.token_ids)) for s in segments]
+            buf.attn[:n, layer] = attention_sublayer(la, X, parts, g, layer, token_ids, buf.h64, beside,
+                                                     lambda c, err: bad(c, err) if _live(segments, owner, c) else None)
         t1 = perf_counter()
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
         _route_rows(source, layer, H if att is not None else X[:, 0], token_ids, buf)
-        _experts(source, layer, buf, n)
-        _check_finite_rows(buf, layer, token_ids)
+        _experts(source, layer, buf, n, bad if isolate else None)
+        _check_finite_rows(buf, layer, token_ids, segments, owner, bad)
         Y = sum_outputs(buf.ys[:n], buf.shared_out[:n], buf.moe_out[:n])
         if att is not None:
             hc_post_rows(X, Y, post, comb, beside)
@@ -157,24 +197,37 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
     logits = kernels.bf16_matmul(source.globals.head, buf.finals[:n], out=buf.logits[:n], scratch=buf.mm_scratch)
     times[HEAD] += perf_counter() - t0
     for c in range(n):
-        check_logits(logits[c], token_ids[c])
+        if _live(segments, owner, c):
+            try:
+                check_logits(logits[c], token_ids[c])
+            except Ds4fError as err:
+                bad(c, err)
     return logits
 
 
-def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int]) -> None:
-    """forward.check_finite for the chunk's tokens: one pass over all outputs, the first bad
-    token named."""
+def _live(segments: list[Segment], owner: np.ndarray, c: int) -> bool:
+    """Row c's segment has not failed (a failed segment's rows are not checked again)."""
+    return segments[owner[c]].error is None
+
+
+def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int], segments, owner, bad) -> None:
+    """forward.check_finite for the step's rows: one pass over all outputs, each bad row of a
+    live segment reported (the first raises without isolate)."""
     n = len(token_ids)
     if np.isfinite(buf.ys[:n]).all() and np.isfinite(buf.shared_out[:n]).all():
         return
     for c in range(n):
-        check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
+        if _live(segments, owner, c):
+            try:
+                check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
+            except Ds4fError as err:
+                bad(c, err)
 
 
 def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int], buf: ChunkBuffers) -> None:
-    """forward.moe_route for the chunk's tokens (their MoE inputs H [n, hidden]): buf.xs, ids and
-    weights. The router's logits of all tokens in one multi-token call (each row the single-vector
-    product's bits), the norms and selections token by token."""
+    """forward.moe_route for the step's rows (their MoE inputs H [n, hidden]): buf.xs, ids and
+    weights. The router's logits of all rows in one multi-token call (each row the single-vector
+    product's bits), the norms and selections row by row."""
     g = source.geometry
     n = len(token_ids)
     router = source.router(layer)
@@ -186,18 +239,26 @@ def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list
         buf.ids[c, layer], buf.weights[c, layer] = route(scores[c], router, token_ids[c], g)
 
 
-def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int) -> None:
-    """buf.ys and buf.shared_out for the chunk's n tokens at `layer`: the routed experts that
-    land together go through one multi-token kernel call, each applied to every token that chose
-    it (its weights decoded once); the shared expert to all n tokens at once. Each token's outputs
-    are bit-identical to the single-vector kernels' (kernels.experts_forward_tokens, *_matmul)."""
+def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int, bad=None) -> None:
+    """buf.ys and buf.shared_out for the step's n rows at `layer`: the routed experts that land
+    together go through one multi-token kernel call, each applied to every row that chose it
+    (its weights decoded once); the shared expert to all n rows at once. Each row's outputs are
+    bit-identical to the single-vector kernels' (kernels.experts_forward_tokens, *_matmul).
+    bad(row, error): where the rows of an expert whose read failed are reported (their outputs
+    are NaN); None: such a read raises."""
     g = source.geometry
-    users: dict[int, list[tuple[int, int]]] = {}      # expert -> [(token, rank)] that chose it
+    users: dict[int, list[tuple[int, int]]] = {}      # expert -> [(row, rank)] that chose it
     for c in range(n):
         for rank, e in enumerate(buf.ids[c, layer]):
             users.setdefault(int(e), []).append((c, rank))
+
+    def failed(e: int, err: Ds4fError) -> None:
+        for c, rank in users[e]:
+            buf.ys[c, rank] = np.nan
+            bad(c, err)
+
     xs = buf.xs[:n]
-    for batch in source.chunk_arrivals(layer, buf.ids[:n, layer]):
+    for batch in source.chunk_arrivals(layer, buf.ids[:n, layer], None if bad is None else failed):
         routed = [(e, w) for e, w in batch if e != SHARED]
         if routed:
             tokens = [[c for c, _ in users[e]] for e, _ in routed]

@@ -1,0 +1,195 @@
+"""Several sequences stepping together (engine.batch, model.rows): each sequence's tokens and state
+dump are byte-identical to the same run alone, whoever it shares its steps with, as sequences
+join and leave mid-way; a sequence that fails fails alone."""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4f.native import kernels
+from ds4f.engine.checkpoint.convert import convert_checkpoint
+from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
+from ds4f.runs.config import RunConfig
+from ds4f.runs.host import EngineHost
+from ds4f.runs.run import active_runs, start_run
+from ds4f.errors import Ds4fError
+
+WHOLE = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
+BACKENDS = [b for b in ("scalar", "avx2", "avx512", "neon") if b in kernels.available_backends()]
+# three requests: prompt, tokens to generate (the first one's prompt passes the CSA layers'
+# index_topk, so its indexer selects, some of its steps beside sequences that do not)
+REQUESTS = [((0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8), 12),
+            ((9, 8, 7, 6, 5, 4, 3, 2, 1), 5),
+            ((100, 101, 5, 5, 5, 60, 61, 62, 63, 64, 65, 66, 67), 8)]
+
+
+@pytest.fixture(scope="module")
+def ratios_model(tmp_path_factory):
+    """The transformers fixture with CSA and HCA layers at small ratios, in the ds4f layout."""
+    src = tmp_path_factory.mktemp("ratios") / "official"
+    shutil.copytree(WHOLE / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
+    return convert_checkpoint(src, src.parent / "ds4f", progress=False)
+
+
+def _config(model, path, prompt, gen, backend, **kw):
+    return RunConfig(model=str(model), prompt=prompt, gen=gen, backend=backend, kernel_threads=2, probe_floor=False,
+                     prefill_chunk=5, dump_path=str(path), **kw)
+
+
+def _done(run):
+    assert run.wait(300), "run did not finish"
+    assert run.state == "done", run.error
+    return run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_sequence_is_what_it_is_alone_as_sequences_join_and_leave(ratios_model, backend, tmp_path):
+    alone = [_done(start_run(_config(ratios_model, tmp_path / f"alone{i}.bin", p, g, backend)))
+             for i, (p, g) in enumerate(REQUESTS)]
+    host = EngineHost(parallel=3)
+    gates = [threading.Event() for _ in REQUESTS]
+    go = [threading.Event() for _ in REQUESTS]
+
+    def hold_at(i, step):
+        def on_token(rec):
+            if rec.index == step and not gates[i].is_set():   # the next sequence starts while this one runs
+                gates[i].set()
+                go[i].wait(30)
+        return on_token
+
+    runs = []
+    try:
+        for i, (p, g) in enumerate(REQUESTS):
+            hook = hold_at(i, (6, 3, 99)[i])
+            runs.append(start_run(_config(ratios_model, tmp_path / f"together{i}.bin", p, g, backend),
+                                  engines=host, on_token=hook))
+            if i + 1 < len(REQUESTS):
+                assert gates[i].wait(60), "the sequence did not reach the step the next one joins at"
+            if i:
+                go[i - 1].set()
+        go[-1].set()
+        for run in runs:
+            _done(run)
+        for a, b in zip(alone, runs):
+            assert b.dump_path.read_bytes() == a.dump_path.read_bytes()
+            assert b.generated_ids == a.generated_ids
+        shared = [r.summary_report["summary"]["batch"]["shared_steps"] for r in runs]
+        assert all(s > 0 for s in shared), shared          # each sequence did share steps
+        figures = host._engine.batcher.figures()
+        assert figures.shared_steps > 0 and figures.last_sequences >= 1
+    finally:
+        for g in go:
+            g.set()
+        for run in runs:
+            run.cancel()
+            run.wait(30)
+        host.close()
+
+
+def test_rows_of_several_sequences_are_their_own_in_one_pass(ratios_model):
+    """forward_rows with segments of three sequences at different positions: each row's logits
+    and records are those of a pass over that sequence alone."""
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.engine import Engine
+
+    preset = load_config(None).get_preset(None)
+    engine = Engine(open_checkpoint(ratios_model), preset, 2, 2, kernels.best_backend())
+    try:
+        def session_at(prompt):
+            s = engine.new_session(8, cold=False)
+            s.prefill(list(prompt))
+            return s
+
+        prompts = [p[:8] for p, _ in REQUESTS]
+        nexts = [[int(t) for t in (3, 4, 5)], [7], [1, 2]]
+        want = []
+        for p, nx in zip(prompts, nexts):
+            s = session_at(p)
+            got = s.prefill(nx)
+            want.append((got.logits.copy(), got.hidden.copy(), got.ids.copy()))
+        sessions = [session_at(p) for p in prompts]
+        buf = ChunkBuffers(engine.geometry, 8)
+        segs = [Segment(nx, s.position, s.kv) for s, nx in zip(sessions, nexts)]
+        logits = forward_rows(engine.streamer, segs, buf, isolate=True)
+        row = 0
+        for (wl, wh, wi), nx, seg in zip(want, nexts, segs):
+            k = len(nx)
+            assert seg.error is None
+            assert logits[row:row + k].tobytes() == wl.tobytes()
+            assert buf.hidden[row:row + k].tobytes() == wh.tobytes()
+            assert np.array_equal(buf.ids[row:row + k], wi)
+            row += k
+    finally:
+        engine.close()
+        engine.ckpt.close()
+
+
+def test_a_sequence_whose_row_fails_fails_alone(ratios_model):
+    """A row that turns non-finite (its residual poisoned, as a corrupt weight would) fails its
+    sequence with a message naming the token; the other sequences' rows are untouched."""
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.engine import Engine
+
+    preset = load_config(None).get_preset(None)
+    engine = Engine(open_checkpoint(ratios_model), preset, 2, 2, kernels.best_backend())
+    try:
+        sessions = [engine.new_session(4, cold=False) for _ in range(3)]
+        for s, (p, _) in zip(sessions, REQUESTS):
+            s.prefill(list(p[:4]))
+        want = []
+        for s, (p, _) in zip([engine.new_session(4, cold=False) for _ in range(3)], REQUESTS):
+            s.prefill(list(p[:4]))
+            want.append(s.prefill([30 + len(want)]).logits.copy())
+        buf = ChunkBuffers(engine.geometry, 4)
+        segs = [Segment([30 + i], s.position, s.kv) for i, s in enumerate(sessions)]   # a token of its own each
+        embed = engine.streamer.globals.embed
+        poisoned = np.array(embed, copy=True)
+        poisoned[segs[1].token_ids[0]] = np.nan
+        engine.streamer.globals = engine.streamer.globals.__class__(**{**vars(engine.streamer.globals),
+                                                                       "embed": poisoned})
+        with np.errstate(invalid="ignore"):      # the poisoned row's NaNs, on their way
+            logits = forward_rows(engine.streamer, segs, buf, isolate=True)
+        assert segs[1].error is not None and "non-finite" in segs[1].error.message
+        assert segs[0].error is None and segs[2].error is None
+        assert logits[0].tobytes() == want[0].tobytes() and logits[2].tobytes() == want[2].tobytes()
+        with pytest.raises(Ds4fError, match="non-finite"), np.errstate(invalid="ignore"):
+            forward_rows(engine.streamer, [Segment([31], 5, sessions[1].kv)], buf)
+    finally:
+        engine.close()
+        engine.ckpt.close()
+
+
+def test_a_host_for_several_sequences_refuses_one_more(ratios_model, tmp_path):
+    host = EngineHost(parallel=2)
+    hold = threading.Event()
+    started = [threading.Event(), threading.Event()]
+    runs = []
+    try:
+        for i in range(2):
+            def on_token(rec, i=i):
+                started[i].set()
+                hold.wait(30)
+            p, g = REQUESTS[i]
+            runs.append(start_run(_config(ratios_model, tmp_path / f"r{i}.bin", p, g, BACKENDS[-1]),
+                                  engines=host, on_token=on_token))
+            assert started[i].wait(60)
+        assert len(active_runs()) == 2
+        with pytest.raises(Ds4fError, match="2 sequences step together at most") as err:
+            start_run(_config(ratios_model, tmp_path / "r2.bin", *REQUESTS[2], BACKENDS[-1]), engines=host)
+        assert err.value.kind == "busy"
+        with pytest.raises(Ds4fError, match="still active"):       # a run on no host waits for them too
+            start_run(_config(ratios_model, tmp_path / "r3.bin", *REQUESTS[2], BACKENDS[-1]))
+        with pytest.raises(Ds4fError, match="at least 1"):
+            EngineHost(parallel=0)
+    finally:
+        hold.set()
+        for run in runs:
+            run.wait(60)
+        host.close()
+    assert not (tmp_path / "r2.bin").exists() and not (tmp_path / "r3.bin").exists()
