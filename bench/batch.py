@@ -4,11 +4,15 @@ For each count of concurrent sequences (1, 2, 4, 8) and each cache state (warm: 
 what an identical workload left; cold: emptied when the first sequence starts), the same k
 requests (the bench checkpoint's sample prompts, `gen` tokens each) run twice in the same
 invocation: all at once on an engine host made for k sequences, and one after another (taking
-turns, as a server of one sequence answers them). The figures: aggregate tokens per second
-(generated tokens of all sequences over the wall time from the first start to the last end),
-per-sequence tokens per second and time to first token (medians), disk GB read per generated
-token (prompt tokens' reads included), and the union of experts per layer per step; the ratio batched / turns is the one that
-holds on a noisy machine. Reads use O_DIRECT where the filesystem allows; the cold runs start on
+turns, as a server of one sequence answers them). The figures: aggregate decode tokens per
+second (batched: the tokens of all sequences while all of them decode, over that time; taking
+turns: one sequence's), end-to-end tokens per second (generated tokens over the wall time from
+the first start to the last end, the prompts' prefill included), per-sequence decode tokens per
+second and time to first token from the requests' arrival (medians; taking turns, a request
+waits for those before it), disk GB read per decode step's token, and the union of
+experts per layer per step; the ratios batched / turns are the ones that hold on a noisy machine.
+Then, on the warm engine, a second request while a first streams: its time to first token
+against its own alone plus one decode step of the first. Reads use O_DIRECT where the filesystem allows; the cold runs start on
 an empty cache, so no figure is flattered by the engine's cache (the page cache is bypassed).
 """
 from __future__ import annotations
@@ -38,17 +42,17 @@ def _workload(host, model: Path, preset: str, prompts, gen: int, together: bool,
     from ds4f.runs.config import RunConfig
     from ds4f.runs.run import start_run
 
-    firsts: dict[int, float] = {}
-    lasts: dict[int, float] = {}
+    times: dict[int, list[float]] = {i: [] for i in range(len(prompts))}   # each generated token's arrival
+    decode_bytes = [0]
     starts: dict[int, float] = {}
     lock = threading.Lock()
 
     def hook(i, prompt_len):
         def on_token(rec):
-            if rec.index >= prompt_len - 1:
+            if rec.index >= prompt_len - 1:       # a step that picks a generated token
                 with lock:
-                    firsts.setdefault(i, time.monotonic())
-                    lasts[i] = time.monotonic()
+                    times[i].append(time.monotonic())
+                    decode_bytes[0] += rec.bytes_read
         return on_token
 
     def start(i, prompt):
@@ -75,11 +79,17 @@ def _workload(host, model: Path, preset: str, prompts, gen: int, together: bool,
     for r in runs:
         if r.state != "done":
             raise Ds4fError(f"bench batch: a run ended {r.state}: {r.error}")
-    eng = host._engine
-    read = sum(r.bytes_read for r in runs)
     tokens = sum(r.generated_tokens for r in runs)
-    per_seq = [(r.generated_tokens - 1) / (lasts[i] - firsts[i]) for i, r in enumerate(runs)
-               if r.generated_tokens > 1 and lasts[i] > firsts[i]]
+    per_seq = [(len(t) - 1) / (t[-1] - t[0]) for t in times.values() if len(t) > 1 and t[-1] > t[0]]
+    if together and len(runs) > 1:
+        # the steady state: from when the last sequence got its first token to when the first one
+        # got its last, every sequence decoding; the tokens of all that arrived in it
+        a, b = max(t[0] for t in times.values()), min(t[-1] for t in times.values())
+        inside = sum(1 for t in times.values() for x in t if a < x <= b)
+        decode = inside / (b - a) if b > a and inside else None
+    else:
+        decode = statistics.median(per_seq) if per_seq else None      # one sequence decoding at a time
+    eng = host._engine
     union = None
     b = eng.batcher
     if together and b is not None:
@@ -89,22 +99,72 @@ def _workload(host, model: Path, preset: str, prompts, gen: int, together: bool,
         union = (f.union_sum - u0) / (f.steps - n0) if f.steps > n0 else None
     elif eng is not None:
         union = float(eng.geometry.top_k)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall else None,
-            "sequence_tokens_per_s": statistics.median(per_seq) if per_seq else None,
-            "ttft_s": statistics.median(firsts[i] - starts[i] for i in firsts) if firsts else None,
-            "gb_per_token": read / 1e9 / tokens if tokens else None, "union_experts_per_layer": union}
+    return {"wall_s": wall, "tokens": tokens, "e2e_tokens_per_s": tokens / wall if wall else None,
+            "tokens_per_s": decode, "sequence_tokens_per_s": statistics.median(per_seq) if per_seq else None,
+            # from when the requests arrived (all at t0): taking turns, a request waits for those before it
+            "ttft_s": statistics.median(t[0] - t0 for t in times.values() if t) if tokens else None,
+            "gb_per_token": decode_bytes[0] / 1e9 / tokens if tokens else None,
+            "gb_read": sum(r.bytes_read for r in runs) / 1e9, "union_experts_per_layer": union}
+
+
+def _join(host, model: Path, preset: str, gen: int, config_path, log: Log) -> dict:
+    """A second request while a first streams: its time to first token against its own alone
+    (on the same warm engine) plus one decode step of the first."""
+    from ds4f.runs.config import RunConfig
+    from ds4f.runs.run import start_run
+
+    first_p, second_p = _prompts(model, 2)
+
+    def config(prompt, n, tag):
+        return RunConfig(model=str(model), preset=preset, prompt=prompt, gen=n, probe_floor=False,
+                         config_path=config_path, reuse_prefix=False,
+                         dump_path=str(bench_scratch_dir() / f"batch-join-{tag}.bin"))
+
+    def first_token_after(run_config) -> float:
+        got = threading.Event()
+        t0 = time.monotonic()
+        run = start_run(run_config, engines=host,
+                        on_token=lambda rec: rec.index >= len(run_config.prompt) - 1 and got.set())
+        got.wait(600)
+        seconds = time.monotonic() - t0
+        return seconds, run
+
+    host.set_parallel(1)
+    alone_ttft, run = first_token_after(config(second_p, 1, "alone"))
+    run.wait()
+    host.set_parallel(2)
+    steps = []
+    seen = threading.Event()
+
+    def on_first(rec):
+        steps.append(rec.seconds)
+        if len(steps) >= 4:
+            seen.set()
+    first = start_run(config(first_p, gen * 4, "first"), engines=host, on_token=on_first)
+    seen.wait(600)
+    step = statistics.median(steps[-3:])
+    join_ttft, second = first_token_after(config(second_p, 1, "second"))
+    second.wait()
+    first.cancel()
+    first.wait()
+    bound = alone_ttft + step
+    log(f"  a second request while a first streams: first token after {join_ttft:.2f} s; alone {alone_ttft:.2f} s"
+        f" + one decode step {step:.2f} s = {bound:.2f} s")
+    return {"ttft_s": join_ttft, "alone_ttft_s": alone_ttft, "step_s": step, "bound_s": bound,
+            "within_bound": join_ttft <= bound}
 
 
 def bench_batch(model: str | Path | None = None, preset: str = "laptop", gen: int | None = None,
                 config_path: str | None = None, counts=COUNTS, *, log: Log | None = None, progress=None) -> list[dict]:
-    """One record per (cache, sequences): the batched figures, the turns' figures, and their
-    aggregate ratio ("speedup": batched tokens/s over turns' tokens/s)."""
+    """{"records": one per (cache, sequences): the batched figures, the turns' figures, and their
+    aggregate ratio ("speedup": batched tokens/s over turns' tokens/s); "join": a second request
+    while a first streams (_join)}."""
     from ds4f.runs.host import EngineHost
 
     log = log or _quiet
     model = bench_model(model, progress, log)
     gen = gen or 8
-    records = []
+    records, join = [], None
     host = EngineHost(parallel=max(counts))
     try:
         for cache in ("warm", "cold"):
@@ -120,16 +180,21 @@ def bench_batch(model: str | Path | None = None, preset: str = "laptop", gen: in
                     r = _workload(host, model, preset, prompts, gen, mode == "batched", cold, config_path,
                                   f"{cache}{k}{mode}", log)
                     row[mode] = r
-                    log(f"  {cache} cache, {k} sequences, {mode}: {r['tokens_per_s']:.2f} tok/s aggregate,"
-                        f" {r['wall_s']:.1f} s, {r['gb_per_token'] or 0:.3f} GB/token")
+                    log(f"  {cache} cache, {k} sequences, {mode}: {r['tokens_per_s'] or 0:.2f} decode tok/s in all,"
+                        f" {r['e2e_tokens_per_s'] or 0:.2f} end to end, {r['wall_s']:.1f} s,"
+                        f" {r['gb_per_token'] or 0:.3f} GB/decode token")
                 if k == 1:
                     row["batched"] = row["turns"]
                 t, b = row["turns"]["tokens_per_s"], row["batched"]["tokens_per_s"]
                 row["speedup"] = b / t if t and b else None
+                te, be = row["turns"]["e2e_tokens_per_s"], row["batched"]["e2e_tokens_per_s"]
+                row["e2e_speedup"] = be / te if te and be else None
                 one = next((r["batched"]["tokens_per_s"] for r in records if r["cache"] == cache and r["sequences"] == 1),
                            b)
                 row["over_one"] = b / one if b and one else None
                 records.append(row)
+            if cache == "warm":
+                join = _join(host, model, preset, gen, config_path, log)
     finally:
         host.close()
-    return records
+    return {"records": records, "join": join}

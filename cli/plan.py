@@ -1,10 +1,11 @@
-"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop]`: the memory plan of a model under a
-preset on a machine's RAM, without the weights (see ds4f.runs.plan)."""
+"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N]`: the memory plan of a
+model under a preset on a machine's RAM, for N sequences decoded together, without the weights (see
+ds4f.runs.plan)."""
 from __future__ import annotations
 
 import argparse
 
-from ds4f.api import GEOMETRIES, Ds4fError, format_bytes, get_geometry, load_config, memory_plan, parse_budget
+from ds4f.api import GEOMETRIES, MAX_PARALLEL, Ds4fError, format_bytes, get_geometry, load_config, memory_plan, parse_budget
 from ds4f.cli.output import Column, Table, add_output_option, print_tables
 
 HIT_RATES = (0.0, 0.5, 0.75)   # what a token reads from disk at these expert-cache hit rates
@@ -15,6 +16,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help=f"a named geometry ({', '.join(GEOMETRIES)}; `real` = flash, the released model)")
     parser.add_argument("--ram", help="the machine's RAM, e.g. 24GiB (default: this machine's)")
     parser.add_argument("--preset", help="a preset of ds4f.toml (default: the configured one)")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="sequences decoded together (ds4f serve --parallel): N KV caches and prompt chunks, "
+                             "and the batched step's buffers (default 1)")
     parser.add_argument("--config", help="ds4f.toml to use")
     add_output_option(parser)
 
@@ -32,14 +36,17 @@ def run(args) -> int:
         import psutil
 
         ram_bytes = int(psutil.virtual_memory().total)
-    plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0)
+    if not 1 <= args.parallel <= MAX_PARALLEL:
+        raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {args.parallel}")
+    plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0, args.parallel)
+    seqs = f", {args.parallel} sequences decoded together" if args.parallel > 1 else ""
     parts = Table("resident", [Column("part", align="left"), Column("bytes", "size", align="left")],
-                  title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}")
+                  title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}{seqs}")
     for name, n in plan.resident.items():
         parts.add(name, n if args.output in ("csv", "json") else format_bytes(n))
     for dtype, n in plan.attention_by_dtype.items():
         parts.add(f"  attention {dtype}", n if args.output in ("csv", "json") else format_bytes(n))
-    sizes = [("KV cache", plan.kv_bytes), ("expert cache (the preset's)", plan.cache_bytes),
+    sizes = [("KV cache" if args.parallel == 1 else f"KV caches ({args.parallel} sequences)", plan.kv_bytes), ("expert cache (the preset's)", plan.cache_bytes),
              ("total", plan.total_bytes), ("RAM", ram_bytes),
              ("largest expert cache that fits", plan.cache_fit_bytes), ("expert pool", plan.pool_bytes)]
     for name, n in sizes:
@@ -55,4 +62,7 @@ def run(args) -> int:
         verdict = "fits" if plan.fits else "does NOT fit"
         print(f"\n{verdict}: {format_bytes(plan.total_bytes)} planned + 2 GiB for the OS, of {format_bytes(ram_bytes)} RAM"
               f" (the last GB/token row: hits = the cache's share of the pool, as with uniform routing)")
+        if args.parallel > 1:
+            print(f"each sequence holds {format_bytes(plan.sequence_bytes)} (its KV cache and prompt chunk);"
+                  f" with this cache, at most {min(plan.sequences_fit, MAX_PARALLEL)} sequences fit")
     return 0 if plan.fits else 1

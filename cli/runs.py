@@ -351,30 +351,39 @@ def _bench_prefill(args, model) -> int:
 def _bench_batch(args, model) -> int:
     from ds4f.bench import bench_batch
 
-    records = bench_batch(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+    result = bench_batch(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+    records, join = result["records"], result["join"]
     table = Table("batch", [Column("cache", align="left"), Column("sequences", "seqs"),
-                            Column("tokens_per_s", "agg tok/s", ".2f"), Column("turns_tokens_per_s", "turns tok/s", ".2f"),
-                            Column("speedup", "batched/turns", ".2f"), Column("over_one", "over 1 seq", ".2f"),
+                            Column("tokens_per_s", "decode tok/s", ".2f"),
+                            Column("turns_tokens_per_s", "turns", ".2f"),
+                            Column("speedup", "x turns", ".2f"), Column("over_one", "x 1 seq", ".2f"),
+                            Column("e2e_tokens_per_s", "e2e tok/s", ".2f"), Column("e2e_speedup", "e2e x turns", ".2f"),
                             Column("sequence_tokens_per_s", "tok/s per seq", ".2f"), Column("ttft_s", "TTFT s", ".2f"),
                             Column("turns_ttft_s", "turns TTFT s", ".2f"), Column("gb_per_token", "GB/tok", ".3f"),
                             Column("turns_gb_per_token", "turns GB/tok", ".3f"),
                             Column("union_experts_per_layer", "union/layer", ".1f")],
-                  title="sequences decoded together against taking turns (the same requests, the same run)")
+                  title="sequences decoded together against taking turns (the same requests, the same run; decode: "
+                        "while every sequence decodes; e2e: first start to last end, prompts included)")
     for r in records:
         b, t = r["batched"], r["turns"]
         table.add(r["cache"], r["sequences"], b["tokens_per_s"], t["tokens_per_s"], r["speedup"], r["over_one"],
-                  b["sequence_tokens_per_s"], b["ttft_s"], t["ttft_s"], b["gb_per_token"], t["gb_per_token"],
+                  b["e2e_tokens_per_s"], r["e2e_speedup"], b["sequence_tokens_per_s"], b["ttft_s"], t["ttft_s"], b["gb_per_token"], t["gb_per_token"],
                   b["union_experts_per_layer"])
 
     def text(out):
         print = functools.partial(builtins.print, file=out)
         print()
         print(table.text())
-        worst = min((r["speedup"] for r in records if r["sequences"] > 1 and r["speedup"]), default=None)
-        if worst is not None:
-            print(f"worst batched/turns: {worst:.2f}x (taking turns: the same requests one after another)")
+        for key, what in (("speedup", "decode"), ("e2e_speedup", "end to end")):
+            worst = min((r[key] for r in records if r["sequences"] > 1 and r[key]), default=None)
+            if worst is not None:
+                print(f"worst batched/turns, {what}: {worst:.2f}x (taking turns: the same requests one after another)")
+        if join:
+            print(f"a second request while a first streams: first token after {join['ttft_s']:.2f} s, "
+                  f"{'within' if join['within_bound'] else 'BEYOND'} its alone {join['alone_ttft_s']:.2f} s"
+                  f" + one decode step {join['step_s']:.2f} s")
 
-    _show(args, [table], text, records)
+    _show(args, [table], text, result)
     return 0
 
 

@@ -25,7 +25,7 @@ from textual.command import CommandPalette
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
-from ds4f.api import (DEFAULT_GEN, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
+from ds4f.api import (DEFAULT_GEN, MAX_PARALLEL, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
                       ensure_demo_model, load_config)
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
@@ -105,7 +105,7 @@ class Ds4fConsole(App):
                  start_run: Callable | None = None, demo_factory: Callable | None = None,
                  diff_fn: Callable | None = None, validate_model: Callable | None | bool = None,
                  snapshot_source: Callable | None = None, refresh_s: float | None = None,
-                 theme: str | None = None) -> None:
+                 theme: str | None = None, parallel: int = 1) -> None:
         super().__init__()
         self._config_path = config_path
         self._model_arg = model
@@ -131,7 +131,9 @@ class Ds4fConsole(App):
         self._seen_state: dict[str, str] = {}
         self._answer: Answer | None = None   # the chat answer being written
         self._chat_timer = None
-        self.engines = EngineHost()  # one loaded engine, reused by every run of this session
+        # one loaded engine, reused by every run of this session; with parallel > 1, that many runs
+        # at once decode together on it
+        self.engines = EngineHost(parallel)
         for t in THEMES:
             self.register_theme(t)
         self.theme = theme or DEFAULT_THEME
@@ -375,8 +377,9 @@ class Ds4fConsole(App):
         ctl = self.controller
         if ctl is None:
             return
-        if self._starting or ctl.live:
-            self.notify("A run is already live: s stops it.", severity="warning")
+        if self._starting or (ctl.live and not ctl.can_add):
+            more = f" ({ctl.parallel} at once at most)" if ctl.parallel > 1 else ""
+            self.notify(f"A run is already live: s stops it{more}.", severity="warning")
             return
         self._start(ctl)
 
@@ -617,9 +620,9 @@ class Ds4fConsole(App):
     def _stop_live_run(self) -> None:
         """Stop a live run and give it a few seconds to end (it ends at its next token)."""
         ctl = self.controller
-        if ctl is not None and ctl.live:
-            ctl.stop()
-            ctl.run.wait(5.0)
+        if ctl is not None:
+            for run in ctl.stop_all():
+                run.wait(5.0)
 
     # -- diffs ----------------------------------------------------------------------------
     def _open_diff(self, a: RunRecord, b: RunRecord) -> None:
@@ -661,7 +664,7 @@ class Ds4fConsole(App):
         """The app is closing: stop a live run, then release the loaded engine."""
         self._stop_live_run()
         ctl = self.controller
-        if ctl is None or ctl.run is None or ctl.run.finished:
+        if ctl is None or not ctl.running:
             self.engines.close()
 
 
@@ -673,8 +676,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="ds4f.toml to use (default: ./ds4f.toml, then the user config dir, then built-in)")
     parser.add_argument("--model", metavar="PATH", help="checkpoint to run (default: the config's, else the demo)")
     parser.add_argument("--preset", metavar="NAME", help="preset for the first run (p cycles presets)")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="runs that may go at once, decoded together in one forward pass per step "
+                             "(r starts another while one runs; default 1)")
     args = parser.parse_args(argv)
-    app = Ds4fConsole(config_path=args.config, model=args.model, preset=args.preset)
+    if not 1 <= args.parallel <= MAX_PARALLEL:
+        parser.error(f"--parallel: between 1 and {MAX_PARALLEL} runs, got {args.parallel}")
+    app = Ds4fConsole(config_path=args.config, model=args.model, preset=args.preset, parallel=args.parallel)
     app.run()  # a live run is stopped and the engine released as the app unmounts
     return int(app.return_code or 0)
 

@@ -54,6 +54,7 @@ class Controller:
     start_run: Callable = default_start_run  # (RunConfig, History | None, EngineHost | None) -> Run
     engines: EngineHost | None = None      # keeps one loaded engine across this session's runs
     run: api.Run | None = None             # the current or last Run of this session
+    others: list = field(default_factory=list)   # earlier runs still live beside it (--parallel)
     notes: list[str] = field(default_factory=list)   # console-side events (settings changes)
     # tokens decoded by this session's earlier runs, by run id: the history has no count for a
     # cancelled or failed run (no report), but the console saw it
@@ -106,14 +107,35 @@ class Controller:
         # a chat turn continues on the cache the turns before left warm
         return replace(self.run_config(), **request, sampling=self.text.sampling(self.chat.seed), cold_start=False)
 
+    @property
+    def parallel(self) -> int:
+        """Sequences this session's engine decodes together (ds4f-console --parallel)."""
+        return self.engines.parallel if self.engines is not None else 1
+
+    @property
+    def running(self) -> list:
+        """This session's live runs: the current one and those started before it still going."""
+        runs = [r for r in self.others if r.state in api.LIVE_STATES]
+        self.others[:] = runs
+        return runs + ([self.run] if self.live else [])
+
+    @property
+    def can_add(self) -> bool:
+        """Another run may start beside the live ones (several sequences decode together)."""
+        return len(self.running) < self.parallel
+
     def start(self, request: dict | None = None):
         """Start a run with the pending settings (blocking: it opens the checkpoint); `request`:
-        a text prompt's fields (Chat.request), else the run is on token ids as before."""
-        if self.live:
-            raise Ds4fError(f"run {self.run.id} is still {self.run.state}; stop it first (s)")
+        a text prompt's fields (Chat.request), else the run is on token ids as before. With
+        --parallel N, up to N runs go at once (the dashboard follows the newest)."""
+        if self.live and not self.can_add:
+            more = f" ({self.parallel} sequences at most)" if self.parallel > 1 else ""
+            raise Ds4fError(f"run {self.run.id} is still {self.run.state}; stop it first (s){more}")
         config = self.text_run_config(request) if request is not None else self.run_config()
         run = self.start_run(config, self.history, self.engines)
         self._remember(self.run)
+        if self.live:
+            self.others.append(self.run)
         self.run = run
         return run
 
@@ -135,6 +157,13 @@ class Controller:
             return False
         self.run.cancel()
         return True
+
+    def stop_all(self) -> list:
+        """Cancel every live run of this session; the ones cancelled."""
+        runs = self.running
+        for r in runs:
+            r.cancel()
+        return runs
 
     def snapshot(self) -> Snapshot | None:
         return self.run.snapshot() if self.run is not None else None

@@ -305,7 +305,7 @@ class Run:
                         io_mode=self.checkpoint.io_mode, policy=self.preset.policy, tokens=t["tokens"],
                         events=t["events"], switches=t["switches"], elapsed_s=t["elapsed_s"], eta_s=t["eta_s"],
                         **self._speed_fields(t), **self._cache_fields(t, fig, layer_prefetched),
-                        **self._memory_fields(fig), **self._text_fields(t))
+                        **self._memory_fields(fig), **self._text_fields(t), **self._batch_fields())
 
     def _token_figures(self) -> dict:
         """What the snapshot takes from the token log and the run's state, read under the lock."""
@@ -377,6 +377,19 @@ class Run:
                     plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
                     kv_bytes=self._kv_bytes, context=self._context)
 
+    def _batch_fields(self) -> dict:
+        """The engine's batch (engine.batch) as this run sees it; {} when it runs alone."""
+        if self.engines is None or self.engines.parallel < 2:
+            return {}
+        f = self.engines.batch_figures()
+        with self._lock:
+            own = dict(batch_steps=self._passes, batch_shared_steps=self._shared_passes)
+        if f is None:
+            return dict(own, batch_parallel=self.engines.parallel, batch_cap=self.engines.parallel)
+        return dict(own, batch_parallel=f.parallel, batch_sequences=f.members, batch_cap=f.cap,
+                    batch_cap_reason=f.cap_reason, batch_rows_per_step=f.last_rows,
+                    batch_union_per_layer=f.union_per_layer or None, batch_tokens_per_s=f.tokens_per_s)
+
     def _text_fields(self, t: dict) -> dict:
         return dict(phase="prefill" if t["done"] < len(self.prompt) - 1 else "decode", prompt_tokens=len(self.prompt),
                     prompt_tokens_reused=self._log_tokens.reused_tokens,
@@ -422,12 +435,8 @@ class Run:
             self._cache_at_start = 0 if self.config.cold_start and not sharing else eng.cache.resident
             session = eng.new_session(self.prefill_chunk, cold=self.config.cold_start)
             self._session = session
-            if self.engines is not None and self.engines.parallel > 1:
-                session.join(eng.batcher)
-                self._log(f"batch: steps shared with up to {eng.batcher.parallel - 1} other sequences"
-                          + (f"; {eng.batcher.members - 1} step now" if sharing else ""))
-                if sharing and self.config.cold_start:
-                    self._log("cold start: not while other sequences step on the engine; on the cache as it is")
+            if sharing and self.config.cold_start:
+                self._log("cold start: not while other sequences step on the engine; on the cache as it is")
             self._log(f"expert cache warm: {self._cache_at_start} experts from earlier runs" if self._cache_at_start
                       else "expert cache cold: empty at the start")
             with self._lock:
@@ -439,7 +448,12 @@ class Run:
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
-            self._generate(eng, session, writer, self._reuse(eng, session, writer))
+            start = self._reuse(eng, session, writer)
+            if self.engines is not None and self.engines.parallel > 1:   # from here it steps with the others
+                session.join(eng.batcher)
+                self._log(f"batch: steps shared with up to {eng.batcher.parallel - 1} other sequences;"
+                          f" {eng.batcher.members - 1} step now")
+            self._generate(eng, session, writer, start)
             if self._cancel.is_set():
                 writer.abort()
                 writer = None

@@ -125,6 +125,16 @@ class Snapshot:
     prefill_tokens_per_s: float | None = None # their rate (the chunks' wall time)
     prefill_gb_per_token: float | None = None # disk GB read per prefilled token
     prefill_chunk: int = 0                    # tokens per chunk (0: the prompt goes token by token)
+    # sequences decoded together on the engine (engine.batch; parallel 1: the run is alone)
+    batch_parallel: int = 1                   # sequences a step may hold
+    batch_sequences: int = 0                  # sequences stepping on the engine now (this one included)
+    batch_cap: int = 1                        # sequences a step holds now (below parallel: capped)
+    batch_cap_reason: str = ""                # why it is capped
+    batch_rows_per_step: int = 0              # rows in the engine's last step
+    batch_union_per_layer: float | None = None  # distinct experts per layer in that step
+    batch_tokens_per_s: float | None = None   # rows per second over the recent steps, all sequences
+    batch_steps: int = 0                      # forward passes this run's tokens went in
+    batch_shared_steps: int = 0               # of them, those shared with other sequences
 
     def layer_policy_hit_rates(self) -> list[float | None]:
         """Per layer, the policy's own hit rate (hits without prefetch's help / requests), the

@@ -237,8 +237,25 @@ class MemoryPanel(DashboardPanel):
                   if snap.budget_bytes else "expert cache —")
         if snap.kv_bytes:
             mt.append(f" · KV {F.fmt_size(snap.kv_bytes)} for {snap.context} positions")
+        if snap.batch_parallel > 1:
+            mt.append("\n" + batch_line(snap))
         self.put("#mem-text", mt)
         self.set_level(*memory_level(snap))
+
+
+def batch_line(snap: Snapshot) -> str:
+    """The sequences decoded together: how many step now, what a step holds, the cap and why."""
+    parts = [f"batch {snap.batch_sequences}/{snap.batch_parallel} sequences"]
+    if snap.batch_rows_per_step:
+        parts.append(f"{snap.batch_rows_per_step} rows/step")
+    if snap.batch_union_per_layer is not None:
+        parts.append(f"union {snap.batch_union_per_layer:.1f} experts/layer")
+    if snap.batch_tokens_per_s is not None:
+        parts.append(f"{snap.batch_tokens_per_s:.2f} tok/s in all")
+    parts.append(f"this run shared {snap.batch_shared_steps} of {snap.batch_steps} steps")
+    if snap.batch_cap < snap.batch_parallel:
+        parts.append(f"capped at {snap.batch_cap}: {snap.batch_cap_reason}")
+    return " · ".join(parts)
 
 
 def memory_level(snap: Snapshot) -> tuple[str | None, str | None]:

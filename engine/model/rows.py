@@ -177,8 +177,10 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
         t1 = perf_counter()
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
-        _route_rows(source, layer, H if att is not None else X[:, 0], token_ids, buf)
-        _experts(source, layer, buf, n, bad if isolate else None)
+        H = H if att is not None else X[:, 0]
+        _route_rows(source, layer, H, token_ids, buf)
+        # the next layer's likely experts are read while this one computes
+        _experts(source, layer, buf, n, bad if isolate else None, lambda: source.guess_rows(layer + 1, H))
         _check_finite_rows(buf, layer, token_ids, segments, owner, bad)
         Y = sum_outputs(buf.ys[:n], buf.shared_out[:n], buf.moe_out[:n])
         if att is not None:
@@ -239,13 +241,13 @@ def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list
         buf.ids[c, layer], buf.weights[c, layer] = route(scores[c], router, token_ids[c], g)
 
 
-def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int, bad=None) -> None:
+def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int, bad=None, ahead=None) -> None:
     """buf.ys and buf.shared_out for the step's n rows at `layer`: the routed experts that land
     together go through one multi-token kernel call, each applied to every row that chose it
     (its weights decoded once); the shared expert to all n rows at once. Each row's outputs are
     bit-identical to the single-vector kernels' (kernels.experts_forward_tokens, *_matmul).
     bad(row, error): where the rows of an expert whose read failed are reported (their outputs
-    are NaN); None: such a read raises."""
+    are NaN); None: such a read raises. ahead: the source's lookahead (chunk_arrivals)."""
     g = source.geometry
     users: dict[int, list[tuple[int, int]]] = {}      # expert -> [(row, rank)] that chose it
     for c in range(n):
@@ -258,7 +260,7 @@ def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int, bad=No
             bad(c, err)
 
     xs = buf.xs[:n]
-    for batch in source.chunk_arrivals(layer, buf.ids[:n, layer], None if bad is None else failed):
+    for batch in source.chunk_arrivals(layer, buf.ids[:n, layer], None if bad is None else failed, ahead):
         routed = [(e, w) for e, w in batch if e != SHARED]
         if routed:
             tokens = [[c for c, _ in users[e]] for e, _ in routed]

@@ -37,6 +37,9 @@ class Streamer:
     # falls with its rank, and the last ranks' guesses cost about as many wasted reads as they save
     # (`ds4f bench cache` measures it).
     PREFETCH_RANKS = 4
+    # A step of at most PREFETCH_ROWS rows (several sequences' decode tokens) guesses ahead too;
+    # a longer one is a prompt chunk, whose union is most of each layer anyway.
+    PREFETCH_ROWS = 16
 
     def __init__(self, checkpoint, pinned: dict[int, MoeWeights], routers: dict[int, RouterWeights],
                  globals_: GlobalWeights, cache: ExpertCache, reader: Reader, prefetch: bool,
@@ -186,17 +189,28 @@ class Streamer:
         self._trunk = {}
         self._chunk_protected: set = set()
         self._trunk_next = self._read_ahead(0) if self.unpinned else None
+        self._chunk_tokens = list(token_ids)
+        if self.prefetch and len(token_ids) <= self.PREFETCH_ROWS:   # the hash layers' experts: known now
+            g = self.geometry
+            self._prefetch_keys([(layer, int(e)) for layer in range(g.n_hash_layers) for t in token_ids
+                                 for e in self.routers[layer].tid2eid[t]])
 
-    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None) -> Iterator[list[tuple[int, object]]]:
+    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None,
+                       ahead=None) -> Iterator[list[tuple[int, object]]]:
         """The step's routing at `layer` is known (ids: int32 [rows, top_k]): each distinct
         expert is read once (runtime.schedule's chunk order, in batches the cache holds, the next
         batch's reads under way while one computes). Batches of (expert id, weights) as they land;
         [(SHARED, shared expert weights)] once, when the layer's trunk is there. An expert whose
-        read failed raises, or with on_error(expert id, error) is reported there and skipped."""
+        read failed raises, or with on_error(expert id, error) is reported there and skipped.
+        ahead(): called once the layer's first batches are requested (their slots kept), before
+        any computes: where the next layer's guesses start (guess_rows)."""
         shared = _Shared(self, layer, self._layer_trunk(layer))
         keys = chunk_layer_keys(layer, ids)
         for batch, slots in chunk_layer_requests(self.cache, self._chunk_protected, self._chunk_first, layer, keys,
                                                  issue=lambda pairs: self._issue(layer, pairs)):
+            if ahead is not None:
+                ahead()
+                ahead = None
             failed = None if on_error is None else (lambda e, err, batch=batch: on_error(batch[e][1], err))
             for landed in self._land(layer, slots, shared, final=False, on_error=failed):
                 yield [(e if e == SHARED else batch[e][1], w) for e, w in landed]
@@ -205,6 +219,37 @@ class Streamer:
 
     def finish_chunk_layer(self, layer: int) -> None:
         self._chunk_protected.clear()
+
+    def guess_rows(self, layer: int, H) -> None:
+        """Router lookahead for a step of a few rows (several sequences' decode tokens): route
+        `layer` on each row's current MoE input H[c] and start reading the likely experts while
+        this layer computes, as request_experts does for one token. Not for a long prompt chunk
+        (its union is most of the layer: it reads it batch by batch)."""
+        g = self.geometry
+        if not self.prefetch or not g.n_hash_layers <= layer < g.n_layers or len(H) > self.PREFETCH_ROWS:
+            return
+        router = self.routers[layer]
+        keys = []
+        for c, t in enumerate(self._chunk_tokens):
+            x = rms_norm(H[c], router.ffn_norm, g.rms_norm_eps, self._x_ahead, self._h64)
+            ids, _ = route(router_scores(router, x, self._logits_ahead), router, t, g)
+            keys += [(layer, int(e)) for e in ids[:self.PREFETCH_RANKS]]
+        self._prefetch_keys(keys)
+
+    def _prefetch_keys(self, keys: list) -> None:
+        """Start prefetch reads of those of `keys` the cache lacks, while slots free of the
+        current needs are there (best effort)."""
+        keys = list(dict.fromkeys(keys))
+        keep = self._chunk_protected | set(keys)
+        for key in keys:
+            if key in self.cache or key in self._prefetched:
+                continue
+            try:
+                slot = self.cache.allocate(key, keep, count=False, wait=False)
+            except Ds4fError:
+                break
+            self.prefetch_counts["issued"] += 1
+            self._prefetched[key] = self._read(slot, key, PREFETCH)
 
     def _layer_trunk(self, layer: int):
         """The layer's trunk (pinned, or the read-ahead job) and the next unpinned layer's read started."""

@@ -120,6 +120,32 @@ async def test_stop_cancels(tiny_model, history_path):
 
 
 @async_test
+async def test_with_parallel_a_second_run_starts_beside_the_first_and_both_decode_together(tiny_model, history_path):
+    """ds4f-console --parallel 2: r while a run is live starts another beside it; the memory
+    panel says what the batch holds; a third is refused; q stops both."""
+    app = make_app(tiny_model, history_path, gen=8000, parallel=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await booted(pilot)
+        await start_a_few_tokens(pilot)
+        first = app.controller.run
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.controller.run is not first, 30, "the second run")
+        second = app.controller.run
+        await wait_for(pilot, lambda: second.snapshot().batch_shared_steps > 2, 60, "shared steps")
+        assert first.state == "running" and second.state == "running"
+        await wait_for(pilot, lambda: "batch 2/2 sequences" in text_of(app, "#mem-text"), 30, "the batch line")
+        assert "shared" in text_of(app, "#mem-text")
+        await pilot.press("r")                                  # a third: refused, nothing started
+        await pilot.pause(0.3)
+        assert app.controller.run is second and len(app.controller.running) == 2
+        await pilot.press("s")                                  # s stops the current one; the first goes on
+        assert second.wait(30) and second.state == "cancelled"
+        assert first.state == "running"
+        first.cancel()
+        assert first.wait(30)
+
+
+@async_test
 async def test_the_engine_stays_loaded_between_runs(tiny_model, history_path):
     app = make_app(tiny_model, history_path, gen=3)
     async with app.run_test(size=SIZE) as pilot:

@@ -193,3 +193,82 @@ def test_a_host_for_several_sequences_refuses_one_more(ratios_model, tmp_path):
             run.wait(60)
         host.close()
     assert not (tmp_path / "r2.bin").exists() and not (tmp_path / "r3.bin").exists()
+
+
+def test_a_sequence_whose_expert_read_fails_fails_alone(ratios_model, tmp_path):
+    """An expert record that turns corrupt on disk (its crc32 no longer matches) fails the one
+    sequence whose row chose it, naming the expert and the file; the others' rows are those
+    they get alone."""
+    import json
+
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.config import load_config
+    from ds4f.engine.engine import Engine
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ratios_model, broken)
+    preset = load_config(None).get_preset(None)
+    engine = Engine(open_checkpoint(broken), preset, 2, 2, kernels.best_backend())
+    g = engine.geometry
+    try:
+        sessions = [engine.new_session(4, cold=False) for _ in range(3)]
+        for s, (p, _) in zip(sessions, REQUESTS):
+            s.prefill(list(p[:4]))
+        want, ids = [], []
+        for i, (s, (p, _)) in enumerate(zip([engine.new_session(4, cold=False) for _ in range(3)], REQUESTS)):
+            s.prefill(list(p[:4]))
+            got = s.prefill([30 + i])
+            want.append(got.logits.copy())
+            ids.append(got.ids[0].copy())          # [n_layers, top_k]
+        # an expert the second sequence chose at a layer past the hash layers, and no other
+        layer, expert = next((L, int(e)) for L in range(g.n_hash_layers, g.n_layers) for e in ids[1][L]
+                             if e not in ids[0][L] and e not in ids[2][L])
+        offset = json.loads((broken / "pool-mxfp4.json").read_text())["records"][layer * g.n_experts + expert][0]
+        with open(broken / "pool-mxfp4.bin", "r+b") as f:
+            f.seek(offset + g.expert_nbytes // 2)
+            byte = f.read(1)
+            f.seek(offset + g.expert_nbytes // 2)
+            f.write(bytes([byte[0] ^ 0x01]))        # one flipped bit in the weights
+        engine.cache.reset()                        # every expert read again, from the file as it is now
+        buf = ChunkBuffers(g, 4)
+        segs = [Segment([30 + i], s.position, s.kv) for i, s in enumerate(sessions)]
+        with np.errstate(invalid="ignore"):
+            logits = forward_rows(engine.streamer, segs, buf, isolate=True)
+        assert segs[1].error is not None, "the corrupt record was not read"
+        assert f"expert {expert}" in segs[1].error.message and "crc32" in segs[1].error.message, segs[1].error
+        assert segs[0].error is None and segs[2].error is None
+        assert logits[0].tobytes() == want[0].tobytes() and logits[2].tobytes() == want[2].tobytes()
+    finally:
+        engine.close()
+        engine.ckpt.close()
+
+
+class _Geometry:
+    """What a StepBatcher needs of an engine to be made (its buffers' shapes)."""
+
+    def __init__(self, ratios_model):
+        from ds4f.engine.checkpoint import open_checkpoint
+
+        with open_checkpoint(ratios_model) as ck:
+            self.geometry = ck.geometry
+
+
+def test_the_cap_is_the_largest_batch_that_paid(ratios_model):
+    """A decode step of k sequences that takes at least k steps of one does not pay: steps are
+    capped below the smallest such k, with the figures in the reason; when it pays again (its
+    running mean falls), the cap goes back up."""
+    from ds4f.engine.batch import StepBatcher
+
+    b = StepBatcher(_Geometry(ratios_model), parallel=4, rows=8)
+    b._step_s = {2: 1.5}
+    b._decide_cap()
+    assert b.cap == 4 and b.cap_reason == ""            # no step of one measured yet: no yardstick
+    b._step_s = {1: 1.0, 2: 1.5, 3: 3.3, 4: 3.0}
+    b._decide_cap()
+    assert b.cap == 2 and "a step of 3 sequences took 3.300 s, 3 steps of one 3.000 s" in b.cap_reason
+    b._step_s[3] = 2.5
+    b._decide_cap()
+    assert b.cap == 4 and b.cap_reason == ""
+    b._step_s[2] = 2.0                                  # exactly two steps' time: does not pay
+    b._decide_cap()
+    assert b.cap == 1 and "a step of 2 sequences" in b.cap_reason

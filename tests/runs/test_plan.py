@@ -63,3 +63,59 @@ def test_a_cache_limit_caps_the_cache_and_must_be_a_size(tiny_model, tmp_path):
     (tmp_path / "bad.toml").write_text('[presets.small]\npinned_layers = "all"\ncache_limit = "10%"\n')
     with pytest.raises(Ds4fError, match=r"presets\.small\.cache_limit: a size like '12 GiB'"):
         load_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize("geometry", ["tiny", "bench", "flash"])
+def test_the_plan_for_several_sequences_counts_what_the_batch_allocates(geometry):
+    """N sequences decoded together: N KV caches and batched prompt chunks, and the batched
+    step's buffers, as the engine allocates them (engine.batch)."""
+    import dataclasses
+
+    from ds4f.engine.batch import batched_chunk, step_rows
+    from ds4f.engine.model.attention import KVCache, attention_shapes
+    from ds4f.engine.model.rows import ChunkBuffers, transient_nbytes
+
+    g = GEOMETRIES[geometry]
+    laptop = load_config().get_preset("laptop")
+    one = memory_plan(g, laptop, 24 << 30)
+    four = memory_plan(g, laptop, 24 << 30, parallel=4)
+    kv = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), laptop.context)
+    assert one.kv_bytes == kv and four.kv_bytes == 4 * kv
+    chunk = batched_chunk(laptop.prefill_chunk)
+    assert chunk == min(64, laptop.prefill_chunk)
+    per = ChunkBuffers.nbytes_for(g, chunk) + transient_nbytes(g, chunk)
+    assert four.sequence_bytes == kv + per
+    step = [v for k, v in four.resident.items() if k.startswith("batched step")]
+    rows = step_rows(4, laptop.prefill_chunk)
+    assert step == [ChunkBuffers.nbytes_for(g, rows) + transient_nbytes(g, rows)]
+    if geometry == "tiny":    # the step's buffers as allocated
+        assert ChunkBuffers(g, rows).nbytes == ChunkBuffers.nbytes_for(g, rows)
+    # how many fit: that many do, one more does not (with a RAM that makes it matter)
+    small = dataclasses.replace(laptop, context=1 << 20) if geometry == "tiny" else laptop
+    ram = 8 << 30
+    fit = memory_plan(g, small, ram, parallel=2).sequences_fit
+    if 2 <= fit < 64:
+        assert memory_plan(g, small, ram, parallel=fit).fits
+        assert not memory_plan(g, small, ram, parallel=fit + 1).fits
+
+
+def test_plan_parallel_prints_the_sequences_and_refuses_nonsense():
+    out = _cli("--geometry", "real", "--ram", "24GiB", "--parallel", "4")
+    assert out.returncode == 0, out.stderr
+    assert "4 sequences decoded together" in out.stdout and "KV caches (4 sequences)" in out.stdout
+    assert "sequences fit" in out.stdout
+    bad = _cli("--parallel", "0")
+    assert bad.returncode != 0 and "--parallel" in bad.stderr and "between 1 and" in bad.stderr
+    big = _cli("--geometry", "real", "--ram", "24GiB", "--parallel", "64")
+    assert big.returncode == 1 and "does NOT fit" in big.stdout
+
+
+def test_server_parallel_in_the_config(tmp_path):
+    path = tmp_path / "ds4f.toml"
+    path.write_text("[server]\nparallel = 3\n")
+    assert load_config(str(path)).server_parallel == 3
+    assert load_config(None).server_parallel == 0       # auto
+    for bad in ("-1", "65", '"four"'):
+        path.write_text(f"[server]\nparallel = {bad}\n")
+        with pytest.raises(Ds4fError, match="server.parallel"):
+            load_config(str(path))

@@ -118,3 +118,26 @@ def test_parallel_beyond_the_memory_plan_is_refused_with_the_figure(tiny_model, 
     bad.write_text('[server]\nparallel = -1\n')
     with pytest.raises(Ds4fError, match="server.parallel: must be between 0"):
         Server(ServerOptions(model=str(tiny_model), config_path=str(bad), port=0))
+
+
+def test_a_client_that_disconnects_leaves_and_the_others_are_unharmed(start):
+    srv = start(parallel=2, reuse_prefix=False)
+    client = srv.openai()
+    alone: dict = {}
+    _stream(client, PROMPTS[1], alone, 0, max_tokens=40, temperature=0)
+    srv.wait_idle()
+    gone = client.chat.completions.create(model="ds4f", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          stream=True, max_tokens=4000, temperature=0)
+    first = next(iter(gone))
+    together: dict = {}
+    other = threading.Thread(target=_stream, args=(client, PROMPTS[1], together, 0),
+                             kwargs=dict(max_tokens=40, temperature=0))
+    other.start()
+    for _i, _chunk in zip(range(3), gone):
+        pass
+    gone.close()                                   # the client goes away mid-stream
+    other.join(120)
+    assert together[0][0] == alone[0][0]
+    srv.wait_idle()
+    left = srv.get(f"/runs/{first.id.split('-', 1)[1]}").json()
+    assert left["state"] == "cancelled" and left["tokens_done"] < 4000, left
