@@ -236,10 +236,13 @@ class StepBatcher:
         self._account(plan, n, seconds, union, dict(zip(COST_KEYS + TIME_KEYS, delta)), errors)
 
     def _alone(self, req: _Request) -> dict:
-        """One decode row: the token forward into the session's own buffers."""
-        s = req.session
-        forward(s.source, req.token_ids[0], s.buffers, s.kv, req.pos0)   # req.out: views of these buffers
-        req.times += s.buffers.times
+        """One row of one sequence (a decode token, or the last of a prompt chunk): the token
+        forward in the session's own buffers, its record copied where the request wants it (for
+        a decode token, onto itself)."""
+        s, b, i = req.session, req.session.buffers, req.done_rows
+        forward(s.source, req.token_ids[i], b, s.kv, req.pos0 + i)
+        _copy_row(req.out, i, b.ids, b.weights, b.hidden, b.attn, b.logits)
+        req.times += b.times
         return {}
 
     def _rows(self, plan: list[tuple[_Request, int]], n: int) -> tuple[dict, float]:
@@ -322,8 +325,7 @@ class StepBatcher:
 
 def _copy_row(out: tuple, i: int, ids, weights, hidden, attn, logits) -> None:
     for dst, src in zip(out, (ids, weights, hidden, attn, logits)):
-        if dst[i] is not src:
-            dst[i] = src
+        dst[i] = src
 
 
 def engine_counters(eng) -> list:

@@ -272,3 +272,31 @@ def test_the_cap_is_the_largest_batch_that_paid(ratios_model):
     b._step_s[2] = 2.0                                  # exactly two steps' time: does not pay
     b._decide_cap()
     assert b.cap == 1 and "a step of 2 sequences" in b.cap_reason
+
+
+def test_prompt_chunks_split_across_steps_are_what_they_are_alone(ratios_model, tmp_path):
+    """Steps of few rows (a preset's prefill chunk of 4: 2 decode rows and 4 prompt rows a step):
+    prompt chunks of 5 go in parts, a part of one row alone through the token forward; every
+    sequence's dump is its alone one."""
+    config = tmp_path / "ds4f.toml"
+    config.write_text('[engine]\nprobe_floor = false\npreset = "small"\n\n'
+                      f'[history]\npath = "{tmp_path / "h.sqlite3"}"\n\n'
+                      '[presets.small]\npinned_layers = "all"\ncache = "50%"\ncontext = 256\nprefill_chunk = 4\n')
+    prompts = [(3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5), tuple(range(40, 56)), (7, 7, 7, 8, 8, 8)]
+
+    def cfg(i, prompt, name):
+        return _config(ratios_model, tmp_path / f"{name}{i}.bin", prompt, 6, BACKENDS[-1], config_path=str(config),
+                       preset="small")
+
+    alone = [_done(start_run(cfg(i, p, "alone"))) for i, p in enumerate(prompts)]
+    host = EngineHost(parallel=2)
+    try:
+        first = [start_run(cfg(i, p, "split"), engines=host) for i, p in enumerate(prompts[:2])]
+        for run in first:
+            _done(run)
+        third = _done(start_run(cfg(2, prompts[2], "split"), engines=host))
+        for a, b in zip(alone, first + [third]):
+            assert b.dump_path.read_bytes() == a.dump_path.read_bytes()
+        assert host.batch_figures().rows == 2 + 4
+    finally:
+        host.close()
