@@ -137,7 +137,8 @@ def _join(host, model: Path, preset: str, gen: int, config_path, log: Log) -> di
     seen = threading.Event()
 
     def on_first(rec):
-        steps.append(rec.seconds)
+        if rec.index >= len(first_p) - 1:        # the first's decode steps, alone on the engine
+            steps.append(rec.seconds)
         if len(steps) >= 4:
             seen.set()
     first = start_run(config(first_p, gen * 4, "first"), engines=host, on_token=on_first)

@@ -144,6 +144,12 @@ class StepBatcher:
             self._members.discard(session)
             self._cond.notify_all()
 
+    def nbytes_beside(self, session) -> int:
+        """The step's buffers and the members' buffers and KV caches, `session`'s apart."""
+        with self._cond:
+            others = [m for m in self._members if m is not session]
+        return self.buffers.nbytes + sum(m.nbytes for m in others)
+
     @property
     def members(self) -> int:
         with self._cond:

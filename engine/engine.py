@@ -112,9 +112,12 @@ class Engine:
         return sum(la.nbytes for la in self.attention)
 
     # -- figures --------------------------------------------------------------------------------
-    def figures(self, session_nbytes: int = 0) -> EngineFigures:
+    def figures(self, session_nbytes: int = 0, session=None) -> EngineFigures:
         """The cache, reader and memory figures a snapshot or report needs (a cheap copy).
-        session_nbytes: the buffers of the session computing on the engine, counted as resident."""
+        session_nbytes: the buffers of the session computing on the engine (`session`), counted as
+        resident; with a batch, the other sessions stepping in it and the step's buffers too."""
+        if self.batcher is not None:
+            session_nbytes += self.batcher.nbytes_beside(session)
         ck, cache = self.ckpt, self.cache
         reads, _nbytes, latency = self.reader.expert_stats.totals()
         checks, _checked, check_s = self.reader.check_stats.totals()

@@ -331,7 +331,7 @@ class Run:
         # read before the cache's figures: a hit is counted by the cache before the streamer says
         # it was on a prefetched expert, so these never exceed the layer hits read after
         layer_prefetched = tuple(eng.streamer.prefetch_layer_hits)
-        return layer_prefetched, eng.figures(self._session_nbytes)
+        return layer_prefetched, eng.figures(self._session_nbytes, self._session)
 
     def _speed_fields(self, t: dict) -> dict:
         """s/token, GB/token and the read rate against the disk's floor."""
@@ -543,7 +543,7 @@ class Run:
             self._session.leave()
         if self._engine is not None:
             self._final_layer_prefetch_hits = tuple(self._engine.streamer.prefetch_layer_hits)
-            self._final_figures = self._engine.figures(self._session_nbytes)
+            self._final_figures = self._engine.figures(self._session_nbytes, self._session)
             if not self._hosted:
                 self._engine.close()
             self._engine = None
@@ -739,7 +739,7 @@ class Run:
                 self._log(self.history_error)
 
     def _optimum_hit_rate(self, state_file: Path) -> float | None:
-        fig = self._engine.figures(self._session_nbytes) if self._engine is not None else self._final_figures
+        fig = self._engine.figures(self._session_nbytes, self._session) if self._engine is not None else self._final_figures
         if fig is None:
             return None
         return optimum_hit_rate(self.checkpoint.geometry, state_file, self._log_tokens, self.prefill_chunk,
@@ -779,7 +779,7 @@ class Run:
 
     def _build_report(self, sha: str | None) -> dict:
         snap = self.snapshot()
-        fig = self._engine.figures(self._session_nbytes)
+        fig = self._engine.figures(self._session_nbytes, self._session)
         log = self._log_tokens
         rows = log.rows[:log.count]
         return {
