@@ -3,9 +3,10 @@
 Sessions of one engine join its StepBatcher; a joined session's step() and prefill() hand their
 rows to it and wait. The batcher's thread gathers what the members asked for (until every member
 has asked, or GATHER_S after the first did), forms a step of at most `cap` sequences (those that
-waited longest first) and `rows` rows (every decode row first; a prompt chunk takes what is left,
-its remainder goes in the next steps, so the sequences already decoding keep streaming), runs it,
-and hands each member its rows' records, logits and share of the step's reads.
+waited longest first): decode tokens and prompt chunks go in steps of their own, taking turns
+while both wait (a chunk takes at most rows - parallel rows, its remainder goes in its next
+steps), so the sequences already decoding keep streaming and a new prompt waits for one decode
+step at most; it runs the step and hands each member its rows' records, logits and share of the step's reads.
 
 Each row's numbers are those it gets alone, whatever else is in the step (model.rows), so a
 sequence's tokens and state dump do not depend on who it shared steps with. A step of one
@@ -64,6 +65,7 @@ class _Request:
     pos0: int
     out: tuple
     should_stop: object = None
+    prompt: bool = False         # a prompt chunk (else a decode token)
     asked_at: float = field(default_factory=time.monotonic)
     done_rows: int = 0
     costs: dict = field(default_factory=dict)
@@ -119,6 +121,7 @@ class StepBatcher:
         self._step_s: dict[int, float] = {}      # sequences in a decode step -> running mean seconds
         self._capped_at = 0                      # the step count when the cap last changed or was probed
         self._decode_steps = 0
+        self._last_prompt = False                # the last step was a prompt step
         self._union_sum = 0.0
         self._last_s = GATHER_S / GATHER_SHARE   # the last step's seconds
 
@@ -163,9 +166,10 @@ class StepBatcher:
             self._thread.join(5)
 
     # -- a member's rows ---------------------------------------------------------------------------
-    def compute(self, session, token_ids: list[int], out: tuple, should_stop=None) -> _Request:
-        """Hand the session's next rows to the batcher and wait for them (records into `out`)."""
-        req = _Request(session, list(token_ids), session.position, out, should_stop)
+    def compute(self, session, token_ids: list[int], out: tuple, should_stop=None, prompt: bool = False) -> _Request:
+        """Hand the session's next rows to the batcher and wait for them (records into `out`);
+        prompt: they are a prompt chunk (Session.prefill), else a decode token."""
+        req = _Request(session, list(token_ids), session.position, out, should_stop, prompt=prompt)
         with self._cond:
             if session not in self._members:
                 raise Ds4fError("the session is not one of the batch's", kind="internal")
@@ -198,8 +202,10 @@ class StepBatcher:
             self._step(plan)
 
     def _plan(self) -> list[tuple[_Request, int]]:
-        """(request, rows) of the next step: at most `cap` sequences, longest waiting first; one
-        row each for those decoding, what rows are left for prompt chunks."""
+        """(request, rows) of the next step: at most `cap` sequences, longest waiting first. Decode
+        tokens and prompt chunks go in steps of their own, taking turns while both wait: the
+        sequences decoding get a token between a prompt's chunks (each at most rows - parallel),
+        and a new prompt waits for at most the decode step in flight."""
         reqs = sorted(self._pending, key=lambda r: r.asked_at)
         cap = self.cap
         if self._steps - self._capped_at >= PROBE_STEPS:
@@ -208,16 +214,19 @@ class StepBatcher:
                 cap = 1                                # measure a step of one, the yardstick
             elif cap < self.parallel:
                 cap += 1                               # try one more now and then
-        chosen = reqs[:cap]
-        budget = self.rows - sum(1 for r in chosen if r.left == 1)
-        plan = []
-        for r in chosen:
-            if r.left == 1:
-                plan.append((r, 1))
-            elif budget > 0:
-                k = min(r.left, budget)
-                budget -= k
-                plan.append((r, k))
+        decode = [r for r in reqs if not r.prompt]
+        prompts = [r for r in reqs if r.prompt]
+        if decode and (not prompts or self._last_prompt):
+            self._last_prompt = False
+            return [(r, 1) for r in decode[:cap]]
+        self._last_prompt = True
+        budget, plan = self.rows - self.parallel, []
+        for r in prompts[:cap]:
+            if budget <= 0:
+                break
+            k = min(r.left, budget)
+            budget -= k
+            plan.append((r, k))
         return plan
 
     def _step(self, plan: list[tuple[_Request, int]]) -> None:
@@ -272,7 +281,7 @@ class StepBatcher:
 
     def _account(self, plan, n: int, seconds: float, union: float, delta: dict, errors: dict) -> None:
         shares = {k: split_whole(delta[k], n) for k in COST_KEYS}
-        decode = all(k == 1 for _, k in plan)
+        decode = not any(r.prompt for r, _ in plan)
         with self._cond:
             self._steps += 1
             self._rows_total += n

@@ -130,7 +130,7 @@ class Session:
         b = self.chunk
         if self.batcher is not None:
             out = (b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], b.logits[:n])
-            self._batched = self.batcher.compute(self, list(token_ids), out, should_stop)
+            self._batched = self.batcher.compute(self, list(token_ids), out, should_stop, prompt=True)
             logits = b.logits[:n]
         else:
             logits = prefill(self.source, list(token_ids), b, self.kv, self.position, should_stop, beside)
