@@ -196,11 +196,13 @@ class Engine:
         prefill_chunk: prompt tokens per layer-major chunk (0: token by token only). While other
         sessions step in the engine's batch, the cache and the counters are theirs too: the
         session starts on them as they are (see `sharing`)."""
+        if self.sharing:          # the batch's cache, counters and kernels: nothing to wait for
+            return Session(self, prefill_chunk)
         with self.compute_lock:
             if not self.sharing:
                 self.streamer.reset(cold)
                 self.kernels.apply()
-            return Session(self, prefill_chunk)
+        return Session(self, prefill_chunk)
 
     @property
     def sharing(self) -> bool:
@@ -220,6 +222,8 @@ class Engine:
     def reset_for_run(self, io_threads: int, kernel_threads: int, backend: str) -> None:
         """The settings of the next run on a loaded engine (new_session says whether the cache is
         emptied); while sessions step in its batch, theirs stay (a run joining takes them)."""
+        if self.sharing:          # checked before the lock: a joining run does not wait for a step
+            return
         with self.compute_lock:
             if self.sharing:
                 return
