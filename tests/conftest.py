@@ -40,3 +40,19 @@ def tiny_moe_only(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-moe")
     official = synth_checkpoint(root / "official", GEOMETRIES["tiny"].replace(attention=None), seed=0)
     return convert_checkpoint(official, root / "ds4f")
+
+
+@pytest.fixture(scope="session")
+def ratios_model(tmp_path_factory):
+    """The transformers fixture with CSA and HCA layers at small ratios (tests/fixtures/whole/ratios,
+    its expected outputs left out), converted to the ds4f layout, made once. Tests that change a
+    checkpoint copy it first."""
+    import shutil
+    from pathlib import Path
+
+    from ds4f.engine.checkpoint.convert import convert_checkpoint
+
+    whole = Path(__file__).resolve().parent / "fixtures" / "whole"
+    src = tmp_path_factory.mktemp("ratios") / "official"
+    shutil.copytree(whole / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
+    return convert_checkpoint(src, src.parent / "ds4f", progress=False)

@@ -5,34 +5,23 @@ from __future__ import annotations
 
 import shutil
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ds4f.native import kernels
-from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
 from ds4f.runs.config import RunConfig
 from ds4f.runs.host import EngineHost
 from ds4f.runs.run import active_runs, start_run
 from ds4f.errors import Ds4fError
 
-WHOLE = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
 BACKENDS = [b for b in ("scalar", "avx2", "avx512", "neon") if b in kernels.available_backends()]
 # three requests: prompt, tokens to generate (the first one's prompt passes the CSA layers'
 # index_topk, so its indexer selects, some of its steps beside sequences that do not)
 REQUESTS = [((0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8), 12),
             ((9, 8, 7, 6, 5, 4, 3, 2, 1), 5),
             ((100, 101, 5, 5, 5, 60, 61, 62, 63, 64, 65, 66, 67), 8)]
-
-
-@pytest.fixture(scope="module")
-def ratios_model(tmp_path_factory):
-    """The transformers fixture with CSA and HCA layers at small ratios, in the ds4f layout."""
-    src = tmp_path_factory.mktemp("ratios") / "official"
-    shutil.copytree(WHOLE / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
-    return convert_checkpoint(src, src.parent / "ds4f", progress=False)
 
 
 def _config(model, path, prompt, gen, backend, **kw):

@@ -4,22 +4,18 @@ processing at every chunk size and thread count; its reads are counted against t
 dump itself records."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ds4f.native import kernels
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.errors import Ds4fError
 from ds4f.runs.config import RunConfig
 from ds4f.runs.run import start_run
 from ds4f.runs.statedump import read_state
 from ds4f.engine.text.sampling import SamplingParams
 
-WHOLE = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
 PROMPT = (0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8)     # 17 tokens, within every vocabulary
 BEST = kernels.best_backend()
 
@@ -32,14 +28,6 @@ def _run(model, tmp_path, name, chunk, threads=2, backend=BEST, **kw):
     assert run.wait(120), "run did not finish"
     assert run.state == "done", run.error
     return run
-
-
-@pytest.fixture(scope="module")
-def ratios_model(tmp_path_factory):
-    """The transformers fixture with CSA and HCA layers at small ratios, in the ds4f layout."""
-    src = tmp_path_factory.mktemp("ratios") / "official"
-    shutil.copytree(WHOLE / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
-    return convert_checkpoint(src, src.parent / "ds4f", progress=False)
 
 
 CASES = [("tiny_model", b) for b in ("scalar", "avx2", "avx512", "neon") if b in kernels.available_backends()]

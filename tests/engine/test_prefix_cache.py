@@ -5,28 +5,22 @@ directory leaves the RAM tier working; two caches may share one directory."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.config import load_config
 from ds4f.engine.engine import Engine
 from ds4f.engine.prefix_cache import PrefixCache
 from ds4f.native import kernels
 
-WHOLE = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
 PROMPT = (0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8, 31, 64, 2, 9, 101, 44)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    src = tmp_path_factory.mktemp("ratios") / "official"
-    shutil.copytree(WHOLE / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
-    model = convert_checkpoint(src, src.parent / "ds4f", progress=False)
-    eng = Engine(open_checkpoint(model), load_config(None).get_preset("laptop"), 2, 2, kernels.best_backend())
+def engine(ratios_model):
+    eng = Engine(open_checkpoint(ratios_model), load_config(None).get_preset("laptop"), 2, 2, kernels.best_backend())
     yield eng
     eng.close()
     eng.ckpt.close()

@@ -8,13 +8,11 @@ window of 5: the snapshot positions are past the window and inside a compressor'
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.config import load_config
 from ds4f.engine.engine import Engine
@@ -22,18 +20,10 @@ from ds4f.engine.session_state import load_state, save_state
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 
-WHOLE = Path(__file__).resolve().parents[1] / "fixtures" / "whole"
 PROMPT = (0, 17, 42, 99, 5, 7, 200, 11, 12, 13, 250, 3, 4, 77, 19, 23, 8, 31, 64, 2, 9, 101, 44)   # 23 tokens
 AT = (7, 13, 22)          # snapshot positions: past the window (5), none a multiple of 4 or 16
 GEN = 6
 BACKENDS = kernels.available_backends()
-
-
-@pytest.fixture(scope="module")
-def ratios_model(tmp_path_factory):
-    src = tmp_path_factory.mktemp("ratios") / "official"
-    shutil.copytree(WHOLE / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
-    return convert_checkpoint(src, src.parent / "ds4f", progress=False)
 
 
 def _engine(model, backend="scalar", context=None):
