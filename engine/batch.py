@@ -6,18 +6,19 @@ has asked, or GATHER_S after the first did), forms a step of at most `cap` seque
 waited longest first): decode tokens and prompt chunks go in steps of their own, taking turns
 while both wait (a chunk takes at most rows - parallel rows, its remainder goes in its next
 steps), so the sequences already decoding keep streaming and a new prompt waits for one decode
-step at most; it runs the step and hands each member its rows' records, logits and share of the step's reads.
+step at most; it runs the step and hands each member its rows' records, logits and share of the
+step's reads.
 
 Each row's numbers are those it gets alone, whatever else is in the step (model.rows), so a
-sequence's tokens and state dump do not depend on who it shared steps with. A step of one
-decode row goes through the token forward (model.forward: its streaming, prefetch and
+sequence's tokens and state dump do not depend on who it shared steps with. A step of one row
+(a decode token, or the last row of a prompt chunk) goes through the token forward (model.forward: its streaming, prefetch and
 hash-layer fetch); any other through forward_rows with each segment's failures isolated: a
 sequence whose row fails (a NaN, a corrupt expert read) gets its error, the others go on.
 
 Knowing when it pays: the batcher keeps the seconds of decode steps by the number of sequences
-in them. When a step of k sequences takes longer than k steps of one (the union of their
-experts read from disk costs more than the trunk they share saves), it caps steps at the largest
-size that paid, says why, and tries one more every PROBE_STEPS steps (the cache warms, the mix
+in them. When a step of k sequences takes at least as long as k steps of one (the union of
+their experts costs more than the trunk they share saves), it caps steps below the smallest such
+k, says why, and tries one more every PROBE_STEPS steps (the cache warms, the mix
 changes). Members beyond the cap take turns.
 """
 from __future__ import annotations
