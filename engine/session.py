@@ -197,11 +197,11 @@ class Session:
         (a _counters()) alone, the batcher's share of its steps when batched; its times by part."""
         req = self._batched
         if self.batcher is None or req is None:
-            d = dict(zip(COST_KEYS + TIME_KEYS, [a - b for a, b in zip(self._counters(), before)]))
-            return dict(d, attention_s=float(times[0]), moe_s=float(times[1]), head_s=float(times[2]))
-        times[:] = req.times
-        return dict(req.costs, attention_s=float(times[0]), moe_s=float(times[1]), head_s=float(times[2]),
-                    batch_steps=req.steps, batch_shared=req.shared)
+            costs = dict(zip(COST_KEYS + TIME_KEYS, [a - b for a, b in zip(self._counters(), before)]))
+        else:
+            times[:] = req.times
+            costs = dict(req.costs, batch_steps=req.steps, batch_shared=req.shared)
+        return dict(costs, attention_s=float(times[0]), moe_s=float(times[1]), head_s=float(times[2]))
 
 
 @dataclass

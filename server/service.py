@@ -327,9 +327,9 @@ class Service:
                         sequences_per_step=f.last_sequences or None,
                         union_experts_per_layer=f.union_per_layer or None, tokens_per_s=f.tokens_per_s,
                         step_s_by_sequences={str(k): v for k, v in f.step_s_by_sequences.items()})
-        view["sequences"] = [{"run_id": r.id, "tokens_done": r.snapshot().tokens_done,
-                              "generated_tokens": r.generated_tokens, "s_per_token": r.snapshot().s_per_token}
-                             for r in live]
+        snaps = [(r, r.snapshot()) for r in live]     # one snapshot each: they are not free
+        view["sequences"] = [{"run_id": r.id, "tokens_done": snap.tokens_done, "generated_tokens": snap.generated_tokens,
+                              "s_per_token": snap.s_per_token} for r, snap in snaps]
         return view
 
     # -- runs --------------------------------------------------------------------------------------
