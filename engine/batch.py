@@ -11,9 +11,10 @@ step's reads.
 
 Each row's numbers are those it gets alone, whatever else is in the step (model.rows), so a
 sequence's tokens and state dump do not depend on who it shared steps with. A step of one row
-(a decode token, or the last row of a prompt chunk) goes through the token forward (model.forward: its streaming, prefetch and
-hash-layer fetch); any other through forward_rows with each segment's failures isolated: a
-sequence whose row fails (a NaN, a corrupt expert read) gets its error, the others go on.
+(a decode token, or the last row of a prompt chunk) goes through the token forward
+(model.forward: its streaming, prefetch and hash-layer fetch); any other through forward_rows
+with each segment's failures isolated: a sequence whose row fails (a NaN, a corrupt expert
+read) gets its error, the others go on.
 
 Knowing when it pays: the batcher keeps the seconds of decode steps by the number of sequences
 in them. When a step of k sequences takes at least as long as k steps of one (the union of

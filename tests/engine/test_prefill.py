@@ -4,7 +4,6 @@ processing at every chunk size and thread count; its reads are counted against t
 dump itself records."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
