@@ -30,6 +30,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--shard-mib", type=float, default=512, help="maximum shard size in MiB (default 512)")
         parser.add_argument("--force", action="store_true",
                             help="replace OUT if it is a checkpoint directory (either form); anything else is refused")
+        parser.add_argument("--mtp", action="store_true",
+                            help="also write the MTP layer (mtp.0.*), the draft of speculative decoding")
         grp = parser.add_argument_group("geometry overrides")
         for f in dataclasses.fields(Geometry):
             typ = float if f.type in ("float", float) else int
@@ -67,11 +69,11 @@ def _synth(args) -> int:
         _check_replaceable(args.out)
     t0 = time.perf_counter()
     out = synth_checkpoint(args.out, g, seed=args.seed, progress=True, shard_bytes=int(args.shard_mib * 2 ** 20),
-                           force=args.force)
+                           force=args.force, mtp=args.mtp)
     dt = time.perf_counter() - t0
     print(f"wrote {out} ({args.geometry}{' + overrides' if overrides else ''}, seed {args.seed}):"
           f" {disk_size(_dir_size(out))} in {dt:.1f} s; {g.n_layers} layers x {g.n_experts} experts of"
-          f" {_mib(g.expert_nbytes)}")
+          f" {_mib(g.expert_nbytes)}{' + the MTP layer' if args.mtp else ''}")
     return 0
 
 
@@ -117,7 +119,8 @@ def _verify(args) -> int:
         print(f"{args.path}: {len(problems)} problem{'s' if len(problems) != 1 else ''}", file=sys.stderr)
         return 1
     g = info.get("geometry")
-    print(f"{info['path']}: OK ({info['kind']}; {g.n_layers} layers x {g.n_experts} experts;"
+    mtp = " + the MTP layer" if info.get("mtp_layers") else ""
+    print(f"{info['path']}: OK ({info['kind']}; {g.n_layers} layers{mtp} x {g.n_experts} experts;"
           f" {info.get('records_checked', 0)} records, {disk_size(info.get('bytes_checked', 0))} checked;"
           f" {info.get('nan_scale_bytes', 0)} NaN scale bytes; {info.get('tokenizer', 'no tokenizer')}) in {dt:.1f} s")
     return 0

@@ -105,6 +105,30 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None   # use_prefix_cache makes it
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
                                  prefetch=bool(preset.prefetch), attention=self.attention)
+        self.mtp = None              # the MTP layer, loaded when a run first drafts (mtp_layer)
+
+    def mtp_layer(self):
+        """The checkpoint's MTP layer (model.mtp.MtpLayer), loaded on first use and kept; a
+        Ds4fError saying why when there is none to draft with."""
+        if self.mtp is None:
+            from ds4f.engine.model.mtp import MtpLayer, MtpSource
+            from ds4f.engine.resident import load_mtp
+            from ds4f.engine.speculative import MAX_DRAFTS
+            ck, g = self.ckpt, self.geometry
+            if not ck.mtp_layers:
+                raise Ds4fError(ck.mtp_problem or f"{ck.path}: no MTP layer (mtp.0.*) to draft with",
+                                param="spec")
+            with self.compute_lock:
+                weights = load_mtp(ck, g)
+                # one row at a time through the block; slots for a round's drafts' experts
+                self.mtp = MtpLayer(MtpSource(ck, weights, self.globals, slots=(MAX_DRAFTS + 1) * g.top_k), 1)
+        return self.mtp
+
+    @property
+    def mtp_nbytes(self) -> int:
+        """The MTP layer's weights, its expert slots and buffers, once loaded (0 before)."""
+        m = self.mtp
+        return 0 if m is None else m.source.weights.nbytes + m.source.nbytes + m.buffers.nbytes
 
     @property
     def attention_nbytes(self) -> int:
@@ -123,7 +147,7 @@ class Engine:
         checks, _checked, check_s = self.reader.check_stats.totals()
         routers = sum(r.nbytes for layer, r in self.routers.items() if layer not in self.pinned)
         resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self.globals.nbytes
-                    + self.attention_nbytes
+                    + self.attention_nbytes + self.mtp_nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
                     + self.reader.trace_nbytes + BOOKKEEPING_BYTES
                     + (self.prefix_cache.ram_bytes if self.prefix_cache is not None else 0))

@@ -13,6 +13,7 @@ import numpy as np
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
+from ds4f.engine.model.kv_journal import KVJournal, journal_limit
 from ds4f.engine.batch import COST_KEYS, TIME_KEYS, engine_counters
 from ds4f.engine.model.rows import ChunkBuffers, prefill, transient_nbytes
 from ds4f.engine.runtime.helper_thread import beside
@@ -59,6 +60,18 @@ class Session:
         self.kv = KVCache(attention_shapes(att, self.geometry.rms_norm_eps), self.context) if att else None
         self.batcher = None        # the engine's StepBatcher once joined (engine.batch): steps shared
         self._batched = None       # the batcher's answer to the last step or chunk
+        self.drafter = None        # engine.speculative's: told each row's last-layer streams
+        self._verify_buf: ChunkBuffers | None = None   # a token and its drafts' rows (verify)
+        self._journal: KVJournal | None = None          # what verify's rows overwrote, to undo
+        self._pending: list[int] = []
+
+    @property
+    def max_verify_rows(self) -> int:
+        """The most rows verify takes: a token and its drafts, within what the KV journal can
+        undo (the smallest window or compression ratio), and the context left."""
+        if self.kv is None:
+            return 1
+        return max(1, min(journal_limit(self.kv.layers), self.context - self.position))
 
     def join(self, batcher) -> None:
         """Step together with the other sessions of `batcher` from the next token on."""
@@ -93,6 +106,8 @@ class Session:
             logits = b.logits
         else:
             logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
+        if self.drafter is not None:
+            self.drafter.observe(self.position, self.buffers.hidden[None, -1], [token_id])
         self.position += 1
         self.tokens.append(int(token_id))
         self._logits = logits
@@ -134,10 +149,48 @@ class Session:
             logits = b.logits[:n]
         else:
             logits = prefill(self.source, list(token_ids), b, self.kv, self.position, should_stop, beside)
+        if self.drafter is not None:
+            self.drafter.observe(self.position, b.hidden[:n, -1], list(token_ids))
         self.position += n
         self.tokens += [int(t) for t in token_ids]
         self._logits = logits[n - 1]
         return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._costs(before, b.times))
+
+    def verify(self, token_ids: list[int]) -> "ChunkResult":
+        """A token and the drafts after it as rows at this session's position, in one layer-major
+        pass (each layer's experts read once for all of them): each row's records and logits
+        byte for byte those of step() on it. The rows are not yet the session's: commit(keep)
+        takes the first `keep` of them and undoes the others in the KV cache exactly."""
+        n = len(token_ids)
+        if self.kv is None or self.batcher is not None:
+            raise Ds4fError("verify needs a session of the whole model stepping alone", kind="internal")
+        if not 0 < n <= self.max_verify_rows:
+            raise Ds4fError(f"verify of {n} rows; this session takes 1 to {self.max_verify_rows}", kind="internal")
+        self._check_tokens(token_ids)
+        if self._verify_buf is None or self._verify_buf.chunk < n:
+            self._verify_buf = ChunkBuffers(self.geometry, self.max_verify_rows)
+        b = self._verify_buf
+        before = self._counters()
+        self._journal = KVJournal(self.kv.layers, self.position, n)
+        self._pending = [int(t) for t in token_ids]
+        logits = prefill(self.source, list(token_ids), b, self.kv, self.position, None, beside)
+        return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._costs(before, b.times))
+
+    def commit(self, keep: int) -> None:
+        """The first `keep` rows of the last verify become the session's (1 <= keep <= its rows;
+        the logits after the last kept one are the session's); the later rows are undone."""
+        if self._journal is None:
+            raise Ds4fError("commit without a verify before it", kind="internal")
+        journal, self._journal = self._journal, None
+        if not 1 <= keep <= len(self._pending):
+            raise Ds4fError(f"commit of {keep} rows of a verify of {len(self._pending)}", kind="internal")
+        journal.rollback(keep)
+        kept = self._pending[:keep]
+        if self.drafter is not None:
+            self.drafter.observe(self.position, self._verify_buf.hidden[:keep, -1], kept)
+        self.position += keep
+        self.tokens += kept
+        self._logits = self._verify_buf.logits[keep - 1]
 
     def snapshot(self) -> SessionState:
         """This session's state now, as a value (copies: the session goes on without changing it)."""

@@ -144,6 +144,8 @@ class Checkpoint:
     slot_nbytes: int
     trunk_layer_buf_nbytes: int
     expert_layout: dict[str, tuple[int, tuple[int, ...]]]
+    mtp_layers: int = 0            # 1: the MTP layer's experts are read as layer n_layers
+    mtp_problem: str | None = None  # why mtp.* tensors there are not used as an MTP layer
 
     def __init__(self, path: Path, geometry: Geometry):
         self.path = path
@@ -161,7 +163,8 @@ class Checkpoint:
             raise IndexError(f"layer {layer} out of range 0..{self.geometry.n_layers - 1}")
 
     def _check_expert(self, layer: int, expert: int) -> None:
-        self._check_layer(layer)
+        if not (self.mtp_layers and isinstance(layer, (int, np.integer)) and layer == self.geometry.n_layers):
+            self._check_layer(layer)
         if not isinstance(expert, (int, np.integer)) or not 0 <= expert < self.geometry.n_experts:
             raise IndexError(f"expert {expert} out of range 0..{self.geometry.n_experts - 1}")
 

@@ -30,6 +30,7 @@ from ds4f.engine.checkpoint.formats import st_itemsize
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.checkpoint.safetensors_index import TensorInfo, pread_exact
 from ds4f.engine.checkpoint.synth import _commit_dir, _fresh_dir, write_error
+from ds4f.engine.checkpoint.tensors import MTP_PREFIX
 from ds4f.engine.text.tokenizer import TOKENIZER_FILES
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -88,8 +89,8 @@ def _plan_trunk(ck: OfficialCheckpoint):
     for name in sorted(ck.tensors):
         if ".experts." in name and ".shared_experts." not in name:
             m = _LAYER_RE.match(name)
-            if not (m and int(m.group(1)) < g.n_layers):
-                skipped.append(name)  # routed experts beyond the decoding layers (the MTP layer)
+            if not (m and int(m.group(1)) < g.n_layers) and not (ck.mtp_layers and name.startswith(MTP_PREFIX)):
+                skipped.append(name)  # routed experts of no layer the engine runs (a DSpark drafter's)
             continue
         if name in moe:
             continue
@@ -124,7 +125,8 @@ class _RegionWriter:
 def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
     g = ck.geometry
     extras, glob, skipped = _plan_trunk(ck)
-    n_rec = g.n_layers * g.n_experts
+    layers = g.n_layers + ck.mtp_layers          # the MTP layer's experts after the main ones
+    n_rec = layers * g.n_experts
     rec_n = ck.slot_nbytes
     trunk_in = sum(t.nbytes for n, t in ck.tensors.items() if not (".experts." in n and ".shared_experts." not in n))
     total = n_rec * g.expert_nbytes + trunk_in
@@ -158,7 +160,7 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
         records = []
         slot = aligned_buffer(rec_n)  # the padding stays zero: reads fill expert_nbytes only
         with open(tmp / POOL_BIN, "wb", buffering=0) as out:
-            for L in range(g.n_layers):
+            for L in range(layers):
                 for e in range(g.n_experts):
                     ck.read_expert(L, e, slot)
                     crc = crc32(memoryview(slot)[: g.expert_nbytes])
@@ -170,7 +172,7 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
     cfg = g.to_config()
     pool = {"format": POOL_FORMAT, "version": LAYOUT_VERSION, "geometry": cfg, "file": POOL_BIN,
             "alignment": ALIGN, "expert_nbytes": g.expert_nbytes, "record_nbytes": rec_n,
-            "record_order": "layer * n_experts + expert",
+            "record_order": "layer * n_experts + expert", "mtp_layers": ck.mtp_layers,
             "crc32": "zlib crc32 of the first expert_nbytes bytes of each record",
             "parts": {k: {"offset": off, "shape": list(shape)} for k, (off, shape) in expert_layout(g).items()},
             "records": records}
@@ -179,7 +181,7 @@ def _convert(ck: OfficialCheckpoint, tmp: Path, progress: ProgressArg) -> None:
              "crc32": "zlib crc32 of each region's nbytes bytes (padding included)",
              "regions": [{"name": n, "offset": o, "nbytes": b, "crc32": c} for n, o, b, c in regions],
              "tensors": entries,
-             "skipped": {"count": len(skipped), "why": "routed experts of layers beyond num_hidden_layers (MTP)",
+             "skipped": {"count": len(skipped), "why": "routed experts of no layer the engine runs",
                          "names": skipped[:20]}}
     (tmp / POOL_JSON).write_text(json.dumps(pool, separators=(",", ":")) + "\n")
     (tmp / TRUNK_JSON).write_text(json.dumps(trunk, indent=1) + "\n")

@@ -40,7 +40,7 @@ from ds4f.engine.checkpoint.base import (ALIGN, CONFIG_NAME, LAYOUT_VERSION, OFF
 from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import pread_exact, read_json
-from ds4f.engine.checkpoint.tensors import attention_tensors, global_tensors
+from ds4f.engine.checkpoint.tensors import attention_tensors, global_tensors, mtp_tensors
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
@@ -53,6 +53,7 @@ class Ds4fCheckpoint(Checkpoint):
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise Ds4fError(problems[0] + more)
         super().__init__(root, layout.geometry)
+        self.mtp_layers = layout.mtp_layers
         self.pool_path: Path = layout.pool_path
         self.trunk_path: Path = layout.trunk_path
         self.record_offsets: np.ndarray = layout.record_offsets
@@ -191,8 +192,9 @@ class Ds4fLayout:
     geometry: Geometry | None = None
     pool_path: Path | None = None             # pool-mxfp4.bin
     record_nbytes: int | None = None          # bytes per expert record (a multiple of ALIGN)
-    record_offsets: np.ndarray | None = None  # int64 [n_layers * n_experts]: byte offset of each record
-    record_crc32: np.ndarray | None = None    # int64 [n_layers * n_experts]: crc32 of each expert's bytes
+    record_offsets: np.ndarray | None = None  # int64 [(n_layers + mtp_layers) * n_experts]: byte offset of each
+    record_crc32: np.ndarray | None = None    # record, and crc32 of each expert's bytes
+    mtp_layers: int = 0                       # 1: the MTP layer's experts follow the main layers' (layer n_layers)
     trunk_path: Path | None = None            # trunk.bin
     regions: dict[str, tuple[int, int]] = field(default_factory=dict)   # region -> (offset, nbytes)
     region_crc32: dict[str, int] = field(default_factory=dict)          # region -> crc32 of its bytes
@@ -255,7 +257,12 @@ def _load_pool(root: Path, pool: dict, pool_json: Path, g: Geometry, layout: Ds4
     and crc32, and (check_sizes) the pool file long enough for them all; the problems found."""
     problems: list[str] = []
 
-    n_rec = g.n_layers * g.n_experts
+    mtp = pool.get("mtp_layers", 0)
+    if mtp not in (0, 1) or isinstance(mtp, bool):
+        problems.append(f"{pool_json}: mtp_layers {mtp!r}: 0 or 1 expected")
+        mtp = 0
+    layout.mtp_layers = mtp
+    n_rec = (g.n_layers + mtp) * g.n_experts
     rec_n = pool.get("record_nbytes")
     want_rec = align_up(g.expert_nbytes)
     pool_path = root / str(pool.get("file", POOL_BIN))
@@ -276,7 +283,7 @@ def _load_pool(root: Path, pool: dict, pool_json: Path, g: Geometry, layout: Ds4
     crcs = np.zeros(n_rec, dtype=np.int64)
     if not isinstance(records, list) or len(records) != n_rec:
         problems.append(f"{pool_json}: {len(records) if isinstance(records, list) else 'no'} records,"
-                        f" expected {n_rec} ({g.n_layers} layers x {g.n_experts} experts)")
+                        f" expected {n_rec} ({g.n_layers + mtp} layers x {g.n_experts} experts)")
     else:
         for i, r in enumerate(records):
             if not (isinstance(r, list) and len(r) == 2 and _pos_int(r[0]) and _pos_int(r[1]) and r[1] < 2 ** 32):
@@ -397,7 +404,8 @@ def _check_trunk_tensors(trunk_json: Path, cfg_path: Path, g: Geometry, regions:
                 continue
             lay.append((short, dtype, tuple(shape), t["offset"] - reg[0]))
         layer_layout[L] = lay
-    for plan in {p.name: p for p in global_tensors(g) + attention_tensors(g)}.values():  # hc_head in both
+    mtp = [p for p in mtp_tensors(g) if ".ffn.experts." not in p.name] if layout.mtp_layers else []
+    for plan in {p.name: p for p in global_tensors(g) + attention_tensors(g) + mtp}.values():  # hc_head in both
         t = tensors.get(plan.name)
         if t is None:
             problems.append(f"{trunk_json}: no tensor {plan.name}")

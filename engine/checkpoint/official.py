@@ -12,7 +12,7 @@ from ds4f.engine.checkpoint.base import (CONFIG_NAME, Checkpoint, _check_buffer,
 from ds4f.engine.checkpoint.formats import st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import (INDEX_NAME, TensorInfo, load_official_index, pread_exact,
                                                       read_json)
-from ds4f.engine.checkpoint.tensors import attention_tensors, official_tensors
+from ds4f.engine.checkpoint.tensors import MTP_PREFIX, attention_tensors, layer_prefix, mtp_tensors, official_tensors
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 
@@ -21,7 +21,8 @@ class OfficialCheckpoint(Checkpoint):
 
     def __init__(self, root: Path):
         cfg_path = root / CONFIG_NAME
-        geometry = Geometry.from_config(read_json(cfg_path, "config JSON"), str(cfg_path))
+        cfg = read_json(cfg_path, "config JSON")
+        geometry = Geometry.from_config(cfg, str(cfg_path))
         super().__init__(root, geometry)
         self.io_mode = "buffered+fadvise"  # safetensors offsets are not 4 KiB-aligned
         tensors, files = load_official_index(root)
@@ -31,6 +32,9 @@ class OfficialCheckpoint(Checkpoint):
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise Ds4fError(problems[0] + more)
+        problems = check_mtp_tensors(geometry, tensors, cfg, root)
+        self.mtp_layers = 0 if problems else 1
+        self.mtp_problem = None if not problems or problems == [NO_MTP] else problems[0]
         self._fd_of: dict[Path, int] = {}
         try:
             for f in files:
@@ -48,7 +52,7 @@ class OfficialCheckpoint(Checkpoint):
         if plan is None:
             pieces = []
             for name, (slot_off, shape) in self.expert_layout.items():
-                t = self.tensors[f"layers.{layer}.ffn.experts.{expert}.{name}"]
+                t = self.tensors[layer_prefix(self.geometry, layer) + f"ffn.experts.{expert}.{name}"]
                 pieces.append((t.file, t.offset, t.nbytes, slot_off))
             pieces.sort(key=lambda p: (str(p[0]), p[1]))
             plan = []
@@ -159,6 +163,37 @@ def check_official_tensors(g: Geometry, tensors: dict[str, TensorInfo], root: Pa
 
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
+NO_MTP = "no MTP layer"
+
+
+def check_mtp_tensors(g: Geometry, tensors: dict[str, TensorInfo], cfg: dict, root: Path) -> list[str]:
+    """Whether the release's mtp.0.* is an MTP layer the engine can draft with: [] if so, [NO_MTP]
+    when there is none, else what is wrong (the first problem names the tensor). The 0731
+    release's DSpark drafter also lives under mtp.* (stages mtp.0, mtp.1, mtp.2, with dspark_*
+    keys in config.json): it is recognised and refused, never read as MTP."""
+    stages = sorted({n.split(".")[1] for n in tensors if n.startswith("mtp.")})
+    dspark = sorted(k for k in cfg if k.startswith("dspark_"))
+    if dspark or len(stages) > 1:
+        what = f"config.json has {', '.join(dspark)}" if dspark else f"the shards hold stages mtp.{', mtp.'.join(stages)}"
+        return [f"{root}: its mtp.* tensors are a DSpark drafter ({what}), not an MTP layer: speculative"
+                f" decoding with it is not supported (plain decoding runs)"]
+    if not stages:
+        return [NO_MTP]
+    if g.attention is None:
+        return [f"{root}: mtp.0.* tensors under a config without attention: the MTP layer needs it"]
+    if g.attention.n_layers < len(cfg.get("compress_ratios") or []) and cfg["compress_ratios"][g.n_layers] != 0:
+        return [f"{root / CONFIG_NAME}: compress_ratios[{g.n_layers}] = {cfg['compress_ratios'][g.n_layers]}:"
+                f" the MTP layer has sliding-window attention only (0)"]
+    problems = []
+    for plan in mtp_tensors(g):
+        t = tensors.get(plan.name)
+        if t is None:
+            problems.append(f"{root / INDEX_NAME}: no tensor {plan.name} (the MTP layer needs it)")
+        elif t.dtype not in {plan.dtype} | ({"U8"} if plan.dtype == "I8" else set()):
+            problems.append(f"{t.file}: {plan.name}: dtype {t.dtype}, expected {plan.dtype}")
+        elif tuple(t.shape) != tuple(plan.shape):
+            problems.append(f"{t.file}: {plan.name}: shape {list(t.shape)}, expected {list(plan.shape)}")
+    return problems
 
 
 def _attention_key(g: Geometry) -> str:

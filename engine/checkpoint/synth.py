@@ -64,7 +64,7 @@ import numpy as np
 from ds4f.engine.config import format_bytes
 from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, quantize_fp8
-from ds4f.engine.checkpoint.tensors import TensorPlan, attention_tensors, official_tensors
+from ds4f.engine.checkpoint.tensors import MTP_PREFIX, TensorPlan, attention_tensors, mtp_tensors, official_tensors
 from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
 from ds4f.engine.checkpoint.progress import Progress, ProgressArg
 from ds4f.engine.text.synthetic import MIN_VOCAB, write_tokenizer_files
@@ -394,8 +394,10 @@ def _commit_dir(tmp: Path, out: Path) -> None:
 
 
 def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, progress: ProgressArg = None,
-                     *, shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
-    """Write a synthetic checkpoint of `geometry` in the official format to directory `out`."""
+                     *, shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False, mtp: bool = False) -> Path:
+    """Write a synthetic checkpoint of `geometry` in the official format to directory `out`;
+    mtp: with the release's MTP layer (mtp.0.*, written last: the main tensors are the same
+    with or without it)."""
     from safetensors import SafetensorError, serialize_file
 
     g = get_geometry(geometry) if isinstance(geometry, str) else geometry
@@ -404,7 +406,9 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
         raise Ds4fError(f"seed must be a non-negative integer, got {seed!r}")
     if shard_bytes < 1:
         raise Ds4fError(f"shard size must be positive, got {shard_bytes}")
-    tensors = official_tensors(g)
+    if mtp and g.attention is None:
+        raise Ds4fError("an MTP layer needs a geometry with attention")
+    tensors = official_tensors(g) + (mtp_tensors(g) if mtp else [])
     shards = plan_shards(tensors, shard_bytes)
     total = sum(t.nbytes for t in tensors)
     tmp = _fresh_dir(out, force, total)
@@ -435,6 +439,9 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
                 bar.advance(sum(t.nbytes for t in shard), f"shard {si + 1}/{n_sh}")
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             cfg = g.to_config()
+            if mtp:     # as the release: one MTP layer, its compress_ratios entry 0 (a window only)
+                cfg["num_nextn_predict_layers"] = 1
+                cfg["compress_ratios"] = cfg["compress_ratios"] + [0]
             cfg["ds4f_synthetic"] = {"version": SYNTH_VERSION, "seed": seed, "n_topics": design.n_topics,
                                      "note": "synthetic weights written by ds4f synth; not a trained model"}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -455,6 +462,49 @@ def synth_checkpoint(out: Path | str, geometry: Geometry | str, seed: int = 0, p
     return out
 
 
+MTP_SHARD = "model-mtp.safetensors"
+
+
+def add_mtp_layer(path: Path | str, seed: int = 0) -> Path:
+    """Give an official checkpoint that has none a synthetic MTP layer (mtp.0.*, random weights
+    as synth writes them), in a shard of its own: the index names it (one is written for a
+    single-file checkpoint) and config.json says num_nextn_predict_layers 1 with its
+    compress_ratios entry 0. The main tensors are left as they are. Refused where there is one."""
+    from safetensors import serialize_file
+
+    from ds4f.engine.checkpoint.safetensors_index import INDEX_NAME, load_official_index, read_json
+
+    root = Path(path)
+    cfg = read_json(root / "config.json", "config JSON")
+    g = Geometry.from_config(cfg, str(root / "config.json"))
+    if g.attention is None:
+        raise Ds4fError(f"{root}: an MTP layer needs a geometry with attention")
+    tensors, files = load_official_index(root)
+    if any(n.startswith("mtp.") for n in tensors) or (root / MTP_SHARD).exists():
+        raise Ds4fError(f"{root}: has mtp.* tensors already")
+    design, experts = Design(g, seed), _ExpertSource(g, seed)
+    keep: list = []
+    specs, cur = {}, None
+    for t in mtp_tensors(g):
+        arr = _generate(t, g, design, experts, cur)
+        if isinstance(arr, dict):
+            cur, arr = arr, arr["__this__"]
+        specs[t.name] = _keepalive_spec(arr, t.dtype, keep)
+    tmp = root / (MTP_SHARD + ".tmp")
+    serialize_file(specs, str(tmp), metadata={"format": "pt"})
+    index_path = root / INDEX_NAME
+    index = read_json(index_path, "index JSON") if index_path.exists() else \
+        {"metadata": {}, "weight_map": {n: tensors[n].file.name for n in tensors}}
+    index["weight_map"].update({n: MTP_SHARD for n in specs})
+    cfg["num_nextn_predict_layers"] = 1
+    ratios = list(cfg.get("compress_ratios") or [])
+    cfg["compress_ratios"] = ratios[:g.n_layers] + [0] if ratios else ratios
+    os.replace(tmp, root / MTP_SHARD)
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return root
+
+
 def _generate(t: TensorPlan, g: Geometry, design: Design, experts: _ExpertSource, cur):
     name = t.name
     if name == "embed.weight":
@@ -466,8 +516,10 @@ def _generate(t: TensorPlan, g: Geometry, design: Design, experts: _ExpertSource
     if name.startswith("hc_head_"):
         return _attention(g, design.seed, t)
     parts = name.split(".")
-    layer = int(parts[1])
+    layer = g.n_layers if name.startswith(MTP_PREFIX) else int(parts[1])   # mtp.0.*: the block after the last
     rest = ".".join(parts[2:])
+    if rest in ("enorm.weight", "hnorm.weight", "norm.weight") or rest.split(".")[0] in ("e_proj", "h_proj"):
+        return _attention(g, design.seed, t)
     if rest == "attn_norm.weight":
         return design.norm(2 * layer)
     if rest == "ffn_norm.weight":
@@ -530,7 +582,7 @@ def _attention(g: Geometry, seed: int, t: TensorPlan) -> np.ndarray:
         key = (g, seed, base)
         if key not in _attn_cache:
             _attn_cache.clear()
-            shape = t.shape if kind == "weight" else next(p.shape for p in attention_tensors(g)
+            shape = t.shape if kind == "weight" else next(p.shape for p in attention_tensors(g) + mtp_tensors(g)
                                                           if p.name == base + ".weight")
             x = _attn_rng(seed, base).standard_normal(shape, dtype=np.float32) * np.float32(1 / math.sqrt(shape[1]))
             q, s = quantize_fp8(x)

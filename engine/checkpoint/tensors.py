@@ -34,30 +34,60 @@ class TensorPlan:
         return math.prod(self.shape) * st_itemsize(self.dtype)
 
 
+MTP_PREFIX = "mtp.0."   # the release's one multi-token-prediction layer (num_nextn_predict_layers 1)
+
+
+def layer_prefix(g: Geometry, layer: int) -> str:
+    """Where a block's tensors live: layers.{layer}. for a main layer, mtp.0. for layer n_layers
+    (the MTP layer: a block like the main ones, read at the index after the last)."""
+    return MTP_PREFIX if layer == g.n_layers else f"layers.{layer}."
+
+
 def official_tensors(g: Geometry) -> list[TensorPlan]:
     """The tensors of the official release the engine reads, in generation order: per layer the
     norms, the attention and hyper-connections (when the geometry has attention), the MoE trunk
-    and the experts; then the global tensors."""
+    and the experts; then the global tensors. Without the MTP layer (mtp_tensors)."""
     out: list[TensorPlan] = []
-    si = g.shared_inter
     for layer in range(g.n_layers):
-        p = f"layers.{layer}."
-        out += [TensorPlan(p + "attn_norm.weight", "BF16", (g.hidden,)),
-                TensorPlan(p + "ffn_norm.weight", "BF16", (g.hidden,))]
-        out += attention_layer_tensors(g, layer)
-        out.append(TensorPlan(p + "ffn.gate.weight", "BF16", (g.n_experts, g.hidden)))
-        if g.is_hash_layer(layer):
-            out.append(TensorPlan(p + "ffn.gate.tid2eid", "I64", (g.vocab, g.top_k)))
-        else:
-            out.append(TensorPlan(p + "ffn.gate.bias", "F32", (g.n_experts,)))
-        for w, shape in (("w1", (si, g.hidden)), ("w3", (si, g.hidden)), ("w2", (g.hidden, si))):
-            out.append(TensorPlan(p + f"ffn.shared_experts.{w}.weight", "F8_E4M3", shape))
-            out.append(TensorPlan(p + f"ffn.shared_experts.{w}.scale", "F8_E8M0", fp8_scale_shape(shape)))
-        for e in range(g.n_experts):
-            for part, shape in g.expert_parts().items():
-                w, kind = part.split(".")
-                out.append(TensorPlan(p + f"ffn.experts.{e}.{part}", "I8" if kind == "weight" else "F8_E8M0", shape))
+        out += block_tensors(g, layer)
     return out + global_tensors(g)
+
+
+def block_tensors(g: Geometry, layer: int) -> list[TensorPlan]:
+    """One block's tensors (a main layer, or the MTP layer at layer == n_layers): its norms, the
+    attention and hyper-connections, the MoE trunk (a learned gate with bias on the MTP layer,
+    never hash routing) and the routed experts."""
+    p = layer_prefix(g, layer)
+    si = g.shared_inter
+    out = [TensorPlan(p + "attn_norm.weight", "BF16", (g.hidden,)),
+           TensorPlan(p + "ffn_norm.weight", "BF16", (g.hidden,))]
+    out += attention_layer_tensors(g, layer)
+    out.append(TensorPlan(p + "ffn.gate.weight", "BF16", (g.n_experts, g.hidden)))
+    if g.is_hash_layer(layer):
+        out.append(TensorPlan(p + "ffn.gate.tid2eid", "I64", (g.vocab, g.top_k)))
+    else:
+        out.append(TensorPlan(p + "ffn.gate.bias", "F32", (g.n_experts,)))
+    for w, shape in (("w1", (si, g.hidden)), ("w3", (si, g.hidden)), ("w2", (g.hidden, si))):
+        out.append(TensorPlan(p + f"ffn.shared_experts.{w}.weight", "F8_E4M3", shape))
+        out.append(TensorPlan(p + f"ffn.shared_experts.{w}.scale", "F8_E8M0", fp8_scale_shape(shape)))
+    for e in range(g.n_experts):
+        for part, shape in g.expert_parts().items():
+            w, kind = part.split(".")
+            out.append(TensorPlan(p + f"ffn.experts.{e}.{part}", "I8" if kind == "weight" else "F8_E8M0", shape))
+    return out
+
+
+def mtp_tensors(g: Geometry) -> list[TensorPlan]:
+    """The MTP layer's tensors (ds4f-mtp.md): a block with sliding-window attention under mtp.0.,
+    its input projections e_proj / h_proj (FP8 [hidden, hidden]) and norms enorm / hnorm, its own
+    final norm and hc_head_*. The embedding and the head are the main model's. Needs attention."""
+    if g.attention is None:
+        return []
+    D, p = g.hidden, MTP_PREFIX
+    out = block_tensors(g, g.n_layers)
+    out += _fp8(p + "e_proj", (D, D)) + _fp8(p + "h_proj", (D, D))
+    out += [TensorPlan(p + f"{n}.weight", "BF16", (D,)) for n in ("enorm", "hnorm", "norm")]
+    return out + hc_head_tensors(g, p)
 
 
 def global_tensors(g: Geometry) -> list[TensorPlan]:
@@ -69,15 +99,16 @@ def global_tensors(g: Geometry) -> list[TensorPlan]:
     return out + hc_head_tensors(g)
 
 
-def hc_head_tensors(g: Geometry) -> list[TensorPlan]:
-    """hc_head_{fn, base, scale}: the head's reduction of the N streams (none without attention)."""
+def hc_head_tensors(g: Geometry, prefix: str = "") -> list[TensorPlan]:
+    """hc_head_{fn, base, scale}: the head's reduction of the N streams (none without attention);
+    prefix mtp.0.: the MTP layer's own."""
     a = g.attention
     if a is None:
         return []
     n = a.hc_mult
-    return [TensorPlan("hc_head_fn", "F32", (n, n * g.hidden)),
-            TensorPlan("hc_head_base", "F32", (n,)),
-            TensorPlan("hc_head_scale", "F32", (1,))]
+    return [TensorPlan(prefix + "hc_head_fn", "F32", (n, n * g.hidden)),
+            TensorPlan(prefix + "hc_head_base", "F32", (n,)),
+            TensorPlan(prefix + "hc_head_scale", "F32", (1,))]
 
 
 def _fp8(name: str, shape: tuple[int, int]) -> list[TensorPlan]:
@@ -96,7 +127,8 @@ def _compressor(p: str, width: int, dim: int, ratio: int, hidden: int) -> list[T
 
 
 def attention_layer_tensors(g: Geometry, layer: int) -> list[TensorPlan]:
-    """One layer's attention and hyper-connection tensors (none without attention), in model order:
+    """One layer's attention and hyper-connection tensors (none without attention; layer n_layers:
+    the MTP layer's, sliding window only), in model order:
     hc_attn_*, the attention (projections, norms, sink, then the compressor and indexer of a CSA
     or HCA layer), hc_ffn_*."""
     a = g.attention
@@ -104,7 +136,7 @@ def attention_layer_tensors(g: Geometry, layer: int) -> list[TensorPlan]:
         return []
     D, N = g.hidden, a.hc_mult
     H, hd, qr = a.n_heads, a.head_dim, a.q_lora_rank
-    p = f"layers.{layer}."
+    p = layer_prefix(g, layer)
 
     def hc(which: str) -> list[TensorPlan]:
         return [TensorPlan(p + f"hc_{which}_fn", "F32", (a.hc_mix, N * D)),
@@ -121,7 +153,7 @@ def attention_layer_tensors(g: Geometry, layer: int) -> list[TensorPlan]:
     out += _fp8(q + "wo_a", (a.o_groups * a.o_lora_rank, a.o_group_in))
     out += _fp8(q + "wo_b", (D, a.o_groups * a.o_lora_rank))
     out.append(TensorPlan(q + "attn_sink", "F32", (H,)))
-    kind, ratio = a.kind(layer), a.ratio(layer)
+    kind, ratio = ("swa", 0) if layer == g.n_layers else (a.kind(layer), a.ratio(layer))   # MTP: a window only
     if kind == "csa":
         ih, idim = a.index_n_heads, a.index_head_dim
         out += _compressor(q + "compressor.", 2 * hd, hd, ratio, D)

@@ -30,7 +30,8 @@ from ds4f.engine.checkpoint import detect_kind
 from ds4f.engine.checkpoint.checksum import crc32
 from ds4f.engine.checkpoint.base import _views, aligned_buffer
 from ds4f.engine.checkpoint.layout import load_ds4f_layout
-from ds4f.engine.checkpoint.official import check_official_tensors
+from ds4f.engine.checkpoint.official import NO_MTP, check_mtp_tensors, check_official_tensors
+from ds4f.engine.checkpoint.tensors import layer_prefix
 from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.formats import E8M0_NAN, non_finite, st_numpy_dtype
 from ds4f.engine.model.geometry import Geometry
@@ -86,6 +87,7 @@ def _verify_ds4f(root: Path, progress: ProgressArg, info: dict) -> list[str]:
     if g is None or layout.record_offsets is None or layout.pool_path is None:
         return problems
     info["geometry"] = g
+    info["mtp_layers"] = layout.mtp_layers
     problems += _pool_record_problems(layout, g, progress, info, problems)
     trunk_path: Path = layout.trunk_path
     if trunk_path.exists():
@@ -212,7 +214,12 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
     problems = check_official_tensors(g, tensors, root)
     if problems:
         return problems
-    names = [f"layers.{L}.ffn.experts.{e}.{p}" for L in range(g.n_layers) for e in range(g.n_experts)
+    mtp = check_mtp_tensors(g, tensors, read_json(cfg_path, "config JSON"), root)
+    if mtp and mtp != [NO_MTP] and "DSpark" not in mtp[0]:
+        return mtp                  # a DSpark drafter is not a fault: plain decoding runs
+    info["mtp_layers"] = 0 if mtp else 1
+    layers = g.n_layers + info["mtp_layers"]
+    names = [layer_prefix(g, L) + f"ffn.experts.{e}.{p}" for L in range(layers) for e in range(g.n_experts)
              for p in ("w1.scale", "w3.scale", "w2.scale")]
     fp8_scales = _fp8_scale_names(tensors)
     total = sum(tensors[n].nbytes for n in names) + sum(tensors[n].nbytes for n in fp8_scales)
@@ -263,7 +270,7 @@ def _verify_official(root: Path, progress: ProgressArg, info: dict) -> list[str]
     finally:
         for fd in fds.values():
             os.close(fd)
-    info.update(records=g.n_layers * g.n_experts, records_checked=g.n_layers * g.n_experts,
+    info.update(records=layers * g.n_experts, records_checked=layers * g.n_experts,
                 bytes_checked=total, nan_scale_bytes=nan_total + fp8_nan)
     if nan_total:
         problems.append(f"{root}: {nan_total} NaN scale bytes (0xFF) in expert scales: "

@@ -414,6 +414,19 @@ def attention_parts(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]
     return Y
 
 
+def push_window_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
+                     rope: Rope) -> None:
+    """The keys of n consecutive tokens at positions pos0, ... (normed inputs A [n, hidden]) into
+    a sliding-window layer's cache, without attending: the rows attention_parts would push (a
+    row's key depends on its input alone), for tokens whose outputs are not wanted."""
+    if shape.kind != "swa":
+        raise ValueError("only a sliding-window layer's keys can be pushed alone")
+    kv = rms_rows(_matmul(w.wkv, A), shape.eps) * w.kv_norm
+    for t in range(len(A)):
+        cache.window[(pos0 + t) % shape.window] = rope.apply(kv[t].copy(), pos0 + t)
+    cache.tokens = pos0 + len(A)
+
+
 def attention_step(w: AttentionWeights, cache: LayerCache, a: np.ndarray, pos: int, shape: AttentionShape,
                    rope: Rope) -> np.ndarray:
     """The attention sublayer's output (fp32 [hidden]) for the token at `pos` with normed input a;

@@ -137,13 +137,14 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
 
 
 def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffers, should_stop=None,
-                 beside=None, isolate: bool = False) -> np.ndarray:
+                 beside=None, isolate: bool = False, streams: np.ndarray | None = None) -> np.ndarray:
     """The step's logits (fp32 [rows, vocab], buf.logits' rows, the segments' rows in order);
     buf.ids / weights / hidden / attn hold each row's record. should_stop: asked before each
     layer (a step of the real model takes minutes); True raises Stopped. beside: where the
     attention may run its output projections beside this thread (runtime.helper_thread).
     isolate: a row that fails marks its segment's error and the step goes on (see the module);
-    without it the first failure raises."""
+    without it the first failure raises. streams: the rows' streams to start from (fp32 [rows,
+    N, hidden], the MTP layer's input: model.mtp) instead of their tokens' embeddings."""
     g = source.geometry
     token_ids = [t for s in segments for t in s.token_ids]
     n = len(token_ids)
@@ -153,8 +154,11 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
     times = buf.times
     times[:] = 0.0
     X = buf.streams[:n]
-    for c, t in enumerate(token_ids):
-        X[c] = source.globals.embed[t]             # bf16 -> fp32, exact, in every stream
+    if streams is not None:
+        X[:] = streams
+    else:
+        for c, t in enumerate(token_ids):
+            X[c] = source.globals.embed[t]         # bf16 -> fp32, exact, in every stream
     owner = np.repeat(np.arange(len(segments)), [len(s.token_ids) for s in segments])   # row -> segment
 
     def bad(c: int, err: Ds4fError) -> None:

@@ -89,6 +89,35 @@ class Sampler:
         self.draws = 0   # uniforms drawn so far (one per sampled, non-greedy token)
 
     def sample(self, logits: np.ndarray) -> int:
+        kept = self.distribution(logits)
+        if isinstance(kept, int):
+            return kept
+        order, r = kept
+        return int(order[self._draw(r)])
+
+    def judge(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+        """Speculative rejection sampling of a draft proposed with certainty: (kept, token). The
+        draft is kept with the probability r(draft) this sampler's distribution gives it; else
+        the token is drawn from r without it, renormalised. Either way the token's distribution
+        is r. One uniform when kept, two when not."""
+        kept = self.distribution(logits)
+        if isinstance(kept, int):
+            return kept == draft, kept
+        order, r = kept
+        at = np.flatnonzero(order == draft)
+        p = float(r[at[0]]) if len(at) else 0.0
+        u = self.rng.random()
+        self.draws += 1
+        if u < p:
+            return True, int(draft)
+        rest = r.copy()
+        if len(at):
+            rest[at[0]] = 0.0
+        return False, int(order[self._draw(rest / rest.sum())])
+
+    def distribution(self, logits: np.ndarray) -> int | tuple[np.ndarray, np.ndarray]:
+        """The tokens this sampler may pick and their probabilities (order, r), most likely first;
+        a token id where the pick is certain (greedy, or a temperature that overflows)."""
         x = np.asarray(logits)
         if x.ndim != 1 or x.size == 0:
             raise Ds4fError(f"sampling: logits must be one non-empty vector, got shape {x.shape}", kind="internal")
@@ -113,11 +142,13 @@ class Sampler:
         if prm.top_p < 1:
             q = ps[:n] / ps[:n].sum()
             n = min(n, int(np.searchsorted(np.cumsum(q), prm.top_p, side="left")) + 1)
-        r = ps[:n] / ps[:n].sum()
+        return order[:n], ps[:n] / ps[:n].sum()
+
+    def _draw(self, r: np.ndarray) -> int:
+        """An index drawn from probabilities r (one uniform)."""
         u = self.rng.random()
         self.draws += 1
-        i = min(int(np.searchsorted(np.cumsum(r), u, side="right")), n - 1)
-        return int(order[i])
+        return min(int(np.searchsorted(np.cumsum(r), u, side="right")), len(r) - 1)
 
     def state(self) -> dict:
         """The random stream's position: the params, the uniforms drawn, the generator's state."""

@@ -1,0 +1,297 @@
+"""Speculative decoding: drafts from the MTP layer, verified by the main model, kept only where
+they pay.
+
+A round at position P with the token t about to be fed:
+
+    drafts d1..dk   = the MTP layer's greedy choices, chained (model.mtp)
+    rows            = [t, d1, .., dk] at P .. P+k, verified in one layer-major pass (Session.verify)
+    row i's logits  = exactly those of a plain step on it (model.rows)
+    accepted        = while the token row i picks (greedy: its argmax; sampling: accept_draft)
+                      is the draft d_{i+1}; the first row that disagrees gives its own pick
+    commit          = the accepted rows and the one after them are the session's; the other rows'
+                      KV state is undone exactly (model.kv_journal)
+
+So greedy output is plain greedy output, token for token, and the rows' records are those of
+plain steps. With sampling, a draft d (proposed with certainty) is kept with probability p(d)
+and otherwise the token comes from p without d, renormalised: the output's distribution is the
+model's (speculative rejection sampling with a one-hot proposal).
+
+SpecController picks k (0 to K) per round from what it measured: the acceptance at each draft
+depth, the seconds of a plain step and of rounds at each k (drafts and the verify pass, whose
+cost per extra row depends on how many experts the rows share and whether they are cached).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ds4f.errors import Ds4fError
+
+MAX_DRAFTS = 3
+
+
+def parse_spec(value) -> str | int:
+    """--spec / spec = "auto" | "off" | k (0..MAX_DRAFTS drafts per round): the mode, k an int."""
+    if isinstance(value, bool):
+        raise Ds4fError(f"spec: {value!r}: auto, off or a number of drafts 0..{MAX_DRAFTS}", param="spec")
+    if isinstance(value, int):
+        k = value
+    else:
+        text = str(value).strip().lower()
+        if text in ("auto", "off"):
+            return text
+        try:
+            k = int(text)
+        except ValueError:
+            raise Ds4fError(f"spec: {value!r}: auto, off or a number of drafts 0..{MAX_DRAFTS}",
+                            param="spec") from None
+    if not 0 <= k <= MAX_DRAFTS:
+        raise Ds4fError(f"spec: {k} drafts: 0..{MAX_DRAFTS}", param="spec")
+    return "off" if k == 0 else k
+
+
+# ---- drafters -------------------------------------------------------------------------------------
+class MtpDrafter:
+    """The MTP layer's drafts for one session. It sees each committed row's last-layer streams
+    (Session calls observe) and keeps the window's worth of them; a draft first brings the MTP
+    layer's window up to date from them (keys alone), then runs the block for the last row and
+    the chained drafts; the chained rows' window entries are undone after (they came from drafts,
+    not from the main model)."""
+
+    def __init__(self, layer, context: int) -> None:
+        self.layer = layer
+        self.state = layer.new_state(context)
+        g = layer.geometry
+        self.window = layer.source.weights.block.shape.window
+        N = g.attention.hc_mult
+        self.ring = np.zeros((self.window, N, g.hidden), np.float32)   # main streams of position j at j % window
+        self.known = np.full(self.window, -1, np.int64)                  # the position each ring row holds
+        self.tokens: dict[int, int] = {}                                  # position -> token, the window's
+
+    def reset(self) -> None:
+        """The session's state was replaced: nothing seen is valid."""
+        self.known[:] = -1
+        self.tokens.clear()
+        self.state.cache.reset()
+        self.state.exact = 0
+
+    def observe(self, pos0: int, hidden: np.ndarray, tokens: list[int]) -> None:
+        """Rows pos0, ... were committed with these tokens; hidden: their last layer's streams
+        (fp32 [n, N * hidden])."""
+        N, D = self.ring.shape[1:]
+        for i, t in enumerate(tokens):
+            j = pos0 + i
+            self.ring[j % self.window] = hidden[i].reshape(N, D)
+            self.known[j % self.window] = j
+            self.tokens[j] = int(t)
+        for j in [j for j in self.tokens if j <= pos0 + len(tokens) - 1 - self.window]:
+            del self.tokens[j]
+
+    def _streams(self, j: int) -> np.ndarray | None:
+        return self.ring[j % self.window] if self.known[j % self.window] == j else None
+
+    def draft(self, k: int, position: int, token: int) -> list[int]:
+        """k drafts for the tokens after `token` (to be fed at `position`); [] when there is no
+        row before it to draft from."""
+        from ds4f.engine.model.kv_journal import KVJournal
+        last = position - 1                          # the MTP row of (main row P-1, token)
+        X = self._streams(last)
+        if k <= 0 or X is None:
+            return []
+        state, layer = self.state, self.layer
+        first = max(state.exact, last - self.window + 1)
+        rows = [j for j in range(first, last) if self._streams(j) is not None and j + 1 in self.tokens]
+        if rows:
+            for a, b in _runs(rows):
+                layer.push(state, np.stack([self.ring[j % self.window] for j in range(a, b)]),
+                           [self.tokens[j + 1] for j in range(a, b)], a)
+        logits, out = layer.rows(state, X[None], [token], last)
+        state.exact = last + 1
+        drafts = [int(np.argmax(logits[0]))]
+        if k > 1:
+            journal = KVJournal(state.layers, last + 1, k - 1)
+            for i in range(1, k):
+                logits, out = layer.rows(state, out[:1].copy(), [drafts[-1]], last + i)
+                drafts.append(int(np.argmax(logits[0])))
+            journal.rollback(0)
+        return drafts
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs [a, b) of sorted positions."""
+    out, a = [], rows[0]
+    for x, y in zip(rows, rows[1:] + [None]):
+        if y != x + 1:
+            out.append((a, x + 1))
+            a = y
+    return out
+
+
+class OracleDrafter:
+    """A draft that proposes the true next token (from a reference sequence: plain greedy
+    output) with probability p, else another token: for measuring what acceptance buys, as
+    random weights accept nothing. Seeded: a run reproduces."""
+
+    def __init__(self, truth: list[int], p: float, vocab: int, seed: int = 0) -> None:
+        self.truth, self.p, self.vocab = list(truth), float(p), vocab
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def observe(self, pos0, hidden, tokens) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, k: int, position: int, token: int) -> list[int]:
+        out = []
+        for i in range(k):
+            j = position + 1 + i
+            true = self.truth[j] if j < len(self.truth) else 0
+            out.append(true if self.rng.random() < self.p else (true + 1 + int(self.rng.integers(self.vocab - 1)))
+                       % self.vocab)
+        return out
+
+
+# ---- acceptance -------------------------------------------------------------------------------------
+def accept_draft(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+    """(kept, token) for a row whose logits judge `draft`: greedy keeps it when it is the argmax;
+    a sampler keeps it with the probability its distribution gives it, else draws from the rest."""
+    if sampler is None or sampler.params.greedy:
+        best = int(np.argmax(logits))
+        return best == draft, best
+    return sampler.judge(logits, draft)
+
+
+# ---- choosing k -------------------------------------------------------------------------------------
+EMA = 0.2            # weight of the newest measurement in the running means
+FIRST_PROBE = 32     # plain steps before auto first tries drafts, and after a probe that lost (doubling)
+MAX_PROBE = 1024
+
+
+@dataclass
+class SpecStats:
+    """What speculation did in a run (the report's, the console's, /metrics')."""
+
+    rounds: int = 0                # rounds with drafts
+    drafted: int = 0               # drafts proposed
+    accepted: int = 0              # drafts kept
+    tokens: int = 0                # tokens those rounds gave (accepted + one each)
+    draft_bytes: int = 0           # bytes the MTP layer read
+    draft_s: float = 0.0           # seconds in the MTP layer
+    verify_extra_bytes: int = 0    # bytes the verify passes read beyond a plain step's mean
+    plain_steps: int = 0
+    by_k: dict = field(default_factory=dict)   # k -> rounds
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        return self.tokens / self.rounds if self.rounds else None
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "tokens": self.tokens,
+                "acceptance": self.acceptance, "tokens_per_round": self.tokens_per_round,
+                "draft_bytes": self.draft_bytes, "draft_s": self.draft_s,
+                "verify_extra_bytes": self.verify_extra_bytes, "plain_steps": self.plain_steps,
+                "by_k": {str(k): v for k, v in sorted(self.by_k.items())}}
+
+
+class SpecController:
+    """k per round: fixed, or (auto) the k of the highest expected tokens per second, from the
+    measured acceptance at each depth and the measured seconds of plain steps and of rounds.
+    A k not measured yet is estimated from the plain step and the rounds measured (their cost per
+    extra row). While drafts lose, auto steps plainly and tries them again after FIRST_PROBE
+    plain steps, twice as long after each probe that lost."""
+
+    def __init__(self, mode: str | int, max_k: int = MAX_DRAFTS) -> None:
+        self.mode = mode
+        self.max_k = max_k if mode == "auto" else (0 if mode == "off" else int(mode))
+        self.tries = np.zeros(MAX_DRAFTS + 1, np.int64)      # depth i: drafts judged there
+        self.hits = np.zeros(MAX_DRAFTS + 1, np.int64)       # and kept
+        self.plain_s: float | None = None                    # running mean of a plain step
+        self.plain_bytes: float | None = None
+        self.round_s: dict[int, float] = {}                  # k -> running mean of a round
+        self.wait = FIRST_PROBE                              # plain steps before the next probe
+        self.since_probe = 0
+        self.stats = SpecStats()
+        self.last_k = 0
+
+    def acceptance(self, depth: int) -> float:
+        """Estimated chance the draft at `depth` (1..) is kept given the earlier ones were."""
+        return (self.hits[depth] + 1) / (self.tries[depth] + 2)
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for d in range(1, k + 1):
+            run *= self.acceptance(d)
+            e += run
+        return e
+
+    def round_seconds(self, k: int) -> float | None:
+        if k in self.round_s:
+            return self.round_s[k]
+        if self.plain_s is None or not self.round_s:
+            return None
+        # the measured rounds' cost per extra row, the most expensive one (a cautious estimate)
+        per_row = max((s - self.plain_s) / j for j, s in self.round_s.items())
+        return self.plain_s + per_row * k
+
+    def choose(self, limit: int) -> int:
+        """Drafts for the next round (0: a plain step); limit: the most the run and session take."""
+        k_max = min(self.max_k, limit)
+        if k_max <= 0:
+            return 0
+        if self.mode != "auto":
+            return k_max
+        if self.plain_s is None:
+            return 0
+        rates = {0: 1.0 / self.plain_s}
+        for k in range(1, k_max + 1):
+            s = self.round_seconds(k)
+            if s is not None:
+                rates[k] = self.expected_tokens(k) / s
+        best = max(rates, key=lambda k: (rates[k], -k))
+        if best == 0:
+            self.since_probe += 1
+            if self.since_probe >= self.wait:     # probe: drafts may pay now (acceptance, the cache)
+                self.since_probe = 0
+                return 1
+            return 0
+        untried = best + 1
+        if untried <= k_max and untried not in self.round_s and self.round_seconds(untried) is not None \
+                and self.expected_tokens(untried) / self.round_seconds(untried) > rates[best]:
+            return untried
+        return best
+
+    def record_plain(self, seconds: float, bytes_read: int) -> None:
+        self.plain_s = seconds if self.plain_s is None else (1 - EMA) * self.plain_s + EMA * seconds
+        self.plain_bytes = bytes_read if self.plain_bytes is None else (1 - EMA) * self.plain_bytes + EMA * bytes_read
+        self.stats.plain_steps += 1
+        self.last_k = 0
+
+    def record_round(self, k: int, kept: int, tokens: int, seconds: float, verify_bytes: int, draft_bytes: int,
+                     draft_s: float) -> None:
+        """A round of k drafts: `kept` of them accepted, `tokens` emitted (kept + 1, fewer when the
+        output ended), its seconds and bytes."""
+        for d in range(1, k + 1):
+            if d > kept + 1:
+                break
+            self.tries[d] += 1
+            self.hits[d] += d <= kept
+        old = self.round_s.get(k)
+        self.round_s[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        st = self.stats
+        st.rounds += 1
+        st.drafted += k
+        st.accepted += kept
+        st.tokens += tokens
+        st.draft_bytes += draft_bytes
+        st.draft_s += draft_s
+        st.verify_extra_bytes += max(0, int(verify_bytes - (self.plain_bytes or 0)))
+        st.by_k[k] = st.by_k.get(k, 0) + 1
+        self.last_k = k
+        if self.mode == "auto" and self.plain_s is not None and tokens / seconds < 1.0 / self.plain_s:
+            self.wait = min(MAX_PROBE, self.wait * 2)     # it lost: wait longer before the next probe
