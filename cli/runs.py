@@ -111,7 +111,16 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-probe", action="store_true", help="skip the NVMe floor probe")
     parser.add_argument("--moe-only", action="store_true",
                         help="allow a checkpoint without attention: run the MoE half alone (the cache lab)")
+    add_spec_option(parser)
     parser.add_argument("--config", help="ds4f.toml to use")
+
+
+SPEC_HELP = ("speculative decoding with the checkpoint's MTP layer: off (default) | auto (drafts per round"
+             " where they pay, measured) | 1..3 drafts per round; the output is the same tokens")
+
+
+def add_spec_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spec", default="off", metavar="auto|off|K", help=SPEC_HELP)
 
 
 def run(args) -> int:
@@ -172,7 +181,7 @@ def _run(args) -> int:
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
                        backend="scalar" if args.no_simd else args.backend, dump_path=dump,
                        report_path=report, config_path=args.config, probe_floor=False if args.no_probe else None,
-                       moe_only=args.moe_only)
+                       moe_only=args.moe_only, spec=args.spec)
     try:
         signal.signal(signal.SIGTERM, _cancel_on_sigterm)   # `kill` stops the run as Ctrl-C does: no files left
     except ValueError:   # not the main thread (called in-process): signals are not ours to handle
@@ -200,6 +209,17 @@ def _run(args) -> int:
     if run.history_error:
         raise Ds4fError(run.history_error)
     return 0
+
+
+def spec_line(sp: dict) -> str:
+    """The report's speculation figures in a line (ds4f run's summary, ds4f generate's)."""
+    if not sp.get("active"):
+        return f"{sp['mode']}: stepped plainly (no MTP layer to draft with, or sequences stepping together)"
+    by_k = ", ".join(f"k={k}: {n}" for k, n in sp["by_k"].items()) or "none"
+    return (f"{sp['mode']} · {sp['rounds']} rounds with drafts ({by_k}), {sp['plain_steps']} plain steps · "
+            f"acceptance {_fmt(sp['acceptance'], '.0%')} · {_fmt(sp['tokens_per_round'], '.2f')} tokens/round · "
+            f"drafts cost {sp['draft_bytes'] / 1e9:.3f} GB and {sp['draft_s']:.2f} s · verify rows read "
+            f"{sp['verify_extra_bytes'] / 1e9:.3f} GB beyond plain steps")
 
 
 def _per_second(seconds: float | None) -> float | None:
@@ -246,6 +266,9 @@ def _print_summary(run, s: dict, snap, out) -> None:
         print(f"KV cache       {s['kv_bytes'] / 2**20:.1f} MiB for {s['context']} positions (in the plan)")
     else:
         print("attention      none: this checkpoint's config has no attention, only the MoE half runs")
+    sp = s.get("spec")
+    if sp:
+        print(f"speculation    {spec_line(sp)}")
     print(f"kernels        {', '.join(sorted(set(run.summary_report['backend_by_token'])))} · {snap.kernel_threads} kernel threads · {snap.io_threads} I/O threads")
     print(f"generated      {run.summary_report['generated']}")
     print(f"state          {run.summary_report['state_path']} sha256 {run.summary_report['state_sha256']}")

@@ -23,6 +23,7 @@ cost per extra row depends on how many experts the rows share and whether they a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import numpy as np
 
@@ -89,7 +90,7 @@ class MtpDrafter:
             del self.tokens[j]
 
     def _streams(self, j: int) -> np.ndarray | None:
-        return self.ring[j % self.window] if self.known[j % self.window] == j else None
+        return self.ring[j % self.window] if j >= 0 and self.known[j % self.window] == j else None
 
     def draft(self, k: int, position: int, token: int) -> list[int]:
         """k drafts for the tokens after `token` (to be fed at `position`); [] when there is no
@@ -295,3 +296,52 @@ class SpecController:
         self.last_k = k
         if self.mode == "auto" and self.plain_s is not None and tokens / seconds < 1.0 / self.plain_s:
             self.wait = min(MAX_PROBE, self.wait * 2)     # it lost: wait longer before the next probe
+
+
+# ---- a round ------------------------------------------------------------------------------------------
+@dataclass
+class Round:
+    """One round's drafts and verification, before it is committed (finish_round)."""
+
+    k: int                         # drafts asked for
+    drafts: list[int]              # those made (fewer: no row to draft from)
+    result: object                 # Session.verify's ChunkResult: each row's records and logits
+    picks: list[int]               # the token each usable row gives: accepted rows' and the one after
+    kept: int                      # drafts accepted
+    draft_bytes: int
+    draft_s: float
+
+
+def speculate(session, drafter, k: int, token: int, sampler=None) -> Round:
+    """Draft k tokens after `token`, verify them with it in one pass, judge them in order."""
+    costs = getattr(getattr(drafter, "layer", None), "source", None)
+    before = (costs.costs.bytes_read, costs.costs.seconds) if costs is not None else (0, 0.0)
+    t0 = perf_counter()
+    drafts = drafter.draft(k, session.position, token)
+    draft_s = perf_counter() - t0
+    draft_bytes = costs.costs.bytes_read - before[0] if costs is not None else 0
+    result = session.verify([token] + drafts)
+    picks, kept = [], 0
+    for i in range(len(drafts) + 1):
+        if i < len(drafts):
+            ok, nxt = accept_draft(sampler, result.logits[i], drafts[i])
+        else:
+            ok, nxt = False, (int(np.argmax(result.logits[i])) if sampler is None else int(sampler.sample(result.logits[i])))
+        picks.append(nxt)
+        if not ok:
+            break
+        kept += 1
+    return Round(k, drafts, result, picks, kept, draft_bytes, draft_s)
+
+
+def finish_round(session, controller: "SpecController | None", rnd: Round, emitted: int, seconds: float) -> None:
+    """Commit the round's first `emitted` rows (the output may have ended before its last pick)
+    and tell the controller what it cost."""
+    session.commit(emitted)
+    if controller is None:
+        return
+    if not rnd.drafts:                 # nothing to draft from: it was a plain step
+        controller.record_plain(seconds, rnd.result.bytes_read)
+    else:
+        controller.record_round(len(rnd.drafts), rnd.kept, emitted, seconds, rnd.result.bytes_read, rnd.draft_bytes,
+                                rnd.draft_s)

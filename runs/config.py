@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_PROMPT, MAX_THREADS, Config,
                                 Preset)
+from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
@@ -51,6 +52,7 @@ class RunConfig:
     kv_dir: str | None = None                # the prefix cache's directory; None: ds4f.toml's [kv] dir
     prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
                                              # None: the preset's
+    spec: "str | int" = "off"                # speculative decoding with the MTP layer: off | auto | 1..3 drafts
 
 
 def checked(config: RunConfig, cfg: Config) -> RunConfig:
@@ -67,6 +69,7 @@ def checked(config: RunConfig, cfg: Config) -> RunConfig:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk <= MAX_CHUNK):
         raise Ds4fError(f"prefill_chunk: must be from 0 (token by token) to {MAX_CHUNK} prompt tokens, got {chunk!r}",
                         param="prefill_chunk")
+    config = replace(config, spec=parse_spec(config.spec))
     check_threads(io_threads=config.io_threads, kernel_threads=config.kernel_threads)
     if not config.model:
         raise Ds4fError("model: no checkpoint path given", param="model")
@@ -102,6 +105,10 @@ def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: P
                         f" head_dim, compress_ratios, ...), so only the MoE half of the model could run and its tokens"
                         f" would not be the model's; make the checkpoint again (ds4f synth / convert), or pass"
                         f" --moe-only to run the MoE half for the cache lab", param="model")
+    if isinstance(config.spec, int) and not checkpoint.mtp_layers:
+        raise Ds4fError(f"spec: {config.spec} drafts asked for, but "
+                        + (checkpoint.mtp_problem or f"{config.model} has no MTP layer (mtp.0.*) to draft with")
+                        + " (spec auto runs plainly where there is none)", param="spec")
     positions = len(prompt) - 1 + config.gen
     if g.attention is not None and positions > preset.context:
         raise Ds4fError(f"gen: a prompt of {len(prompt)} tokens and {config.gen} generated ones reach {positions}"

@@ -30,11 +30,12 @@ import numpy as np
 import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import Preset, load_config
+from ds4f.engine.config import Preset, format_bytes, load_config
 from ds4f.engine.batch import COST_KEYS, batched_chunk, split_whole
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.model.rows import Stopped
 from ds4f.engine.runtime.disk_floor import cached_floor
+from ds4f.engine.speculative import MtpDrafter, SpecController, finish_round, speculate
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler
@@ -93,6 +94,9 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         kept = kept_tokens_for(config, kv_of(config, cfg), checkpoint, engines)
         prompt, tokenizer = prompt_of(config, checkpoint, kept)
         check_fits(config, checkpoint, prompt, preset)
+        if isinstance(config.spec, int) and engines is not None and engines.parallel > 1:
+            raise Ds4fError(f"spec: {config.spec} drafts: not while sequences step together (parallel"
+                            f" {engines.parallel}); spec auto steps plainly there", param="spec")
     except Ds4fError:
         checkpoint.close()
         raise
@@ -159,6 +163,7 @@ class Run:
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._session = None
         self._passes = self._shared_passes = 0          # forward passes, and those shared (engine.batch)
+        self._spec: SpecController | None = None       # speculative decoding, when on (_setup_spec)
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
         self._marked: list = []                      # the states kept there so far
@@ -305,7 +310,8 @@ class Run:
                         io_mode=self.checkpoint.io_mode, policy=self.preset.policy, tokens=t["tokens"],
                         events=t["events"], switches=t["switches"], elapsed_s=t["elapsed_s"], eta_s=t["eta_s"],
                         **self._speed_fields(t), **self._cache_fields(t, fig, layer_prefetched),
-                        **self._memory_fields(fig), **self._text_fields(t), **self._batch_fields())
+                        **self._memory_fields(fig), **self._text_fields(t), **self._batch_fields(),
+                        **self._spec_fields())
 
     def _token_figures(self) -> dict:
         """What the snapshot takes from the token log and the run's state, read under the lock."""
@@ -376,6 +382,26 @@ class Run:
                     ram_bytes=vm.total, ram_available_bytes=vm.available,
                     plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
                     kv_bytes=self._kv_bytes, context=self._context)
+
+    def _spec_fields(self) -> dict:
+        """Speculation's figures so far ({} when it is off)."""
+        spec = self._spec
+        if spec is None:
+            return {"spec_mode": str(self.config.spec)} if self.config.spec != "off" else {}
+        with self._lock:
+            st = spec.stats
+            return dict(spec_mode=str(spec.mode), spec_k=spec.last_k, spec_rounds=st.rounds,
+                        spec_acceptance=st.acceptance, spec_tokens_per_round=st.tokens_per_round,
+                        spec_draft_gb=st.draft_bytes / 1e9, spec_draft_s=st.draft_s)
+
+    def _spec_summary(self) -> dict | None:
+        """The report's account of speculation (None: off)."""
+        if self.config.spec == "off":
+            return None
+        if self._spec is None:
+            return {"mode": str(self.config.spec), "active": False}
+        with self._lock:
+            return dict(self._spec.stats.to_dict(), mode=str(self._spec.mode), active=True)
 
     def _batch_fields(self) -> dict:
         """The engine's batch (engine.batch) as this run sees it; {} when it runs alone."""
@@ -448,6 +474,7 @@ class Run:
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
+            self._setup_spec(eng, session)
             start = self._reuse(eng, session, writer)
             if self.engines is not None and self.engines.parallel > 1:   # from here it steps with the others
                 session.join(eng.batcher)
@@ -515,13 +542,69 @@ class Run:
             self._mark(session, step)
             self._apply_switches(eng, step)
             generating = step >= len(self.prompt) - 1     # this step picks a generated token
+            spec = self._spec
+            k = spec.choose(min(self.n_steps - step, session.max_verify_rows) - 1) if generating and spec else 0
+            if k:
+                step, token = self._spec_round(eng, session, writer, sampler, step, token, k)
+                continue
             t0 = time.perf_counter()
             res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
             seconds = time.perf_counter() - t0
             self._count_steps(res)
+            if generating and spec is not None:
+                with self._lock:
+                    spec.record_plain(seconds, res.bytes_read)
             self._emit(eng, writer, step, token, res.next_token, res, vars(res), seconds, prefill=False)
             step += 1
             token = self.prompt[step] if step < len(self.prompt) else res.next_token
+
+    def _setup_spec(self, eng: Engine, session) -> None:
+        """Speculative decoding for the run (RunConfig.spec): the MTP layer's drafter on the
+        session, told every row from the prompt's first on. spec auto runs plainly where there is
+        no MTP layer or sequences step together (start_run refuses a fixed k there)."""
+        mode = self.config.spec
+        if mode == "off":
+            return
+        if self.engines is not None and self.engines.parallel > 1:
+            self._log("speculation: off while sequences step together")
+            return
+        try:
+            layer = eng.mtp_layer()
+        except Ds4fError as exc:
+            if mode != "auto":
+                raise
+            self._log(f"speculation: off: {exc}")
+            return
+        session.drafter = MtpDrafter(layer, session.context)
+        self._spec = SpecController(mode)
+        self._log(f"speculation: {mode}" + (" (k chosen per round from what drafts save and cost)"
+                                            if mode == "auto" else " drafts per round")
+                  + f"; the MTP layer's {format_bytes(eng.mtp_nbytes)} resident")
+
+    def _spec_round(self, eng: Engine, session, writer, sampler, step: int, token: int, k: int) -> tuple[int, int]:
+        """A round of k drafts (engine.speculative): verified in one pass, each kept row's record
+        written as a plain step's, the round's costs split over them. (next step, its token)."""
+        t0 = time.perf_counter()
+        rnd = speculate(session, session.drafter, k, token, sampler)
+        res = rnd.result
+        seconds = time.perf_counter() - t0
+        costs = {key: v for key, v in vars(res).items() if not isinstance(v, np.ndarray)}
+        n = len(rnd.picks)
+        shares = {key: split_whole(costs[key], n) for key in COST_KEYS}
+        feed = [token] + rnd.drafts
+        emitted = 0
+        for c in range(n):
+            one = {key: (shares[key][c] if key in shares else v / n) for key, v in costs.items()}
+            arrays = _Records(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], res.logits[c])
+            self._emit(eng, writer, step, feed[c], rnd.picks[c], arrays, one, seconds / n, prefill=False)
+            emitted += 1
+            step += 1
+            if self._finish_reason is not None or self._cancel.is_set():
+                break
+        with self._lock:
+            finish_round(session, self._spec, rnd, emitted, seconds)
+        self._count_steps(res)
+        return step, rnd.picks[emitted - 1]
 
     def _count_steps(self, res) -> None:
         """The forward passes a step or chunk went in, and those shared with other sequences."""
@@ -712,6 +795,7 @@ class Run:
             report = self._build_report(sha)
             report["state_nbytes"] = writer.nbytes
             report["summary"]["batch"] = self._batch_summary()
+            report["summary"]["spec"] = self._spec_summary()
             s = report["summary"]
             spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
             hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"

@@ -135,6 +135,14 @@ class Snapshot:
     batch_tokens_per_s: float | None = None   # rows per second over the recent steps, all sequences
     batch_steps: int = 0                      # forward passes this run's tokens went in
     batch_shared_steps: int = 0               # of them, those shared with other sequences
+    # speculative decoding with the MTP layer (engine.speculative; spec "off": all empty)
+    spec_mode: str = "off"                    # off | auto | a fixed number of drafts
+    spec_k: int = 0                           # drafts in the last round (0: it stepped plainly)
+    spec_rounds: int = 0                      # rounds with drafts so far
+    spec_acceptance: float | None = None      # drafts kept / drafts proposed
+    spec_tokens_per_round: float | None = None  # tokens a round with drafts gave (kept + 1)
+    spec_draft_gb: float = 0.0                # GB the MTP layer read
+    spec_draft_s: float = 0.0                 # seconds in the MTP layer
 
     def layer_policy_hit_rates(self) -> list[float | None]:
         """Per layer, the policy's own hit rate (hits without prefetch's help / requests), the

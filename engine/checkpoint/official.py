@@ -12,7 +12,7 @@ from ds4f.engine.checkpoint.base import (CONFIG_NAME, Checkpoint, _check_buffer,
 from ds4f.engine.checkpoint.formats import st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import (INDEX_NAME, TensorInfo, load_official_index, pread_exact,
                                                       read_json)
-from ds4f.engine.checkpoint.tensors import MTP_PREFIX, attention_tensors, layer_prefix, mtp_tensors, official_tensors
+from ds4f.engine.checkpoint.tensors import attention_tensors, layer_prefix, mtp_tensors, official_tensors
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import Geometry
 

@@ -34,7 +34,7 @@ from ds4f.engine.model.hyper import HyperWeights, hc_pre_rows
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
 from ds4f.engine.model.weights import (Fp8Matrix, GlobalWeights, LayerAttention, MoeWeights, RouterWeights,
-                                       expert_weights)
+                                       expert_weights, nbytes_of)
 
 
 @dataclass
@@ -52,10 +52,7 @@ class MtpWeights:
 
     @property
     def nbytes(self) -> int:
-        return (self.block.nbytes + self.moe.router.nbytes + sum(
-            m.w.nbytes + m.scale.nbytes for m in (self.moe.shared.w1, self.moe.shared.w3, self.moe.shared.w2,
-                                                  self.e_proj, self.h_proj))
-            + sum(a.nbytes for a in (self.enorm, self.hnorm, self.norm)) + self.hc_head.nbytes)
+        return nbytes_of(self)
 
 
 def mtp_geometry(g: Geometry) -> Geometry:

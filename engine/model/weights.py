@@ -151,7 +151,7 @@ class GlobalWeights:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self)
+        return nbytes_of(self)
 
 
 @dataclass
@@ -167,17 +167,17 @@ class LayerAttention:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self)
+        return nbytes_of(self)
 
 
-def _nbytes(obj) -> int:
+def nbytes_of(obj) -> int:
     """Bytes of every array a weight record holds, however nested (matrices, lists of them)."""
     if isinstance(obj, np.ndarray):
         return obj.nbytes
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
+        return sum(nbytes_of(o) for o in obj)
     if hasattr(obj, "__dict__"):
-        return sum(_nbytes(v) for v in vars(obj).values())
+        return sum(nbytes_of(v) for v in vars(obj).values())
     return 0
 
 
