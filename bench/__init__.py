@@ -8,5 +8,6 @@ from ds4f.bench.engine import bench_engine
 from ds4f.bench.kernels import KERNELS as KERNEL_NAMES
 from ds4f.bench.kernels import run_bench as run_kernel_bench
 from ds4f.bench.prefill import bench_prefill
+from ds4f.bench.spec import bench_spec
 
-__all__ = ["bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "run_kernel_bench", "KERNEL_NAMES"]
+__all__ = ["bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "bench_spec", "run_kernel_bench", "KERNEL_NAMES"]

@@ -47,12 +47,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch"],
+        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                                  "console (key-to-action latency and bytes per refresh during a run), "
                                  "prefill (the prompt token by token against layer-major chunks), "
                                  "chat (a conversation's turns with the prefix cache and without, and a restart), "
-                                 "batch (1, 2, 4, 8 sequences decoded together against taking turns)")
+                                 "batch (1, 2, 4, 8 sequences decoded together against taking turns), "
+                                 "spec (speculative decoding with the MTP layer against plain decoding)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
                             help="tokens to generate per run (default: bench engine 8, bench cache 24)")
@@ -348,6 +349,8 @@ def _bench(args) -> int:
         return _bench_chat(args, model)
     if args.what == "batch":
         return _bench_batch(args, model)
+    if args.what == "spec":
+        return _bench_spec(args, model)
     from ds4f.bench import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
@@ -408,6 +411,42 @@ def _bench_batch(args, model) -> int:
 
     _show(args, [table], text, result)
     return 0
+
+
+def _bench_spec(args, model) -> int:
+    from ds4f.bench import bench_spec
+
+    result = bench_spec(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+    records = result["records"]
+    table = Table("spec", [Column("cache", align="left"), Column("drafter", align="left"), Column("k", align="left"),
+                           Column("tokens_per_s", "tok/s", ".3f"), Column("speedup", "x plain", ".2f"),
+                           Column("plain_tokens_per_s", "plain tok/s", ".3f"),
+                           Column("gb_per_token", "GB/tok", ".3f"), Column("plain_gb_per_token", "plain GB/tok", ".3f"),
+                           Column("acceptance", "accepted", ".0%"), Column("tokens_per_round", "tok/round", ".2f"),
+                           Column("by_k", "rounds by k", align="left"), Column("draft_s", "draft s", ".2f"),
+                           Column("same", "= plain tokens", align="left")],
+                  title=f"speculative decoding against plain decoding ({result['gen']} greedy tokens after a"
+                        f" prompt of {result['prompt']}; oracle p: drafts right with probability p)")
+    for r in records:
+        table.add(r["cache"], r["drafter"], r["k"], r["tokens_per_s"], r["speedup"], r["plain_tokens_per_s"],
+                  r["gb_per_token"], r["plain_gb_per_token"], r["acceptance"], r["tokens_per_round"],
+                  " ".join(f"{k}:{n}" for k, n in sorted(r["by_k"].items())) or "-", r["draft_s"],
+                  "yes" if r["same"] else "NO")
+
+    def text(out):
+        print = functools.partial(builtins.print, file=out)
+        print()
+        print(table.text())
+        for cache, pl in result["plain"].items():
+            print(f"plain, {cache} cache: {pl['tokens_per_s']:.3f} tok/s, {pl['gb_per_token']:.3f} GB/token")
+        auto = [r["speedup"] for r in records if r["k"] == "auto" and r["drafter"] == "mtp"]
+        if auto:
+            print(f"auto with the MTP layer's drafts: worst {min(auto):.2f}x plain")
+        if not all(r["same"] for r in records):
+            print("TOKENS DIFFER from plain decoding in some rows: a bug")
+
+    _show(args, [table], text, result)
+    return 1 if not all(r["same"] for r in records) else 0
 
 
 def _bench_chat(args, model) -> int:

@@ -44,6 +44,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
                         help="on SIGINT/SIGTERM, how long to wait for the active run to cancel (default 60)")
     parser.add_argument("--quiet", action="store_true", help="no access log lines on stderr")
+    parser.add_argument("--spec", default="off", metavar="auto|off|K",
+                        help="speculative decoding of every run with the MTP layer: off (default), auto, or K"
+                             " drafts per round; auto steps plainly while sequences step together")
     add_kv_options(parser)
     parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
                      "GET /metrics, GET /status, POST /runs, GET /runs, GET|PATCH|DELETE /runs/ID, "
@@ -71,7 +74,8 @@ def run(args) -> int:
     options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
                             port=args.port, token=token, queue_size=args.queue,
                             default_max_tokens=args.max_tokens, access_log=not args.quiet,
-                            kv_dir=args.kv_dir, reuse_prefix=not args.no_kv, parallel=args.parallel)
+                            kv_dir=args.kv_dir, reuse_prefix=not args.no_kv, parallel=args.parallel,
+                            spec=args.spec)
     server = Server(options)
     service = server.service
 

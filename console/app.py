@@ -401,6 +401,9 @@ class Ds4fConsole(App):
     def on_dashboard_screen_cycle_preset(self, _message: DashboardScreen.CyclePreset) -> None:
         self._change_setting(lambda c: c.cycle_preset())
 
+    def on_dashboard_screen_cycle_spec(self, _message: DashboardScreen.CycleSpec) -> None:
+        self._change_setting(lambda c: c.cycle_spec())
+
     def on_dashboard_screen_step_io_threads(self, message: DashboardScreen.StepIoThreads) -> None:
         self._change_setting(lambda c: c.adjust_io_threads(message.delta))
 

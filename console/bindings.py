@@ -35,6 +35,8 @@ DASHBOARD_BINDINGS = [
             tooltip="Show the transcript (in the run and event panels' place) and put the cursor in the "
                     "prompt line"),
     Binding("p", "cycle_preset", "preset", tooltip="Cycle the preset for the next run"),
+    Binding("g", "cycle_spec", "spec", tooltip="Speculative decoding for the next run: off, auto, 1, 2, 3 drafts"
+                                               " per round (the MTP layer's; the same tokens)"),
     Binding("left_square_bracket", "io_threads(-1)", "I/O threads down", key_display="[", group=IO,
             tooltip="One I/O thread fewer: live at the next token, and for the next run"),
     Binding("right_square_bracket", "io_threads(1)", "I/O threads up", key_display="]", group=IO,
@@ -99,6 +101,7 @@ DIFF_BINDINGS = [
 TITLES = {
     "help": "Help: every key", "cycle_theme": "Cycle theme", "quit": "Quit",
     "run": "Run: start a run", "stop": "Stop the run", "cycle_preset": "Cycle preset",
+    "cycle_spec": "Cycle speculative decoding (off, auto, 1-3 drafts)",
     "io_threads(-1)": "I/O threads down", "io_threads(1)": "I/O threads up",
     "kernel_threads(-1)": "Kernel threads down", "kernel_threads(1)": "Kernel threads up",
     "toggle_simd": "Toggle SIMD / scalar kernels", "set_tokens": "Set the token count",

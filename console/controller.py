@@ -38,6 +38,10 @@ class NextRun:
     backend: str
     kernel_threads: int
     io_threads: int
+    spec: str = "off"       # speculative decoding: off | auto | 1..3 drafts
+
+
+SPEC_MODES = ("off", "auto", "1", "2", "3")   # what the spec key cycles through
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Controller:
     io_threads: int | None = None          # None: the preset's / ds4f.toml's
     kernel_threads: int | None = None
     backend: str = "auto"
+    spec: str = "off"                      # speculative decoding for the next run (SPEC_MODES)
     config_path: str | None = None         # passed on to the run so it reads the same ds4f.toml
     start_run: Callable = default_start_run  # (RunConfig, History | None, EngineHost | None) -> Run
     engines: EngineHost | None = None      # keeps one loaded engine across this session's runs
@@ -84,14 +89,14 @@ class Controller:
 
     def next_run(self) -> NextRun:
         return NextRun(self.model, self.preset, self.gen, self.next_backend(), self.effective_kernel_threads(),
-                       self.effective_io_threads())
+                       self.effective_io_threads(), self.spec)
 
     def run_config(self):
         if not self.model:
             raise Ds4fError("no model: give --model PATH, set [model] path in ds4f.toml, or use the demo model")
         return RunConfig(model=self.model, preset=self.preset, gen=self.gen,
                          io_threads=self.io_threads, kernel_threads=self.kernel_threads,
-                         backend=self.backend, config_path=self.config_path,
+                         backend=self.backend, config_path=self.config_path, spec=self.spec,
                          cold_start=True)    # a measured run: its hit rate comparable with the others
 
     # -- the run --------------------------------------------------------------------------
@@ -179,6 +184,13 @@ class Controller:
         self.preset = names[(i + step) % len(names)]
         when = " (next run)" if self.live else ""
         return self._note(f"preset {self.config.get_preset(self.preset).describe()}{when}")
+
+    def cycle_spec(self) -> str:
+        """Speculative decoding for the next run: off, auto, 1, 2, 3 drafts per round."""
+        i = SPEC_MODES.index(self.spec) if self.spec in SPEC_MODES else -1
+        self.spec = SPEC_MODES[(i + 1) % len(SPEC_MODES)]
+        what = {"off": "off", "auto": "auto (drafts where they pay)"}.get(self.spec, f"{self.spec} drafts per round")
+        return self._note(f"speculation {what}{' (next run)' if self.live else ''}")
 
     def adjust_io_threads(self, delta: int) -> str:
         n = max(1, min(MAX_IO_THREADS, self.effective_io_threads() + delta))

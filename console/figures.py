@@ -369,3 +369,14 @@ def record_text(r: RunRecord) -> RecordText | None:
               f"{generated if isinstance(generated, int) else '?'} tokens")
     settings = " · ".join((mode, sampling_text(c.get("sampling")), ending, counts))
     return RecordText(mode, prompt, turns, str(c.get("output_text") or ""), settings)
+
+
+def spec_text(snap) -> str:
+    """Speculative decoding in the speed panel: the mode and the last round's drafts, the
+    acceptance and tokens per round so far, what the drafts cost."""
+    if not snap.spec_rounds and snap.spec_draft_s == 0:
+        return f"spec {snap.spec_mode} · no drafts yet"
+    acc = DASH if snap.spec_acceptance is None else f"{snap.spec_acceptance:.0%}"
+    tpr = DASH if snap.spec_tokens_per_round is None else f"{snap.spec_tokens_per_round:.2f}"
+    return (f"spec {snap.spec_mode} · k={snap.spec_k}\n{acc} kept · {tpr} tok/round\n"
+            f"drafts {snap.spec_draft_gb:.2f} GB · {fmt_seconds(snap.spec_draft_s)}")

@@ -166,8 +166,11 @@ def accept_draft(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
 
 # ---- choosing k -------------------------------------------------------------------------------------
 EMA = 0.2            # weight of the newest measurement in the running means
-FIRST_PROBE = 32     # plain steps before auto first tries drafts, and after a probe that lost (doubling)
-MAX_PROBE = 1024
+SHADOW_FIRST = 8     # auto: shadow drafts (a draft beside a plain step, not verified) every SHADOW_EVERY
+SHADOW_EVERY = 2     # plain steps until this many, then every SHADOW_LATER
+SHADOW_LATER = 32
+ROW_PRIOR = 0.5      # a verify row's cost beyond the first, in plain steps, before one is measured
+DEPTH_TRIES = 4      # judgements at a depth before its own acceptance replaces the first depth's
 
 
 @dataclass
@@ -178,10 +181,12 @@ class SpecStats:
     drafted: int = 0               # drafts proposed
     accepted: int = 0              # drafts kept
     tokens: int = 0                # tokens those rounds gave (accepted + one each)
-    draft_bytes: int = 0           # bytes the MTP layer read
-    draft_s: float = 0.0           # seconds in the MTP layer
+    draft_bytes: int = 0           # bytes the MTP layer read (shadow drafts included)
+    draft_s: float = 0.0           # seconds in the MTP layer (shadow drafts included)
     verify_extra_bytes: int = 0    # bytes the verify passes read beyond a plain step's mean
     plain_steps: int = 0
+    shadows: int = 0               # drafts made beside plain steps to measure acceptance
+    shadow_hits: int = 0           # of them, the ones the plain step agreed with
     by_k: dict = field(default_factory=dict)   # k -> rounds
 
     @property
@@ -197,32 +202,40 @@ class SpecStats:
                 "acceptance": self.acceptance, "tokens_per_round": self.tokens_per_round,
                 "draft_bytes": self.draft_bytes, "draft_s": self.draft_s,
                 "verify_extra_bytes": self.verify_extra_bytes, "plain_steps": self.plain_steps,
+                "shadows": self.shadows, "shadow_hits": self.shadow_hits,
                 "by_k": {str(k): v for k, v in sorted(self.by_k.items())}}
 
 
 class SpecController:
-    """k per round: fixed, or (auto) the k of the highest expected tokens per second, from the
-    measured acceptance at each depth and the measured seconds of plain steps and of rounds.
-    A k not measured yet is estimated from the plain step and the rounds measured (their cost per
-    extra row). While drafts lose, auto steps plainly and tries them again after FIRST_PROBE
-    plain steps, twice as long after each probe that lost."""
+    """k per round: fixed, or (auto) the k of the highest expected tokens per second.
+
+    Expected tokens of a round of k: 1 + a1 + a1 a2 + ... (a_d: the measured chance the draft at
+    depth d is kept when the ones before it were; until a depth has been judged DEPTH_TRIES
+    times, the first depth's). Its seconds: measured for a k that ran, else the plain step's plus
+    k times (a verify row's extra cost + a draft's): the extra row's cost measured from the
+    rounds that ran, ROW_PRIOR plain steps before any did. The first depth's acceptance is
+    learnt without paying for verification: while auto steps plainly it drafts beside a plain
+    step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart) and counts
+    whether the step's token is the draft. So where drafts are not kept, auto stays plain and
+    pays only the shadow drafts."""
 
     def __init__(self, mode: str | int, max_k: int = MAX_DRAFTS) -> None:
         self.mode = mode
         self.max_k = max_k if mode == "auto" else (0 if mode == "off" else int(mode))
-        self.tries = np.zeros(MAX_DRAFTS + 1, np.int64)      # depth i: drafts judged there
+        self.tries = np.zeros(MAX_DRAFTS + 1, np.int64)      # depth d: drafts judged there
         self.hits = np.zeros(MAX_DRAFTS + 1, np.int64)       # and kept
         self.plain_s: float | None = None                    # running mean of a plain step
         self.plain_bytes: float | None = None
+        self.draft_s: float | None = None                    # running mean of one draft
         self.round_s: dict[int, float] = {}                  # k -> running mean of a round
-        self.wait = FIRST_PROBE                              # plain steps before the next probe
-        self.since_probe = 0
+        self.since_shadow = 0
         self.stats = SpecStats()
         self.last_k = 0
 
     def acceptance(self, depth: int) -> float:
         """Estimated chance the draft at `depth` (1..) is kept given the earlier ones were."""
-        return (self.hits[depth] + 1) / (self.tries[depth] + 2)
+        d = depth if self.tries[depth] >= DEPTH_TRIES else 1
+        return (self.hits[d] + 1) / (self.tries[d] + 2)
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
@@ -231,14 +244,18 @@ class SpecController:
             e += run
         return e
 
+    def row_seconds(self) -> float:
+        """A verify row's cost beyond the first (drafting apart): the costliest measured, else the prior."""
+        draft = self.draft_s or 0.0
+        measured = [(s - self.plain_s) / j - draft for j, s in self.round_s.items()]
+        return max(max(measured), 0.0) if measured else ROW_PRIOR * self.plain_s
+
     def round_seconds(self, k: int) -> float | None:
         if k in self.round_s:
             return self.round_s[k]
-        if self.plain_s is None or not self.round_s:
+        if self.plain_s is None:
             return None
-        # the measured rounds' cost per extra row, the most expensive one (a cautious estimate)
-        per_row = max((s - self.plain_s) / j for j, s in self.round_s.items())
-        return self.plain_s + per_row * k
+        return self.plain_s + k * (self.row_seconds() + (self.draft_s or 0.0))
 
     def choose(self, limit: int) -> int:
         """Drafts for the next round (0: a plain step); limit: the most the run and session take."""
@@ -251,21 +268,33 @@ class SpecController:
             return 0
         rates = {0: 1.0 / self.plain_s}
         for k in range(1, k_max + 1):
-            s = self.round_seconds(k)
-            if s is not None:
-                rates[k] = self.expected_tokens(k) / s
-        best = max(rates, key=lambda k: (rates[k], -k))
-        if best == 0:
-            self.since_probe += 1
-            if self.since_probe >= self.wait:     # probe: drafts may pay now (acceptance, the cache)
-                self.since_probe = 0
-                return 1
-            return 0
-        untried = best + 1
-        if untried <= k_max and untried not in self.round_s and self.round_seconds(untried) is not None \
-                and self.expected_tokens(untried) / self.round_seconds(untried) > rates[best]:
-            return untried
-        return best
+            rates[k] = self.expected_tokens(k) / self.round_seconds(k)
+        return max(rates, key=lambda k: (rates[k], -k))
+
+    def wants_shadow(self) -> bool:
+        """auto, before a plain step: draft beside it this time (see the class)?"""
+        if self.mode != "auto" or self.plain_s is None:
+            return False
+        self.since_shadow += 1
+        every = SHADOW_EVERY if self.stats.shadows < SHADOW_FIRST else SHADOW_LATER
+        if self.since_shadow < every:
+            return False
+        self.since_shadow = 0
+        return True
+
+    def record_shadow(self, kept: bool, seconds: float, bytes_read: int) -> None:
+        """A shadow draft: whether the plain step's token was it, and what drafting it cost."""
+        self.tries[1] += 1
+        self.hits[1] += bool(kept)
+        self._draft_cost(1, seconds, bytes_read)
+        self.stats.shadows += 1
+        self.stats.shadow_hits += bool(kept)
+
+    def _draft_cost(self, k: int, seconds: float, bytes_read: int) -> None:
+        one = seconds / k
+        self.draft_s = one if self.draft_s is None else (1 - EMA) * self.draft_s + EMA * one
+        self.stats.draft_bytes += bytes_read
+        self.stats.draft_s += seconds
 
     def record_plain(self, seconds: float, bytes_read: int) -> None:
         self.plain_s = seconds if self.plain_s is None else (1 - EMA) * self.plain_s + EMA * seconds
@@ -276,26 +305,21 @@ class SpecController:
     def record_round(self, k: int, kept: int, tokens: int, seconds: float, verify_bytes: int, draft_bytes: int,
                      draft_s: float) -> None:
         """A round of k drafts: `kept` of them accepted, `tokens` emitted (kept + 1, fewer when the
-        output ended), its seconds and bytes."""
-        for d in range(1, k + 1):
-            if d > kept + 1:
-                break
+        output ended), its seconds (drafts included) and bytes."""
+        for d in range(1, min(k, kept + 1) + 1):      # the depths judged: up to the first rejection
             self.tries[d] += 1
             self.hits[d] += d <= kept
         old = self.round_s.get(k)
         self.round_s[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self._draft_cost(k, draft_s, draft_bytes)
         st = self.stats
         st.rounds += 1
         st.drafted += k
         st.accepted += kept
         st.tokens += tokens
-        st.draft_bytes += draft_bytes
-        st.draft_s += draft_s
         st.verify_extra_bytes += max(0, int(verify_bytes - (self.plain_bytes or 0)))
         st.by_k[k] = st.by_k.get(k, 0) + 1
         self.last_k = k
-        if self.mode == "auto" and self.plain_s is not None and tokens / seconds < 1.0 / self.plain_s:
-            self.wait = min(MAX_PROBE, self.wait * 2)     # it lost: wait longer before the next probe
 
 
 # ---- a round ------------------------------------------------------------------------------------------
@@ -314,12 +338,12 @@ class Round:
 
 def speculate(session, drafter, k: int, token: int, sampler=None) -> Round:
     """Draft k tokens after `token`, verify them with it in one pass, judge them in order."""
-    costs = getattr(getattr(drafter, "layer", None), "source", None)
-    before = (costs.costs.bytes_read, costs.costs.seconds) if costs is not None else (0, 0.0)
+    costs = _mtp_costs(drafter)
+    before = costs.bytes_read if costs is not None else 0
     t0 = perf_counter()
     drafts = drafter.draft(k, session.position, token)
     draft_s = perf_counter() - t0
-    draft_bytes = costs.costs.bytes_read - before[0] if costs is not None else 0
+    draft_bytes = costs.bytes_read - before if costs is not None else 0
     result = session.verify([token] + drafts)
     picks, kept = [], 0
     for i in range(len(drafts) + 1):
@@ -345,3 +369,50 @@ def finish_round(session, controller: "SpecController | None", rnd: Round, emitt
     else:
         controller.record_round(len(rnd.drafts), rnd.kept, emitted, seconds, rnd.result.bytes_read, rnd.draft_bytes,
                                 rnd.draft_s)
+
+
+def plain_step(session, controller: "SpecController | None", drafter, token: int, sampler=None):
+    """A plain step (Session.step), with a shadow draft beside it when auto wants one (told to the
+    controller with the step's own cost apart). The StepResult."""
+    shadow, draft_s, draft_bytes = None, 0.0, 0
+    if controller is not None and drafter is not None and controller.wants_shadow():
+        costs = _mtp_costs(drafter)
+        before = costs.bytes_read if costs is not None else 0
+        t0 = perf_counter()
+        drafts = drafter.draft(1, session.position, token)
+        draft_s = perf_counter() - t0
+        draft_bytes = (costs.bytes_read - before) if costs is not None else 0
+        shadow = drafts[0] if drafts else None
+    t0 = perf_counter()
+    res = session.step(token, pick=None if sampler is None else sampler.sample)
+    if controller is not None:
+        controller.record_plain(perf_counter() - t0, res.bytes_read)
+        if shadow is not None:
+            controller.record_shadow(shadow == res.next_token, draft_s, draft_bytes)
+    return res
+
+
+def _mtp_costs(drafter):
+    """The MTP layer's cost counters behind a drafter (None: an oracle's)."""
+    layer = getattr(drafter, "layer", None)
+    return layer.source.costs if layer is not None else None
+
+
+def decode(session, token: int, n: int, controller: "SpecController | None" = None, drafter=None,
+           sampler=None) -> list[int]:
+    """n tokens after `token` (fed at the session's position), greedy or with `sampler`: plain
+    steps, or with a controller and a drafter rounds of the k it chooses. The tokens."""
+    out: list[int] = []
+    while len(out) < n:
+        k = controller.choose(min(n - len(out), session.max_verify_rows) - 1) if controller and drafter else 0
+        t0 = perf_counter()
+        if k == 0:
+            res = plain_step(session, controller, drafter, token, sampler)
+            token = res.next_token
+            out.append(token)
+            continue
+        rnd = speculate(session, drafter, k, token, sampler)
+        finish_round(session, controller, rnd, len(rnd.picks), perf_counter() - t0)
+        out += rnd.picks
+        token = rnd.picks[-1]
+    return out

@@ -35,7 +35,7 @@ from ds4f.engine.batch import COST_KEYS, batched_chunk, split_whole
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.model.rows import Stopped
 from ds4f.engine.runtime.disk_floor import cached_floor
-from ds4f.engine.speculative import MtpDrafter, SpecController, finish_round, speculate
+from ds4f.engine.speculative import MtpDrafter, SpecController, finish_round, plain_step, speculate
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler
@@ -548,12 +548,12 @@ class Run:
                 step, token = self._spec_round(eng, session, writer, sampler, step, token, k)
                 continue
             t0 = time.perf_counter()
-            res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
+            if generating and spec is not None:    # a plain step, with now and then a shadow draft beside it
+                res = plain_step(session, spec, session.drafter, token, sampler)
+            else:
+                res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
             seconds = time.perf_counter() - t0
             self._count_steps(res)
-            if generating and spec is not None:
-                with self._lock:
-                    spec.record_plain(seconds, res.bytes_read)
             self._emit(eng, writer, step, token, res.next_token, res, vars(res), seconds, prefill=False)
             step += 1
             token = self.prompt[step] if step < len(self.prompt) else res.next_token
@@ -601,8 +601,7 @@ class Run:
             step += 1
             if self._finish_reason is not None or self._cancel.is_set():
                 break
-        with self._lock:
-            finish_round(session, self._spec, rnd, emitted, seconds)
+        finish_round(session, self._spec, rnd, emitted, seconds)
         self._count_steps(res)
         return step, rnd.picks[emitted - 1]
 

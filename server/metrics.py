@@ -183,6 +183,29 @@ class LiveGauges:
                                 value=s.budget_bytes)
         yield GaugeMetricFamily("ds4f_plan_bytes", "Memory the preset plans for the engine and the run.",
                                 value=s.plan_bytes)
+        if s.spec_mode != "off":
+            yield from _spec_gauges(s)
+
+
+def _spec_gauges(s):
+    """Speculative decoding in the current or last run (its snapshot's spec_* figures)."""
+    mode = GaugeMetricFamily("ds4f_spec_mode", "1 for the run's speculative-decoding mode (auto, or a fixed"
+                             " number of drafts per round).", labels=["mode"])
+    mode.add_metric([s.spec_mode], 1)
+    yield mode
+    yield GaugeMetricFamily("ds4f_spec_rounds", "Rounds with drafts in the run so far.", value=s.spec_rounds)
+    if s.spec_acceptance is not None:
+        yield GaugeMetricFamily("ds4f_spec_acceptance_ratio", "Drafts kept over drafts proposed.",
+                                value=s.spec_acceptance)
+    if s.spec_tokens_per_round is not None:
+        yield GaugeMetricFamily("ds4f_spec_tokens_per_round", "Tokens a round with drafts gave (kept drafts + 1).",
+                                value=s.spec_tokens_per_round)
+    yield GaugeMetricFamily("ds4f_spec_draft_bytes", "Bytes the MTP layer read for drafts.",
+                            value=s.spec_draft_gb * 1e9)
+    yield GaugeMetricFamily("ds4f_spec_draft_seconds", "Seconds spent drafting in the MTP layer.",
+                            value=s.spec_draft_s)
+    yield GaugeMetricFamily("ds4f_spec_drafts_last_round", "Drafts in the last round (0: a plain step).",
+                            value=s.spec_k)
 
 
 CAP_REASONS = ("none", "union_cost")

@@ -39,6 +39,7 @@ class ServerOptions:
     kv_dir: str | None = None           # the prefix cache's directory; None: ds4f.toml's [kv] dir
     reuse_prefix: bool = True           # False: every prompt computed whole
     parallel: int | None = None         # sequences decoded together; None: ds4f.toml's [server] parallel
+    spec: str = "off"                   # speculative decoding of every run: off | auto | 1..3 drafts
 
     @property
     def queue_share(self) -> int:
@@ -59,6 +60,11 @@ class ServerOptions:
             raise Ds4fError(f"--max-client-requests: must be between 1 and 10000, got {self.max_client_requests}")
         if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
             raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {self.parallel}")
+        from ds4f.engine.speculative import parse_spec
+        try:
+            parse_spec(self.spec)
+        except Ds4fError as exc:
+            raise Ds4fError(f"--spec: {str(exc).removeprefix('spec: ')}") from None
         if not 1 <= self.default_max_tokens:
             raise Ds4fError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
 

@@ -37,7 +37,7 @@ from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError,
 from .errors import HttpError, bad, json_response
 from .queue import Ticket
 
-RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt")
+RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt", "spec")
 SWITCH_PARAMS = ("backend", "threads", "kernel_threads", "io_threads")
 MAX_LIST_LIMIT = 200
 DEFAULT_LIST_LIMIT = 20
@@ -114,6 +114,15 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> dict:
         if len(prompt) > MAX_PROMPT:
             raise bad("prompt", f"at most {MAX_PROMPT} token ids, got {len(prompt)}")
         out["prompt"] = tuple(prompt)
+    if "spec" in raw:
+        from ds4f.engine.speculative import parse_spec
+        value = raw["spec"]
+        if from_query and isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        try:
+            out["spec"] = parse_spec(value)
+        except Ds4fError as exc:
+            raise bad("spec", str(exc).removeprefix("spec: ")) from None
     return out
 
 
@@ -253,6 +262,7 @@ async def _start(request: Request, raw: dict, from_query: bool) -> Response:
     fields.setdefault("preset", svc.preset)
     fields.setdefault("backend", svc.cfg.backend)
     # an operator's measured run starts on an empty expert cache, so its hit rate compares with others
+    fields.setdefault("spec", svc.options.spec)
     config = RunConfig(model=svc.model, config_path=svc.options.config_path, cold_start=True, **fields)
     ticket = Ticket("run", _client(request))
     svc.take_now(ticket)

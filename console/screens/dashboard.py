@@ -43,6 +43,9 @@ class DashboardScreen(Screen):
     class CyclePreset(Message):
         """The next preset for the next run."""
 
+    class CycleSpec(Message):
+        """The next speculative-decoding mode for the next run."""
+
     class StepIoThreads(Message):
         """One I/O thread more (delta 1) or fewer (delta -1)."""
 
@@ -226,6 +229,9 @@ class DashboardScreen(Screen):
 
     def action_cycle_preset(self) -> None:
         self.post_message(self.CyclePreset())
+
+    def action_cycle_spec(self) -> None:
+        self.post_message(self.CycleSpec())
 
     def action_io_threads(self, delta: int) -> None:
         self.post_message(self.StepIoThreads(delta))

@@ -70,6 +70,8 @@ class SpeedPanel(DashboardPanel):
         cap.append("s/token", "bold")
         cap.append(f"\nmedian of {max(0, snap.tokens_done - 1)} warm")
         cap.append(f"\nfirst {F.fmt_seconds(snap.s_first_token)}")
+        if snap.spec_mode != "off":
+            cap.append("\n" + F.spec_text(snap))
         self.put("#speed-caption", cap)
         self.query_one("#speed-plot", Plot).set_data(F.token_seconds(snap.tokens))
 
@@ -420,7 +422,8 @@ class StatusLine(Static):
         if next_run is not None:
             t.append(f" {F.model_name(next_run.model)} ", "bold")
             t.append(f" next: {next_run.preset} · {next_run.gen} tok · {next_run.backend} · "
-                     f"k{next_run.kernel_threads} io{next_run.io_threads}")
+                     f"k{next_run.kernel_threads} io{next_run.io_threads}"
+                     + (f" · spec {next_run.spec}" if next_run.spec != "off" else ""))
         if snap is not None:
             t.append(f"  {F.state_mark(snap.state)} {snap.state}", "bold")
         t.append(f"  ⟳{refresh_s:g}s")

@@ -30,9 +30,9 @@ from ds4f.errors import Ds4fError
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"
 DEMO_SEED = 0
-DEMO_VERSION = 3                # bump to rebuild everyone's demo model on next launch (a new layout does too);
+DEMO_VERSION = 4                # bump to rebuild everyone's demo model on next launch (a new layout does too);
                                 # 2: synth writes the attention and hyper-connection tensors;
-                                # 3: and the tokenizer files
+                                # 3: and the tokenizer files; 4: and the MTP layer (speculative decoding)
 MARKER = "ds4f-demo.json"       # written last, inside the converted checkpoint
 LAYOUT_FILES = ("trunk.bin", "trunk.json", "pool-mxfp4.bin", "pool-mxfp4.json")
 
@@ -62,13 +62,13 @@ def build_sizes(geometry: str) -> tuple[int, int]:
     The converted size counts the layout's regions as convert lays them out: each layer's MoE
     region, its extra.N region (attention, hyper-connections) and the global region, every
     tensor 64-byte aligned and every region padded to 4 KiB, plus one 4 KiB-aligned record
-    per expert; only the JSON files are left out."""
+    per expert (the MTP layer's included: synthetic models have one); only the JSON files are left out."""
     from ds4f.engine.checkpoint.base import TENSOR_ALIGN, align_up, moe_region_layout, official_name
-    from ds4f.engine.checkpoint.tensors import official_tensors
+    from ds4f.engine.checkpoint.tensors import mtp_tensors, official_tensors
     from ds4f.engine.model.geometry import get_geometry
 
     g = get_geometry(geometry)
-    tensors = official_tensors(g)
+    tensors = official_tensors(g) + mtp_tensors(g)
     official = sum(t.nbytes for t in tensors)
     moe = {official_name(L, short) for L in range(g.n_layers) for short, *_ in moe_region_layout(g, L)[0]}
     regions = sum(moe_region_layout(g, L)[1] for L in range(g.n_layers))
@@ -80,7 +80,8 @@ def build_sizes(geometry: str) -> tuple[int, int]:
         region = f"extra.{parts[1]}" if parts[0] == "layers" and int(parts[1]) < g.n_layers else "global"
         other[region] = align_up(other.get(region, 0), TENSOR_ALIGN) + t.nbytes
     regions += sum(align_up(n) for n in other.values())
-    converted = g.n_layers * g.n_experts * align_up(g.expert_nbytes) + regions
+    layers = g.n_layers + (1 if g.attention is not None else 0)
+    converted = layers * g.n_experts * align_up(g.expert_nbytes) + regions
     return official, converted
 
 
@@ -100,7 +101,8 @@ def build_message(geometry: str, out: Path) -> str:
     g = get_geometry(geometry)
     official, converted = build_sizes(geometry)
     what = "the demo model" if geometry == DEMO_GEOMETRY else f"the {geometry} checkpoint"
-    return (f"making {what} in {out} (once; later runs reuse it): {g.n_layers} layers x {g.n_experts} experts, "
+    mtp = " + the MTP layer" if g.attention is not None else ""
+    return (f"making {what} in {out} (once; later runs reuse it): {g.n_layers} layers{mtp} x {g.n_experts} experts, "
             f"synthesised in the official format ({disk_size(official)}), then converted to the ds4f layout "
             f"({disk_size(converted)}); {disk_size(official + converted)} of disk while it builds")
 
@@ -167,6 +169,7 @@ def ensure_demo_model(progress: ProgressCallback | bool | None = None, *, root: 
     """The demo checkpoint's directory, made on first use (see the module docstring)."""
     from ds4f.engine.checkpoint.convert import convert_checkpoint
     from ds4f.engine.checkpoint.synth import synth_checkpoint
+    from ds4f.engine.model.geometry import get_geometry
 
     root = Path(root) if root is not None else user_cache_dir()
     out = root / dirname
@@ -191,7 +194,7 @@ def ensure_demo_model(progress: ProgressCallback | bool | None = None, *, root: 
         try:
             official = work / "official"
             converted = work / "ds4f"
-            synth_checkpoint(official, geometry, seed=seed,
+            synth_checkpoint(official, geometry, seed=seed, mtp=get_geometry(geometry).attention is not None,
                              progress=_Stage(callback, 0.0, 0.5, "synthesising") if callback else bars)
             convert_checkpoint(official, converted,
                                progress=_Stage(callback, 0.5, 0.98, "converting") if callback else bars)

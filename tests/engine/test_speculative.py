@@ -353,36 +353,42 @@ def test_a_seed_reproduces_a_sampled_speculative_run(ratios_mtp, tmp_path):
 
 
 # ---- choosing k -----------------------------------------------------------------------------------
-def test_auto_steps_plainly_while_drafts_lose_and_probes_them_again_later():
+def _simulate(controller, steps, agree: bool, row_cost: float):
+    """Drive a controller as a run does: plain steps (1 s, a shadow draft now and then that the
+    step agrees with or not) and rounds (each draft kept if `agree`; a round of k costs 1 + k
+    row_cost s and 0.05 s per draft). The k of each step."""
+    chosen = []
+    for _ in range(steps):
+        k = controller.choose(3)
+        chosen.append(k)
+        if k == 0:
+            if controller.wants_shadow():
+                controller.record_shadow(agree, 0.05, 10)
+            controller.record_plain(1.0, 100)
+        else:
+            kept = k if agree else 0
+            controller.record_round(k, kept, kept + 1, 1.0 + k * (row_cost + 0.05), 100 + 50 * k, 10 * k, 0.05 * k)
+    return chosen
+
+
+def test_auto_steps_plainly_while_drafts_would_not_be_kept_and_only_shadows_them():
     c = SpecController("auto")
     assert c.choose(3) == 0                          # nothing measured yet
-    for _ in range(40):
-        c.record_plain(1.0, 100)
-    probes = []
-    for step in range(600):
-        k = c.choose(3)
-        if k:
-            probes.append(step)
-            c.record_round(k, 0, 1, 1.8, 180, 5, 0.1)   # a draft never kept, the round 1.8 plain steps
-        else:
-            c.record_plain(1.0, 100)
-    assert 1 <= len(probes) <= 5
-    gaps = np.diff(probes)
-    assert (gaps[1:] >= gaps[:-1]).all() if len(gaps) > 1 else True    # waiting longer after each loss
+    chosen = _simulate(c, 600, agree=False, row_cost=0.5)
+    assert sum(1 for k in chosen if k) <= 1          # at most one round while the prior still hoped
+    from ds4f.engine import speculative as sp
+    plain = chosen.count(0)
+    assert sp.SHADOW_FIRST <= c.stats.shadows <= sp.SHADOW_FIRST + plain // sp.SHADOW_LATER + 1
+    assert c.stats.draft_s == pytest.approx(0.05 * (c.stats.shadows + sum(chosen)))
 
 
 def test_auto_drafts_when_acceptance_pays_and_goes_deeper_while_it_pays_more():
     c = SpecController("auto")
-    for _ in range(10):
-        c.record_plain(1.0, 100)
-    k, chosen = 0, []
-    for step in range(400):
-        k = c.choose(3)
-        chosen.append(k)
-        if k == 0:
-            c.record_plain(1.0, 100)
-        else:                                     # drafts all kept; each extra row costs 0.1 step
-            c.record_round(k, k, k + 1, 1.0 + 0.1 * k, 100, 1, 0.0)
+    chosen = _simulate(c, 300, agree=True, row_cost=0.1)
     assert chosen[-50:] == [3] * 50
-    c2 = SpecController(2)
-    assert c2.choose(3) == 2 and c2.choose(1) == 1 and SpecController("off").choose(3) == 0
+    # rows that cost a whole step each: even always-kept drafts do not pay for verifying 4 rows
+    c = SpecController("auto")
+    chosen = _simulate(c, 300, agree=True, row_cost=1.0)
+    assert set(chosen[-50:]) == {0}
+    assert SpecController(2).choose(3) == 2 and SpecController(2).choose(1) == 1
+    assert SpecController("off").choose(3) == 0
