@@ -36,7 +36,8 @@ def _workload(eng, prompt, gen: int, cold: bool, controller=None, drafter_of=Non
 
     s = eng.new_session(cold=cold)
     drafter = drafter_of(s) if drafter_of is not None else None
-    s.drafter = drafter
+    if drafter is not None:
+        s.enable_drafts(drafter)
     for t in prompt[:-1]:
         s.step(t)
     mtp = eng.mtp.source.costs if eng.mtp is not None else None

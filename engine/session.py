@@ -89,7 +89,16 @@ class Session:
         """Its buffers, the KV cache, and a prefill chunk's buffers with the temporaries of one of its
         layers (model.rows.transient_nbytes)."""
         chunk = self.chunk.nbytes + transient_nbytes(self.geometry, self.chunk.chunk) if self.chunk is not None else 0
-        return self.buffers.nbytes + self.kv_nbytes + chunk
+        drafts = (self._verify_buf.nbytes if self._verify_buf is not None else 0) + \
+            (self.drafter.nbytes if self.drafter is not None else 0)
+        return self.buffers.nbytes + self.kv_nbytes + chunk + drafts
+
+    def enable_drafts(self, drafter) -> None:
+        """Speculative decoding from here on (engine.speculative): the drafter sees every row
+        the session computes, and the verify rows' buffers are allocated now (nbytes counts them)."""
+        self.drafter = drafter
+        if self.kv is not None and self._verify_buf is None:
+            self._verify_buf = ChunkBuffers(self.geometry, self.max_verify_rows)
 
     @property
     def kv_nbytes(self) -> int:
@@ -219,6 +228,9 @@ class Session:
             raise Ds4fError("the session state has no logits for its last token", param="state")
         put_layers(state.layers, self.kv)
         self.position, self.tokens = state.position, list(state.tokens)
+        self._journal = None
+        if self.drafter is not None:    # the rows it saw are not this state's
+            self.drafter.reset()
         if state.logits is None:
             self._logits = None
         else:

@@ -12,9 +12,11 @@ A round at position P with the token t about to be fed:
                       KV state is undone exactly (model.kv_journal)
 
 So greedy output is plain greedy output, token for token, and the rows' records are those of
-plain steps. With sampling, a draft d (proposed with certainty) is kept with probability p(d)
-and otherwise the token comes from p without d, renormalised: the output's distribution is the
-model's (speculative rejection sampling with a one-hot proposal).
+plain steps. With sampling, each judged row draws its token as a plain step would, with the
+next uniform of the sampler's stream, and the draft is kept when it is that token: kept with
+probability p(d), as speculative rejection sampling with a proposal made with certainty keeps
+it, and the output is plain sampling's own, token for token, for the same seed (the stream
+gives one uniform per token, in order, whatever k the rounds had).
 
 SpecController picks k (0 to K) per round from what it measured: the acceptance at each draft
 depth, the seconds of a plain step and of rounds at each k (drafts and the verify pass, whose
@@ -69,6 +71,11 @@ class MtpDrafter:
         self.ring = np.zeros((self.window, N, g.hidden), np.float32)   # main streams of position j at j % window
         self.known = np.full(self.window, -1, np.int64)                  # the position each ring row holds
         self.tokens: dict[int, int] = {}                                  # position -> token, the window's
+
+    @property
+    def nbytes(self) -> int:
+        """The main rows it keeps and its window."""
+        return self.ring.nbytes + self.known.nbytes + self.state.cache.nbytes
 
     def reset(self) -> None:
         """The session's state was replaced: nothing seen is valid."""
@@ -134,6 +141,8 @@ class OracleDrafter:
     output) with probability p, else another token: for measuring what acceptance buys, as
     random weights accept nothing. Seeded: a run reproduces."""
 
+    nbytes = 0
+
     def __init__(self, truth: list[int], p: float, vocab: int, seed: int = 0) -> None:
         self.truth, self.p, self.vocab = list(truth), float(p), vocab
         self.rng = np.random.Generator(np.random.PCG64(seed))
@@ -156,12 +165,15 @@ class OracleDrafter:
 
 # ---- acceptance -------------------------------------------------------------------------------------
 def accept_draft(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
-    """(kept, token) for a row whose logits judge `draft`: greedy keeps it when it is the argmax;
-    a sampler keeps it with the probability its distribution gives it, else draws from the rest."""
+    """(kept, token) for a row whose logits judge `draft`: the token the row picks as a plain
+    step would (greedy: its argmax; a sampler: its draw, one uniform of its stream), the draft
+    kept when it is that token. Sampled, a draft is so kept with the probability the sampler's
+    distribution gives it, and the token is always a draw from that distribution."""
     if sampler is None or sampler.params.greedy:
         best = int(np.argmax(logits))
         return best == draft, best
-    return sampler.judge(logits, draft)
+    token = int(sampler.sample(logits))
+    return token == draft, token
 
 
 # ---- choosing k -------------------------------------------------------------------------------------
@@ -171,6 +183,7 @@ SHADOW_EVERY = 2     # plain steps until this many, then every SHADOW_LATER
 SHADOW_LATER = 32
 ROW_PRIOR = 0.5      # a verify row's cost beyond the first, in plain steps, before one is measured
 DEPTH_TRIES = 4      # judgements at a depth before its own acceptance replaces the first depth's
+EXPLORE_ACCEPTANCE = 0.6   # auto tries a depth past the best once where drafts are kept this often
 
 
 @dataclass
@@ -212,8 +225,9 @@ class SpecController:
     Expected tokens of a round of k: 1 + a1 + a1 a2 + ... (a_d: the measured chance the draft at
     depth d is kept when the ones before it were; until a depth has been judged DEPTH_TRIES
     times, the first depth's). Its seconds: measured for a k that ran, else the plain step's plus
-    k times (a verify row's extra cost + a draft's): the extra row's cost measured from the
-    rounds that ran, ROW_PRIOR plain steps before any did. The first depth's acceptance is
+    k times (a verify row's extra cost + a draft's): the extra row's cost that of the nearest k
+    that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, the depth past
+    the best is tried once to measure it. The first depth's acceptance is
     learnt without paying for verification: while auto steps plainly it drafts beside a plain
     step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart) and counts
     whether the step's token is the draft. So where drafts are not kept, auto stays plain and
@@ -244,18 +258,21 @@ class SpecController:
             e += run
         return e
 
-    def row_seconds(self) -> float:
-        """A verify row's cost beyond the first (drafting apart): the costliest measured, else the prior."""
-        draft = self.draft_s or 0.0
-        measured = [(s - self.plain_s) / j - draft for j, s in self.round_s.items()]
-        return max(max(measured), 0.0) if measured else ROW_PRIOR * self.plain_s
+    def row_seconds(self, k: int) -> float:
+        """A verify row's cost beyond the first in a round of k (drafting apart): that of the
+        measured k nearest to it (the rows' expert union grows slower than their count, so a
+        row costs less the more there are), ROW_PRIOR plain steps before any round ran."""
+        if not self.round_s:
+            return ROW_PRIOR * self.plain_s
+        j = min(self.round_s, key=lambda m: (abs(m - k), -m))
+        return max(0.0, (self.round_s[j] - self.plain_s) / j - (self.draft_s or 0.0))
 
     def round_seconds(self, k: int) -> float | None:
         if k in self.round_s:
             return self.round_s[k]
         if self.plain_s is None:
             return None
-        return self.plain_s + k * (self.row_seconds() + (self.draft_s or 0.0))
+        return self.plain_s + k * (self.row_seconds(k) + (self.draft_s or 0.0))
 
     def choose(self, limit: int) -> int:
         """Drafts for the next round (0: a plain step); limit: the most the run and session take."""
@@ -269,7 +286,13 @@ class SpecController:
         rates = {0: 1.0 / self.plain_s}
         for k in range(1, k_max + 1):
             rates[k] = self.expected_tokens(k) / self.round_seconds(k)
-        return max(rates, key=lambda k: (rates[k], -k))
+        best = max(rates, key=lambda k: (rates[k], -k))
+        # a depth not run yet, next to the best, is tried once while drafts are mostly kept: its
+        # cost is only an estimate until then
+        nxt = best + 1 if best else 0
+        if nxt and nxt <= k_max and nxt not in self.round_s and self.acceptance(1) >= EXPLORE_ACCEPTANCE:
+            return nxt
+        return best
 
     def wants_shadow(self) -> bool:
         """auto, before a plain step: draft beside it this time (see the class)?"""

@@ -575,8 +575,10 @@ class Run:
                 raise
             self._log(f"speculation: off: {exc}")
             return
-        session.drafter = MtpDrafter(layer, session.context)
+        session.enable_drafts(MtpDrafter(layer, session.context))
         self._spec = SpecController(mode)
+        with self._lock:
+            self._session_nbytes = session.nbytes
         self._log(f"speculation: {mode}" + (" (k chosen per round from what drafts save and cost)"
                                             if mode == "auto" else " drafts per round")
                   + f"; the MTP layer's {format_bytes(eng.mtp_nbytes)} resident")

@@ -95,26 +95,6 @@ class Sampler:
         order, r = kept
         return int(order[self._draw(r)])
 
-    def judge(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
-        """Speculative rejection sampling of a draft proposed with certainty: (kept, token). The
-        draft is kept with the probability r(draft) this sampler's distribution gives it; else
-        the token is drawn from r without it, renormalised. Either way the token's distribution
-        is r. One uniform when kept, two when not."""
-        kept = self.distribution(logits)
-        if isinstance(kept, int):
-            return kept == draft, kept
-        order, r = kept
-        at = np.flatnonzero(order == draft)
-        p = float(r[at[0]]) if len(at) else 0.0
-        u = self.rng.random()
-        self.draws += 1
-        if u < p:
-            return True, int(draft)
-        rest = r.copy()
-        if len(at):
-            rest[at[0]] = 0.0
-        return False, int(order[self._draw(rest / rest.sum())])
-
     def distribution(self, logits: np.ndarray) -> int | tuple[np.ndarray, np.ndarray]:
         """The tokens this sampler may pick and their probabilities (order, r), most likely first;
         a token id where the pick is certain (greedy, or a temperature that overflows)."""

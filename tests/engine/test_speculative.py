@@ -22,8 +22,8 @@ from ds4f.engine.config import load_config
 from ds4f.engine.engine import Engine
 from ds4f.engine.model.reference import ReferenceMtp
 from ds4f.engine.session_state import take_layers
-from ds4f.engine.speculative import (MtpDrafter, OracleDrafter, SpecController, finish_round, parse_spec,
-                                     speculate)
+from ds4f.engine.speculative import (MtpDrafter, OracleDrafter, SpecController, accept_draft, finish_round,
+                                     parse_spec, speculate)
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
@@ -218,7 +218,7 @@ def test_drafts_catch_up_from_the_main_rows_and_chain_their_own_streams(ratios_m
     eng = _engine(ratios_mtp[1])
     s = eng.new_session()
     drafter = MtpDrafter(eng.mtp_layer(), s.context)
-    s.drafter = drafter
+    s.enable_drafts(drafter)
     for t in PROMPT[:-1]:
         s.step(t)
     ref = ReferenceMtp(open_checkpoint(ratios_mtp[0]))
@@ -303,7 +303,7 @@ def test_accepted_drafts_give_plain_records_and_state(ratios_mtp, p):
         recs.append((r.ids.copy(), r.hidden.copy(), r.logits.copy()))
         feed.append(PROMPT[i + 1] if i + 1 < 6 else r.next_token)
     s = eng.new_session()
-    s.drafter = OracleDrafter(feed, p, eng.geometry.vocab, seed=2)
+    s.enable_drafts(OracleDrafter(feed, p, eng.geometry.vocab, seed=2))
     for t in feed[:5]:
         s.step(t)
     got = []
@@ -324,10 +324,11 @@ def test_accepted_drafts_give_plain_records_and_state(ratios_mtp, p):
 
 
 # ---- sampling -------------------------------------------------------------------------------------
-def test_rejection_sampling_keeps_the_models_distribution():
-    """judge(logits, draft) over many draws: the tokens' frequencies are the sampler's
-    distribution (softmax at the temperature over the top-k, computed here in float64), whichever
-    token is drafted, one outside the top-k included."""
+def test_a_sampled_draft_is_kept_with_its_probability_and_the_token_is_a_draw_of_the_distribution():
+    """accept_draft with a sampler over many draws: the tokens' frequencies are the sampler's
+    distribution (softmax at the temperature over the top-k, computed here in float64) and a
+    draft is kept as often as that distribution gives it, whichever token is drafted (one
+    outside the top-k never)."""
     logits = np.array([2.0, 1.5, 0.3, -0.4, 1.0, -2.0, 0.0, 0.7], np.float32)
     temp, top_k = 0.8, 5
     z = logits.astype(np.float64) / temp
@@ -336,20 +337,30 @@ def test_rejection_sampling_keeps_the_models_distribution():
     want[keep] = np.exp(z[keep] - z[keep].max())
     want /= want.sum()
     n = 40000
+    tol = 4 * np.sqrt(want.max() / n) + 1e-3
     for draft in (0, 2, 5):
         sampler = Sampler(SamplingParams(temperature=temp, top_k=top_k, seed=11))
-        counts = np.bincount([sampler.judge(logits, draft)[1] for _ in range(n)], minlength=len(z)) / n
-        assert np.abs(counts - want).max() < 4 * np.sqrt(want.max() / n) + 1e-3, (draft, counts, want)
-        assert counts[np.setdiff1d(np.arange(len(z)), keep)].sum() == 0     # nothing outside the top-k
+        judged = [accept_draft(sampler, logits, draft) for _ in range(n)]
+        counts = np.bincount([t for _, t in judged], minlength=len(z)) / n
+        assert np.abs(counts - want).max() < tol, (draft, counts, want)
+        assert abs(np.mean([k for k, _ in judged]) - want[draft]) < tol
+        assert all(k == (t == draft) for k, t in judged)
+        assert sampler.draws == n                  # one uniform per judged row, as a plain step
 
 
-def test_a_seed_reproduces_a_sampled_speculative_run(ratios_mtp, tmp_path):
-    kw = dict(gen=16, prompt=tuple(PROMPT[:4]), spec=2,
-              sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=7))
-    a = _run(ratios_mtp[1], tmp_path, "a", **kw)
-    b = _run(ratios_mtp[1], tmp_path, "b", **kw)
-    assert _sha(a.dump_path) == _sha(b.dump_path)
-    assert a.report["summary"]["spec"]["rounds"] > 0
+@pytest.mark.parametrize("spec", [2, "auto"])
+def test_sampled_speculation_gives_plain_samplings_state_dump_for_the_seed(ratios_mtp, tmp_path, spec):
+    """The same seed, with and without drafts: the same tokens and records, byte for byte
+    (whatever k the rounds had); a second seed differs."""
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+    kw = dict(gen=16, prompt=tuple(PROMPT[:4]))
+    plain = _run(ratios_mtp[1], tmp_path, "plain", sampling=sampling, **kw)
+    fast = _run(ratios_mtp[1], tmp_path, f"spec{spec}", sampling=sampling, spec=spec, **kw)
+    assert _sha(fast.dump_path) == _sha(plain.dump_path)
+    assert fast.report["summary"]["spec"]["active"]
+    other = _run(ratios_mtp[1], tmp_path, "other", spec=spec, sampling=SamplingParams(temperature=1.0, top_p=0.95,
+                                                                                      seed=8), **kw)
+    assert _sha(other.dump_path) != _sha(plain.dump_path)
 
 
 # ---- choosing k -----------------------------------------------------------------------------------
