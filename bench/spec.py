@@ -9,12 +9,12 @@ cache (the identical workload once before, its figures not kept) and cold (empti
   weights accept nothing, so the oracle shows what acceptance buys at this disk and cache;
 - spec auto with the oracle at 0.8, and auto and k = 1 with the MTP layer's own drafts.
 
-Each row: decode tokens/s and its ratio to plain decoding's measured right before it in the same
-cache state (the ratio is what holds on a noisy machine, where a re-read record may come from a
-cache below O_DIRECT),
-disk GB per token (the verify passes' reads and the drafts' together), the acceptance measured,
-tokens per round, and whether the tokens are plain decoding's (they must be). Reads use O_DIRECT
-where the filesystem allows; cold rows start on an empty expert cache.
+Each row: decode tokens/s and its ratio to plain decoding's, measured in REPEAT pairs (plain,
+then speculative) in the same cache state, each figure the faster of its runs (the ratio is what
+holds on a noisy machine, where a re-read record may come from a cache below O_DIRECT); disk GB
+per token (the verify passes' reads and the drafts' together), the acceptance measured, tokens
+per round, and whether the tokens are plain decoding's (they must be). Reads use O_DIRECT where
+the filesystem allows; cold rows start on an empty expert cache.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ds4f.bench.engine import Log, _quiet, bench_model
 
 ORACLE_P = (0.0, 0.5, 0.8, 1.0)
 PROMPT_TOKENS = 4      # of the checkpoint's first sample prompt: decoding is what is measured
+REPEAT = 2             # (plain, speculative) pairs per row, each figure the faster of its runs
 KS = (1, 2, 3)
 
 
@@ -55,7 +56,7 @@ def _workload(eng, prompt, gen: int, cold: bool, controller=None, drafter_of=Non
 
 def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int | None = None,
                config_path: str | None = None, *, log: Log | None = None, progress=None,
-               ps=ORACLE_P, ks=KS) -> dict:
+               ps=ORACLE_P, ks=KS, repeat: int = REPEAT) -> dict:
     """{"records": one per (cache, drafter, k): its figures and "speedup" over plain decoding's
     tokens/s in the same cache state, "same" (its tokens are plain decoding's); "plain": the
     plain rows; "mtp_bytes", "slot_bytes"}."""
@@ -66,7 +67,7 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
 
     log = log or _quiet
     model = bench_model(model, progress, log)
-    gen = gen or 32
+    gen = gen or 24
     cfg = load_config(config_path)
     p = cfg.get_preset(preset)
     ck = open_checkpoint(model)
@@ -97,11 +98,13 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
                         OracleDrafter(truth, q, ck.geometry.vocab, seed=1)
                 # plain decoding right before, in the same cache state (warm: it leaves the cache as
                 # plain decoding does): the row's own baseline, as the machine is at that moment
-                alone = _workload(eng, prompt, gen, cold)
-                r = _workload(eng, prompt, gen, cold, SpecController(k), drafter_of)
+                pairs = [(_workload(eng, prompt, gen, cold),
+                          _workload(eng, prompt, gen, cold, SpecController(k), drafter_of)) for _ in range(repeat)]
+                alone = max((p for p, _ in pairs), key=lambda w: w["tokens_per_s"])    # each at its best
+                r = max((r for _, r in pairs), key=lambda w: w["tokens_per_s"])
+                r["same"] = all(w["tokens"] == base["tokens"] for pair in pairs for w in pair)
                 r.update(cache=cache, drafter=name, k=str(k), plain_tokens_per_s=alone["tokens_per_s"],
-                         plain_gb_per_token=alone["gb_per_token"], speedup=r["tokens_per_s"] / alone["tokens_per_s"],
-                         same=r["tokens"] == base["tokens"] and alone["tokens"] == base["tokens"])
+                         plain_gb_per_token=alone["gb_per_token"], speedup=r["tokens_per_s"] / alone["tokens_per_s"])
                 records.append(r)
                 log(f"  {cache} {name} k={k}: {r['tokens_per_s']:.3f} tok/s ({r['speedup']:.2f}x plain's"
                     f" {alone['tokens_per_s']:.3f}), {r['gb_per_token']:.3f} GB/token, acceptance {_pct(r['acceptance'])}"

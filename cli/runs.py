@@ -56,7 +56,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                                  "spec (speculative decoding with the MTP layer against plain decoding)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
-                            help="tokens to generate per run (default: bench engine 8, bench cache 24)")
+                            help="tokens to generate per run (default: bench engine 8, bench cache 24, bench spec 24)")
         parser.add_argument("--preset", default=None, help="bench engine, bench cache: preset (default laptop)")
         parser.add_argument("--config", help="ds4f.toml to use")
         add_json_option(parser)
