@@ -28,6 +28,7 @@ from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MA
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
+from ds4f.engine.speculative import MAX_DRAFTS, parse_spec
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
                               find_tokenizer, render_chat)
 from ds4f.engine.text.output import THINK_END
@@ -50,6 +51,7 @@ from ds4f.runs.statedump import read_state
 from ds4f.runs.traces import export_trace, load_trace
 
 __all__ = [
+    "MAX_DRAFTS", "parse_spec",
     "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
     "MAX_THREADS", "Budget", "Config", "Ds4fError", "parse_json", "EngineHost", "History", "Preset", "Run", "RunConfig",
     "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "active_runs", "available_backends", "best_backend",

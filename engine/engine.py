@@ -111,7 +111,7 @@ class Engine:
         """The checkpoint's MTP layer (model.mtp.MtpLayer), loaded on first use and kept; a
         Ds4fError saying why when there is none to draft with."""
         if self.mtp is None:
-            from ds4f.engine.model.mtp import MtpLayer, MtpSource
+            from ds4f.engine.runtime.mtp_source import MtpLayer, MtpSource
             from ds4f.engine.resident import load_mtp
             from ds4f.engine.speculative import MAX_DRAFTS
             ck, g = self.ckpt, self.geometry

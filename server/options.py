@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4f.api import MAX_PARALLEL, Ds4fError
+from ds4f.api import MAX_PARALLEL, Ds4fError, parse_spec
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8734
@@ -60,7 +60,6 @@ class ServerOptions:
             raise Ds4fError(f"--max-client-requests: must be between 1 and 10000, got {self.max_client_requests}")
         if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
             raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {self.parallel}")
-        from ds4f.engine.speculative import parse_spec
         try:
             parse_spec(self.spec)
         except Ds4fError as exc:

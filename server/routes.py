@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ds4f import __version__
-from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig, parse_json
+from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig, parse_json, parse_spec
 
 from .errors import HttpError, bad, json_response
 from .queue import Ticket
@@ -115,7 +115,6 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> dict:
             raise bad("prompt", f"at most {MAX_PROMPT} token ids, got {len(prompt)}")
         out["prompt"] = tuple(prompt)
     if "spec" in raw:
-        from ds4f.engine.speculative import parse_spec
         value = raw["spec"]
         if from_query and isinstance(value, str) and value.strip().isdigit():
             value = int(value)

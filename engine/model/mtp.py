@@ -15,26 +15,22 @@ Chained drafts feed X' back as the next X with the draft token. The MTP layer's 
 from (X_j, t_{j+1}) and is kept at position j: attention depends on positions only through
 their differences, so the row's place is that of its token less one throughout.
 
-The block runs on model.rows' forward pass as a one-layer model (MtpSource presents it as
-layer 0), so each of a step's rows is computed as it would be alone, the experts that several
-rows chose read once.
+The block runs on model.rows' forward pass as a one-layer model (runtime.mtp_source.MtpSource
+presents it as layer 0 and reads its experts), so each of a step's rows is computed as it would
+be alone, the experts that several rows chose read once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from time import perf_counter
 
 import numpy as np
 
-from ds4f.errors import Ds4fError
-from ds4f.engine.model.attention import LayerCache, new_layer_cache, push_window_rows
-from ds4f.engine.model.forward import SHARED
+from ds4f.engine.model.attention import LayerCache, push_window_rows
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HyperWeights, hc_pre_rows
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
-from ds4f.engine.model.weights import (Fp8Matrix, GlobalWeights, LayerAttention, MoeWeights, RouterWeights,
-                                       expert_weights, nbytes_of)
+from ds4f.engine.model.weights import Fp8Matrix, GlobalWeights, LayerAttention, MoeWeights, nbytes_of
 
 
 @dataclass
@@ -60,96 +56,6 @@ def mtp_geometry(g: Geometry) -> Geometry:
     return g.replace(n_layers=1, n_hash_layers=0)
 
 
-@dataclass
-class MtpCosts:
-    """What drafting read and spent so far (counters: a step's are differences)."""
-
-    rows: int = 0                   # MTP rows through the whole block (each gives a draft)
-    pushed: int = 0                 # rows whose keys alone went into its window (catching up)
-    bytes_read: int = 0             # routed experts read for it
-    reads: int = 0
-    hits: int = 0                   # experts found in its slots
-    seconds: float = 0.0            # wall time in the MTP layer
-
-
-class MtpSource:
-    """The MTP block as a one-layer WeightSource (model.forward.WeightSource) for model.rows:
-    layer 0 is the MTP layer; its routed experts are read from the checkpoint as layer n_layers
-    into a few slots of its own (least recently used first out), checked where the form has
-    checksums."""
-
-    def __init__(self, checkpoint, weights: MtpWeights, main: GlobalWeights, slots: int) -> None:
-        g = checkpoint.geometry
-        self.checkpoint = checkpoint
-        self.geometry = mtp_geometry(g)
-        self.layer = g.n_layers                       # the checkpoint's index of the MTP layer
-        self.weights = weights
-        self.globals = GlobalWeights(main.embed, weights.norm, main.head, weights.hc_head)
-        self.layout = checkpoint.expert_layout
-        self.slot_nbytes = checkpoint.slot_nbytes
-        self.capacity = max(1, slots)
-        self._slots: dict[int, np.ndarray] = {}       # expert -> its slot, oldest use first
-        self._free: list[np.ndarray] = []
-        self.costs = MtpCosts()
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.slot_nbytes
-
-    # -- WeightSource
-    def router(self, layer: int) -> RouterWeights:
-        return self.weights.moe.router
-
-    def attention(self, layer: int) -> LayerAttention:
-        return self.weights.block
-
-    def start_chunk(self, token_ids) -> None:
-        pass
-
-    def guess_rows(self, layer: int, H) -> None:
-        pass
-
-    def finish_chunk_layer(self, layer: int) -> None:
-        pass
-
-    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None, ahead=None):
-        """Each distinct expert of the rows' routing once, then the shared expert."""
-        want = list(dict.fromkeys(int(e) for e in np.asarray(ids).reshape(-1)))
-        if len(want) > self.capacity:
-            raise Ds4fError(f"the MTP layer's rows chose {len(want)} experts; its slots hold {self.capacity}",
-                            kind="internal")
-        batch = []
-        for e in want:
-            slot = self._slots.pop(e, None)
-            if slot is None:
-                slot = self._read(e, set(want))
-            else:
-                self.costs.hits += 1
-            self._slots[e] = slot                     # now the most recent
-            batch.append((e, expert_weights(slot, self.layout)))
-        yield batch
-        yield [(SHARED, self.weights.moe.shared)]
-
-    def _read(self, e: int, keep: set) -> np.ndarray:
-        if len(self._slots) < self.capacity:
-            slot = _aligned(self.slot_nbytes)
-        else:
-            old = next(x for x in self._slots if x not in keep)
-            slot = self._slots.pop(old)
-        try:
-            n = self.checkpoint.read_expert(self.layer, e, slot, check=True)
-        except Ds4fError as exc:
-            raise Ds4fError(f"the MTP layer's expert {e}: {exc}", kind="data") from None
-        self.costs.bytes_read += n
-        self.costs.reads += 1
-        return slot
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    from ds4f.engine.checkpoint.base import aligned_buffer
-    return aligned_buffer(nbytes)
-
-
 def mtp_input(w: MtpWeights, main: GlobalWeights, X: np.ndarray, tokens: list[int], eps: float) -> np.ndarray:
     """X' = e_proj(enorm(embed[t]))[None] + h_proj(hnorm(X)) for each row (X fp32 [n, N, hidden],
     tokens: each row's next token): fp32 [n, N, hidden]."""
@@ -168,8 +74,9 @@ def mtp_input(w: MtpWeights, main: GlobalWeights, X: np.ndarray, tokens: list[in
 
 @dataclass
 class MtpState:
-    """One sequence's MTP layer: its KV window and how far its rows are exact (rows 0..exact-1
-    from the main model's own streams; a chained draft's rows past them are undone)."""
+    """One sequence's MTP layer: its KV window (new_layer_cache of the block's shape) and how far
+    its rows are exact (rows 0..exact-1 from the main model's own streams; a chained draft's rows
+    past them are undone)."""
 
     cache: LayerCache
     exact: int = 0
@@ -179,50 +86,29 @@ class MtpState:
         self.layers = [self.cache]
 
 
-class MtpLayer:
-    """The MTP layer of one engine, shared by its sessions (each has its MtpState)."""
-
-    def __init__(self, source: MtpSource, rows: int) -> None:
-        self.source = source
-        self.geometry = source.geometry
-        self.buffers = ChunkBuffers(self.geometry, rows)
-
-    def new_state(self, context: int) -> MtpState:
-        return MtpState(new_layer_cache(self.source.weights.block.shape, context))
-
-    def push(self, state: MtpState, X: np.ndarray, tokens: list[int], pos0: int) -> None:
-        """Rows pos0, ... of the state's window from the main model's streams X [n, N, hidden] and
-        the tokens after them, their keys alone (their drafts are not wanted)."""
-        if not len(tokens):
-            return
-        t0 = perf_counter()
-        g, la = self.geometry, self.source.weights.block
-        att, eps = g.attention, g.rms_norm_eps
-        X1 = mtp_input(self.source.weights, self.source.globals, X, tokens, eps)
-        H, _post, _comb = hc_pre_rows(X1, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
-        A = _normed(H, la.attn_norm, eps)
-        push_window_rows(la.attention, state.cache, A, pos0, la.shape, la.rope)
-        state.exact = pos0 + len(tokens)
-        self.source.costs.pushed += len(tokens)
-        self.source.costs.seconds += perf_counter() - t0
-
-    def rows(self, state: MtpState, X: np.ndarray, tokens: list[int], pos0: int) -> tuple[np.ndarray, np.ndarray]:
-        """The whole block for rows pos0, ... (X [n, N, hidden] the streams they come from, tokens
-        the tokens after them): (logits fp32 [n, vocab], the rows' output streams [n, N, hidden]),
-        views of the layer's buffers; the state's window advanced."""
-        t0 = perf_counter()
-        g = self.geometry
-        X1 = mtp_input(self.source.weights, self.source.globals, X, tokens, g.rms_norm_eps)
-        logits = forward_rows(self.source, [Segment(list(tokens), pos0, state)], self.buffers, streams=X1)
-        self.source.costs.rows += len(tokens)
-        self.source.costs.seconds += perf_counter() - t0
-        return logits, self.buffers.streams[:len(tokens)]
-
-
-def _normed(H: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """rms_norm of each row, as the attention sublayer norms its inputs."""
-    out = np.empty(H.shape, np.float32)
+def push_keys(weights: MtpWeights, main: GlobalWeights, g: Geometry, state: MtpState, X: np.ndarray,
+              tokens: list[int], pos0: int) -> None:
+    """Rows pos0, ... of the state's window from the main model's streams X [n, N, hidden] and
+    the tokens after them, their keys alone (what the block's attention would push; their
+    drafts are not wanted, so no attention, MoE or head). g: the one-layer geometry."""
+    la, att, eps = weights.block, g.attention, g.rms_norm_eps
+    X1 = mtp_input(weights, main, X, tokens, eps)
+    H, _post, _comb = hc_pre_rows(X1, la.hc_attn, eps, att.hc_eps, att.hc_sinkhorn_iters)
+    A = np.empty(H.shape, np.float32)
     h64 = np.empty(H.shape[1], np.float64)
     for c in range(len(H)):
-        rms_norm(H[c], weight, eps, out[c], h64)
-    return out
+        rms_norm(H[c], la.attn_norm, eps, A[c], h64)
+    push_window_rows(la.attention, state.cache, A, pos0, la.shape, la.rope)
+    state.exact = pos0 + len(tokens)
+
+
+def block_rows(source, buffers: ChunkBuffers, state: MtpState, X: np.ndarray, tokens: list[int],
+               pos0: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole MTP block for rows pos0, ... on `source` (a one-layer WeightSource: the MTP
+    layer as layer 0, its globals the main embedding and head with its own norm and hc_head),
+    X [n, N, hidden] the streams the rows come from, tokens the tokens after them: (logits fp32
+    [n, vocab], the rows' output streams [n, N, hidden]), views of `buffers`; the state's window
+    advanced."""
+    X1 = mtp_input(source.weights, source.globals, X, tokens, source.geometry.rms_norm_eps)
+    logits = forward_rows(source, [Segment(list(tokens), pos0, state)], buffers, streams=X1)
+    return logits, buffers.streams[:len(tokens)]
