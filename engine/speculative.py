@@ -30,6 +30,7 @@ from time import perf_counter
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.engine.model.kv_journal import KVJournal
 
 MAX_DRAFTS = 3
 
@@ -102,7 +103,6 @@ class MtpDrafter:
     def draft(self, k: int, position: int, token: int) -> list[int]:
         """k drafts for the tokens after `token` (to be fed at `position`); [] when there is no
         row before it to draft from."""
-        from ds4f.engine.model.kv_journal import KVJournal
         last = position - 1                          # the MTP row of (main row P-1, token)
         X = self._streams(last)
         if k <= 0 or X is None:
@@ -361,24 +361,26 @@ class Round:
 
 def speculate(session, drafter, k: int, token: int, sampler=None) -> Round:
     """Draft k tokens after `token`, verify them with it in one pass, judge them in order."""
-    costs = _mtp_costs(drafter)
-    before = costs.bytes_read if costs is not None else 0
-    t0 = perf_counter()
-    drafts = drafter.draft(k, session.position, token)
-    draft_s = perf_counter() - t0
-    draft_bytes = costs.bytes_read - before if costs is not None else 0
+    drafts, draft_s, draft_bytes = _timed_draft(drafter, k, session.position, token)
     result = session.verify([token] + drafts)
     picks, kept = [], 0
-    for i in range(len(drafts) + 1):
-        if i < len(drafts):
-            ok, nxt = accept_draft(sampler, result.logits[i], drafts[i])
-        else:
-            ok, nxt = False, (int(np.argmax(result.logits[i])) if sampler is None else int(sampler.sample(result.logits[i])))
+    for i in range(len(drafts) + 1):     # the row after the last draft judges nothing (-1): its pick
+        ok, nxt = accept_draft(sampler, result.logits[i], drafts[i] if i < len(drafts) else -1)
         picks.append(nxt)
         if not ok:
             break
         kept += 1
     return Round(k, drafts, result, picks, kept, draft_bytes, draft_s)
+
+
+def _timed_draft(drafter, k: int, position: int, token: int) -> tuple[list[int], float, int]:
+    """drafter.draft(k, position, token), its seconds and the bytes the MTP layer read for it."""
+    layer = getattr(drafter, "layer", None)       # an oracle has none
+    costs = layer.source.costs if layer is not None else None
+    before = costs.bytes_read if costs is not None else 0
+    t0 = perf_counter()
+    drafts = drafter.draft(k, position, token)
+    return drafts, perf_counter() - t0, (costs.bytes_read - before if costs is not None else 0)
 
 
 def finish_round(session, controller: "SpecController | None", rnd: Round, emitted: int, seconds: float) -> None:
@@ -399,12 +401,7 @@ def plain_step(session, controller: "SpecController | None", drafter, token: int
     controller with the step's own cost apart). The StepResult."""
     shadow, draft_s, draft_bytes = None, 0.0, 0
     if controller is not None and drafter is not None and controller.wants_shadow():
-        costs = _mtp_costs(drafter)
-        before = costs.bytes_read if costs is not None else 0
-        t0 = perf_counter()
-        drafts = drafter.draft(1, session.position, token)
-        draft_s = perf_counter() - t0
-        draft_bytes = (costs.bytes_read - before) if costs is not None else 0
+        drafts, draft_s, draft_bytes = _timed_draft(drafter, 1, session.position, token)
         shadow = drafts[0] if drafts else None
     t0 = perf_counter()
     res = session.step(token, pick=None if sampler is None else sampler.sample)
@@ -413,12 +410,6 @@ def plain_step(session, controller: "SpecController | None", drafter, token: int
         if shadow is not None:
             controller.record_shadow(shadow == res.next_token, draft_s, draft_bytes)
     return res
-
-
-def _mtp_costs(drafter):
-    """The MTP layer's cost counters behind a drafter (None: an oracle's)."""
-    layer = getattr(drafter, "layer", None)
-    return layer.source.costs if layer is not None else None
 
 
 def decode(session, token: int, n: int, controller: "SpecController | None" = None, drafter=None,
