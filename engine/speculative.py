@@ -24,6 +24,7 @@ cost per extra row depends on how many experts the rows share and whether they a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -178,9 +179,10 @@ def accept_draft(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
 
 # ---- choosing k -------------------------------------------------------------------------------------
 EMA = 0.2            # weight of the newest measurement in the running means
-SHADOW_FIRST = 8     # auto: shadow drafts (a draft beside a plain step, not verified) every SHADOW_EVERY
-SHADOW_EVERY = 2     # plain steps until this many, then every SHADOW_LATER
-SHADOW_LATER = 32
+SHADOW_FIRST = 8     # auto: shadow drafts (a draft beside a plain step, not verified) at least SHADOW_EVERY
+SHADOW_EVERY = 2     # plain steps apart until this many, then at least SHADOW_LATER apart; and always so
+SHADOW_LATER = 32    # far apart that they cost at most SHADOW_BUDGET of the plain steps' time
+SHADOW_BUDGET = 0.02
 ROW_PRIOR = 0.5      # a verify row's cost beyond the first, in plain steps, before one is measured
 DEPTH_TRIES = 4      # judgements at a depth before its own acceptance replaces the first depth's
 EXPLORE_ACCEPTANCE = 0.6   # auto tries a depth past the best once where drafts are kept this often
@@ -229,8 +231,9 @@ class SpecController:
     that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, the depth past
     the best is tried once to measure it. The first depth's acceptance is
     learnt without paying for verification: while auto steps plainly it drafts beside a plain
-    step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart) and counts
-    whether the step's token is the draft. So where drafts are not kept, auto stays plain and
+    step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart, and never
+    more often than keeps them within SHADOW_BUDGET of the plain steps' time) and counts whether
+    the step's token is the draft. So where drafts are not kept, auto stays plain and
     pays only the shadow drafts."""
 
     def __init__(self, mode: str | int, max_k: int = MAX_DRAFTS) -> None:
@@ -300,6 +303,8 @@ class SpecController:
             return False
         self.since_shadow += 1
         every = SHADOW_EVERY if self.stats.shadows < SHADOW_FIRST else SHADOW_LATER
+        if self.draft_s is not None:        # a draft that costs a fair part of a step: fewer of them
+            every = max(every, math.ceil(self.draft_s / (SHADOW_BUDGET * self.plain_s)))
         if self.since_shadow < every:
             return False
         self.since_shadow = 0
