@@ -1,4 +1,4 @@
-"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N]`: the memory plan of a
+"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N] [--spec]`: the memory plan of a
 model under a preset on a machine's RAM, for N sequences decoded together, without the weights (see
 ds4f.runs.plan)."""
 from __future__ import annotations
@@ -19,6 +19,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=1, metavar="N",
                         help="sequences decoded together (ds4f serve --parallel): N KV caches and prompt chunks, "
                              "and the batched step's buffers (default 1)")
+    parser.add_argument("--spec", action="store_true",
+                        help="with the MTP layer loaded for speculative decoding (--spec auto or K): its block, "
+                             "the slots for its experts, its buffers")
     parser.add_argument("--config", help="ds4f.toml to use")
     add_output_option(parser)
 
@@ -38,8 +41,10 @@ def run(args) -> int:
         ram_bytes = int(psutil.virtual_memory().total)
     if not 1 <= args.parallel <= MAX_PARALLEL:
         raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {args.parallel}")
-    plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0, args.parallel)
+    plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0, args.parallel,
+                       spec=args.spec)
     seqs = f", {args.parallel} sequences decoded together" if args.parallel > 1 else ""
+    seqs += ", speculative decoding with the MTP layer" if args.spec else ""
     parts = Table("resident", [Column("part", align="left"), Column("bytes", "size", align="left")],
                   title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}{seqs}")
     for name, n in plan.resident.items():

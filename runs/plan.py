@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ds4f.engine.checkpoint.base import align_up, moe_region_layout
-from ds4f.engine.checkpoint.tensors import attention_weight_bytes, global_tensors
+from ds4f.engine.checkpoint.tensors import attention_weight_bytes, global_tensors, mtp_tensors
 from ds4f.engine.batch import batched_chunk, step_rows
 from ds4f.engine.config import DEFAULT_PARALLEL, MAX_PARALLEL, Preset
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.geometry import Geometry
+from ds4f.engine.model.mtp import mtp_geometry
 from ds4f.engine.model.rows import ChunkBuffers, transient_nbytes
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
+from ds4f.engine.speculative import MAX_DRAFTS
 
 OS_HEADROOM = 2 << 30   # what the plan leaves the OS, the page cache of the checkpoint's metadata, the shell
 
@@ -58,10 +60,11 @@ class MemoryPlan:
 
 
 def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0,
-                parallel: int = 1) -> MemoryPlan:
+                parallel: int = 1, spec: bool = False) -> MemoryPlan:
     """What the engine holds for geometry `g` under `preset` on a machine of `ram_bytes`, the
     prefix cache's RAM bound ([kv] ram) with it, for `parallel` sequences stepping together
-    (engine.batch: each its KV cache and prompt chunk's records, and the batched step's buffers)."""
+    (engine.batch: each its KV cache and prompt chunk's records, and the batched step's buffers);
+    spec: with the MTP layer loaded for speculative decoding (mtp_nbytes)."""
     slot = align_up(g.expert_nbytes)
     pool = g.n_layers * g.n_experts * slot
     regions = [moe_region_layout(g, layer)[1] for layer in range(g.n_layers)]
@@ -89,6 +92,9 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
         rows = step_rows(parallel, preset.prefill_chunk)
         plan.resident[f"batched step ({rows} rows: {parallel} decode rows and a prompt chunk)"] = \
             ChunkBuffers.nbytes_for(g, rows) + transient_nbytes(g, rows)
+    if spec and g.attention is not None:
+        plan.resident["MTP layer (speculative decoding: its block, slots for its experts, buffers)"] = \
+            mtp_nbytes(g, preset.context)
     plan.attention_by_dtype = {k: v for k, v in att.items() if k != "total" and v}
     one_kv = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), preset.context) \
         if g.attention is not None else 0
@@ -100,6 +106,19 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
     plan.routed_bytes_per_token = g.n_layers * g.top_k * g.expert_nbytes
     plan.streamed_trunk_bytes_per_token = sum(regions[pinned:])
     return plan
+
+
+def mtp_nbytes(g: Geometry, context: int) -> int:
+    """What the MTP layer holds once loaded (Engine.mtp_layer, speculative.MtpDrafter): its
+    tensors but the routed experts, as shipped; the slots its drafts' experts are read into (a
+    round's worth, as runtime.mtp_source sizes them); its row buffers; and one sequence's drafter:
+    the main streams of a window of rows and the layer's own KV window."""
+    a = g.attention
+    weights = sum(t.nbytes for t in mtp_tensors(g) if ".ffn.experts." not in t.name)
+    slots = (MAX_DRAFTS + 1) * g.top_k * align_up(g.expert_nbytes)
+    buffers = ChunkBuffers.nbytes_for(mtp_geometry(g), 1)    # its temporaries: the prefill chunk's cover them
+    drafter = a.window * a.hc_mult * g.hidden * 4 + a.window * (8 + a.head_dim * 4)
+    return weights + slots + buffers + drafter
 
 
 def fit_parallel(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0,

@@ -119,3 +119,31 @@ def test_server_parallel_in_the_config(tmp_path):
         path.write_text(f"[server]\nparallel = {bad}\n")
         with pytest.raises(Ds4fError, match="server.parallel"):
             load_config(str(path))
+
+
+def test_the_plan_with_speculation_counts_what_the_mtp_layer_holds(tmp_path):
+    """--spec: the MTP layer's block, expert slots and buffers, and one sequence's drafter, as an
+    engine that loaded it and a drafter hold them; without the layer's experts (read as needed)."""
+    from ds4f.engine.checkpoint.synth import synth_checkpoint
+    from ds4f.engine.engine import Engine
+    from ds4f.engine.speculative import MtpDrafter
+    from ds4f.runs.plan import mtp_nbytes
+
+    preset = load_config().get_preset("laptop")
+    with open_checkpoint(synth_checkpoint(tmp_path / "mtp", "tiny", seed=0, mtp=True)) as ck:
+        eng = Engine(ck, preset, 2, 1, "scalar")
+        try:
+            layer = eng.mtp_layer()
+            held = eng.mtp_nbytes + MtpDrafter(layer, preset.context).nbytes
+        finally:
+            eng.close()
+        g = ck.geometry
+    assert abs(mtp_nbytes(g, preset.context) - held) <= 0.02 * held    # norms: bf16 shipped, fp32 held
+    with_spec, without = (memory_plan(g, preset, 24 << 30, spec=s) for s in (True, False))
+    assert with_spec.total_bytes - without.total_bytes == mtp_nbytes(g, preset.context)
+    real = memory_plan(GEOMETRIES["flash"], preset, 24 << 30, spec=True)
+    mtp = [n for k, n in real.resident.items() if k.startswith("MTP layer")]
+    # the released layer is ~3.6 GB, 3.42 GB of it routed experts; a round's 24 expert slots
+    assert len(mtp) == 1 and 0.15e9 + 24 * 12.7e6 < mtp[0] < 0.3e9 + 24 * 13.5e6
+    out = _cli("--geometry", "real", "--ram", "24GiB", "--spec", cwd=tmp_path)
+    assert "MTP layer" in out.stdout and "speculative decoding" in out.stdout, out.stdout + out.stderr
