@@ -304,8 +304,62 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
     }
 }
 
+/* A few tokens (2..FP8_FEW: a verify pass's rows, a small batch's): the decoded tile above costs
+ * about what a matvec does, so below ~4 tokens it loses to one matvec per token.  Instead each
+ * row goes as in fp8_matvec (avx2_matvec.c's fp8_rows, R = 1): every 32-byte chunk widened once
+ * in registers, then per token its 4 FMAs into that token's tile partial, in the matvec's order,
+ * and the tile's fp8_tile_add: each token's result is fp8_matvec's, bit for bit.  x comes
+ * prepared (prep_fp8 is the matvec's own permutation); the next row's bytes are prefetched a
+ * tile ahead. */
+#define FP8_FEW 4
+
+INL void fp8_few_row(const int NT, const uint8_t *w, const uint8_t *scales, size_t r, size_t k, const float *xp,
+                     size_t ldx, float *y, size_t ldy) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    const uint8_t *wr = w + r * k, *sr = scales + r / DS4F_FP8_TILE * kt;
+    __m256 p[FP8_FEW], acc[FP8_FEW];
+    __m256i nan = _mm256_setzero_si256();
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) p[n] = acc[n] = _mm256_setzero_ps();
+    for (size_t t = 0; t < kt; t++) {
+        const size_t j0 = t * DS4F_FP8_TILE, j1 = j0 + DS4F_FP8_TILE < k ? j0 + DS4F_FP8_TILE : k;
+        _mm_prefetch((const char *)wr + k + j0, _MM_HINT_T0);
+        _mm_prefetch((const char *)wr + k + j0 + 64, _MM_HINT_T0);
+        for (size_t j = j0; j < j1; j += 32) {
+            const __m256i v = j + 32 <= k ? _mm256_loadu_si256((const __m256i *)(wr + j)) : fp8_load_tail(wr + j, k - j);
+            nan = fp8_nan_max(nan, v);
+            __m256 f[4];
+            fp8_widen32(v, f);
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                const float *xq = xp + n * ldx + j;
+                __m256 q = p[n];
+                q = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xq), q);
+                q = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xq + 8), q);
+                q = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xq + 16), q);
+                q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xq + 24), q);
+                p[n] = q;
+            }
+        }
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+            acc[n] = fp8_tile_add(p[n], sr[t], acc[n]);
+            p[n] = _mm256_setzero_ps();
+        }
+    }
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r] = fp8_result(acc[n], nan);
+}
+
+INL void fp8_few(const int NT, const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                 const float *xp, size_t ldx, float *y, size_t ldy) {
+    for (size_t r = r0; r < r1; r++) fp8_few_row(NT, w, scales, r, k, xp, ldx, y, ldy);
+}
+
 T256 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                         const float *xp, size_t ldx, float *y, size_t ldy) {
+    switch (nt) { /* constant token counts, so the compiler keeps the partials in registers */
+    case 2: fp8_few(2, w, scales, r0, r1, k, xp, ldx, y, ldy); return;
+    case 3: fp8_few(3, w, scales, r0, r1, k, xp, ldx, y, ldy); return;
+    case 4: fp8_few(4, w, scales, r0, r1, k, xp, ldx, y, ldy); return;
+    default: break;
+    }
     size_t r = r0;
     for (; r + FP8_RB <= r1; r += FP8_RB) fp8_rows(w, scales, r, FP8_RB, k, nt, xp, ldx, y, ldy);
     if (r < r1) fp8_rows(w, scales, r, (int)(r1 - r), k, nt, xp, ldx, y, ldy);

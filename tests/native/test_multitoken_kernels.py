@@ -20,7 +20,7 @@ from kernel_params import backend_marks, bits, kernel_settings_restored, progres
 BACKEND, _ = backend_marks()
 restore_kernel_settings = kernel_settings_restored()
 
-TOKENS = (1, 2, 3, 7, 32, 33, 65)   # odd counts, and one beyond each accumulator block (32 and 64 tokens)
+TOKENS = (1, 2, 3, 4, 7, 32, 33, 65)   # each few-token count, odd counts, one beyond each accumulator block (32, 64)
 THREADS = (1, 2, 3)
 TILE = 128
 QNAN = 0x7FC00000
