@@ -1,0 +1,80 @@
+"""Speculative decoding with a trained MTP layer: tests/fixtures/toolcall's model-mtp.safetensors,
+learned beside the frozen tool-calling model by tools/make_mtp_layer.py (its record:
+mtp_training.json). Greedy speculation gives plain decoding's tokens on the script's
+conversations, and the MTP layer's first drafts are kept at a rate that random weights never
+reach (a synthetic MTP layer put beside the same model stays below the bar)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ds4f.engine.checkpoint.synth import MTP_SHARD, add_mtp_layer
+from ds4f.runs.config import RunConfig
+from ds4f.runs.run import start_run
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
+CASES = ("weather_Paris", "think_pair_Paris_Rome")     # a plain call, and two calls in thinking mode
+# What tools/make_mtp_layer.py measured on every conversation: 0.99 of the first drafts kept
+# (mtp_training.json, "ds4f"); random MTP weights keep almost none.
+MIN_DEPTH1_ACCEPTANCE = 0.45
+
+pytestmark = pytest.mark.skipif(not (FIXTURE / MTP_SHARD).is_file(),
+                                reason="tests/fixtures/toolcall has no trained MTP layer (tools/make_mtp_layer.py)")
+
+
+def _conversation(name: str) -> dict:
+    """A case's first turn as the tests send it: the system prompt, the user's messages, the tools."""
+    script = json.loads((FIXTURE / "script.json").read_text(encoding="utf-8"))
+    case = next(c for c in script["cases"] if c["name"] == name)
+    return {"messages": tuple([{"role": "system", "content": script["system"]}] + case["messages"]),
+            "thinking": case["thinking"], "tools": tuple(script["tools"])}
+
+
+def _run(model: Path, tmp_path: Path, name: str, spec) -> object:
+    run = start_run(RunConfig(model=str(model), **_conversation(name), gen=96, stop_at_eos=True, spec=spec,
+                              probe_floor=False, reuse_prefix=False, kernel_threads=1, io_threads=1,
+                              dump_path=str(tmp_path / f"{name}-{spec}.bin")))
+    assert run.wait(120), "run did not finish"
+    assert run.state == "done", run.error
+    return run
+
+
+def _depth1(model: Path, tmp_path: Path) -> tuple[int, int]:
+    """(drafts kept, drafts made) with one draft per round, over CASES."""
+    kept = made = 0
+    for name in CASES:
+        sp = _run(model, tmp_path, name, 1).report["summary"]["spec"]
+        assert sp["active"] and sp["rounds"] > 0
+        kept, made = kept + sp["accepted"], made + sp["drafted"]
+    return kept, made
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_greedy_speculation_gives_plain_decodings_tokens(name, tmp_path):
+    plain = _run(FIXTURE, tmp_path, name, "off")
+    assert plain.report["generated"][-1] == 1               # the answer ends at EOS
+    for spec in (2, 3):
+        fast = _run(FIXTURE, tmp_path, name, spec)
+        assert list(fast.generated_ids) == list(plain.generated_ids), spec
+        sp = fast.report["summary"]["spec"]
+        assert sp["active"] and sp["mode"] == str(spec)
+        # each round gives its kept drafts and one token more; the round that reaches EOS stops there
+        assert sp["accepted"] + sp["rounds"] - 1 <= sp["tokens"] <= sp["accepted"] + sp["rounds"]
+        assert sp["tokens_per_round"] > 1.5, sp              # drafts are kept: fewer rounds than tokens
+
+
+def test_the_trained_layers_first_drafts_are_mostly_kept(tmp_path):
+    kept, made = _depth1(FIXTURE, tmp_path)
+    assert kept / made >= MIN_DEPTH1_ACCEPTANCE, (kept, made)
+
+
+def test_random_mtp_weights_stay_below_the_bar(tmp_path):
+    """The same main model with a synthetic MTP layer (random weights): the bar above is a real one."""
+    root = tmp_path / "random-mtp"
+    shutil.copytree(FIXTURE, root, ignore=shutil.ignore_patterns(MTP_SHARD, "model.safetensors.index.json"))
+    add_mtp_layer(root, seed=0)
+    kept, made = _depth1(root, tmp_path)
+    assert kept / made < MIN_DEPTH1_ACCEPTANCE, (kept, made)
