@@ -174,8 +174,55 @@ INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R,
     }
 }
 
+/* A few tokens (2..MX_FEW: an expert two or three of a verify pass's rows chose, a small batch's):
+ * as for FP8 below, the decoded tile only pays from ~4 tokens.  Each row goes as in the matvec
+ * (avx2_matvec.c's mx_rows, R = 1): a block's weights (mxfp4_block_w, the integer steps where the
+ * row's scales allow, else the LUT: the same values) made once in registers, then per token
+ * w[0] x0 and w[2] x2 into its alo, w[1] x1 and w[3] x3 into its ahi, in that order: each token's
+ * result is mxfp4_matvec's, bit for bit.  x comes prepared by prep_h (the matvec's own order). */
+#define MX_FEW 4
+
+INL void mx_few_row(const int NT, const int use_int, const mxfp4_int *mi, const uint8_t *codes, const uint8_t *scales,
+                    size_t r, size_t k, const float *xp, size_t ldx, float *y, size_t ldy) {
+    const size_t kb = k / 2, ks = k / 32;
+    const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
+    __m256 alo[MX_FEW], ahi[MX_FEW];
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) alo[n] = ahi[n] = _mm256_setzero_ps();
+    for (size_t b = 0; b < ks; b++) {
+        if ((b & 3) == 0) _mm_prefetch((const char *)(c0 + kb + 16 * b), _MM_HINT_T0);   /* the next row */
+        __m256 w[4];
+        mxfp4_block_w(use_int, mi, c0 + 16 * b, s0[b], w);
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+            const float *xq = xp + n * ldx + 32 * b;
+            alo[n] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xq), alo[n]);
+            ahi[n] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xq + 8), ahi[n]);
+            alo[n] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xq + 16), alo[n]);
+            ahi[n] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xq + 24), ahi[n]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r] = finish(alo[n], ahi[n]);
+}
+
+INL void mx_few(const int NT, const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                const float *xp, size_t ldx, float *y, size_t ldy) {
+    const mxfp4_int mi = mxfp4_int_consts();
+    const size_t ks = k / 32;
+    for (size_t r = r0; r < r1; r++) {
+        if (mxfp4_scales_int(scales + r * ks, ks))
+            mx_few_row(NT, 1, &mi, codes, scales, r, k, xp, ldx, y, ldy);
+        else
+            mx_few_row(NT, 0, &mi, codes, scales, r, k, xp, ldx, y, ldy);
+    }
+}
+
 T256 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                           const float *xp, size_t ldx, float *y, size_t ldy) {
+    switch (nt) { /* constant token counts, so the compiler keeps the accumulators in registers */
+    case 2: mx_few(2, w, scales, r0, r1, k, xp, ldx, y, ldy); return;
+    case 3: mx_few(3, w, scales, r0, r1, k, xp, ldx, y, ldy); return;
+    case 4: mx_few(4, w, scales, r0, r1, k, xp, ldx, y, ldy); return;
+    default: break;
+    }
     size_t r = r0;
     for (; r + H_RB <= r1; r += H_RB) h_rows(DS4F_MM_MXFP4, w, scales, r, H_RB, k, nt, xp, ldx, y, ldy);
     if (r < r1) h_rows(DS4F_MM_MXFP4, w, scales, r, (int)(r1 - r), k, nt, xp, ldx, y, ldy);
