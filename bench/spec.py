@@ -7,7 +7,11 @@ cache (the identical workload once before, its figures not kept) and cold (empti
 - an oracle draft that proposes the true next token (the plain run's) with probability p, for
   p = 0, 0.5, 0.8, 1 and k = 1, 2, 3 drafts per round: the synthetic MTP layer's random
   weights accept nothing, so the oracle shows what acceptance buys at this disk and cache;
-- spec auto with the oracle at 0.8, and auto and k = 1 with the MTP layer's own drafts.
+- spec auto with the oracle at 0.8 and at 0 (drafts never kept: auto must stay plain at the
+  cost of its shadow drafts), and auto and k = 1 with the MTP layer's own drafts.
+
+rows="auto" runs only the auto rows (with more pairs, `repeat`, they are what shows auto within a
+few percent of plain decoding where drafts do not pay).
 
 Each row: decode tokens/s and its ratio to plain decoding's, measured in REPEAT pairs (plain,
 then speculative) in the same cache state, each figure the faster of its runs (the ratio is what
@@ -56,7 +60,7 @@ def _workload(eng, prompt, gen: int, cold: bool, controller=None, drafter_of=Non
 
 def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int | None = None,
                config_path: str | None = None, *, log: Log | None = None, progress=None,
-               ps=ORACLE_P, ks=KS, repeat: int = REPEAT) -> dict:
+               ps=ORACLE_P, ks=KS, repeat: int = REPEAT, rows: str = "all") -> dict:
     """{"records": one per (cache, drafter, k): its figures and "speedup" over plain decoding's
     tokens/s in the same cache state, "same" (its tokens are plain decoding's); "plain": the
     plain rows; "mtp_bytes", "slot_bytes"}."""
@@ -66,6 +70,10 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
     from ds4f.engine.speculative import MtpDrafter, OracleDrafter, SpecController
 
     log = log or _quiet
+    if rows not in ("all", "auto"):
+        raise Ds4fError(f"bench spec: rows {rows!r}: all or auto")
+    if repeat < 1:
+        raise Ds4fError(f"bench spec: --repeat {repeat}: at least 1 pair per row")
     model = bench_model(model, progress, log)
     gen = gen or 24
     cfg = load_config(config_path)
@@ -90,8 +98,10 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
             plain[cache] = base
             truth = list(prompt) + base["tokens"]
             log(f"  {cache} plain: {base['tokens_per_s']:.3f} tok/s, {base['gb_per_token']:.3f} GB/token")
-            configs = [(f"oracle p={q:.1f}", k, q) for q in ps for k in ks]
-            configs += [("oracle p=0.8", "auto", 0.8), ("mtp", 1, None), ("mtp", "auto", None)]
+            configs = [(f"oracle p={q:.1f}", k, q) for q in ps for k in ks] if rows == "all" else []
+            configs += [("oracle p=0.8", "auto", 0.8), ("oracle p=0.0", "auto", 0.0)]
+            configs += [("mtp", 1, None)] if rows == "all" else []
+            configs += [("mtp", "auto", None)]
             for name, k, q in configs:
                 def drafter_of(s, q=q):
                     return MtpDrafter(layer, s.context) if q is None else \

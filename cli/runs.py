@@ -62,6 +62,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         add_json_option(parser)
         add_output_option(parser)
         parser.add_argument("--turns", type=int, default=3, help="bench chat: turns of the conversation (default 3)")
+        parser.add_argument("--repeat", type=int, default=None, metavar="N",
+                            help="bench spec: (plain, speculative) pairs per row, each figure the faster (default 2)")
+        parser.add_argument("--rows", choices=["all", "auto"], default="all",
+                            help="bench spec: every row, or only spec auto's (default all)")
         parser.add_argument("--lengths", default=None,
                             help="bench prefill: prompt lengths, comma-separated (default 16,128,512,2048)")
         parser.add_argument("--backend", default=None,
@@ -415,8 +419,10 @@ def _bench_batch(args, model) -> int:
 
 def _bench_spec(args, model) -> int:
     from ds4f.bench import bench_spec
+    from ds4f.bench.spec import REPEAT
 
-    result = bench_spec(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+    result = bench_spec(model, args.preset, args.gen, args.config, log=_announce, progress=True,
+                        repeat=args.repeat or REPEAT, rows=args.rows)
     records = result["records"]
     table = Table("spec", [Column("cache", align="left"), Column("drafter", align="left"), Column("k", align="left"),
                            Column("tokens_per_s", "tok/s", ".3f"), Column("speedup", "x plain", ".2f"),
@@ -439,9 +445,10 @@ def _bench_spec(args, model) -> int:
         print(table.text())
         for cache, pl in result["plain"].items():
             print(f"plain, {cache} cache: {pl['tokens_per_s']:.3f} tok/s, {pl['gb_per_token']:.3f} GB/token")
-        auto = [r["speedup"] for r in records if r["k"] == "auto" and r["drafter"] == "mtp"]
-        if auto:
-            print(f"auto with the MTP layer's drafts: worst {min(auto):.2f}x plain")
+        for drafter in ("mtp", "oracle p=0.0"):
+            auto = [r["speedup"] for r in records if r["k"] == "auto" and r["drafter"] == drafter]
+            if auto:
+                print(f"auto with {'the MTP layer' if drafter == 'mtp' else drafter}'s drafts: worst {min(auto):.2f}x plain")
         if not all(r["same"] for r in records):
             print("TOKENS DIFFER from plain decoding in some rows: a bug")
 

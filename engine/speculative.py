@@ -24,7 +24,7 @@ cost per extra row depends on how many experts the rows share and whether they a
 """
 from __future__ import annotations
 
-import math
+from collections import deque
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -178,14 +178,25 @@ def accept_draft(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
 
 
 # ---- choosing k -------------------------------------------------------------------------------------
-EMA = 0.2            # weight of the newest measurement in the running means
+RECENT = 7           # measurements a cost estimate keeps: their median (a slow outlier moves it not at all)
 SHADOW_FIRST = 8     # auto: shadow drafts (a draft beside a plain step, not verified) at least SHADOW_EVERY
-SHADOW_EVERY = 2     # plain steps apart until this many, then at least SHADOW_LATER apart; and always so
-SHADOW_LATER = 32    # far apart that they cost at most SHADOW_BUDGET of the plain steps' time
+SHADOW_EVERY = 1     # plain steps apart until this many, then at least SHADOW_LATER apart; and all of them
+SHADOW_LATER = 32    # together within SHADOW_BUDGET of the plain steps' time (the first one aside)
 SHADOW_BUDGET = 0.02
 ROW_PRIOR = 0.5      # a verify row's cost beyond the first, in plain steps, before one is measured
-DEPTH_TRIES = 4      # judgements at a depth before its own acceptance replaces the first depth's
+DEPTH_PRIOR = 2      # a depth's acceptance starts as the first depth's, worth this many judgements
 EXPLORE_ACCEPTANCE = 0.6   # auto tries a depth past the best once where drafts are kept this often
+
+
+class Recent:
+    """The median of the last RECENT measurements of a cost (None before the first)."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=RECENT)
+
+    def add(self, value: float) -> float:
+        self.samples.append(float(value))
+        return float(np.median(self.samples))
 
 
 @dataclass
@@ -225,34 +236,43 @@ class SpecController:
     """k per round: fixed, or (auto) the k of the highest expected tokens per second.
 
     Expected tokens of a round of k: 1 + a1 + a1 a2 + ... (a_d: the measured chance the draft at
-    depth d is kept when the ones before it were; until a depth has been judged DEPTH_TRIES
-    times, the first depth's). Its seconds: measured for a k that ran, else the plain step's plus
-    k times (a verify row's extra cost + a draft's): the extra row's cost that of the nearest k
-    that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, the depth past
-    the best is tried once to measure it. The first depth's acceptance is
-    learnt without paying for verification: while auto steps plainly it drafts beside a plain
-    step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart, and never
-    more often than keeps them within SHADOW_BUDGET of the plain steps' time) and counts whether
-    the step's token is the draft. So where drafts are not kept, auto stays plain and
-    pays only the shadow drafts."""
+    depth d is kept when the ones before it were, starting from the first depth's and worth
+    DEPTH_PRIOR judgements of its own). Its seconds: measured for a k that ran, else the plain
+    step's plus k times (a verify row's extra cost + a draft's): the extra row's cost that of the
+    nearest k that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, the
+    depth past the best is tried once to measure it. Every cost is the median of its last RECENT
+    measurements, so one slow step (a disk stall, a first use) does not decide. The first depth's
+    acceptance is learnt without paying for verification: while auto steps plainly it drafts
+    beside a plain step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart)
+    and counts whether the step's token is the draft; after the first, a shadow is made only while
+    all of them stay within SHADOW_BUDGET of the plain steps' time. So where drafts are not kept,
+    auto stays plain and pays only the shadow drafts."""
 
     def __init__(self, mode: str | int, max_k: int = MAX_DRAFTS) -> None:
         self.mode = mode
         self.max_k = max_k if mode == "auto" else (0 if mode == "off" else int(mode))
         self.tries = np.zeros(MAX_DRAFTS + 1, np.int64)      # depth d: drafts judged there
         self.hits = np.zeros(MAX_DRAFTS + 1, np.int64)       # and kept
-        self.plain_s: float | None = None                    # running mean of a plain step
+        self.plain_s: float | None = None                    # a plain step's seconds (Recent's median)
         self.plain_bytes: float | None = None
-        self.draft_s: float | None = None                    # running mean of one draft
-        self.round_s: dict[int, float] = {}                  # k -> running mean of a round
+        self.draft_s: float | None = None                    # one draft's
+        self.round_s: dict[int, float] = {}                  # k -> a round's
+        self._recent: dict = {}                              # what each figure is the median of
+        self.plain_total = 0.0                               # seconds of every plain step
+        self.shadow_s = 0.0                                  # and of every shadow draft
         self.since_shadow = 0
         self.stats = SpecStats()
         self.last_k = 0
 
     def acceptance(self, depth: int) -> float:
         """Estimated chance the draft at `depth` (1..) is kept given the earlier ones were."""
-        d = depth if self.tries[depth] >= DEPTH_TRIES else 1
-        return (self.hits[d] + 1) / (self.tries[d] + 2)
+        first = (self.hits[1] + 1) / (self.tries[1] + 2)
+        if depth == 1:
+            return first
+        return (self.hits[depth] + DEPTH_PRIOR * first) / (self.tries[depth] + DEPTH_PRIOR)
+
+    def _median(self, name, value: float) -> float:
+        return self._recent.setdefault(name, Recent()).add(value)
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
@@ -302,10 +322,9 @@ class SpecController:
         if self.mode != "auto" or self.plain_s is None:
             return False
         self.since_shadow += 1
-        every = SHADOW_EVERY if self.stats.shadows < SHADOW_FIRST else SHADOW_LATER
-        if self.draft_s is not None:        # a draft that costs a fair part of a step: fewer of them
-            every = max(every, math.ceil(self.draft_s / (SHADOW_BUDGET * self.plain_s)))
-        if self.since_shadow < every:
+        if self.since_shadow < (SHADOW_EVERY if self.stats.shadows < SHADOW_FIRST else SHADOW_LATER):
+            return False
+        if self.stats.shadows and self.shadow_s + (self.draft_s or 0.0) > SHADOW_BUDGET * self.plain_total:
             return False
         self.since_shadow = 0
         return True
@@ -315,18 +334,19 @@ class SpecController:
         self.tries[1] += 1
         self.hits[1] += bool(kept)
         self._draft_cost(1, seconds, bytes_read)
+        self.shadow_s += seconds
         self.stats.shadows += 1
         self.stats.shadow_hits += bool(kept)
 
     def _draft_cost(self, k: int, seconds: float, bytes_read: int) -> None:
-        one = seconds / k
-        self.draft_s = one if self.draft_s is None else (1 - EMA) * self.draft_s + EMA * one
+        self.draft_s = self._median("draft", seconds / k)
         self.stats.draft_bytes += bytes_read
         self.stats.draft_s += seconds
 
     def record_plain(self, seconds: float, bytes_read: int) -> None:
-        self.plain_s = seconds if self.plain_s is None else (1 - EMA) * self.plain_s + EMA * seconds
-        self.plain_bytes = bytes_read if self.plain_bytes is None else (1 - EMA) * self.plain_bytes + EMA * bytes_read
+        self.plain_s = self._median("plain", seconds)
+        self.plain_bytes = self._median("plain_bytes", bytes_read)
+        self.plain_total += seconds
         self.stats.plain_steps += 1
         self.last_k = 0
 
@@ -337,8 +357,7 @@ class SpecController:
         for d in range(1, min(k, kept + 1) + 1):      # the depths judged: up to the first rejection
             self.tries[d] += 1
             self.hits[d] += d <= kept
-        old = self.round_s.get(k)
-        self.round_s[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.round_s[k] = self._median(("round", k), seconds)
         self._draft_cost(k, draft_s, draft_bytes)
         st = self.stats
         st.rounds += 1

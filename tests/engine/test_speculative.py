@@ -393,6 +393,33 @@ def test_auto_steps_plainly_while_drafts_would_not_be_kept_and_only_shadows_them
     assert c.stats.draft_s == pytest.approx(0.05 * (c.stats.shadows + sum(chosen)))
 
 
+def test_auto_keeps_costly_shadow_drafts_within_their_budget_of_the_plain_steps():
+    """Shadow drafts that cost 0.3 of a step (a streamed draft layer on a cold cache): after the
+    first, all of them together stay within SHADOW_BUDGET of the plain steps' seconds."""
+    from ds4f.engine import speculative as sp
+
+    c = SpecController("auto")
+    for _ in range(400):
+        assert c.choose(3) == 0
+        if c.wants_shadow():
+            c.record_shadow(False, 0.3, 10)
+        c.record_plain(1.0, 100)
+        assert c.shadow_s - 0.3 <= sp.SHADOW_BUDGET * c.plain_total
+    assert c.stats.shadows >= 400 // sp.SHADOW_LATER                  # and it does keep measuring
+
+
+def test_one_slow_measurement_does_not_decide():
+    """Costs are medians of the recent measurements: a stalled step among fast ones moves nothing."""
+    c = SpecController("auto")
+    for s in (1.0, 1.0, 9.0, 1.0, 1.0):
+        c.record_plain(s, 100)
+    assert c.plain_s == 1.0
+    c.record_round(2, 2, 3, 8.0, 300, 20, 0.1)          # a first round that stalled
+    c.record_round(2, 2, 3, 1.4, 300, 20, 0.1)
+    c.record_round(2, 2, 3, 1.4, 300, 20, 0.1)
+    assert c.round_s[2] == 1.4 and c.choose(3) >= 2
+
+
 def test_auto_drafts_when_acceptance_pays_and_goes_deeper_while_it_pays_more():
     c = SpecController("auto")
     chosen = _simulate(c, 300, agree=True, row_cost=0.1)
