@@ -185,7 +185,9 @@ SHADOW_LATER = 32    # together within SHADOW_BUDGET of the plain steps' time (t
 SHADOW_BUDGET = 0.02
 ROW_PRIOR = 0.5      # a verify row's cost beyond the first, in plain steps, before one is measured
 DEPTH_PRIOR = 2      # a depth's acceptance starts as the first depth's, worth this many judgements
-EXPLORE_ACCEPTANCE = 0.6   # auto tries a depth past the best once where drafts are kept this often
+EXPLORE_ACCEPTANCE = 0.6   # where drafts are kept this often, auto tries a k whose expected rate is within
+EXPLORE_MARGIN = 0.85      # this share of the best's until it ran CONFIRM rounds: a cost measured once
+CONFIRM = 3                # (or only estimated) is not yet the k's cost
 
 
 class Recent:
@@ -239,8 +241,8 @@ class SpecController:
     depth d is kept when the ones before it were, starting from the first depth's and worth
     DEPTH_PRIOR judgements of its own). Its seconds: measured for a k that ran, else the plain
     step's plus k times (a verify row's extra cost + a draft's): the extra row's cost that of the
-    nearest k that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, the
-    depth past the best is tried once to measure it. Every cost is the median of its last RECENT
+    nearest k that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, a k
+    whose expected rate is close to the best's is tried until CONFIRM rounds measured it. Every cost is the median of its last RECENT
     measurements, so one slow step (a disk stall, a first use) does not decide. The first depth's
     acceptance is learnt without paying for verification: while auto steps plainly it drafts
     beside a plain step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart)
@@ -310,11 +312,11 @@ class SpecController:
         for k in range(1, k_max + 1):
             rates[k] = self.expected_tokens(k) / self.round_seconds(k)
         best = max(rates, key=lambda k: (rates[k], -k))
-        # a depth not run yet, next to the best, is tried once while drafts are mostly kept: its
-        # cost is only an estimate until then
-        nxt = best + 1 if best else 0
-        if nxt and nxt <= k_max and nxt not in self.round_s and self.acceptance(1) >= EXPLORE_ACCEPTANCE:
-            return nxt
+        if self.acceptance(1) >= EXPLORE_ACCEPTANCE:      # a close k whose cost is not settled yet
+            close = [k for k in rates if k and k != best and self.stats.by_k.get(k, 0) < CONFIRM
+                     and rates[k] >= EXPLORE_MARGIN * rates[best]]
+            if close:
+                return max(close, key=lambda k: rates[k])
         return best
 
     def wants_shadow(self) -> bool:
