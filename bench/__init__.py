@@ -9,5 +9,6 @@ from ds4f.bench.kernels import KERNELS as KERNEL_NAMES
 from ds4f.bench.kernels import run_bench as run_kernel_bench
 from ds4f.bench.prefill import bench_prefill
 from ds4f.bench.spec import bench_spec
+from ds4f.bench.spec_trained import bench_spec_trained
 
-__all__ = ["bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "bench_spec", "run_kernel_bench", "KERNEL_NAMES"]
+__all__ = ["bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "bench_spec", "bench_spec_trained", "run_kernel_bench", "KERNEL_NAMES"]

@@ -66,6 +66,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                             help="bench spec: (plain, speculative) pairs per row, each figure the faster (default 2)")
         parser.add_argument("--rows", choices=["all", "auto"], default="all",
                             help="bench spec: every row, or only spec auto's (default all)")
+        parser.add_argument("--trained", action="store_true",
+                            help="bench spec: MODEL is a checkpoint with a trained MTP layer and its script.json of "
+                                 "conversations (default: tests/fixtures/toolcall of a source checkout): the drafts' real "
+                                 "acceptance and speed, spec 1-3 and auto against off")
         parser.add_argument("--lengths", default=None,
                             help="bench prefill: prompt lengths, comma-separated (default 16,128,512,2048)")
         parser.add_argument("--backend", default=None,
@@ -417,9 +421,38 @@ def _bench_batch(args, model) -> int:
     return 0
 
 
+def _bench_spec_trained(args, model) -> int:
+    from ds4f.bench import bench_spec_trained
+
+    result = bench_spec_trained(model, log=_announce)
+    records = result["records"]
+    table = Table("spec_trained", [Column("spec", align="left"), Column("tokens"), Column("tokens_per_s", "tok/s", ".1f"),
+                                   Column("speedup", "x off", ".2f"), Column("acceptance", "accepted", ".0%"),
+                                   Column("tokens_per_round", "tok/round", ".2f"),
+                                   Column("by_k", "rounds by k", align="left"), Column("same", "= off's tokens", align="left")],
+                  title=f"a trained MTP layer's drafts on {result['conversations']} conversations of {result['model']}"
+                        " (greedy to EOS; decode tokens/s)")
+    for r in records:
+        table.add(r["spec"], r["tokens"], r["tokens_per_s"], r["speedup"], r["acceptance"], r["tokens_per_round"],
+                  " ".join(f"{k}:{n}" for k, n in sorted(r["by_k"].items())) or "-", "yes" if r["same"] else "NO")
+
+    def text(out):
+        print = functools.partial(builtins.print, file=out)
+        print()
+        print(table.text())
+        if not all(r["same"] for r in records):
+            print("TOKENS DIFFER from plain decoding in some rows: a bug")
+
+    _show(args, [table], text, result)
+    return 1 if not all(r["same"] for r in records) else 0
+
+
 def _bench_spec(args, model) -> int:
     from ds4f.bench import bench_spec
     from ds4f.bench.spec import REPEAT
+
+    if args.trained:
+        return _bench_spec_trained(args, model)
 
     result = bench_spec(model, args.preset, args.gen, args.config, log=_announce, progress=True,
                         repeat=args.repeat or REPEAT, rows=args.rows)

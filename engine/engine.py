@@ -106,6 +106,7 @@ class Engine:
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
                                  prefetch=bool(preset.prefetch), attention=self.attention)
         self.mtp = None              # the MTP layer, loaded when a run first drafts (mtp_layer)
+        self.spec_learned = None     # the last speculating run's SpecController: where the next auto run starts
 
     def mtp_layer(self):
         """The checkpoint's MTP layer (model.mtp.MtpLayer), loaded on first use and kept; a

@@ -198,7 +198,14 @@ class Recent:
 
     def add(self, value: float) -> float:
         self.samples.append(float(value))
-        return float(np.median(self.samples))
+        ordered = sorted(self.samples)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+    def copy(self) -> "Recent":
+        other = Recent()
+        other.samples.extend(self.samples)
+        return other
 
 
 @dataclass
@@ -240,7 +247,8 @@ class SpecController:
     Expected tokens of a round of k: 1 + a1 + a1 a2 + ... (a_d: the measured chance the draft at
     depth d is kept when the ones before it were, starting from the first depth's and worth
     DEPTH_PRIOR judgements of its own). Its seconds: measured for a k that ran, else the plain
-    step's plus k times (a verify row's extra cost + a draft's): the extra row's cost that of the
+    step's plus k times (a verify row's extra cost + a draft's) plus the pushing of its tokens'
+    rows into the MTP layer's window that the next draft does first: the extra row's cost that of the
     nearest k that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, a k
     whose expected rate is close to the best's is tried until CONFIRM rounds measured it. Every cost is the median of its last RECENT
     measurements, so one slow step (a disk stall, a first use) does not decide. The first depth's
@@ -257,14 +265,28 @@ class SpecController:
         self.hits = np.zeros(MAX_DRAFTS + 1, np.int64)       # and kept
         self.plain_s: float | None = None                    # a plain step's seconds (Recent's median)
         self.plain_bytes: float | None = None
-        self.draft_s: float | None = None                    # one draft's
+        self.draft_s: float | None = None                    # one draft's through the block
+        self.push_s = 0.0                                    # one row's keys pushed into its window
         self.round_s: dict[int, float] = {}                  # k -> a round's
+        self.rounds_at: dict[int, int] = {}                  # k -> rounds measured
         self._recent: dict = {}                              # what each figure is the median of
         self.plain_total = 0.0                               # seconds of every plain step
         self.shadow_s = 0.0                                  # and of every shadow draft
         self.since_shadow = 0
         self.stats = SpecStats()
         self.last_k = 0
+
+    def learn_from(self, other: "SpecController") -> "SpecController":
+        """Start from what `other` measured (an earlier run's controller on the same engine): the
+        acceptance at each depth, the costs' recent measurements, the rounds at each k, the shadow
+        drafts' account. Its SpecStats stay this run's own. Returns self."""
+        self.tries, self.hits = other.tries.copy(), other.hits.copy()
+        self._recent = {name: r.copy() for name, r in other._recent.items()}
+        self.plain_s, self.plain_bytes, self.draft_s = other.plain_s, other.plain_bytes, other.draft_s
+        self.push_s = other.push_s
+        self.round_s, self.rounds_at = dict(other.round_s), dict(other.rounds_at)
+        self.plain_total, self.shadow_s = other.plain_total, other.shadow_s
+        return self
 
     def acceptance(self, depth: int) -> float:
         """Estimated chance the draft at `depth` (1..) is kept given the earlier ones were."""
@@ -290,14 +312,18 @@ class SpecController:
         if not self.round_s:
             return ROW_PRIOR * self.plain_s
         j = min(self.round_s, key=lambda m: (abs(m - k), -m))
-        return max(0.0, (self.round_s[j] - self.plain_s) / j - (self.draft_s or 0.0))
+        drafting = j * (self.draft_s or 0.0) + self.expected_tokens(j) * self.push_s
+        return max(0.0, (self.round_s[j] - self.plain_s - drafting) / j)
 
     def round_seconds(self, k: int) -> float | None:
+        """A round of k: measured, else the plain step's, k verify rows' and k drafts' seconds,
+        and the catching up of its tokens' rows that the next draft does."""
         if k in self.round_s:
             return self.round_s[k]
         if self.plain_s is None:
             return None
-        return self.plain_s + k * (self.row_seconds(k) + (self.draft_s or 0.0))
+        return (self.plain_s + k * (self.row_seconds(k) + (self.draft_s or 0.0))
+                + self.expected_tokens(k) * self.push_s)
 
     def choose(self, limit: int) -> int:
         """Drafts for the next round (0: a plain step); limit: the most the run and session take."""
@@ -313,7 +339,7 @@ class SpecController:
             rates[k] = self.expected_tokens(k) / self.round_seconds(k)
         best = max(rates, key=lambda k: (rates[k], -k))
         if self.acceptance(1) >= EXPLORE_ACCEPTANCE:      # a close k whose cost is not settled yet
-            close = [k for k in rates if k and k != best and self.stats.by_k.get(k, 0) < CONFIRM
+            close = [k for k in rates if k and k != best and self.rounds_at.get(k, 0) < CONFIRM
                      and rates[k] >= EXPLORE_MARGIN * rates[best]]
             if close:
                 return max(close, key=lambda k: rates[k])
@@ -326,22 +352,27 @@ class SpecController:
         self.since_shadow += 1
         if self.since_shadow < (SHADOW_EVERY if self.stats.shadows < SHADOW_FIRST else SHADOW_LATER):
             return False
-        if self.stats.shadows and self.shadow_s + (self.draft_s or 0.0) > SHADOW_BUDGET * self.plain_total:
+        cost = (self.draft_s or 0.0) + self.since_shadow * self.push_s     # the rows since the last one too
+        if self.stats.shadows and self.shadow_s + cost > SHADOW_BUDGET * self.plain_total:
             return False
         self.since_shadow = 0
         return True
 
-    def record_shadow(self, kept: bool, seconds: float, bytes_read: int) -> None:
-        """A shadow draft: whether the plain step's token was it, and what drafting it cost."""
+    def record_shadow(self, kept: bool, seconds: float, bytes_read: int, push: tuple[float, int] = (0.0, 0)) -> None:
+        """A shadow draft: whether the plain step's token was it, and what drafting it cost
+        (push: of its seconds, catching the window up, and the rows it pushed)."""
         self.tries[1] += 1
         self.hits[1] += bool(kept)
-        self._draft_cost(1, seconds, bytes_read)
+        self._draft_cost(1, seconds, bytes_read, push)
         self.shadow_s += seconds
         self.stats.shadows += 1
         self.stats.shadow_hits += bool(kept)
 
-    def _draft_cost(self, k: int, seconds: float, bytes_read: int) -> None:
-        self.draft_s = self._median("draft", seconds / k)
+    def _draft_cost(self, k: int, seconds: float, bytes_read: int, push: tuple[float, int]) -> None:
+        push_s, pushed = push
+        self.draft_s = self._median("draft", (seconds - push_s) / k)
+        if pushed:
+            self.push_s = self._median("push", push_s / pushed)
         self.stats.draft_bytes += bytes_read
         self.stats.draft_s += seconds
 
@@ -353,14 +384,15 @@ class SpecController:
         self.last_k = 0
 
     def record_round(self, k: int, kept: int, tokens: int, seconds: float, verify_bytes: int, draft_bytes: int,
-                     draft_s: float) -> None:
+                     draft_s: float, push: tuple[float, int] = (0.0, 0)) -> None:
         """A round of k drafts: `kept` of them accepted, `tokens` emitted (kept + 1, fewer when the
         output ended), its seconds (drafts included) and bytes."""
         for d in range(1, min(k, kept + 1) + 1):      # the depths judged: up to the first rejection
             self.tries[d] += 1
             self.hits[d] += d <= kept
         self.round_s[k] = self._median(("round", k), seconds)
-        self._draft_cost(k, draft_s, draft_bytes)
+        self.rounds_at[k] = self.rounds_at.get(k, 0) + 1
+        self._draft_cost(k, draft_s, draft_bytes, push)
         st = self.stats
         st.rounds += 1
         st.drafted += k
@@ -382,12 +414,13 @@ class Round:
     picks: list[int]               # the token each usable row gives: accepted rows' and the one after
     kept: int                      # drafts accepted
     draft_bytes: int
-    draft_s: float
+    draft_s: float                 # drafting's seconds, catching the window up included
+    push: tuple[float, int] = (0.0, 0)   # of them, catching up: seconds, rows pushed
 
 
 def speculate(session, drafter, k: int, token: int, sampler=None) -> Round:
     """Draft k tokens after `token`, verify them with it in one pass, judge them in order."""
-    drafts, draft_s, draft_bytes = _timed_draft(drafter, k, session.position, token)
+    drafts, draft_s, draft_bytes, push = _timed_draft(drafter, k, session.position, token)
     result = session.verify([token] + drafts)
     picks, kept = [], 0
     for i in range(len(drafts) + 1):     # the row after the last draft judges nothing (-1): its pick
@@ -396,17 +429,21 @@ def speculate(session, drafter, k: int, token: int, sampler=None) -> Round:
         if not ok:
             break
         kept += 1
-    return Round(k, drafts, result, picks, kept, draft_bytes, draft_s)
+    return Round(k, drafts, result, picks, kept, draft_bytes, draft_s, push)
 
 
-def _timed_draft(drafter, k: int, position: int, token: int) -> tuple[list[int], float, int]:
-    """drafter.draft(k, position, token), its seconds and the bytes the MTP layer read for it."""
+def _timed_draft(drafter, k: int, position: int, token: int) -> tuple[list[int], float, int, tuple[float, int]]:
+    """drafter.draft(k, position, token), its seconds, the bytes the MTP layer read for it, and
+    (seconds, rows) of its catching the window up."""
     layer = getattr(drafter, "layer", None)       # an oracle has none
     costs = layer.source.costs if layer is not None else None
-    before = costs.bytes_read if costs is not None else 0
+    before = (costs.bytes_read, costs.push_seconds, costs.pushed) if costs is not None else (0, 0.0, 0)
     t0 = perf_counter()
     drafts = drafter.draft(k, position, token)
-    return drafts, perf_counter() - t0, (costs.bytes_read - before if costs is not None else 0)
+    seconds = perf_counter() - t0
+    if costs is None:
+        return drafts, seconds, 0, (0.0, 0)
+    return drafts, seconds, costs.bytes_read - before[0], (costs.push_seconds - before[1], costs.pushed - before[2])
 
 
 def finish_round(session, controller: "SpecController | None", rnd: Round, emitted: int, seconds: float) -> None:
@@ -419,22 +456,22 @@ def finish_round(session, controller: "SpecController | None", rnd: Round, emitt
         controller.record_plain(seconds, rnd.result.bytes_read)
     else:
         controller.record_round(len(rnd.drafts), rnd.kept, emitted, seconds, rnd.result.bytes_read, rnd.draft_bytes,
-                                rnd.draft_s)
+                                rnd.draft_s, rnd.push)
 
 
 def plain_step(session, controller: "SpecController | None", drafter, token: int, sampler=None):
     """A plain step (Session.step), with a shadow draft beside it when auto wants one (told to the
     controller with the step's own cost apart). The StepResult."""
-    shadow, draft_s, draft_bytes = None, 0.0, 0
+    shadow, draft_s, draft_bytes, push = None, 0.0, 0, (0.0, 0)
     if controller is not None and drafter is not None and controller.wants_shadow():
-        drafts, draft_s, draft_bytes = _timed_draft(drafter, 1, session.position, token)
+        drafts, draft_s, draft_bytes, push = _timed_draft(drafter, 1, session.position, token)
         shadow = drafts[0] if drafts else None
     t0 = perf_counter()
     res = session.step(token, pick=None if sampler is None else sampler.sample)
     if controller is not None:
         controller.record_plain(perf_counter() - t0, res.bytes_read)
         if shadow is not None:
-            controller.record_shadow(shadow == res.next_token, draft_s, draft_bytes)
+            controller.record_shadow(shadow == res.next_token, draft_s, draft_bytes, push)
     return res
 
 

@@ -577,6 +577,12 @@ class Run:
             return
         session.enable_drafts(MtpDrafter(layer, session.context))
         self._spec = SpecController(mode)
+        learned = eng.spec_learned        # what the runs before on this engine measured: auto starts there
+        if mode == "auto" and learned is not None:
+            self._spec.learn_from(learned)
+            self._log(f"speculation: auto starts from the earlier runs' measurements on this engine (first"
+                      f" drafts kept {int(learned.hits[1])} of {int(learned.tries[1])})")
+        eng.spec_learned = self._spec
         with self._lock:
             self._session_nbytes = session.nbytes
         self._log(f"speculation: {mode}" + (" (k chosen per round from what drafts save and cost)"

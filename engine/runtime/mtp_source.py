@@ -26,6 +26,7 @@ class MtpCosts:
     reads: int = 0
     hits: int = 0                   # experts found in its slots
     seconds: float = 0.0            # wall time in the MTP layer
+    push_seconds: float = 0.0       # of it, pushing rows' keys (catching up)
 
 
 class MtpSource:
@@ -118,8 +119,10 @@ class MtpLayer:
             return
         t0 = perf_counter()
         push_keys(self.source.weights, self.source.globals, self.geometry, state, X, tokens, pos0)
+        dt = perf_counter() - t0
         self.source.costs.pushed += len(tokens)
-        self.source.costs.seconds += perf_counter() - t0
+        self.source.costs.seconds += dt
+        self.source.costs.push_seconds += dt
 
     def rows(self, state: MtpState, X: np.ndarray, tokens: list[int], pos0: int) -> tuple[np.ndarray, np.ndarray]:
         """model.mtp.block_rows on this layer's source and buffers, timed and counted."""

@@ -1,11 +1,15 @@
 """`ds4f bench spec`: its rows, and what they rest on: every speculative run's tokens are plain
-decoding's, and an oracle that is always right is kept on every draft."""
+decoding's, an oracle that is always right is kept on every draft, and a trained MTP layer's
+drafts (--trained) are kept as they really are."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from ds4f.bench.spec import bench_spec
-from ds4f.engine.checkpoint.synth import synth_checkpoint
+from ds4f.bench.spec_trained import bench_spec_trained
+from ds4f.engine.checkpoint.synth import MTP_SHARD, synth_checkpoint
 from ds4f.errors import Ds4fError
 
 
@@ -43,3 +47,23 @@ def test_bench_spec_auto_rows_alone_and_bad_arguments(tiny_mtp, tiny_official):
         bench_spec(tiny_mtp, repeat=0)
     with pytest.raises(Ds4fError, match="no MTP layer"):
         bench_spec(tiny_official, gen=2)
+
+
+TRAINED = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
+
+
+@pytest.mark.skipif(not (TRAINED / MTP_SHARD).is_file(), reason="tests/fixtures/toolcall has no trained MTP layer")
+def test_bench_spec_trained_measures_real_acceptance_with_plain_tokens(tmp_path):
+    result = bench_spec_trained(TRAINED, modes=(2, "auto"), limit=3)
+    off, two, auto = result["records"]
+    assert (off["spec"], two["spec"], auto["spec"]) == ("off", "2", "auto") and result["conversations"] == 3
+    assert all(r["same"] for r in result["records"]) and off["tokens"] == two["tokens"] == auto["tokens"] > 0
+    assert off["acceptance"] is None and two["acceptance"] > 0.45 and two["tokens_per_round"] > 1.5
+    assert two["speedup"] == two["tokens_per_s"] / off["tokens_per_s"]
+    # auto on one engine: the conversations after the first start from what it measured, and draft
+    assert auto["by_k"] and auto["acceptance"] > 0.45
+    with pytest.raises(Ds4fError, match="script.json: not found"):
+        bench_spec_trained(tmp_path)
+    (tmp_path / "script.json").write_text('{"cases": 3}')
+    with pytest.raises(Ds4fError, match="not a script of conversations"):
+        bench_spec_trained(tmp_path)

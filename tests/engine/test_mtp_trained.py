@@ -13,6 +13,7 @@ import pytest
 
 from ds4f.engine.checkpoint.synth import MTP_SHARD, add_mtp_layer
 from ds4f.runs.config import RunConfig
+from ds4f.runs.host import EngineHost
 from ds4f.runs.run import start_run
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
@@ -33,10 +34,10 @@ def _conversation(name: str) -> dict:
             "thinking": case["thinking"], "tools": tuple(script["tools"])}
 
 
-def _run(model: Path, tmp_path: Path, name: str, spec) -> object:
+def _run(model: Path, tmp_path: Path, name: str, spec, engines=None, tag: str = "") -> object:
     run = start_run(RunConfig(model=str(model), **_conversation(name), gen=96, stop_at_eos=True, spec=spec,
                               probe_floor=False, reuse_prefix=False, kernel_threads=1, io_threads=1,
-                              dump_path=str(tmp_path / f"{name}-{spec}.bin")))
+                              dump_path=str(tmp_path / f"{name}-{spec}{tag}.bin")), engines=engines)
     assert run.wait(120), "run did not finish"
     assert run.state == "done", run.error
     return run
@@ -78,3 +79,23 @@ def test_random_mtp_weights_stay_below_the_bar(tmp_path):
     add_mtp_layer(root, seed=0)
     kept, made = _depth1(root, tmp_path)
     assert kept / made < MIN_DEPTH1_ACCEPTANCE, (kept, made)
+
+
+def test_auto_on_a_kept_engine_starts_from_what_the_runs_before_measured(tmp_path):
+    """A console or a server keeps its engine: auto's second conversation knows the drafts are
+    kept and drafts from its first steps, where a fresh engine's auto is still measuring."""
+    name = CASES[0]
+    plain = _run(FIXTURE, tmp_path, name, "off")
+    fresh = _run(FIXTURE, tmp_path, name, "auto").report["summary"]["spec"]
+    host = EngineHost()
+    try:
+        _run(FIXTURE, tmp_path, CASES[1], "auto", engines=host)
+        second = _run(FIXTURE, tmp_path, name, "auto", engines=host, tag="-kept")
+    finally:
+        host.close()
+    assert list(second.generated_ids) == list(plain.generated_ids)
+    sp = second.report["summary"]["spec"]
+    # it needs no plain steps to learn what it already knows
+    assert sp["plain_steps"] < fresh["plain_steps"] and sp["shadows"] <= fresh["shadows"], (sp, fresh)
+    assert sp["accepted"] >= MIN_DEPTH1_ACCEPTANCE * sp["drafted"]
+    assert any("earlier runs' measurements" in str(e) for e in second.report["events"])
