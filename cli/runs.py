@@ -225,8 +225,10 @@ def spec_line(sp: dict) -> str:
     if not sp.get("active"):
         return f"{sp['mode']}: stepped plainly (no MTP layer to draft with, or sequences stepping together)"
     by_k = ", ".join(f"k={k}: {n}" for k, n in sp["by_k"].items()) or "none"
+    depths = ", ".join(f"{d}: {kept / judged:.0%}" for d, (judged, kept) in sp.get("by_depth", {}).items() if judged)
     return (f"{sp['mode']} · {sp['rounds']} rounds with drafts ({by_k}), {sp['plain_steps']} plain steps · "
-            f"acceptance {_fmt(sp['acceptance'], '.0%')} · {_fmt(sp['tokens_per_round'], '.2f')} tokens/round · "
+            f"acceptance {_fmt(sp['acceptance'], '.0%')}" + (f" (by depth {depths})" if depths else "")
+            + f" · {_fmt(sp['tokens_per_round'], '.2f')} tokens/round · "
             f"drafts cost {sp['draft_bytes'] / 1e9:.3f} GB and {sp['draft_s']:.2f} s · verify rows read "
             f"{sp['verify_extra_bytes'] / 1e9:.3f} GB beyond plain steps")
 

@@ -183,6 +183,11 @@ def _summary(run, session: _Session) -> str:
         parts.append(f"{gb:.3f} GB/token")
     if hit is not None:
         parts.append(f"hit rate {hit:.1%}")
+    sp = s.get("spec") or {}
+    if sp.get("rounds"):
+        parts.append(f"spec {sp['mode']}: {sp['acceptance']:.0%} of drafts kept, {sp['tokens_per_round']:.2f} tokens/round")
+    elif sp.get("active"):
+        parts.append(f"spec {sp['mode']}: stepped plainly")
     parts.append(session.settings())
     return " · ".join(parts)
 

@@ -185,6 +185,8 @@ SHADOW_LATER = 32    # together within SHADOW_BUDGET of the plain steps' time (t
 SHADOW_BUDGET = 0.02
 ROW_PRIOR = 0.5      # a verify row's cost beyond the first, in plain steps, before one is measured
 DEPTH_PRIOR = 2      # a depth's acceptance starts as the first depth's, worth this many judgements
+JUDGED_MEMORY = 64   # judgements at a depth beyond which the older ones count half: acceptance follows
+                     # a conversation that changes (and what earlier runs on the engine measured fades)
 EXPLORE_ACCEPTANCE = 0.6   # where drafts are kept this often, auto tries a k whose expected rate is within
 EXPLORE_MARGIN = 0.85      # this share of the best's until it ran CONFIRM rounds: a cost measured once
 CONFIRM = 3                # (or only estimated) is not yet the k's cost
@@ -223,6 +225,7 @@ class SpecStats:
     shadows: int = 0               # drafts made beside plain steps to measure acceptance
     shadow_hits: int = 0           # of them, the ones the plain step agreed with
     by_k: dict = field(default_factory=dict)   # k -> rounds
+    by_depth: dict = field(default_factory=dict)   # depth -> [drafts judged there in rounds, kept]
 
     @property
     def acceptance(self) -> float | None:
@@ -238,7 +241,8 @@ class SpecStats:
                 "draft_bytes": self.draft_bytes, "draft_s": self.draft_s,
                 "verify_extra_bytes": self.verify_extra_bytes, "plain_steps": self.plain_steps,
                 "shadows": self.shadows, "shadow_hits": self.shadow_hits,
-                "by_k": {str(k): v for k, v in sorted(self.by_k.items())}}
+                "by_k": {str(k): v for k, v in sorted(self.by_k.items())},
+                "by_depth": {str(d): list(v) for d, v in sorted(self.by_depth.items())}}
 
 
 class SpecController:
@@ -246,23 +250,25 @@ class SpecController:
 
     Expected tokens of a round of k: 1 + a1 + a1 a2 + ... (a_d: the measured chance the draft at
     depth d is kept when the ones before it were, starting from the first depth's and worth
-    DEPTH_PRIOR judgements of its own). Its seconds: measured for a k that ran, else the plain
-    step's plus k times (a verify row's extra cost + a draft's) plus the pushing of its tokens'
-    rows into the MTP layer's window that the next draft does first: the extra row's cost that of the
-    nearest k that ran, ROW_PRIOR plain steps before any did; where drafts are mostly kept, a k
-    whose expected rate is close to the best's is tried until CONFIRM rounds measured it. Every cost is the median of its last RECENT
-    measurements, so one slow step (a disk stall, a first use) does not decide. The first depth's
-    acceptance is learnt without paying for verification: while auto steps plainly it drafts
-    beside a plain step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps apart)
-    and counts whether the step's token is the draft; after the first, a shadow is made only while
-    all of them stay within SHADOW_BUDGET of the plain steps' time. So where drafts are not kept,
-    auto stays plain and pays only the shadow drafts."""
+    DEPTH_PRIOR judgements of its own; past JUDGED_MEMORY judgements the older ones count half).
+    Its seconds: measured for a k that ran, else the plain step's plus k times (a verify row's
+    extra cost + a draft's) plus the pushing of its tokens' rows into the MTP layer's window that
+    the next draft does first: the extra row's cost that of the nearest k that ran, ROW_PRIOR
+    plain steps before any did. Every cost is the median of its last RECENT measurements, so one
+    slow step (a disk stall, a first use) does not decide; where drafts are mostly kept, a k whose
+    expected rate is close to the best's is tried until CONFIRM rounds measured it. The first
+    depth's acceptance is learnt without paying for verification: while auto steps plainly it
+    drafts beside a plain step now and then (a shadow draft, SHADOW_EVERY then SHADOW_LATER steps
+    apart) and counts whether the step's token is the draft; after the first, a shadow is made
+    only while all of them stay within SHADOW_BUDGET of the plain steps' time. So where drafts
+    are not kept, auto stays plain and pays only the shadow drafts. learn_from starts a run from
+    an earlier one's measurements (the same engine's)."""
 
     def __init__(self, mode: str | int, max_k: int = MAX_DRAFTS) -> None:
         self.mode = mode
         self.max_k = max_k if mode == "auto" else (0 if mode == "off" else int(mode))
-        self.tries = np.zeros(MAX_DRAFTS + 1, np.int64)      # depth d: drafts judged there
-        self.hits = np.zeros(MAX_DRAFTS + 1, np.int64)       # and kept
+        self.tries = np.zeros(MAX_DRAFTS + 1)                # depth d: drafts judged there (older ones
+        self.hits = np.zeros(MAX_DRAFTS + 1)                 # halved past JUDGED_MEMORY), and kept
         self.plain_s: float | None = None                    # a plain step's seconds (Recent's median)
         self.plain_bytes: float | None = None
         self.draft_s: float | None = None                    # one draft's through the block
@@ -294,6 +300,13 @@ class SpecController:
         if depth == 1:
             return first
         return (self.hits[depth] + DEPTH_PRIOR * first) / (self.tries[depth] + DEPTH_PRIOR)
+
+    def _judged(self, depth: int, kept: bool) -> None:
+        self.tries[depth] += 1
+        self.hits[depth] += kept
+        if self.tries[depth] > JUDGED_MEMORY:
+            self.tries[depth] /= 2
+            self.hits[depth] /= 2
 
     def _median(self, name, value: float) -> float:
         return self._recent.setdefault(name, Recent()).add(value)
@@ -361,8 +374,7 @@ class SpecController:
     def record_shadow(self, kept: bool, seconds: float, bytes_read: int, push: tuple[float, int] = (0.0, 0)) -> None:
         """A shadow draft: whether the plain step's token was it, and what drafting it cost
         (push: of its seconds, catching the window up, and the rows it pushed)."""
-        self.tries[1] += 1
-        self.hits[1] += bool(kept)
+        self._judged(1, bool(kept))
         self._draft_cost(1, seconds, bytes_read, push)
         self.shadow_s += seconds
         self.stats.shadows += 1
@@ -387,13 +399,15 @@ class SpecController:
                      draft_s: float, push: tuple[float, int] = (0.0, 0)) -> None:
         """A round of k drafts: `kept` of them accepted, `tokens` emitted (kept + 1, fewer when the
         output ended), its seconds (drafts included) and bytes."""
+        st = self.stats
         for d in range(1, min(k, kept + 1) + 1):      # the depths judged: up to the first rejection
-            self.tries[d] += 1
-            self.hits[d] += d <= kept
+            self._judged(d, d <= kept)
+            st.by_depth.setdefault(d, [0, 0])
+            st.by_depth[d][0] += 1
+            st.by_depth[d][1] += d <= kept
         self.round_s[k] = self._median(("round", k), seconds)
         self.rounds_at[k] = self.rounds_at.get(k, 0) + 1
         self._draft_cost(k, draft_s, draft_bytes, push)
-        st = self.stats
         st.rounds += 1
         st.drafted += k
         st.accepted += kept

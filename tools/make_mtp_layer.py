@@ -435,10 +435,9 @@ def spec_runs(out: Path, specs=("off", 1, 2, 3), examples=None, log=print) -> di
                     assert sp["active"], sp
                     for key in ("rounds", "drafted", "accepted", "tokens", "plain_steps"):
                         sums[key] = sums.get(key, 0) + sp[key]
-                    ctl = run._spec                  # the run's SpecController: drafts judged / kept per depth
-                    for d in range(1, 4):
-                        tries[d] += int(ctl.tries[d])
-                        hits[d] += int(ctl.hits[d])
+                    for d, (judged, kept) in sp["by_depth"].items():     # drafts judged / kept per depth
+                        tries[int(d)] += judged
+                        hits[int(d)] += kept
             entry = {"tokens": got}
             if spec != "off":
                 entry["summary"] = dict(sums, acceptance=round(sums["accepted"] / sums["drafted"], 4),

@@ -6,7 +6,10 @@ reach (a synthetic MTP layer put beside the same model stays below the bar)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +68,9 @@ def test_greedy_speculation_gives_plain_decodings_tokens(name, tmp_path):
         # each round gives its kept drafts and one token more; the round that reaches EOS stops there
         assert sp["accepted"] + sp["rounds"] - 1 <= sp["tokens"] <= sp["accepted"] + sp["rounds"]
         assert sp["tokens_per_round"] > 1.5, sp              # drafts are kept: fewer rounds than tokens
+        depth = sp["by_depth"]                               # every round judges its first draft; the
+        assert depth["1"][0] == sp["rounds"]                 # kept ones at all depths are the accepted
+        assert sum(kept for _judged, kept in depth.values()) == sp["accepted"] and len(depth) <= spec
 
 
 def test_the_trained_layers_first_drafts_are_mostly_kept(tmp_path):
@@ -99,3 +105,20 @@ def test_auto_on_a_kept_engine_starts_from_what_the_runs_before_measured(tmp_pat
     assert sp["plain_steps"] < fresh["plain_steps"] and sp["shadows"] <= fresh["shadows"], (sp, fresh)
     assert sp["accepted"] >= MIN_DEPTH1_ACCEPTANCE * sp["drafted"]
     assert any("earlier runs' measurements" in str(e) for e in second.report["events"])
+
+
+def test_the_cli_says_what_the_drafts_kept(tmp_path):
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               XDG_CONFIG_HOME=str(tmp_path / "config"))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "ds4f.cli", *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)
+
+    run = cli("run", str(FIXTURE), "--spec", "2", "-n", "12", "--dump-state", str(tmp_path / "r.bin"))
+    assert run.returncode == 0, run.stderr
+    line = next(ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("speculation"))
+    assert "rounds with drafts" in line and "by depth 1: " in line, line
+    gen = cli("generate", str(FIXTURE), "--chat", "-p", "What is the weather in Paris?", "--spec", "3", "-n", "8")
+    assert gen.returncode == 0, gen.stderr
+    assert "spec 3: " in gen.stderr and "of drafts kept" in gen.stderr, gen.stderr

@@ -408,6 +408,23 @@ def test_auto_keeps_costly_shadow_drafts_within_their_budget_of_the_plain_steps(
     assert c.stats.shadows >= 400 // sp.SHADOW_LATER                  # and it does keep measuring
 
 
+def test_acceptance_follows_drafts_that_stop_being_kept():
+    """Past JUDGED_MEMORY judgements the older ones count half: after a long run of kept drafts
+    (or the earlier runs' on the engine), as many rejections bring the estimate down, and auto
+    back to plain steps."""
+    from ds4f.engine import speculative as sp
+
+    c = SpecController("auto")
+    c.record_plain(1.0, 100)
+    for _ in range(500):
+        c.record_round(1, 1, 2, 1.3, 200, 10, 0.05)
+    assert c.acceptance(1) > 0.95 and c.choose(3) >= 1
+    for _ in range(sp.JUDGED_MEMORY):
+        c.record_round(1, 0, 1, 1.3, 200, 10, 0.05)
+    assert c.acceptance(1) < 0.4 and c.choose(3) == 0
+    assert c.stats.by_depth[1] == [500 + sp.JUDGED_MEMORY, 500]        # the run's own counts stay exact
+
+
 def test_one_slow_measurement_does_not_decide():
     """Costs are medians of the recent measurements: a stalled step among fast ones moves nothing."""
     c = SpecController("auto")
