@@ -578,7 +578,7 @@ class Run:
         session.enable_drafts(MtpDrafter(layer, session.context))
         self._spec = SpecController(mode)
         learned = eng.spec_learned        # what the runs before on this engine measured: auto starts there
-        if mode == "auto" and learned is not None:
+        if mode == "auto" and learned is not None and not self.config.cold_start:   # (a cold start: afresh)
             self._spec.learn_from(learned)
             self._log(f"speculation: auto starts from the earlier runs' measurements on this engine (first"
                       f" drafts kept {int(learned.hits[1])} of {int(learned.tries[1])})")

@@ -37,10 +37,10 @@ def _conversation(name: str) -> dict:
             "thinking": case["thinking"], "tools": tuple(script["tools"])}
 
 
-def _run(model: Path, tmp_path: Path, name: str, spec, engines=None, tag: str = "") -> object:
+def _run(model: Path, tmp_path: Path, name: str, spec, engines=None, tag: str = "", **fields) -> object:
     run = start_run(RunConfig(model=str(model), **_conversation(name), gen=96, stop_at_eos=True, spec=spec,
                               probe_floor=False, reuse_prefix=False, kernel_threads=1, io_threads=1,
-                              dump_path=str(tmp_path / f"{name}-{spec}{tag}.bin")), engines=engines)
+                              dump_path=str(tmp_path / f"{name}-{spec}{tag}.bin"), **fields), engines=engines)
     assert run.wait(120), "run did not finish"
     assert run.state == "done", run.error
     return run
@@ -97,6 +97,7 @@ def test_auto_on_a_kept_engine_starts_from_what_the_runs_before_measured(tmp_pat
     try:
         _run(FIXTURE, tmp_path, CASES[1], "auto", engines=host)
         second = _run(FIXTURE, tmp_path, name, "auto", engines=host, tag="-kept")
+        cold = _run(FIXTURE, tmp_path, name, "auto", engines=host, tag="-cold", cold_start=True)
     finally:
         host.close()
     assert list(second.generated_ids) == list(plain.generated_ids)
@@ -105,6 +106,9 @@ def test_auto_on_a_kept_engine_starts_from_what_the_runs_before_measured(tmp_pat
     assert sp["plain_steps"] < fresh["plain_steps"] and sp["shadows"] <= fresh["shadows"], (sp, fresh)
     assert sp["accepted"] >= MIN_DEPTH1_ACCEPTANCE * sp["drafted"]
     assert any("earlier runs' measurements" in str(e) for e in second.report["events"])
+    # a cold start measures afresh, as a fresh engine's run does
+    assert cold.report["summary"]["spec"]["shadows"] >= 1
+    assert not any("earlier runs' measurements" in str(e) for e in cold.report["events"])
 
 
 def test_the_cli_says_what_the_drafts_kept(tmp_path):
