@@ -8,7 +8,9 @@ cache (the identical workload once before, its figures not kept) and cold (empti
   p = 0, 0.5, 0.8, 1 and k = 1, 2, 3 drafts per round: the synthetic MTP layer's random
   weights accept nothing, so the oracle shows what acceptance buys at this disk and cache;
 - spec auto with the oracle at 0.8 and at 0 (drafts never kept: auto must stay plain at the
-  cost of its shadow drafts), and auto and k = 1 with the MTP layer's own drafts.
+  cost of its shadow drafts), and auto and k = 1 with the MTP layer's own drafts;
+- a control: spec off against plain decoding, the same workload twice, so the ratio is the
+  machine's noise alone (what the other rows' ratios are to be read against).
 
 rows="auto" runs only the auto rows (with more pairs, `repeat`, they are what shows auto within a
 few percent of plain decoding where drafts do not pay).
@@ -100,6 +102,7 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
             log(f"  {cache} plain: {base['tokens_per_s']:.3f} tok/s, {base['gb_per_token']:.3f} GB/token")
             configs = [(f"oracle p={q:.1f}", k, q) for q in ps for k in ks] if rows == "all" else []
             configs += [("oracle p=0.8", "auto", 0.8), ("oracle p=0.0", "auto", 0.0)]
+            configs += [("control", "off", 0.0)]    # plain against plain: what the machine's noise alone gives
             configs += [("mtp", 1, None)] if rows == "all" else []
             configs += [("mtp", "auto", None)]
             for name, k, q in configs:

@@ -484,6 +484,9 @@ def _bench_spec(args, model) -> int:
             auto = [r["speedup"] for r in records if r["k"] == "auto" and r["drafter"] == drafter]
             if auto:
                 print(f"auto with {'the MTP layer' if drafter == 'mtp' else drafter}'s drafts: worst {min(auto):.2f}x plain")
+        control = [r["speedup"] for r in records if r["drafter"] == "control"]
+        if control:
+            print(f"control (plain against plain, the machine's noise): {min(control):.2f}x-{max(control):.2f}x")
         if not all(r["same"] for r in records):
             print("TOKENS DIFFER from plain decoding in some rows: a bug")
 

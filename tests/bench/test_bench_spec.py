@@ -24,7 +24,7 @@ def test_bench_spec_rows_have_plain_tokens_and_the_acceptance_they_were_given(ti
     names = [(r["cache"], r["drafter"], r["k"]) for r in records]
     assert names == [(c, d, k) for c in ("warm", "cold") for d, k in
                      (("oracle p=0.0", "2"), ("oracle p=1.0", "2"), ("oracle p=0.8", "auto"), ("oracle p=0.0", "auto"),
-                      ("mtp", "1"), ("mtp", "auto"))]
+                      ("control", "off"), ("mtp", "1"), ("mtp", "auto"))]
     assert all(r["same"] for r in records)
     for r in records:
         assert r["tokens_per_s"] > 0 and r["speedup"] == r["tokens_per_s"] / r["plain_tokens_per_s"]
@@ -40,7 +40,9 @@ def test_bench_spec_rows_have_plain_tokens_and_the_acceptance_they_were_given(ti
 def test_bench_spec_auto_rows_alone_and_bad_arguments(tiny_mtp, tiny_official):
     rows = bench_spec(tiny_mtp, gen=3, repeat=1, rows="auto")["records"]
     assert {(r["drafter"], r["k"]) for r in rows} == {("oracle p=0.8", "auto"), ("oracle p=0.0", "auto"),
-                                                       ("mtp", "auto")}
+                                                       ("control", "off"), ("mtp", "auto")}
+    control = [r for r in rows if r["drafter"] == "control"]
+    assert all(r["rounds"] == 0 and r["acceptance"] is None for r in control)
     with pytest.raises(Ds4fError, match="rows 'some': all or auto"):
         bench_spec(tiny_mtp, rows="some")
     with pytest.raises(Ds4fError, match="at least 1 pair"):
