@@ -193,7 +193,7 @@ CONFIRM = 3                # (or only estimated) is not yet the k's cost
 
 
 class Recent:
-    """The median of the last RECENT measurements of a cost (None before the first)."""
+    """The last RECENT measurements of a cost; add() returns their median."""
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=RECENT)
