@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import math
 import sys
@@ -102,12 +101,12 @@ MIN_TOP1_QUANTISED = 0.8    # the written layer, dequantised: else nothing is wr
 
 def tool_model():
     """tools/make_tool_model.py as a module (its conversations, encoding, config, imports)."""
-    if "make_tool_model" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("make_tool_model", REPO / "tools" / "make_tool_model.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["make_tool_model"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["make_tool_model"]
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import make_tool_model
+
+    return make_tool_model
 
 
 def load_examples(out: Path) -> list[dict]:
