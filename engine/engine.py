@@ -112,9 +112,8 @@ class Engine:
         """The checkpoint's MTP layer (model.mtp.MtpLayer), loaded on first use and kept; a
         Ds4fError saying why when there is none to draft with."""
         if self.mtp is None:
-            from ds4f.engine.runtime.mtp_source import MtpLayer, MtpSource
+            from ds4f.engine.runtime.mtp_source import MtpLayer, MtpSource, round_slots
             from ds4f.engine.resident import load_mtp
-            from ds4f.engine.speculative import MAX_DRAFTS
             ck, g = self.ckpt, self.geometry
             if not ck.mtp_layers:
                 raise Ds4fError(ck.mtp_problem or f"{ck.path}: no MTP layer (mtp.0.*) to draft with",
@@ -122,7 +121,7 @@ class Engine:
             with self.compute_lock:
                 weights = load_mtp(ck, g)
                 # one row at a time through the block; slots for a round's drafts' experts
-                self.mtp = MtpLayer(MtpSource(ck, weights, self.globals, slots=(MAX_DRAFTS + 1) * g.top_k), 1)
+                self.mtp = MtpLayer(MtpSource(ck, weights, self.globals, slots=round_slots(g.top_k)), 1)
         return self.mtp
 
     @property

@@ -19,7 +19,7 @@ from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.mtp import mtp_geometry
 from ds4f.engine.model.rows import ChunkBuffers, transient_nbytes
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
-from ds4f.engine.speculative import MAX_DRAFTS
+from ds4f.engine.runtime.mtp_source import round_slots
 
 OS_HEADROOM = 2 << 30   # what the plan leaves the OS, the page cache of the checkpoint's metadata, the shell
 
@@ -115,7 +115,7 @@ def mtp_nbytes(g: Geometry, context: int) -> int:
     the main streams of a window of rows and the layer's own KV window."""
     a = g.attention
     weights = sum(t.nbytes for t in mtp_tensors(g) if ".ffn.experts." not in t.name)
-    slots = (MAX_DRAFTS + 1) * g.top_k * align_up(g.expert_nbytes)
+    slots = round_slots(g.top_k) * align_up(g.expert_nbytes)
     buffers = ChunkBuffers.nbytes_for(mtp_geometry(g), 1)    # its temporaries: the prefill chunk's cover them
     drafter = a.window * a.hc_mult * g.hidden * 4 + a.window * (8 + a.head_dim * 4)
     return weights + slots + buffers + drafter

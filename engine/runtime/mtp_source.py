@@ -29,6 +29,13 @@ class MtpCosts:
     push_seconds: float = 0.0       # of it, pushing rows' keys (catching up)
 
 
+def round_slots(top_k: int) -> int:
+    """The expert slots an MTP layer keeps: a round's drafts' experts ((MAX_DRAFTS + 1) x top-k)."""
+    from ds4f.engine.speculative import MAX_DRAFTS
+
+    return (MAX_DRAFTS + 1) * top_k
+
+
 class MtpSource:
     """The MTP block as a one-layer WeightSource (model.forward.WeightSource) for model.rows:
     layer 0 is the MTP layer; its routed experts are read from the checkpoint as layer n_layers
