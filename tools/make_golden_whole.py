@@ -56,6 +56,10 @@ It writes, per case, tests/fixtures/whole/<case>/:
   a prompt, 16 greedy tokens, token-by-token decode with transformers' DynamicCache (logits,
   hc state after every layer, attention sublayer output, routing, the indexer's scores and
   choice per CSA layer), and the logits of one full cache-less forward over the sequence.
+  The `long` case runs 400 positions with a window of 8 and ratios 4 and 16 (the window wraps 50
+  times, the indexer takes 4 of up to 100 compressed rows): it keeps the per-step float arrays
+  (logits, hc state, attention output, indexer scores) at every 16th step and over the whole
+  generation (`steps` says which), the tokens, routing and the indexer's choices at every step.
 
 The SAME weights go into transformers: every tensor is drawn (numpy, seeded), quantised to its
 official dtype, and the exact dequantised values (float32) are loaded into the model.
@@ -140,6 +144,17 @@ RATIOS = dict(TINY, **{
     "hc_eps": 1e-2, "rms_norm_eps": 1e-3,
 })
 
+# long positions: a window of 8 and ratios 4 and 16 over 400 positions, so the window wraps 50 times,
+# the CSA layers hold 100 compressed rows and the indexer picks its 4 among up to 100 of them, the
+# HCA layer 25 rows, and the compressed layers' YaRN runs far past its original length of 64
+LONG = dict(TINY, **{
+    "vocab_size": 128, "num_hidden_layers": 3,
+    "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "sliding_window": 8, "index_topk": 4, "max_position_embeddings": 1024,
+})
+
 CASES: dict[str, dict] = {
     "tiny": {"config": TINY, "seed": 100, "prompt_len": 13, "gen": 16, "ties": None,
              "must_show": ["sinkhorn_rows_first", "shared_expert_clamped", "routed_experts_unclamped"],
@@ -151,6 +166,12 @@ CASES: dict[str, dict] = {
                "must_show": ["sinkhorn_rows_first", "no_pre_eps", "shared_expert_clamped", "routed_experts_unclamped"],
                "note": "HCA ratio 16, window 5, index_topk 3, 8 heads / 16 indexer heads (two FP8 row tiles), "
                        "hc_eps 1e-2 and rms_norm_eps 1e-3"},
+    # keep_every: the per-step float arrays (STEP_ARRAYS) are kept at every keep_every-th step and at
+    # every step from the last prompt token on (`steps`), so the files stay small; the rest at every step
+    "long": {"config": LONG, "seed": 400, "prompt_len": 384, "gen": 16, "ties": None, "keep_every": 16,
+             "must_show": ["sinkhorn_rows_first", "shared_expert_clamped", "routed_experts_unclamped"],
+             "note": "long positions: 400 steps with window 8, CSA ratio 4 (index_topk 4 of up to 100 rows), "
+                     "HCA ratio 16, YaRN original length 64"},
 }
 MAX_ATTEMPTS = 40  # seeds tried per case (seed, seed+1, ...) until every quality criterion holds
 
@@ -178,14 +199,17 @@ ROUTER_BIAS_STD = 0.2
 ARRAYS_DOC = {
     "tokens": "int64 [S]: the prompt (tokens[:prompt_len], BOS first) then the greedy tokens",
     "prompt_len": "int64 scalar P",
-    "logits_decode": "float32 [S, V]: logits after feeding tokens[t] at position t, token by token with "
+    "steps": "int64 [N]: the steps the per-step float arrays hold, in order (row i is step steps[i]): "
+             "every step (N = S), or for a case with keep_every every keep_every-th step and every step from "
+             "P-1 on. Files without it hold every step",
+    "logits_decode": "float32 [N, V]: logits after feeding tokens[t] at position t, token by token with "
                      "transformers' DynamicCache (row t predicts token t+1)",
-    "logits_full": "float32 [S, V]: one cache-less forward over all S tokens",
+    "logits_full": "float32 [N, V]: one cache-less forward over all S tokens",
     "greedy": "int64 [S]: argmax of logits_decode (lowest id among equal logits); tokens[t+1] == greedy[t] "
               "for t >= P-1",
-    "hc_state": "float32 [S, L, hc_mult, hidden]: the hyper-connection state after each decoder layer "
+    "hc_state": "float32 [N, L, hc_mult, hidden]: the hyper-connection state after each decoder layer "
                 "(both sublayers), at each step",
-    "attn_out": "float32 [S, L, hidden]: the attention sublayer's output (o_b projection, before the hc post "
+    "attn_out": "float32 [N, L, hidden]: the attention sublayer's output (o_b projection, before the hc post "
                 "mix), at each step",
     "route_ids": "int64 [S, L, k]: selected experts, rank order: hash layers as tid2eid[token], learned "
                  "layers by biased score (sqrtsoftplus(logit) + bias) descending",
@@ -194,7 +218,7 @@ ARRAYS_DOC = {
     "n_compressed": "int64 [S, L]: compressed rows the layer's attention can see at step t: "
                     "(t+1)//ratio (CSA, HCA), 0 (sliding)",
     "index_layers": "int64 [C]: the CSA layers, in order (the index_* arrays' second axis)",
-    "index_scores": "float32 [S, C, S//4]: the indexer's score of every compressed row at step t "
+    "index_scores": "float32 [N, C, S//4]: the indexer's score of every compressed row at step t "
                     "(NaN past n_compressed)",
     "index_selected": "int64 [S, C, index_topk]: the rows attended to, in selection order (score descending, "
                       "lower row index first among equal scores); -1 padding when fewer rows exist",
@@ -204,6 +228,23 @@ ARRAYS_DOC = {
     "index_relu_margin": "float64 [S, C]: min over rows and over heads with a nonzero weight of |q_h . k_t| "
                          "(how far the relu is from flipping); NaN without rows",
 }
+
+STEP_ARRAYS = ("logits_decode", "logits_full", "hc_state", "attn_out", "index_scores")
+
+
+def kept_steps(case: dict, prompt_len: int, total: int) -> np.ndarray:
+    """The steps whose STEP_ARRAYS rows a case keeps (see `keep_every`)."""
+    every = case.get("keep_every")
+    if every is None:
+        return np.arange(total, dtype=np.int64)
+    return np.array(sorted(set(range(every - 1, total, every)) | set(range(prompt_len - 1, total))), np.int64)
+
+
+def keep_steps(arrays: dict, case: dict) -> dict:
+    """The arrays with STEP_ARRAYS cut to the kept steps, and `steps` saying which they are."""
+    steps = kept_steps(case, int(arrays["prompt_len"]), len(arrays["tokens"]))
+    return dict(arrays, steps=steps, **{name: arrays[name][steps] for name in STEP_ARRAYS})
+
 
 # ---- official names -------------------------------------------------------------------------
 TO_OFFICIAL = [  # transformers name (regex) -> official name (verified by the notes' check_name_mapping.py)
@@ -996,6 +1037,7 @@ def main(argv=None) -> int:
             "facts": facts,
             "arrays": ARRAYS_DOC,
         }
+        arrays = keep_steps(arrays, case)
         arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
         write_npz(case_dir / "expected.npz", arrays)
         sizes = {p.name: p.stat().st_size for p in sorted(case_dir.iterdir())}

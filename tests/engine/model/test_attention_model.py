@@ -131,6 +131,8 @@ def _rel(a, b) -> float:
 def test_decode_matches_transformers(case, backend):
     exp = np.load(FIXTURES / case / "expected.npz")
     tokens, prompt = exp["tokens"], int(exp["prompt_len"])
+    # the rows of the per-step floats: every step, or (case long) the steps the fixture kept
+    row = {int(t): i for i, t in enumerate(exp["steps"] if "steps" in exp.files else range(len(tokens)))}
     saved = kernels.get_backend()
     kernels.set_backend(backend)
     try:
@@ -139,13 +141,17 @@ def test_decode_matches_transformers(case, backend):
         for pos, tok in enumerate(tokens):
             feed = int(tok) if pos < prompt else greedy[-1]   # generation feeds back ds4f's own token
             logits, states, attn = model.step(feed, pos)
-            assert _rel(logits, exp["logits_decode"][pos]) < 1e-4, (case, pos)
+            greedy.append(int(np.argmax(logits)))
+            if pos not in row:
+                assert greedy[-1] == exp["greedy"][pos], (case, pos)
+                continue
+            r = row[pos]
+            assert _rel(logits, exp["logits_decode"][r]) < 1e-4, (case, pos)
             for layer in range(len(states)):
                 # relative to the state's largest entry; measured worst: 9e-6 (AVX-512), 1.8e-5
                 # (AVX2), 2.6e-5 (scalar's single fp32 accumulator) on the `ratios` case
-                assert _rel(states[layer], exp["hc_state"][pos, layer]) < 3e-5, (case, pos, layer)
-                assert _rel(attn[layer], exp["attn_out"][pos, layer]) < 1e-4, (case, pos, layer)
-            greedy.append(int(np.argmax(logits)))
+                assert _rel(states[layer], exp["hc_state"][r, layer]) < 3e-5, (case, pos, layer)
+                assert _rel(attn[layer], exp["attn_out"][r, layer]) < 1e-4, (case, pos, layer)
     finally:
         kernels.set_backend(saved)
     assert greedy[prompt - 1:] == exp["tokens"][prompt:].tolist() + [int(exp["greedy"][-1])]

@@ -7,7 +7,8 @@ and loaded exactly dequantised, shared expert's clamp lifted, the indexer's ties
 lower compressed-row index. This test needs neither torch nor transformers, and it does NOT
 implement the model: it checks the files against each other, against the config, against
 ds4f's readers, and that the recorded run exercises the window, the compressors, the indexer's
-selection and (case `ties`) its tie rule.
+selection, (case `ties`) its tie rule and (case `long`) positions far past the window and past
+many compressions, where the per-step float arrays are kept at some steps only (`steps`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 WHOLE = REPO / "tests" / "fixtures" / "whole"
 GENERATOR = REPO / "tools" / "make_golden_whole.py"
-CASES = ("tiny", "ties", "ratios")
+CASES = ("tiny", "ties", "ratios", "long")
+STEP_ARRAYS = ("logits_decode", "logits_full", "hc_state", "attn_out", "index_scores")   # rows at `steps`
 REL_TOL = 1e-4  # decode vs full forward, relative to the row's max |logit|
 MAX_DIR_BYTES = 1_000_000
 
@@ -62,6 +64,7 @@ class Case:
         self.L = c["num_hidden_layers"]
         self.P = int(self.a["prompt_len"])
         self.S = len(self.a["tokens"])
+        self.steps = self.a.pop("steps", np.arange(self.S))   # the steps STEP_ARRAYS' rows are
         self.ratio = [0 if t == SWA else c["compress_rates"][t] for t in c["layer_types"]]
         self.csa = [i for i, t in enumerate(c["layer_types"]) if t == CSA]
 
@@ -283,15 +286,20 @@ def test_routing_tables_and_ties_construction(case):
 def test_arrays_have_the_documented_shapes(case):
     a, c, S, L = case.a, case.config, case.S, case.L
     V, D, hc, k, K = c["vocab_size"], c["hidden_size"], c["hc_mult"], c["num_experts_per_tok"], c["index_topk"]
-    C = len(case.csa)
-    shapes = {"tokens": (S,), "logits_decode": (S, V), "logits_full": (S, V), "greedy": (S,),
-              "hc_state": (S, L, hc, D), "attn_out": (S, L, D), "route_ids": (S, L, k), "route_weights": (S, L, k),
+    C, N, steps = len(case.csa), len(case.steps), case.steps
+    shapes = {"tokens": (S,), "logits_decode": (N, V), "logits_full": (N, V), "greedy": (S,),
+              "hc_state": (N, L, hc, D), "attn_out": (N, L, D), "route_ids": (S, L, k), "route_weights": (S, L, k),
               "route_gap": (S, L), "n_compressed": (S, L), "index_layers": (C,),
-              "index_scores": (S, C, S // c["compress_rates"][CSA]), "index_selected": (S, C, K),
+              "index_scores": (N, C, S // c["compress_rates"][CSA]), "index_selected": (S, C, K),
               "index_boundary_tie": (S, C), "index_boundary_gap": (S, C), "index_relu_margin": (S, C)}
     assert {n: a[n].shape for n in shapes} == shapes
     assert set(a) == set(shapes) | {"prompt_len"}
-    assert set(case.meta["arrays"]) == set(a)
+    assert set(case.meta["arrays"]) - {"steps"} == set(a)
+    # the steps kept: every one, or the generator's choice for the case (every step from the last
+    # prompt token on among them, so the generation is checked whole)
+    want = _generator().kept_steps(_generator().CASES[case.name], case.P, S)
+    assert steps.dtype == np.int64 and steps.tolist() == want.tolist()
+    assert set(range(case.P - 1, S)) <= set(steps.tolist())
     for n in ("logits_decode", "logits_full", "hc_state", "attn_out", "route_weights"):
         assert a[n].dtype == np.float32 and np.all(np.isfinite(a[n])), n
     assert a["index_layers"].tolist() == case.csa
@@ -308,11 +316,11 @@ def test_greedy_tokens(case):
     assert P >= 13 and S - P == 16 == case.meta["generated"]
     tokens = a["tokens"]
     assert tokens[0] == c["bos_token_id"] and np.all((tokens >= 0) & (tokens < c["vocab_size"]))
-    assert np.array_equal(a["greedy"], a["logits_decode"].argmax(axis=1))
-    assert np.array_equal(a["greedy"], a["logits_full"].argmax(axis=1))
+    assert np.array_equal(a["greedy"][case.steps], a["logits_decode"].argmax(axis=1))
+    assert np.array_equal(a["greedy"][case.steps], a["logits_full"].argmax(axis=1))
     assert np.array_equal(tokens[P:], a["greedy"][P - 1:S - 1])
     assert c["eos_token_id"] not in tokens[P:].tolist()
-    top2 = np.sort(a["logits_decode"][P - 1:], axis=1)[:, -2:]
+    top2 = np.sort(a["logits_decode"][case.steps >= P - 1], axis=1)[:, -2:]
     assert (top2[:, 1] - top2[:, 0]).min() >= case.meta["criteria"]["min_greedy_gap"]
 
 
@@ -356,10 +364,10 @@ def test_indexer_selection_follows_the_tie_rule(case):
     index_topk < rows at many steps; the tie flags and counts are what the scores say."""
     a, K = case.a, case.config["index_topk"]
     ties = 0
-    for t in range(case.S):
+    for row, t in enumerate(case.steps):
         for ci, i in enumerate(case.csa):
             T = int(a["n_compressed"][t, i])
-            s = a["index_scores"][t, ci]
+            s = a["index_scores"][row, ci]
             assert np.all(np.isfinite(s[:T])) and np.all(np.isnan(s[T:]))
             order = np.argsort(-s[:T].astype(np.float64), kind="stable")
             k = min(K, T)
@@ -368,7 +376,16 @@ def test_indexer_selection_follows_the_tie_rule(case):
             tie = bool(k < T and s[order[k - 1]] == s[order[k]])
             assert tie == bool(a["index_boundary_tie"][t, ci]), (t, i)
             ties += tie
-    assert ties == case.meta["facts"]["index_boundary_ties"]
+    for t in range(case.S):      # every step, scores kept or not: index_topk distinct rows among those there are
+        for ci, i in enumerate(case.csa):
+            T = int(a["n_compressed"][t, i])
+            sel = a["index_selected"][t, ci]
+            k = min(K, T)
+            assert sorted(set(sel[:k].tolist())) == sorted(sel[:k].tolist()), (t, i, sel)
+            assert all(0 <= r < T for r in sel[:k].tolist()) and np.all(sel[k:] == -1), (t, i, sel)
+    assert int(a["index_boundary_tie"].sum()) == case.meta["facts"]["index_boundary_ties"]
+    if len(case.steps) == case.S:
+        assert ties == case.meta["facts"]["index_boundary_ties"]
     events = int(np.sum(a["n_compressed"][:, case.csa] > K))
     assert events == case.meta["facts"]["index_topk_events"] >= 10, "index_topk must be < compressed rows often"
     assert any(a["n_compressed"][t, i] > K for t in range(case.P) for i in case.csa), "... already in the prompt"
@@ -403,3 +420,22 @@ def test_case_tiny_has_no_tie_at_the_boundary():
     """Recorded in meta: how many decode steps had a tie at the indexer's top-k boundary in case tiny."""
     facts = (_CACHE.get("tiny") or Case("tiny")).meta["facts"]
     assert facts["index_boundary_ties"] == 0 and facts["index_topk_events"] > 0
+
+
+def test_case_long_reaches_far_past_the_window_and_many_compressions():
+    """Case `long`: the window wraps dozens of times, each compressed layer closes dozens of rows,
+    the indexer chooses among many times more rows than it takes, and the rotary positions run far
+    past YaRN's original length; floats are kept along the way and over the whole generation."""
+    case = _CACHE.get("long") or Case("long")
+    c, S, P = case.config, case.S, case.P
+    assert S >= 384 and S >= 40 * c["sliding_window"] and S > 4 * c["rope_scaling"]["original_max_position_embeddings"]
+    for kind in (CSA, HCA):
+        rows = S // c["compress_rates"][kind]
+        assert kind in c["layer_types"] and rows >= 24, (kind, rows)
+    rows = case.a["n_compressed"][-1, case.csa]
+    assert np.all(rows >= 20 * c["index_topk"])
+    chosen = case.a["index_selected"][P:, :, :].ravel()
+    assert chosen.max() >= 80, "the generation attends to recent compressed rows"
+    assert len(np.unique(chosen)) >= 8 * c["index_topk"], "and to rows from all along the sequence"
+    gaps = np.diff(case.steps)
+    assert len(case.steps) < S and gaps.max() <= _generator().CASES["long"]["keep_every"]
