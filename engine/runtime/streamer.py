@@ -70,7 +70,9 @@ class Streamer:
         self._x_ahead = np.empty(g.hidden, np.float32)
         self._logits_ahead = np.empty(g.n_experts, np.float32)
         # the current token
-        self.tokens = 0                 # tokens started so far
+        self.tokens = 0                 # tokens started so far: the cache policy's clock, which a warm
+                                        # run continues (restarted, a policy's ages would run backwards
+                                        # and its decayed counts overflow past ~4k tokens)
         self.stall_s = 0.0              # time arrivals waited for reads, summed over tokens
         self._token_id = 0
         self._slots: dict[int, list] = {}
@@ -92,13 +94,13 @@ class Streamer:
         one left it."""
         if cold:
             self.cache.reset()
+            self.tokens = 0
         else:
             self.cache.reset_counters()
         self.reader.reset_stats()
         self.prefetch_counts = dict.fromkeys(self.prefetch_counts, 0)
         self.prefetch_layer_hits = [0] * self.geometry.n_layers
         self._prefetched.clear()
-        self.tokens = 0
         self.stall_s = 0.0
 
     # -- the WeightSource interface (model.forward) -----------------------------------------------

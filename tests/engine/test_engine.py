@@ -307,3 +307,27 @@ def test_keep_freed_memory_lets_the_next_temporaries_reuse_freed_pages():
 
     default, keep = faults("default"), faults("keep")
     assert keep * 10 < default, (keep, default)    # ~25,000 against 0 with 4 KiB pages
+
+
+def test_a_warm_session_continues_the_cache_policys_clock(tiny_model):
+    """The expert cache's policy counts time in tokens: a session on the warm cache goes on from
+    the tokens before it, so no key's age runs backwards (a cycle policy's decayed counts would
+    overflow after a run past ~4k tokens); a cold one starts the clock and the policy afresh."""
+    from ds4f.engine.config import load_config
+    from ds4f.engine.engine import Engine
+
+    preset = load_config(None).get_preset(None)
+    assert preset.policy == "cycle"
+    engine = Engine(open_checkpoint(tiny_model), preset, 1, 1, kernels.best_backend())
+    try:
+        engine.new_session(64).prefill(list(range(2, 40)))     # one chunk: its tokens are at its first's time
+        policy = engine.streamer.cache.policy
+        assert engine.streamer.tokens == 38 and policy.token == 0
+        engine.new_session(8, cold=False).prefill([5, 6, 7])
+        assert engine.streamer.cache.policy is policy and policy.token == 38 and engine.streamer.tokens == 41
+        assert (policy.last <= policy.token).all() and np.isfinite(policy.value).all()
+        engine.new_session(8, cold=True).prefill([5, 6, 7])
+        assert engine.streamer.cache.policy is not policy and engine.streamer.cache.policy.token == 0
+    finally:
+        engine.close()
+        engine.ckpt.close()
