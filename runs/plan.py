@@ -39,6 +39,8 @@ class MemoryPlan:
     pool_bytes: int = 0                  # every routed expert, as stored
     routed_bytes_per_token: int = 0      # every routed expert a token selects, read if none were cached
     streamed_trunk_bytes_per_token: int = 0   # the unpinned layers' MoE trunk, read every token
+    prefix_ram_bytes: int = 0            # memory_plan's: the prefix cache's RAM bound, counted in
+    spec: bool = False                   # memory_plan's: with the MTP layer loaded
 
     @property
     def total_bytes(self) -> int:
@@ -50,9 +52,19 @@ class MemoryPlan:
 
     @property
     def sequences_fit(self) -> int:
-        """The most sequences that fit the RAM with the rest of the plan (the preset's cache)."""
-        free = self.ram_bytes - OS_HEADROOM - (self.total_bytes - self.parallel * self.sequence_bytes)
-        return max(0, free // self.sequence_bytes) if self.sequence_bytes else MAX_PARALLEL
+        """The most sequences, up to MAX_PARALLEL, that fit the RAM stepping together with the rest
+        of the plan (the preset's cache): each its KV cache and prompt chunk, and a row of the
+        batched step, whose buffers grow with them; 1 when only one alone fits, 0 when none does."""
+        def fits(n: int) -> bool:
+            return memory_plan(self.geometry, self.preset, self.ram_bytes, self.prefix_ram_bytes, n, self.spec).fits
+
+        if not fits(2):                  # one alone takes a larger prompt chunk than batched ones
+            return 1 if fits(1) else 0
+        lo, hi = 2, MAX_PARALLEL         # fits(lo); more sequences never plan less
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def gb_per_token(self, hit_rate: float) -> float:
         """Disk GB (1e9 B) per token if a fraction `hit_rate` of expert requests hit the cache."""
@@ -73,7 +85,8 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
                   + (8 * g.vocab * g.top_k if g.is_hash_layer(layer) else 4 * g.n_experts)
                   for layer in range(pinned, g.n_layers))                           # pinned layers hold theirs
     att = attention_weight_bytes(g) if g.attention is not None else {}
-    plan = MemoryPlan(g, preset, ram_bytes, pool_bytes=pool, parallel=parallel)
+    plan = MemoryPlan(g, preset, ram_bytes, pool_bytes=pool, parallel=parallel, prefix_ram_bytes=prefix_ram_bytes,
+                      spec=spec)
     chunk = batched_chunk(preset.prefill_chunk) if parallel > 1 and preset.prefill_chunk else preset.prefill_chunk
     chunk_bytes = ChunkBuffers.nbytes_for(g, chunk) + transient_nbytes(g, chunk) if chunk else 0
     plan.resident = {
