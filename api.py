@@ -23,7 +23,7 @@ from ds4f.engine.checkpoint.convert import convert_checkpoint
 from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
-from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MAX_PARALLEL, MAX_GEN, MAX_PROMPT, MAX_THREADS, Budget, Config, Preset,
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MAX_PARALLEL, MAX_GEN, MAX_THREADS, Budget, Config, Preset,
                                 format_bytes, load_config, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
@@ -52,7 +52,7 @@ from ds4f.runs.traces import export_trace, load_trace
 
 __all__ = [
     "MAX_DRAFTS", "parse_spec",
-    "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN", "MAX_PROMPT",
+    "BACKEND_NAMES", "DEFAULT_GEN", "END_STATES", "LIVE_STATES", "LOW_BIT_TOLERANCE", "MAX_GEN",
     "MAX_THREADS", "Budget", "Config", "Ds4fError", "parse_json", "EngineHost", "History", "Preset", "Run", "RunConfig",
     "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "active_runs", "available_backends", "best_backend",
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",

@@ -26,8 +26,8 @@ BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
 # The limits of a run, the same for every front end.
 DEFAULT_GEN = 8            # tokens to generate when a front end is not told
-MAX_GEN = 100_000          # tokens per run
-MAX_PROMPT = 4096          # prompt token ids per run
+MAX_GEN = 100_000          # tokens per run (a prompt has no limit of its own: with them it must fit the
+                           # preset's context, the positions its KV cache is allocated for)
 MAX_THREADS = 256          # kernel or I/O threads
 MAX_PARALLEL = 64          # sequences a server steps together
 DEFAULT_PARALLEL = 4       # what [server] parallel = 0 gives where the memory plan fits it

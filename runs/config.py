@@ -6,7 +6,7 @@ import json
 
 from dataclasses import dataclass, replace
 
-from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_PROMPT, MAX_THREADS, Config,
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_THREADS, Config,
                                 Preset)
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
@@ -60,8 +60,6 @@ def checked(config: RunConfig, cfg: Config) -> RunConfig:
     file is in range; else a Ds4fError naming the first that is not."""
     if isinstance(config.gen, bool) or not isinstance(config.gen, int) or not 1 <= config.gen <= MAX_GEN:
         raise Ds4fError(f"gen: must be a number of tokens from 1 to {MAX_GEN}, got {config.gen!r}", param="gen")
-    if config.prompt is not None and len(config.prompt) > MAX_PROMPT:
-        raise Ds4fError(f"prompt: at most {MAX_PROMPT} token ids, got {len(config.prompt)}", param="prompt")
     if config.backend is None:
         config = replace(config, backend=cfg.default_backend())
     check_backend(config.backend)
@@ -95,11 +93,9 @@ def check_threads(**counts: int | None) -> None:
 
 
 def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset) -> None:
-    """The prompt and the tokens to generate fit the run: the prompt's length, a checkpoint with
-    attention (or moe_only), and positions within the preset's context."""
+    """The prompt and the tokens to generate fit the run: a checkpoint with attention (or
+    moe_only), and positions within the preset's context."""
     g = checkpoint.geometry
-    if len(prompt) > MAX_PROMPT:
-        raise Ds4fError(f"prompt: at most {MAX_PROMPT} tokens, the text makes {len(prompt)}", param="prompt")
     if g.attention is None and not config.moe_only:
         raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
                         f" head_dim, compress_ratios, ...), so only the MoE half of the model could run and its tokens"
@@ -109,11 +105,25 @@ def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: P
         raise Ds4fError(f"spec: {config.spec} drafts asked for, but "
                         + (checkpoint.mtp_problem or f"{config.model} has no MTP layer (mtp.0.*) to draft with")
                         + " (spec auto runs plainly where there is none)", param="spec")
-    positions = len(prompt) - 1 + config.gen
-    if g.attention is not None and positions > preset.context:
-        raise Ds4fError(f"gen: a prompt of {len(prompt)} tokens and {config.gen} generated ones reach {positions}"
-                        f" positions, past the context of {preset.context} that preset {preset.name!r} allocates"
-                        f" its KV cache for (generate fewer, or raise the preset's `context`)", param="gen")
+    if g.attention is not None:
+        check_context(len(prompt), config.gen, preset)
+
+
+def check_context(prompt_len: int, gen: int, preset: Preset) -> None:
+    """A prompt and the tokens to generate within the preset's context, the positions its KV cache
+    is allocated for (what the memory plan fits): the only bound on a prompt's length. A prompt
+    that alone passes it is refused as the prompt (param `prompt`), else as the tokens asked for
+    (`gen`); both name the limit, the prompt's length and the setting that raises it."""
+    setting = f"raise `context` in [presets.{preset.name}] of ds4f.toml (`ds4f plan` shows what the memory fits)"
+    if prompt_len > preset.context:
+        raise Ds4fError(f"prompt: {prompt_len} tokens, past the context of {preset.context} positions (prompt and"
+                        f" generated tokens together) of preset {preset.name!r}: shorten the prompt, or {setting}",
+                        param="prompt")
+    positions = prompt_len - 1 + gen
+    if positions > preset.context:
+        raise Ds4fError(f"gen: a prompt of {prompt_len} tokens and {gen} generated ones reach {positions} positions,"
+                        f" past the context of {preset.context} of preset {preset.name!r}: generate at most"
+                        f" {preset.context - prompt_len + 1}, or {setting}", param="gen")
 
 
 def _check_text_settings(config: RunConfig) -> None:

@@ -422,7 +422,8 @@ def parse_stop_sequences(value) -> tuple:
     return tuple(value)
 
 
-NAMES = {"gen": "max_tokens", "text": "messages", "sampling": "temperature", "stop": "stop_sequences"}
+NAMES = {"gen": "max_tokens", "text": "messages", "prompt": "messages", "sampling": "temperature",
+         "stop": "stop_sequences"}
 
 
 def parse_ask(raw: dict, svc) -> Ask:

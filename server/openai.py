@@ -327,7 +327,8 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
     fields["stop"] = stop
     fields["stop_at_eos"] = True
     return Ask(kind, fields, gen, gen_param, parse_sampling(raw, svc), bool(stream_), include_usage, thinking,
-               tools, choice, parallel, names={"gen": gen_param, "text": "prompt", "sampling": "temperature"})
+               tools, choice, parallel, names={"gen": gen_param, "text": "prompt", "sampling": "temperature",
+                                                  "prompt": "messages" if kind == "chat" else "prompt"})
 
 
 def parse_sampling(raw: dict, svc, names: dict | None = None) -> SamplingParams:

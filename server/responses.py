@@ -182,7 +182,7 @@ def parse_ask(raw: dict, svc) -> Ask:
     sampling = parse_sampling({k: raw.get(k) for k in ("temperature", "top_p")}, svc)
     return Ask("chat", fields, gen, "max_output_tokens", sampling, bool(stream_), thinking=thinking, tools=tools,
                tool_choice=choice, parallel_calls=parallel is not False, endpoint="responses",
-               names={"gen": "max_output_tokens", "text": "input", "sampling": "temperature"})
+               names={"gen": "max_output_tokens", "text": "input", "prompt": "input", "sampling": "temperature"})
 
 
 # -- the response ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ds4f import __version__
-from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, MAX_PROMPT, Ds4fError, RunConfig, parse_json, parse_spec
+from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, Ds4fError, RunConfig, parse_json, parse_spec
 
 from .errors import HttpError, bad, json_response
 from .queue import Ticket
@@ -111,8 +111,6 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> dict:
             raise bad("prompt", "expected a list of token ids (whole numbers)")
         if not prompt:
             raise bad("prompt", "must hold at least one token id")
-        if len(prompt) > MAX_PROMPT:
-            raise bad("prompt", f"at most {MAX_PROMPT} token ids, got {len(prompt)}")
         out["prompt"] = tuple(prompt)
     if "spec" in raw:
         value = raw["spec"]

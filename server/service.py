@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ds4f import __version__
 from ds4f.api import (DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
-                      open_checkpoint, MAX_PROMPT, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
+                      open_checkpoint, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
                       load_config, report_file)
 from ds4f.api import start_run as api_start_run
@@ -559,7 +559,7 @@ class Service:
                       "io_mode": self.io_mode, "geometry": self.geometry},
             "preset": {"name": preset.name, "detail": preset.describe(), "available": list(self.cfg.presets)},
             "backend": {"default": self.cfg.backend, "best": self.best_backend, "available": self.backends},
-            "limits": {"max_gen": MAX_GEN, "max_prompt": MAX_PROMPT, "max_threads": MAX_THREADS,
+            "limits": {"max_gen": MAX_GEN, "context": preset.context, "max_threads": MAX_THREADS,
                        "max_body_bytes": self.options.max_body_bytes, "queue_size": self.options.queue_size,
                        "client_queue_share": self.options.queue_share,
                        "max_client_requests": self.options.max_client_requests,

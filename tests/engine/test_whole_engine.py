@@ -14,6 +14,7 @@ import pytest
 
 from ds4f.native import kernels
 from ds4f.engine.checkpoint.convert import convert_checkpoint
+from ds4f.engine.config import load_config
 from ds4f.errors import Ds4fError
 from ds4f.runs.config import RunConfig
 from ds4f.runs.run import start_run
@@ -77,17 +78,22 @@ def test_thread_counts_give_the_same_dump(converted, tmp_path):
 
 
 def test_the_kv_cache_is_in_the_plan_and_the_context_is_enforced(converted, tmp_path):
+    cfg = load_config()
+    laptop, server = cfg.get_preset("laptop").context, cfg.get_preset("server").context
+    assert laptop >= 32768 and server >= 32768          # what agents' prompts need
     exp = np.load(FIXTURES / "tiny" / "expected.npz")
     run = _run(converted["tiny"], exp, "auto", tmp_path / "a.bin", preset="laptop")
     kv = run.report["summary"]["kv_bytes"]
-    assert kv > 0 and run.report["summary"]["context"] == 8192
+    assert kv > 0 and run.report["summary"]["context"] == laptop
     assert run.report["summary"]["plan_bytes"] > kv
     # a bigger context allocates a bigger cache (compressed rows scale with it)
     run = _run(converted["tiny"], exp, "auto", tmp_path / "b.bin", preset="server")
-    assert run.report["summary"]["kv_bytes"] > kv and run.report["summary"]["context"] == 65536
+    assert run.report["summary"]["kv_bytes"] > kv and run.report["summary"]["context"] == server > laptop
     prompt = tuple(int(t) for t in exp["tokens"][:13])
-    with pytest.raises(Ds4fError, match=r"reach 8204 positions, past the context of 8192 that preset 'laptop'"):
-        start_run(RunConfig(model=str(converted["tiny"]), gen=8192, prompt=prompt, preset="laptop",
+    with pytest.raises(Ds4fError, match=rf"gen: a prompt of 13 tokens and {laptop} generated ones reach {laptop + 12}"
+                                        rf" positions, past the context of {laptop} of preset 'laptop': generate at"
+                                        rf" most {laptop - 12}, or raise `context` in \[presets\.laptop\] of ds4f\.toml"):
+        start_run(RunConfig(model=str(converted["tiny"]), gen=laptop, prompt=prompt, preset="laptop",
                             probe_floor=False))
 
 

@@ -30,7 +30,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ds4f.api import MAX_GEN, MAX_PROMPT, Ds4fError, History, Tokenizer, chat_prompt_ids
+from ds4f.api import MAX_GEN, Ds4fError, History, Tokenizer, chat_prompt_ids
 from ds4f.server.app import Server, ServerOptions, is_loopback, read_token_file
 
 from server_helpers import HELLO, Resp, Srv, idle, serve_config, srv, start  # noqa: F401 (fixtures)
@@ -195,7 +195,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logprobs": True}, "logprobs"), ({"tools": [{}]}, "tools"),
     ({"bogus": 1}, "bogus"), ({"thinking": "yes"}, "thinking"), ({"max_tokens": 2, "max_completion_tokens": 3}, "max_tokens"),
-    ({"max_tokens": 9000}, "max_tokens"),   # past the preset's context: the run API's refusal, named as asked
+    ({"max_tokens": 40_000}, "max_tokens"),  # past the preset's context: the run API's refusal, named as asked
     # tools, tool results, reasoning
     ({"tools": "get_weather"}, "tools"), ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
@@ -1242,7 +1242,7 @@ BAD_BODIES = [
     ({"backend": "gpu"}, "backend"), ({"backend": 1}, "backend"), ({"backend": None}, "backend"),
     ({"prompt": "0,5"}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": [0, 10**9]}, "prompt"), ({"prompt": [0, "5"]}, "prompt"), ({"prompt": [0, 1.0]}, "prompt"),
-    ({"prompt": [True]}, "prompt"), ({"prompt": [0] * (MAX_PROMPT + 1)}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
     ({"gen": 2, "temperature": 0.7}, "temperature"), ({"dump_path": "/etc/passwd"}, "dump_path"),
     ({"model": "/tmp/other"}, "model"),
 ]
@@ -1255,6 +1255,68 @@ def test_bad_run_parameters_get_400_naming_them(idle, body, param):
     err = r.error()
     assert err["param"] == param and err["message"].startswith(param + ":"), err
     assert idle.service.runs_started == 0
+
+
+def test_a_prompt_past_the_context_gets_400_naming_the_limit_and_the_setting(idle):
+    """No cap below the preset's context (what /status reports under limits): past it, a 400 names
+    the context, the prompt's length and the preset's `context` setting, at the run API and the chat
+    API (the parameter as each spells it); nothing runs."""
+    limits = idle.get("/status").json()["limits"]
+    context = limits["context"]
+    assert "max_prompt" not in limits
+    assert context == idle.service.cfg.get_preset(idle.service.preset).context >= 32768
+    setting = "raise `context` in [presets.laptop] of ds4f.toml"
+    err = idle.post_run(prompt=[0] * (context + 1), gen=1).error()
+    assert err["param"] == "prompt", err
+    assert err["message"].startswith(f"prompt: {context + 1} tokens, past the context of {context} positions")
+    assert setting in err["message"]
+    err = idle.post_run(prompt=[0] * (context - 3), gen=8).error()
+    assert err["param"] == "gen" and f"reach {context + 4} positions" in err["message"], err
+    assert "generate at most 4" in err["message"] and setting in err["message"]
+    r = idle.chat(messages=[{"role": "user", "content": "x" * (context + 10)}], max_tokens=4)
+    assert r.status == 400, r.body
+    err = r.error()
+    assert err["param"] == "messages" and err["message"].startswith("messages: ") and setting in err["message"]
+    assert f"past the context of {context} positions" in err["message"]
+    assert idle.service.runs_started == 0
+
+
+def test_a_prompt_past_4096_tokens_is_served_at_every_endpoint_where_the_context_holds_it(start, tmp_path):
+    """A preset whose context holds 6000 positions: a 4.5k-token conversation is answered by the
+    chat completions, Responses and Messages endpoints; a longer one, or one whose max_tokens would
+    pass the context, is a 400 naming the parameter as each API spells it, the limit and the setting."""
+    config = tmp_path / "long.toml"
+    config.write_text('[engine]\nkernel_threads = 1\nprobe_floor = false\n\n'
+                      f'[history]\npath = "{tmp_path / "history.sqlite3"}"\n\n'
+                      '[presets.long]\npinned_layers = "all"\ncache = "100%"\ncontext = 6000\nprefill_chunk = 512\n')
+    srv = start(config_path=str(config), preset="long")
+    assert srv.get("/status").json()["limits"]["context"] == 6000
+    model = srv.service.model_id
+    long = [{"role": "user", "content": "x" * 4500}]
+    reply = srv.openai().chat.completions.create(model=model, messages=long, max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens > 4500 and reply.usage.completion_tokens >= 1
+    r = srv.request("POST", "/v1/responses", body={"model": model, "input": "x" * 4500, "max_output_tokens": 2})
+    assert r.status == 200, r.body
+    assert r.json()["usage"]["input_tokens"] > 4500
+    r = srv.request("POST", "/v1/messages", body={"model": model, "messages": long, "max_tokens": 2})
+    assert r.status == 200, r.body
+    usage = r.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 4500
+    setting = "raise `context` in [presets.long] of ds4f.toml"
+    too_long = [{"role": "user", "content": "x" * 6100}]
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": too_long, "max_tokens": 2}, "messages"),
+            ("/v1/chat/completions", {"messages": long, "max_tokens": 2000}, "max_tokens"),
+            ("/v1/responses", {"input": "x" * 6100, "max_output_tokens": 2}, "input"),
+            ("/v1/messages", {"messages": too_long, "max_tokens": 2}, "messages")):
+        r = srv.request("POST", path, body={"model": model, **body})
+        assert r.status == 400, (path, r.body)
+        err = r.json()["error"]
+        assert err["message"].startswith(f"{param}: ") and setting in err["message"], (path, err)
+        assert "past the context of 6000" in err["message"], (path, err)
+        if path != "/v1/messages":                      # Anthropic's errors name no parameter
+            assert err["param"] == param, (path, err)
+    assert srv.service.runs_started == 3
 
 
 BAD_QUERIES = [("gen=abc", "gen"), ("gen=", "gen"), ("gen=-1", "gen"), ("gen=+5", "gen"), ("gen=1e3", "gen"),
