@@ -43,7 +43,7 @@ from ds4f.runs.config import RunConfig
 from ds4f.runs.history import (History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, report_file,
                                run_files)
 from ds4f.runs.host import EngineHost
-from ds4f.runs.plan import MemoryPlan, fit_parallel, memory_plan
+from ds4f.runs.plan import CONVERSATION_TOKENS, MemoryPlan, bookkeeping, fit_parallel, kept_state_nbytes, memory_plan
 from ds4f.runs.run import END_STATES, LIVE_STATES, Run, active_run, active_runs, start_run
 from ds4f.runs.snapshot import Snapshot, TokenRecord, disk_occupancy
 from ds4f.runs.diff import LOW_BIT_TOLERANCE, StateDiff, diff_states
@@ -67,7 +67,7 @@ __all__ = [
     # pruning the run history
     "PrunePlan", "plan_prune", "prune_runs", "run_files", "report_file",
     # the memory plan
-    "MemoryPlan", "memory_plan", "fit_parallel", "DEFAULT_PARALLEL", "MAX_PARALLEL",
+    "MemoryPlan", "memory_plan", "fit_parallel", "bookkeeping", "kept_state_nbytes", "CONVERSATION_TOKENS", "DEFAULT_PARALLEL", "MAX_PARALLEL",
     # text: tokenizer, streaming, chat format, sampling
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
     "SamplingParams", "Sampler", "THINK_END",

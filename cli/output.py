@@ -46,6 +46,14 @@ def add_output_option(parser: argparse.ArgumentParser) -> None:
                              "with md, csv and json stdout holds only the tables")
 
 
+def add_dump_option(parser: argparse.ArgumentParser, kind: str) -> None:
+    """--dump full|compact|off: the state dump the run writes (default: ds4f.toml's [dump] `kind`)."""
+    parser.add_argument("--dump", choices=("full", "compact", "off"), default=None,
+                        help="the state dump to write: full (every float of every layer: for short experiments),"
+                             " compact (ids, routing, top logits, per-layer digests and sketches: a few KB a"
+                             f" token) or off (default: ds4f.toml's [dump] {kind})")
+
+
 def add_kv_options(parser) -> None:
     """The prefix cache's options of the text commands and the server."""
     parser.add_argument("--kv-dir", metavar="DIR", default=None,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ds4f.api import GEOMETRIES, MAX_PARALLEL, Ds4fError, format_bytes, get_geometry, load_config, memory_plan, parse_budget
+from ds4f.api import (CONVERSATION_TOKENS, GEOMETRIES, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry,
+                      load_config, memory_plan, parse_budget)
 from ds4f.cli.output import Column, Table, add_output_option, print_tables
 
 HIT_RATES = (0.0, 0.5, 0.75)   # what a token reads from disk at these expert-cache hit rates
@@ -60,10 +61,17 @@ def run(args) -> int:
                  title="disk reads per token (the unpinned layers' trunk, and the routed experts the cache misses)")
     for h in HIT_RATES + ((plan.cache_bytes / plan.pool_bytes,) if plan.pool_bytes else ()):
         disk.add(h, plan.gb_per_token(h))
+    books = Table("bookkeeping", [Column("what", align="left"), Column("per_token", "bytes/token", align="left"),
+                                  Column("conversation", f"at {CONVERSATION_TOKENS:,} tokens", align="left")],
+                  title=f"what runs write and keep beside the math ([dump], [kv]), per token and for a"
+                        f" {CONVERSATION_TOKENS:,}-token conversation")
+    for what, per_token, total in bookkeeping(g):
+        raw = args.output in ("csv", "json")
+        books.add(what, per_token if raw else format_bytes(per_token), total if raw else format_bytes(total))
     if args.output != "text":
-        print_tables([parts, disk], args.output)
+        print_tables([parts, disk, books], args.output)
     else:
-        print("\n\n".join(f"{t.title}\n{t.text()}" for t in (parts, disk)))
+        print("\n\n".join(f"{t.title}\n{t.text()}" for t in (parts, disk, books)))
         verdict = "fits" if plan.fits else "does NOT fit"
         print(f"\n{verdict}: {format_bytes(plan.total_bytes)} planned + 2 GiB for the OS, of {format_bytes(ram_bytes)} RAM"
               f" (the last GB/token row: hits = the cache's share of the pool, as with uniform routing)")

@@ -16,9 +16,9 @@ import signal
 import sys
 from pathlib import Path
 
-from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import (Cell, Column, Label, Table, add_json_option, add_output_option, check_output, check_streams,
-                             human_stream, print_tables, write_json)
+from ds4f.api import DEFAULT_GEN, Ds4fError, format_bytes
+from ds4f.cli.output import (Cell, Column, Label, Table, add_dump_option, add_json_option, add_output_option,
+                             check_output, check_streams, human_stream, print_tables, write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--force", action="store_true",
                             help="overwrite an existing state dump or report (without it, ds4f run refuses)")
         parser.add_argument("--history", action="store_true", help="record the run in the history database")
+        add_dump_option(parser, "runs")
     elif name == "diff":
         parser.add_argument("a", help="state dump A (state.bin)")
         parser.add_argument("b", help="state dump B")
@@ -47,13 +48,14 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec"],
+        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec", "agent"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                                  "console (key-to-action latency and bytes per refresh during a run), "
                                  "prefill (the prompt token by token against layer-major chunks), "
                                  "chat (a conversation's turns with the prefix cache and without, and a restart), "
                                  "batch (1, 2, 4, 8 sequences decoded together against taking turns), "
-                                 "spec (speculative decoding with the MTP layer against plain decoding)")
+                                 "spec (speculative decoding with the MTP layer against plain decoding), "
+                                 "agent (an agent's session against ds4f serve: reuse, times and bytes written)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
                             help="tokens to generate per run (default: bench engine 8, bench cache 24, bench spec 24)")
@@ -61,7 +63,18 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--config", help="ds4f.toml to use")
         add_json_option(parser)
         add_output_option(parser)
-        parser.add_argument("--turns", type=int, default=3, help="bench chat: turns of the conversation (default 3)")
+        parser.add_argument("--turns", type=int, default=None,
+                            help="bench chat: turns of the conversation (default 3); bench agent: the main thread's (5)")
+        parser.add_argument("--prefix-tokens", type=int, default=10_000,
+                            help="bench agent: the shared tools and system prompt, in tokens (default 10000)")
+        parser.add_argument("--result-tokens", default="200-3000", metavar="MIN-MAX",
+                            help="bench agent: a tool result's tokens, drawn per turn (default 200-3000)")
+        parser.add_argument("--sub-turns", type=int, default=2, help="bench agent: each subagent's turns (default 2)")
+        parser.add_argument("--compare", type=int, default=2,
+                            help="bench agent: main-thread requests sent again to a --no-kv server (default 2)")
+        parser.add_argument("--parallel", type=int, default=1,
+                            help="bench agent: the server's sequences decoded together (default 1)")
+        add_dump_option(parser, "server")
         parser.add_argument("--repeat", type=int, default=None, metavar="N",
                             help="bench spec: (plain, speculative) pairs per row, each figure the faster (default 2)")
         parser.add_argument("--rows", choices=["all", "auto"], default="all",
@@ -182,6 +195,8 @@ def _run(args) -> int:
     check_streams(args)
     cfg = load_config(args.config)
     to_stdout = args.json == "-"
+    if args.dump == "off" and args.dump_state:
+        raise Ds4fError(f"--dump-state {args.dump_state} with --dump off: give one or the other")
     dump, report = _output_paths(args.dump_state, None if to_stdout else args.json, args.force)
     model = _default_model(args, args.config)
     history = History(cfg.history_path) if args.history else None
@@ -190,7 +205,7 @@ def _run(args) -> int:
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
                        backend="scalar" if args.no_simd else args.backend, dump_path=dump,
                        report_path=report, config_path=args.config, probe_floor=False if args.no_probe else None,
-                       moe_only=args.moe_only, spec=args.spec)
+                       moe_only=args.moe_only, spec=args.spec, dump=args.dump)
     try:
         signal.signal(signal.SIGTERM, _cancel_on_sigterm)   # `kill` stops the run as Ctrl-C does: no files left
     except ValueError:   # not the main thread (called in-process): signals are not ours to handle
@@ -282,8 +297,12 @@ def _print_summary(run, s: dict, snap, out) -> None:
         print(f"speculation    {spec_line(sp)}")
     print(f"kernels        {', '.join(sorted(set(run.summary_report['backend_by_token'])))} · {snap.kernel_threads} kernel threads · {snap.io_threads} I/O threads")
     print(f"generated      {run.summary_report['generated']}")
-    print(f"state          {run.summary_report['state_path']} sha256 {run.summary_report['state_sha256']}")
-    print(f"report         {run.report_path}")
+    if run.summary_report["state_path"]:
+        print(f"state          {run.summary_report['state_path']} ({run.dump_mode})"
+              f" sha256 {run.summary_report['state_sha256']}")
+        print(f"report         {run.report_path}")
+    else:
+        print("state          none written (--dump off); the report is in the history with --history")
 
 
 def _cancel_on_sigterm(signum, frame) -> None:
@@ -361,6 +380,8 @@ def _bench(args) -> int:
         return _bench_batch(args, model)
     if args.what == "spec":
         return _bench_spec(args, model)
+    if args.what == "agent":
+        return _bench_agent(args, model)
     from ds4f.bench import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
@@ -497,7 +518,7 @@ def _bench_spec(args, model) -> int:
 def _bench_chat(args, model) -> int:
     from ds4f.bench import bench_chat
 
-    records = bench_chat(model, args.preset, args.turns, args.gen, args.config, log=_announce, progress=True)
+    records = bench_chat(model, args.preset, args.turns or 3, args.gen, args.config, log=_announce, progress=True)
     table = Table("chat", [Column("turn"), Column("mode", align="left"), Column("prompt_tokens", "prompt"),
                            Column("reused"), Column("computed"), Column("seconds", "s (tokens)", ".2f"),
                            Column("wall_s", "s (run)", ".2f"), Column("gb_read", "GB read", ".3f"),
@@ -523,6 +544,63 @@ def _bench_chat(args, model) -> int:
                       f" ({a['computed']} of {a['prompt_tokens']} prompt tokens computed)")
 
     _show(args, [table], text, records)
+    return 0
+
+
+def _bench_agent(args, model) -> int:
+    from ds4f.bench import bench_agent
+
+    try:
+        low, high = (int(x) for x in args.result_tokens.split("-"))
+    except ValueError:
+        raise Ds4fError(f"--result-tokens: MIN-MAX tokens, e.g. 200-3000, got {args.result_tokens!r}") from None
+    r = bench_agent(model, args.preset, args.prefix_tokens, (low, high), args.turns or 5, args.sub_turns,
+                    args.gen or 16, args.compare, args.parallel, args.dump, args.config, log=_announce, progress=True)
+    table = Table("agent", [Column("thread", align="left"), Column("turn"), Column("prompt_tokens", "prompt"),
+                            Column("reused"), Column("computed"), Column("ttft_s", "TTFT s", ".2f"),
+                            Column("total_s", "total s", ".2f"), Column("tokens_s", "tokens s", ".2f"),
+                            Column("kept_bytes", "kept MB", ".1f"), Column("dump_bytes", "dump MB", ".2f"),
+                            Column("after_restart", "restarted", align="left")],
+                  title="an agent's session against ds4f serve with the prefix cache (kept states: heads and blocks"
+                        " written to the kv directory)")
+    for q in r["requests"]:
+        table.add(q["thread"], q["turn"], q["prompt_tokens"], q["reused"], q["computed"], q["ttft_s"], q["total_s"],
+                  q["tokens_s"], q["kept_bytes"] / 1e6, q["dump_bytes"] / 1e6, "yes" if q["after_restart"] else "")
+    cold = Table("no_kv", [Column("turn"), Column("prompt_tokens", "prompt"), Column("total_s", "no-kv s", ".2f"),
+                           Column("kv_total_s", "with kv s", ".2f"), Column("speedup", "x", ".1f"),
+                           Column("same_answer", "same answer", align="left")],
+                 title="the same main-thread requests against a --no-kv server")
+    for c in r["no_kv"]:
+        cold.add(c["turn"], c["prompt_tokens"], c["total_s"], c["kv_total_s"], c["speedup"],
+                 "yes" if c["same_answer"] else "NO")
+    t = r["totals"]
+
+    def text(out):
+        print = functools.partial(builtins.print, file=out)
+        print()
+        print(table.text())
+        if r["no_kv"]:
+            print()
+            print(cold.text())
+        print()
+        print(f"{t['requests']} requests, {t['prompt_tokens']} prompt tokens: {t['reused']} reused, {t['computed']}"
+              f" computed")
+        if t["reuse_after_first"] is not None:
+            print(f"reuse after each thread's first request: at least {t['reuse_after_first']:.1%} of the prompt,"
+                  f" {t['reuse_of_reusable']:.1%} of what its previous request and answer held")
+        if t["time_over_work"] is not None:
+            print(f"a reusing request's time: at most {t['time_over_work']:.2f}x the time of the tokens it computed"
+                  f" and generated")
+        print(f"written: {format_bytes(t['written_bytes'])} (kept states and dumps), {t['written_over_full']:.2%} of"
+              f" full records of the computed tokens ({format_bytes(t['full_records_bytes'])}),"
+              f" {t['written_over_kv']:.2f}x their KV")
+        print(f"on DeepSeek-V4-Flash the same session writes {format_bytes(t['flash_written_bytes'])} of kept states"
+              f" (heads of {format_bytes(t['flash_head_bytes'])}, blocks of 256 positions), against"
+              f" {format_bytes(t['flash_full_records_bytes'])} of full records and"
+              f" {format_bytes(t['flash_kv_of_computed'])} of KV for its computed tokens")
+
+    result = dict(r, geometry=r["geometry"].to_config())
+    _show(args, [table, cold], text, result)
     return 0
 
 

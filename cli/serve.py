@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import add_kv_options
+from ds4f.cli.output import add_dump_option, add_kv_options
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding of every run with the MTP layer: off (default), auto, or K"
                              " drafts per round; auto steps plainly while sequences step together")
     add_kv_options(parser)
+    add_dump_option(parser, "server")
     parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
                      "GET /metrics, GET /status, POST /runs, GET /runs, GET|PATCH|DELETE /runs/ID, "
                      "GET /runs/ID/state (GET / lists them)")
@@ -75,7 +76,7 @@ def run(args) -> int:
                             port=args.port, token=token, queue_size=args.queue,
                             default_max_tokens=args.max_tokens, access_log=not args.quiet,
                             kv_dir=args.kv_dir, reuse_prefix=not args.no_kv, parallel=args.parallel,
-                            spec=args.spec)
+                            spec=args.spec, dump=args.dump)
     server = Server(options)
     service = server.service
 

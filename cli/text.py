@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import add_kv_options, check_output, write_json
+from ds4f.cli.output import add_dump_option, add_kv_options, check_output, write_json
 from ds4f.cli.runs import _default_model, _model_options, _per_second, add_spec_option
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -56,6 +56,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", action="store_true", help="measure the NVMe floor first (for the disk figures)")
     add_spec_option(parser)
     parser.add_argument("--history", action="store_true", help="record the runs in the history database")
+    add_dump_option(parser, "text")
     parser.add_argument("--config", help="ds4f.toml to use")
     add_kv_options(parser)
 
@@ -109,7 +110,7 @@ class _Session:
                            sampling=self.sampling, stop=tuple(a.stop),
                            stop_at_eos=not a.ignore_eos, io_threads=a.io_threads, kernel_threads=a.threads,
                            backend=a.backend, config_path=a.config, probe_floor=a.probe,
-                           kv_dir=a.kv_dir, reuse_prefix=not a.no_kv, spec=a.spec)
+                           kv_dir=a.kv_dir, reuse_prefix=not a.no_kv, spec=a.spec, dump=a.dump)
         printer = _Printer(thinking, self.color, chat=messages is not None)
         run = start_run(config, history=self.history, engines=self.host, on_token=printer.token)
         try:

@@ -153,6 +153,24 @@ class KvSettings:
     ram_bytes: int
     dir: str                             # resolved, never empty
     disk_bytes: int
+    block: int = 256                     # positions a block of kept rows spans (rounded up to the ratios)
+    write_budget: int = 0                # bytes written to `dir` a day; 0: no bound
+
+
+DUMP_MODES = ("full", "compact", "off")     # a run's state dump: every float, digests and sketches, none
+DUMP_KINDS = ("runs", "text", "server")    # [dump]'s keys: who starts the run
+
+
+@dataclass(frozen=True)
+class DumpSettings:
+    """[dump]: the state dump each kind of run writes, and the largest full dump a run may write."""
+    runs: str = "full"                     # ds4f run, the console's runs (short measured experiments)
+    text: str = "compact"                  # ds4f generate and chat, the console's chat
+    server: str = "off"                    # each request ds4f serve answers
+    full_limit: int = 2 * 10**9            # bytes; a full dump past it is refused before its run starts
+
+    def mode(self, kind: str) -> str:
+        return getattr(self, kind)
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,7 @@ class Config:
     presets: dict[str, Preset] = field(default_factory=dict)
     kv: "KvSettings | None" = None       # the prefix cache ([kv]); None: off
     server_parallel: int = 0             # [server] parallel: sequences `ds4f serve` steps together; 0 = auto
+    dump: DumpSettings = field(default_factory=DumpSettings)   # [dump]
 
     def default_backend(self) -> str:
         """The backend a run gets when it names none: engine.backend unless it is auto; else
@@ -222,8 +241,10 @@ _SCHEMA = {
     "engine": {"preset": str, "io_threads": int, "kernel_threads": int, "backend": str, "probe_floor": bool},
     "console": {"theme": str, "refresh_s": (int, float)},
     "history": {"path": str},
-    "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int)},
+    "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int), "block": int,
+           "write_budget": (str, int)},
     "server": {"parallel": int},
+    "dump": {"runs": str, "text": str, "server": str, "full_limit": (str, int)},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
@@ -338,14 +359,25 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
     return Config(source=source, model_path=os.path.expanduser(model_path), preset=eng["preset"],
                   io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
                   probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
-                  history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel)
+                  history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel,
+                  dump=_dump_settings(raw["dump"], source))
+
+
+def _dump_settings(dump: dict, source: str) -> DumpSettings:
+    for kind in DUMP_KINDS:
+        if dump[kind] not in DUMP_MODES:
+            raise Ds4fError(f"{source}: dump.{kind}: {' | '.join(DUMP_MODES)}, got {dump[kind]!r}")
+    limit = parse_budget(dump["full_limit"], f"{source}: dump.full_limit")
+    if limit.nbytes is None:
+        raise Ds4fError(f"{source}: dump.full_limit: a size like '2 GB', not a fraction, got {dump['full_limit']!r}")
+    return DumpSettings(**{k: dump[k] for k in DUMP_KINDS}, full_limit=limit.nbytes)
 
 
 def _kv_settings(kv: dict, source: str, path: Path | None) -> KvSettings | None:
     if not kv["enabled"]:
         return None
     sizes = {}
-    for key in ("ram", "budget"):
+    for key in ("ram", "budget", "write_budget"):
         if kv[key] in (0, "0"):              # none kept in that tier
             sizes[key] = 0
             continue
@@ -356,4 +388,7 @@ def _kv_settings(kv: dict, source: str, path: Path | None) -> KvSettings | None:
     where = os.path.expanduser(kv["dir"]) if kv["dir"] else str(user_cache_dir() / "kv")
     if kv["dir"] and path is not None and not os.path.isabs(where):
         where = str(path.parent / where)   # relative to the config file
-    return KvSettings(ram_bytes=sizes["ram"], dir=where, disk_bytes=sizes["budget"])
+    if not 1 <= kv["block"] <= 1 << 16:
+        raise Ds4fError(f"{source}: kv.block: positions a block of kept rows spans, from 1 to 65536, got {kv['block']}")
+    return KvSettings(ram_bytes=sizes["ram"], dir=where, disk_bytes=sizes["budget"], block=kv["block"],
+                      write_budget=sizes["write_budget"])

@@ -25,6 +25,7 @@ from ds4f.engine.checkpoint.formats import check_finite
 from ds4f.engine.checkpoint.verify import tid2eid_problems
 from ds4f.engine.batch import StepBatcher
 from ds4f.engine.session import Session
+from ds4f.engine.kv_blocks import BLOCK_TARGET, block_tokens
 from ds4f.engine.prefix_cache import PrefixCache
 from ds4f.engine.session_state import SessionState
 
@@ -189,13 +190,18 @@ class Engine:
         return self.reader.threads
 
     # -- sessions ---------------------------------------------------------------------------------
-    def use_prefix_cache(self, ram_bytes: int, disk_dir: str | None, disk_bytes: int, log=None) -> PrefixCache:
+    def use_prefix_cache(self, ram_bytes: int, disk_dir: str | None, disk_bytes: int, log=None, block: int = 0,
+                         write_budget: int = 0) -> PrefixCache:
         """The engine's prefix cache, made on first use with these bounds (kept as long as the
-        engine: the states of one run serve the next); its RAM bound counts as resident."""
+        engine: the states of one run serve the next); its RAM bound counts as resident. block:
+        positions a block of kept rows spans (engine.kv_blocks; 0: the default)."""
         pc = self.prefix_cache
-        if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes) != (ram_bytes, str(disk_dir), disk_bytes):
-            self.prefix_cache = PrefixCache(self.fingerprint, self.geometry.to_config(), ram_bytes, disk_dir,
-                                            disk_bytes, log)
+        g = self.geometry
+        span = block_tokens(g.to_config()["compress_ratios"][:g.n_layers], block or BLOCK_TARGET)
+        asked = (ram_bytes, str(disk_dir), disk_bytes, span, write_budget)
+        if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes, pc.span, pc.stats.write_budget) != asked:
+            self.prefix_cache = PrefixCache(self.fingerprint, g.to_config(), ram_bytes, disk_dir, disk_bytes, log,
+                                            span=span, write_budget=write_budget)
         elif log is not None:
             pc.log = log
         return self.prefix_cache

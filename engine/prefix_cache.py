@@ -3,13 +3,25 @@ longest prefix of its tokens a state was kept for, and prefills only the rest.
 
 A state is kept for (the checkpoint, the backend, the tokens): its bits are those of the kernels
 that computed it, so a prompt reuses only states of its own backend (at any thread count), and
-the continuation is then byte for byte a cold run's. RAM holds at most `ram_bytes` of states;
-the directory (if any) at most `disk_bytes`, one file per state (engine.session_state's format,
-written whole or not at all). When a tier is over its bound, the entry of least value goes first:
-value = (hits + 1) x tokens / bytes, the newest entry last. A file that is truncated, damaged or of
-another checkpoint, geometry or version is logged and removed, never used; a directory that
-cannot be written is logged and the RAM tier goes on alone. Several processes may share one
-directory: each writes under a name of its own first, and a file another removed is a miss.
+the continuation is then byte for byte a cold run's.
+
+A state is kept in blocks (engine.kv_blocks): its head (each layer's window and open groups, the
+last logits, the rows past its last whole block) and the blocks of its compressed rows and
+per-token records, each keyed by the token prefix it ends. States that share a prefix (the turns
+of one conversation, conversations with one system prompt, an agent and its subagents) share its
+blocks, in RAM and on disk: a new turn writes its new blocks and one head, never the rows before.
+
+RAM holds at most `ram_bytes` of heads and blocks; the directory (if any) at most `disk_bytes`
+(heads `<key>.kv`, blocks `blocks/<key>.kvb`, each written whole or not at all). When a tier is
+over its bound, the state of least value goes first, with the blocks no other state of that tier
+uses: value = (hits + 1) x tokens / bytes, the newest state last. A state's bytes are its head's
+and its blocks' shares (a block shared by n states counts 1/n for each), so the states of several
+live conversations cost their distinct bytes, not their sum. A file that is truncated, damaged or
+of another checkpoint, geometry or version is logged and removed, never used (with the states
+whose blocks it held); a directory that cannot be written is logged and the RAM tier goes on
+alone. Several processes may share one directory: each writes under a name of its own first, and
+a file another removed is a miss. `write_budget` bounds the bytes written to the directory per
+day: past it states are kept in RAM only, said once in the log; a request never fails for it.
 """
 from __future__ import annotations
 
@@ -20,25 +32,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4f.engine.session_state import SessionState, canonical, load_state, read_header, save_state
+from ds4f.engine.kv_blocks import (BLOCK_SUFFIX, Block, Head, block_path, block_tokens, join, load_block, save_block,
+                                   split)
+from ds4f.engine.session_state import SessionState, canonical, load_head, read_header, save_state
 from ds4f.errors import Ds4fError
 
 SUFFIX = ".kv"
+BLOCKS = "blocks"          # the directory's subdirectory of blocks
 
 
 @dataclass
 class Entry:
+    """A kept state: its head (in RAM, on disk, or both) and the keys of its blocks."""
     tokens: tuple[int, ...]
     backend: str
-    nbytes: int
-    state: SessionState | None = None      # in RAM
-    path: Path | None = None               # on disk
+    keys: tuple[str, ...]                  # its blocks, in order
+    head_nbytes: int                       # its head's bytes in RAM
+    head: Head | None = None               # in RAM
+    path: Path | None = None               # its head's file on disk
+    file_nbytes: int = 0                   # that file's bytes
     hits: int = 0
     used: float = field(default_factory=time.monotonic)
-
-    @property
-    def value(self) -> float:
-        return (self.hits + 1) * len(self.tokens) / max(self.nbytes, 1)
+    attached: frozenset = frozenset()      # the names of what its keeper attached (e.g. records)
 
 
 @dataclass
@@ -46,10 +61,19 @@ class CacheStats:
     hits: int = 0                # lookups that found a prefix
     misses: int = 0
     tokens_reused: int = 0       # prompt tokens the hits did not compute
-    evictions: int = 0
-    rejected_files: int = 0      # disk files refused (damaged, foreign) and removed
-    ram_bytes: int = 0
-    disk_bytes: int = 0
+    evictions: int = 0           # states dropped for a tier's bound
+    rejected_files: int = 0      # disk files refused (damaged, foreign, missing blocks) and removed
+    ram_bytes: int = 0           # heads and blocks in RAM
+    disk_bytes: int = 0          # head and block files
+    states: int = 0              # kept states (RAM or disk)
+    blocks_ram: int = 0
+    blocks_disk: int = 0
+    written_heads: int = 0       # bytes written to the directory: heads, since the engine loaded
+    written_blocks: int = 0      # and blocks
+    written_today: int = 0       # both, today (the write budget's day)
+    heads_saved: int = 0         # files written: heads
+    blocks_saved: int = 0        # and blocks
+    write_budget: int = 0        # bytes a day; 0: none
 
 
 def _key(backend: str, tokens: tuple[int, ...]) -> str:
@@ -79,62 +103,75 @@ def kept_tokens_on_disk(directory: str | os.PathLike, fingerprint: str, geometry
 
 class PrefixCache:
     def __init__(self, fingerprint: str, geometry: dict, ram_bytes: int, disk_dir: str | os.PathLike | None = None,
-                 disk_bytes: int = 0, log=None) -> None:
+                 disk_bytes: int = 0, log=None, span: int | None = None, write_budget: int = 0) -> None:
         self.fingerprint, self.geometry = fingerprint, canonical(geometry)
         self.ram_bytes, self.disk_bytes = max(0, int(ram_bytes)), max(0, int(disk_bytes))
         self.log = log or (lambda _line: None)
-        self.stats = CacheStats()
+        n = self.geometry["num_hidden_layers"]
+        self.span = span or block_tokens(self.geometry.get("compress_ratios", [0] * n)[:n])
+        self.stats = CacheStats(write_budget=max(0, int(write_budget)))
+        self._day = time.strftime("%Y-%m-%d")
+        self._budget_said = False
         self._lock = threading.Lock()
-        self._ram: dict[str, Entry] = {}
-        self._disk: dict[str, Entry] = {}
+        self._ram: dict[str, Entry] = {}           # state key -> entry whose head is in RAM
+        self._disk: dict[str, Entry] = {}          # state key -> entry whose head is on disk
+        self._ram_blocks: dict[str, Block] = {}    # block key -> block (held by the RAM entries)
+        self._disk_blocks: dict[str, int] = {}     # block key -> its file's bytes
         self.dir_asked = disk_dir            # what it was given (the directory may turn out unwritable)
         self.dir = Path(disk_dir) if disk_dir is not None and self.disk_bytes > 0 else None
         if self.dir is not None:
             self._open_dir()
 
     # -- lookup and keep -----------------------------------------------------------------------
-    def lookup(self, tokens, backend: str, at_most: int | None = None) -> SessionState | None:
+    def lookup(self, tokens, backend: str, at_most: int | None = None, need: str | None = None
+               ) -> SessionState | None:
         """The state of the longest kept prefix of `tokens` (at most `at_most` tokens of it) on
-        `backend`, from RAM, else from disk (checked whole before use); None when there is none."""
+        `backend`, from RAM, else from disk (checked whole before use); None when there is none.
+        need: only a state with this attachment (a run's records)."""
         tokens = tuple(int(t) for t in tokens)
         limit = len(tokens) if at_most is None else min(at_most, len(tokens))
         while True:
             with self._lock:
-                entry = self._longest(tokens, backend, limit)
+                entry = self._longest(tokens, backend, limit, need)
                 if entry is None:
                     self.stats.misses += 1
                     return None
-                if entry.state is not None:
-                    return self._hit(entry)
-            state = self._read(entry)          # outside the lock: a file read
+                if entry.head is not None:
+                    self._hit(entry)
+                    head, blocks = entry.head, [self._ram_blocks[k] for k in entry.keys]
+                    return join(head, blocks)
+            got = self._read(entry)            # outside the lock: file reads
+            if got is None:
+                continue                       # refused and forgotten: the next longest
+            head, blocks = got
             with self._lock:
-                if state is None:
-                    continue                   # refused and forgotten: the next longest
-                entry.state = state
-                hit = self._hit(entry)
-                self._to_ram(entry)
-                if entry.nbytes > self.ram_bytes:
-                    entry.state = None         # too large for RAM: read from disk each time
-                return hit
+                self._hit(entry)
+                self._to_ram(entry, head, blocks)
+            return join(head, blocks)
 
-    def keep(self, state: SessionState) -> None:
-        """Keep `state` (a copy the caller no longer changes) in RAM and, with a directory, on
-        disk; evicting what its bounds need. A state of another checkpoint or model is refused."""
+    def keep(self, state: SessionState, disk: bool = True) -> None:
+        """Keep `state` (a copy the caller no longer changes) in RAM and, with a directory and
+        `disk`, on disk (its blocks the directory lacks, and its head); evicting what the bounds
+        need. A state of another checkpoint or model is refused."""
         if state.checkpoint != self.fingerprint or state.geometry != self.geometry:
             raise Ds4fError("the session state belongs to another checkpoint or model", param="state")
         if not state.tokens:
             return
         key = _key(state.backend, state.tokens)
+        head, blocks = split(state, self.span)
         with self._lock:
-            entry = self._ram.get(key) or self._disk.get(key) or Entry(state.tokens, state.backend, state.nbytes)
-            entry.state, entry.used = state, time.monotonic()
-            self._to_ram(entry, key)
+            entry = self._ram.get(key) or self._disk.get(key)
+            if entry is not None and not entry.attached <= set(state.attached):
+                entry.used = time.monotonic()    # the kept one holds more (records) for the same tokens
+                return
+            if entry is None:
+                entry = Entry(state.tokens, state.backend, head.keys, head.nbytes)
+            entry.used, entry.attached = time.monotonic(), frozenset(state.attached)
+            entry.head_nbytes = head.nbytes
+            self._to_ram(entry, head, blocks, key)
             on_disk = key in self._disk
-        if self.dir is not None and not on_disk:
-            self._write(key, entry)
-        with self._lock:
-            if key not in self._ram:
-                entry.state = None             # on disk only (or not kept at all)
+        if self.dir is not None and disk and not on_disk:
+            self._write(key, entry, head, blocks)
 
     def __len__(self) -> int:
         with self._lock:
@@ -146,47 +183,90 @@ class PrefixCache:
             tokens = {e.tokens for e in (*self._ram.values(), *self._disk.values())}
         return sorted(tokens, key=len, reverse=True)
 
+    def figures(self) -> CacheStats:
+        """The stats with today's write count (a new day starts the budget afresh)."""
+        with self._lock:
+            self._new_day()
+            return CacheStats(**vars(self.stats))
+
     # -- inside ------------------------------------------------------------------------------
-    def _longest(self, tokens: tuple[int, ...], backend: str, limit: int) -> Entry | None:
+    def _longest(self, tokens: tuple[int, ...], backend: str, limit: int, need: str | None = None) -> Entry | None:
         best = None
         for entry in (*self._ram.values(), *self._disk.values()):
             n = len(entry.tokens)
+            if need is not None and need not in entry.attached:
+                continue
             if entry.backend == backend and n <= limit and tokens[:n] == entry.tokens and \
-                    (best is None or n > len(best.tokens) or (n == len(best.tokens) and entry.state is not None)):
+                    (best is None or n > len(best.tokens) or (n == len(best.tokens) and entry.head is not None)):
                 best = entry
         return best
 
-    def _hit(self, entry: Entry) -> SessionState:
+    def _hit(self, entry: Entry) -> None:
         entry.hits += 1
         entry.used = time.monotonic()
         self.stats.hits += 1
         self.stats.tokens_reused += len(entry.tokens)
-        return entry.state
 
-    def _to_ram(self, entry: Entry, key: str | None = None) -> None:
-        """(lock held) The entry in the RAM tier if it fits there, then the tier within its bound."""
+    def _block_users(self, tier: dict[str, Entry]) -> dict[str, int]:
+        """(lock held) How many of a tier's states use each block."""
+        users: dict[str, int] = {}
+        for e in tier.values():
+            for k in e.keys:
+                users[k] = users.get(k, 0) + 1
+        return users
+
+    def _value(self, entry: Entry, users: dict[str, int], sizes) -> float:
+        """(lock held) (hits + 1) x tokens / bytes, its shared blocks' bytes split among their users."""
+        nbytes = entry.head_nbytes + sum(sizes(k) / max(users.get(k, 1), 1) for k in entry.keys)
+        return (entry.hits + 1) * len(entry.tokens) / max(nbytes, 1)
+
+    def _to_ram(self, entry: Entry, head: Head, blocks: list[Block], key: str | None = None) -> None:
+        """(lock held) The entry's head and blocks in RAM if they fit there, then the tier within its
+        bound (a block RAM already holds is shared, not copied)."""
         key = key or _key(entry.backend, entry.tokens)
-        if entry.nbytes <= self.ram_bytes:
+        alone = head.nbytes + sum(b.nbytes for b in blocks)
+        if alone <= self.ram_bytes:
+            entry.head = head
+            for b in blocks:
+                self._ram_blocks.setdefault(b.key, b)
             self._ram[key] = entry
-            self._trim(self._ram, self.ram_bytes, keep=key, ram=True)
-        self.stats.ram_bytes = sum(e.nbytes for e in self._ram.values())
+            self._trim_ram(keep=key)
+        self._count()
 
-    def _trim(self, tier: dict[str, Entry], bound: int, keep: str, ram: bool) -> list[Entry]:
-        """(lock held) Remove the least valuable entries until the tier fits; the newest stays."""
-        gone = []
-        while sum(e.nbytes for e in tier.values()) > bound and len(tier) > 1:
-            key = min((k for k in tier if k != keep), key=lambda k: (tier[k].value, tier[k].used))
-            entry = tier.pop(key)
-            gone.append(entry)
+    def _ram_used(self) -> int:
+        return sum(e.head_nbytes for e in self._ram.values()) + sum(b.nbytes for b in self._ram_blocks.values())
+
+    def _trim_ram(self, keep: str) -> None:
+        """(lock held) Drop the least valuable RAM states until the tier fits; the newest stays."""
+        while self._ram_used() > self.ram_bytes and len(self._ram) > 1:
+            users = self._block_users(self._ram)
+            sizes = lambda k: self._ram_blocks[k].nbytes     # noqa: E731
+            key = min((k for k in self._ram if k != keep),
+                      key=lambda k: (self._value(self._ram[k], users, sizes), self._ram[k].used))
+            entry = self._ram.pop(key)
+            entry.head = None                   # on disk still, if it was written there
             self.stats.evictions += 1
-            if ram and key in self._disk:
-                entry.state = None            # still on disk
-        return gone
+            left = self._block_users(self._ram)
+            for k in entry.keys:
+                if k not in left:
+                    self._ram_blocks.pop(k, None)
+
+    def _count(self) -> None:
+        """(lock held) The stats' byte and state counts from the tiers."""
+        s = self.stats
+        s.ram_bytes = self._ram_used()
+        s.disk_bytes = self._disk_used()
+        s.states = len(set(self._ram) | set(self._disk))
+        s.blocks_ram, s.blocks_disk = len(self._ram_blocks), len(self._disk_blocks)
 
     # -- the directory ---------------------------------------------------------------------------
+    @property
+    def _blocks_dir(self) -> Path:
+        return self.dir / BLOCKS
+
     def _open_dir(self) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._blocks_dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -194,6 +274,11 @@ class PrefixCache:
             self.log(f"prefix cache: {self.dir}: cannot write there ({exc.strerror or exc}); states kept in RAM only")
             self.dir = None
             return
+        for path in sorted(self._blocks_dir.glob(f"*{BLOCK_SUFFIX}")):
+            try:
+                self._disk_blocks[path.name[:-len(BLOCK_SUFFIX)]] = path.stat().st_size
+            except OSError:
+                pass
         for path, head in _headers(self.dir):
             if isinstance(head, Ds4fError):
                 self._reject(path, str(head))
@@ -201,46 +286,141 @@ class PrefixCache:
             if head["checkpoint"] != self.fingerprint or head["geometry"] != self.geometry:
                 continue                       # another checkpoint's: left for its own engine
             tokens = tuple(head["tokens"])
-            self._disk[_key(head["backend"], tokens)] = Entry(tokens, head["backend"], path.stat().st_size, path=path)
-        self.stats.disk_bytes = sum(e.nbytes for e in self._disk.values())
+            keys = tuple(head.get("blocks", ()))
+            attached = frozenset(a["name"].split(".", 1)[1] for a in head["arrays"] if a["name"].startswith("attached."))
+            missing = [k for k in keys if k not in self._disk_blocks]
+            if head.get("block_tokens", self.span) != self.span or missing:
+                why = f"{len(missing)} of its blocks are missing" if missing else \
+                    f"blocks of {head.get('block_tokens')} positions, this cache's are {self.span}"
+                self._reject(path, f"{path}: a kept state whose {why}")
+                continue
+            size = path.stat().st_size
+            self._disk[_key(head["backend"], tokens)] = Entry(tokens, head["backend"], keys, size, path=path,
+                                                              file_nbytes=size, attached=attached)
+        self._sweep_blocks()
+        self._count()
 
-    def _read(self, entry: Entry) -> SessionState | None:
+    def _sweep_blocks(self) -> None:
+        """(lock held or not yet shared) Remove the block files no state on disk uses."""
+        used = self._block_users(self._disk)
+        for k in [k for k in self._disk_blocks if k not in used]:
+            block_path(self._blocks_dir, k).unlink(missing_ok=True)
+            self._disk_blocks.pop(k, None)
+
+    def _read(self, entry: Entry) -> tuple[Head, list[Block]] | None:
+        """A disk entry's head and blocks (blocks RAM holds taken from there), checked whole; None
+        (the entry forgotten, its damaged files removed) when one is missing or refused."""
         try:
-            state = load_state(entry.path, self.geometry, self.fingerprint)
+            state, header = load_head(entry.path, self.geometry, self.fingerprint)
             if state.tokens != entry.tokens or state.backend != entry.backend:
                 raise Ds4fError(f"{entry.path}: its tokens or backend are not those its header named")
-            return state
+            head = Head(state, tuple(header.get("blocks", ())), int(header.get("block_tokens", self.span)),
+                        tuple(header.get("per_token", ())))
+            blocks = []
+            for k in head.keys:
+                with self._lock:
+                    held = self._ram_blocks.get(k)
+                if held is not None:
+                    blocks.append(held)
+                    continue
+                path = block_path(self._blocks_dir, k)
+                if not path.exists():
+                    raise Ds4fError(f"{entry.path}: its block {path.name} is gone", path=str(path))
+                try:
+                    blocks.append(load_block(path, k, self.fingerprint))
+                except Ds4fError:
+                    with self._lock:
+                        self._disk_blocks.pop(k, None)
+                    path.unlink(missing_ok=True)
+                    raise
+            return head, blocks
         except Ds4fError as exc:
             missing = not entry.path.exists()
             with self._lock:
                 self._disk.pop(_key(entry.backend, entry.tokens), None)
-                self.stats.disk_bytes = sum(e.nbytes for e in self._disk.values())
+                self._count()
             if missing:
                 self.log(f"prefix cache: {entry.path}: gone (another process evicted it)")
             else:
                 self._reject(entry.path, str(exc))
             return None
 
-    def _write(self, key: str, entry: Entry) -> None:
+    def _new_day(self) -> None:
+        """(lock held) A new day: the write budget starts afresh."""
+        today = time.strftime("%Y-%m-%d")
+        if today != self._day:
+            self._day, self.stats.written_today, self._budget_said = today, 0, False
+
+    def _within_budget(self, nbytes: int) -> bool:
+        """(lock held) May `nbytes` more be written today? Says so once a day when not."""
+        self._new_day()
+        budget = self.stats.write_budget
+        if not budget or self.stats.written_today + nbytes <= budget:
+            return True
+        if not self._budget_said:
+            self._budget_said = True
+            self.log(f"prefix cache: today's write budget of {budget / 1e9:.1f} GB to {self.dir} is spent"
+                     f" ({self.stats.written_today / 1e9:.2f} GB written); states are kept in RAM only until tomorrow")
+        return False
+
+    def _write(self, key: str, entry: Entry, head: Head, blocks: list[Block]) -> None:
+        """The blocks the directory lacks, then the head; then the tier within its bound."""
+        with self._lock:
+            new = [b for b in blocks if b.key not in self._disk_blocks]
+            if not self._within_budget(head.nbytes + sum(b.nbytes for b in new)):
+                return
         path = self.dir / f"{key}{SUFFIX}"
+        written_blocks = 0
         try:
-            save_state(entry.state, path)
+            for b in new:
+                size = save_block(b, block_path(self._blocks_dir, b.key), self.fingerprint, entry.backend)
+                written_blocks += size
+                with self._lock:
+                    self._disk_blocks[b.key] = size
+                    self.stats.blocks_saved += 1
+            save_state(head.state, path, extra=head.header())
         except Ds4fError as exc:
             self.log(f"prefix cache: not saved: {exc}")
+            with self._lock:
+                self.stats.written_blocks += written_blocks
+                self.stats.written_today += written_blocks
+                self._sweep_blocks()           # the blocks of a head that never landed
+                self._count()
             return
+        size = path.stat().st_size
         with self._lock:
-            entry.path = path
-            entry.nbytes = path.stat().st_size
+            self.stats.written_blocks += written_blocks
+            self.stats.written_heads += size
+            self.stats.heads_saved += 1
+            self.stats.written_today += written_blocks + size
+            entry.path, entry.file_nbytes = path, size
             self._disk[key] = entry
-            for gone in self._trim(self._disk, self.disk_bytes, keep=key, ram=False):
-                gone.path.unlink(missing_ok=True)
-                gone.path = None
-            if self.disk_bytes < entry.nbytes:     # larger than the whole budget
-                self._disk.pop(key, None)
-                path.unlink(missing_ok=True)
-                entry.path = None
-                self.stats.evictions += 1
-            self.stats.disk_bytes = sum(e.nbytes for e in self._disk.values())
+            self._trim_disk(keep=key)
+            if key in self._disk and self._disk_used() > self.disk_bytes:   # larger than the whole budget
+                self._drop_disk(key)
+            self._count()
+
+    def _disk_used(self) -> int:
+        return sum(e.file_nbytes for e in self._disk.values()) + sum(self._disk_blocks.values())
+
+    def _trim_disk(self, keep: str) -> None:
+        """(lock held) Drop the least valuable disk states (and the blocks left unused) until the
+        directory fits its bound; the newest stays."""
+        while self._disk_used() > self.disk_bytes and len(self._disk) > 1:
+            users = self._block_users(self._disk)
+            sizes = lambda k: self._disk_blocks.get(k, 0)     # noqa: E731
+            key = min((k for k in self._disk if k != keep),
+                      key=lambda k: (self._value(self._disk[k], users, sizes), self._disk[k].used))
+            self._drop_disk(key)
+
+    def _drop_disk(self, key: str) -> None:
+        """(lock held) A state off the disk, with the blocks no other disk state uses."""
+        entry = self._disk.pop(key)
+        if entry.path is not None:
+            entry.path.unlink(missing_ok=True)
+            entry.path, entry.file_nbytes = None, 0
+        self.stats.evictions += 1
+        self._sweep_blocks()
 
     def _reject(self, path: Path, why: str) -> None:
         self.stats.rejected_files += 1

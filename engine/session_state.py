@@ -29,7 +29,7 @@ import numpy as np
 from ds4f.errors import Ds4fError
 
 MAGIC = b"DS4FKVST"
-VERSION = 1
+VERSION = 2      # 1: kept states that carried full state-dump records (refused: their prompts are computed)
 _HEAD = struct.Struct("<8sII")
 _SHA = 32
 
@@ -154,35 +154,77 @@ def _arrays(state: SessionState) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def save_state(state: SessionState, path: str | os.PathLike) -> Path:
-    """Write `state` to `path`: to a `.partial` beside it (named for this process and thread),
-    flushed to disk, then renamed (a file under the final name is always whole). A write error is
-    a Ds4fError naming the file; no .partial stays."""
+def write_arrays(path: str | os.PathLike, magic: bytes, header: dict, arrays: list[tuple[str, np.ndarray]],
+                 what: str = "session state") -> int:
+    """The container both kept states and their blocks are written in: magic, version, a JSON header
+    (`header` with every array's name, dtype, shape and offset), the arrays, and a sha256 of all of
+    it. Written to a `.partial` beside `path` (named for this process and thread), flushed to disk,
+    then renamed: a file under the final name is always whole. A write error is a Ds4fError naming
+    the file; no .partial stays. Returns the file's size."""
     path = Path(path)
-    arrays, offset, entries = _arrays(state), 0, []
+    offset, entries = 0, []
     for name, a in arrays:
         entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset})
         offset += a.nbytes
-    header = json.dumps({"format": "ds4f.session", "version": VERSION, "geometry": state.geometry,
-                         "checkpoint": state.checkpoint, "backend": state.backend, "tokens": list(state.tokens),
-                         "layers": [{"tokens": layer.tokens} for layer in state.layers],
-                         "arrays": entries, "payload_nbytes": offset}, separators=(",", ":")).encode()
+    raw = json.dumps({**header, "version": VERSION, "arrays": entries, "payload_nbytes": offset},
+                     separators=(",", ":")).encode()
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     sha = hashlib.sha256()
+    size = 0
     try:
         with open(tmp, "wb") as f:
-            for chunk in (_HEAD.pack(MAGIC, VERSION, len(header)), header,
+            for chunk in (_HEAD.pack(magic, VERSION, len(raw)), raw,
                           *(np.ascontiguousarray(a).tobytes() for _, a in arrays)):
                 sha.update(chunk)
                 f.write(chunk)
+                size += len(chunk)
             f.write(sha.digest())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise Ds4fError(f"{path}: cannot save the session state: {exc.strerror or exc}", path=str(path)) from None
-    return path
+        raise Ds4fError(f"{path}: cannot save the {what}: {exc.strerror or exc}", path=str(path)) from None
+    return size + _SHA
+
+
+def read_arrays(path: str | os.PathLike, magic: bytes, fmt: str, what: str = "session state"
+                ) -> tuple[dict, dict[str, np.ndarray]]:
+    """A file write_arrays wrote, checked whole: (its header, its arrays by name). Refused with a
+    Ds4fError naming the file and the problem: not of this kind, another version, truncated or
+    altered (the sha256), a header that does not describe its payload."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise Ds4fError(f"{path}: cannot read the {what}: {exc.strerror or exc}", path=str(path)) from None
+    if len(data) < _HEAD.size + _SHA or data[:8] != magic:
+        raise Ds4fError(f"{path}: not a ds4f {what}", path=str(path))
+    _, version, hlen = _HEAD.unpack_from(data)
+    if version != VERSION:
+        raise Ds4fError(f"{path}: {what} version {version}; this ds4f reads version {VERSION}", path=str(path))
+    if hashlib.sha256(data[:-_SHA]).digest() != data[-_SHA:]:
+        raise Ds4fError(f"{path}: the {what} is truncated or damaged (its sha256 does not match)", path=str(path))
+    try:
+        head = json.loads(data[_HEAD.size:_HEAD.size + hlen])
+        payload = data[_HEAD.size + hlen:-_SHA]
+        if head.get("format") != fmt or len(payload) != head["payload_nbytes"]:
+            raise ValueError("its header does not describe its payload")
+        arrays = {e["name"]: np.frombuffer(payload, np.dtype(e["dtype"]), int(np.prod(e["shape"], dtype=np.int64)),
+                                           e["offset"]).reshape(e["shape"]).copy() for e in head["arrays"]}
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise Ds4fError(f"{path}: not a readable {what} ({exc})", path=str(path)) from None
+    return head, arrays
+
+
+def save_state(state: SessionState, path: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Write `state` to `path` (write_arrays: whole or not at all); `extra`: more header fields (a
+    kept state's blocks, engine.kv_blocks)."""
+    header = {"format": "ds4f.session", "geometry": state.geometry, "checkpoint": state.checkpoint,
+              "backend": state.backend, "tokens": list(state.tokens),
+              "layers": [{"tokens": layer.tokens} for layer in state.layers], **(extra or {})}
+    write_arrays(path, MAGIC, header, _arrays(state))
+    return Path(path)
 
 
 def read_header(path: str | os.PathLike) -> dict:
@@ -210,33 +252,16 @@ def read_header(path: str | os.PathLike) -> dict:
         raise Ds4fError(f"{path}: not a readable session state ({exc or 'nested too deeply'})", path=str(path)) from None
 
 
-def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None) -> SessionState:
-    """Read a state saved by save_state. Refused with a Ds4fError naming the file and the problem:
-    not a session state, another version, truncated or altered (the sha256), or, when `geometry`
-    and `checkpoint` are given, saved for another model or checkpoint."""
+def load_head(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None
+              ) -> tuple[SessionState, dict]:
+    """A state file as written, with its header: a kept state's head holds only the rows past its
+    blocks (the header's `blocks`; engine.kv_blocks joins them). Refused as load_state refuses."""
     path = Path(path)
+    head, arrays = read_arrays(path, MAGIC, "ds4f.session")
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise Ds4fError(f"{path}: cannot read the session state: {exc.strerror or exc}", path=str(path)) from None
-    if len(data) < _HEAD.size + _SHA or data[:8] != MAGIC:
-        raise Ds4fError(f"{path}: not a ds4f session state", path=str(path))
-    _, version, hlen = _HEAD.unpack_from(data)
-    if version != VERSION:
-        raise Ds4fError(f"{path}: session state version {version}; this ds4f reads version {VERSION}", path=str(path))
-    if hashlib.sha256(data[:-_SHA]).digest() != data[-_SHA:]:
-        raise Ds4fError(f"{path}: the session state is truncated or damaged (its sha256 does not match)",
-                        path=str(path))
-    try:
-        head = json.loads(data[_HEAD.size:_HEAD.size + hlen])
-        payload = data[_HEAD.size + hlen:-_SHA]
-        if head.get("format") != "ds4f.session" or len(payload) != head["payload_nbytes"]:
-            raise ValueError("its header does not describe its payload")
-        arrays = {e["name"]: np.frombuffer(payload, np.dtype(e["dtype"]), int(np.prod(e["shape"], dtype=np.int64)),
-                                           e["offset"]).reshape(e["shape"]).copy() for e in head["arrays"]}
         tokens = tuple(int(t) for t in head["tokens"])
         layers = tuple(_layer(i, layer["tokens"], arrays) for i, layer in enumerate(head["layers"]))
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: not a readable session state ({exc})", path=str(path)) from None
     if geometry is not None and head["geometry"] != canonical(geometry):
         raise Ds4fError(f"{path}: this session state belongs to another model geometry", path=str(path))
@@ -244,8 +269,21 @@ def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint
         raise Ds4fError(f"{path}: this session state belongs to another checkpoint (fingerprint"
                         f" {str(head['checkpoint'])[:12]}…, this one {checkpoint[:12]}…)", path=str(path))
     attached = {k[len("attached."):]: a for k, a in arrays.items() if k.startswith("attached.")}
-    return SessionState(tokens, arrays.get("logits"), layers, head["geometry"], head["checkpoint"],
-                        str(head.get("backend", "")), attached)
+    state = SessionState(tokens, arrays.get("logits"), layers, head["geometry"], head["checkpoint"],
+                         str(head.get("backend", "")), attached)
+    return state, head
+
+
+def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None) -> SessionState:
+    """Read a state saved by save_state. Refused with a Ds4fError naming the file and the problem:
+    not a session state, another version, truncated or altered (the sha256), or, when `geometry`
+    and `checkpoint` are given, saved for another model or checkpoint; a kept state's head whose
+    rows are in blocks (the prefix cache reads those)."""
+    state, head = load_head(path, geometry, checkpoint)
+    if head.get("blocks"):
+        raise Ds4fError(f"{path}: a kept state whose compressed rows are in {len(head['blocks'])} blocks beside it;"
+                        f" the prefix cache reads it", path=str(path))
+    return state
 
 
 def with_attached(state: SessionState, **arrays: np.ndarray) -> SessionState:

@@ -6,12 +6,13 @@ import json
 
 from dataclasses import dataclass, replace
 
-from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_THREADS, Config,
-                                Preset)
+from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DUMP_MODES, MAX_CHUNK, MAX_GEN, MAX_THREADS, Config,
+                                Preset, format_bytes)
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
+from ds4f.runs.statedump import record_nbytes
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 
@@ -29,6 +30,8 @@ class RunConfig:
     kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
     backend: str | None = None               # auto | scalar | avx2 | avx512 | neon; None: ds4f.toml's engine.backend
     dump_path: str | None = None             # state.bin; None: <data dir>/runs/<id>/state.bin
+    dump: str | None = None                  # full | compact | off; None: ds4f.toml's [dump] for the run's
+                                             # kind (text: `text`, token ids: `runs`)
     report_path: str | None = None           # report.json; None: next to the state dump (a.bin -> a.report.json)
     config_path: str | None = None           # ds4f.toml to use; None: the usual lookup
     probe_floor: bool | None = None          # measure the NVMe floor; None: ds4f.toml's engine.probe_floor
@@ -62,6 +65,11 @@ def checked(config: RunConfig, cfg: Config) -> RunConfig:
         raise Ds4fError(f"gen: must be a number of tokens from 1 to {MAX_GEN}, got {config.gen!r}", param="gen")
     if config.backend is None:
         config = replace(config, backend=cfg.default_backend())
+    if config.dump is None:
+        text = config.text is not None or config.messages is not None
+        config = replace(config, dump=cfg.dump.mode("text" if text else "runs"))
+    if config.dump not in DUMP_MODES:
+        raise Ds4fError(f"dump: {' | '.join(DUMP_MODES)}, got {config.dump!r}", param="dump")
     check_backend(config.backend)
     chunk = config.prefill_chunk
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk <= MAX_CHUNK):
@@ -92,10 +100,20 @@ def check_threads(**counts: int | None) -> None:
             raise Ds4fError(f"{name}: must be between 1 and {MAX_THREADS}, got {value!r}", param=name)
 
 
-def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset) -> None:
+def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset, cfg: Config | None = None
+               ) -> None:
     """The prompt and the tokens to generate fit the run: a checkpoint with attention (or
-    moe_only), and positions within the preset's context."""
+    moe_only), positions within the preset's context, and a full state dump within
+    [dump] full_limit (`cfg`'s)."""
     g = checkpoint.geometry
+    if config.dump == "full" and cfg is not None:
+        steps = len(prompt) - 1 + config.gen
+        nbytes = steps * record_nbytes(g.to_config(), "full")
+        if nbytes > cfg.dump.full_limit:
+            raise Ds4fError(f"dump: a full state dump of {steps} tokens would be {format_bytes(nbytes)}"
+                            f" ({format_bytes(nbytes / steps)} a token), past [dump] full_limit of"
+                            f" {format_bytes(cfg.dump.full_limit)} in {cfg.source}: ask for a compact dump"
+                            f" (--dump compact), or raise full_limit", param="dump")
     if g.attention is None and not config.moe_only:
         raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
                         f" head_dim, compress_ratios, ...), so only the MoE half of the model could run and its tokens"

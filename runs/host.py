@@ -1,7 +1,6 @@
 """The engine a console or a server keeps loaded between runs."""
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import psutil
@@ -98,7 +97,7 @@ class EngineHost:
         """The loaded engine's prefix cache figures (engine.prefix_cache.CacheStats), or None."""
         with self._lock:
             cache = self._engine.prefix_cache if self._engine is not None else None
-        return dataclasses.replace(cache.stats) if cache is not None else None
+        return cache.figures() if cache is not None else None
 
     def set_parallel(self, parallel: int) -> None:
         """Sequences the next runs step together (the benchmarks change it between workloads);

@@ -142,3 +142,31 @@ def fit_parallel(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: 
         if memory_plan(g, preset, ram_bytes, prefix_ram_bytes, n).fits:
             return n
     return 1
+
+
+CONVERSATION_TOKENS = 30_000    # an agent's conversation, for the bookkeeping table
+
+
+def kept_state_nbytes(g: Geometry, tokens: int) -> int:
+    """A kept state at `tokens` positions (engine.session_state): every layer's window and compressor
+    groups, the compressed rows so far, and the last logits (no records)."""
+    if g.attention is None:
+        return 0
+    return KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), tokens) + 4 * g.vocab
+
+
+def bookkeeping(g: Geometry, tokens: int = CONVERSATION_TOKENS) -> list[tuple[str, float, int]]:
+    """What a run writes and keeps beside the math, per token and for `tokens` of a conversation:
+    (what, bytes per token, bytes at `tokens`). A kept state's per-token bytes are its KV's growth."""
+    from ds4f.runs.statedump import record_nbytes
+
+    config = g.to_config()
+    full, compact = record_nbytes(config, "full"), record_nbytes(config, "compact")
+    fixed, at = kept_state_nbytes(g, 0), kept_state_nbytes(g, tokens)
+    return [("state dump, full records", full, full * tokens),
+            ("state dump, compact records", compact, compact * tokens),
+            ("state dump, off", 0, 0),
+            ("kept state (KV, windows, last logits)", (at - fixed) / tokens if tokens else 0, at),
+            ("  of it fixed (windows, open groups, logits)", 0, fixed),
+            ("kept state's compact records (runs with a dump)", compact, compact * tokens)]
+

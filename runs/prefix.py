@@ -1,18 +1,19 @@
 """A run's use of the engine's prefix cache, kept exact: a reused prefix gives the same tokens and
 the same state dump as computing it.
 
-A kept state carries the run's own state-dump records of its tokens (attached as raw bytes), so a
-later run that starts from it writes those records as its own: the math of a position depends only
-on the tokens up to it and the backend, and the cache only gives a state to a run of the same
-backend. Of a record only the `next` field depends on the run: for every prompt token but the last
-it is the greedy choice, the top logit's id, which the record holds (the last prompt token is
-always computed, since its next token is the run's first draw). A done run keeps the states at its
-marks and at its end (prompt and answer: a continuation's prefix). The marks: before its last
-prompt token (what the next turn of a chat shares, whatever the chat format renders after it),
-and in a chat before its first user message (the end of the system prompt, which other
-conversations share). Each state carries the records of all its tokens, so a mark is kept only
-where other prompts branch off: not before every message (the previous turn's end state already
-covers a continuing chat).
+A kept state is the session's KV (engine.session_state). A run that writes a state dump also
+keeps the compact records of the state's tokens with it (attached as raw bytes, a few KB a token,
+never the full records), so a later run with a compact dump that starts from it writes those
+records as its own: the math of a position depends only on the tokens up to it and the backend,
+and the cache only gives a state to a run of the same backend. Of a record only the `next` field
+depends on the run: for every prompt token but the last it is the greedy choice, the top logit's
+id, which the record holds (the last prompt token is always computed, since its next token is the
+run's first draw). A run without a dump needs no records and takes any state of its tokens; a run
+with a full dump reuses nothing (its records are every float) but keeps its states for the others.
+A done run keeps the states at its marks and at its end (prompt and answer: a continuation's
+prefix). The marks: before its last prompt token (what the next turn of a chat shares, whatever
+the chat format renders after it), and in a chat before its first user message (the end of the
+system prompt, which other conversations share).
 """
 from __future__ import annotations
 
@@ -21,17 +22,17 @@ import numpy as np
 from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
 from ds4f.engine.prefix_cache import kept_tokens_on_disk
 from ds4f.engine.session_state import SessionState, with_attached
-from ds4f.runs.statedump import read_records
+from ds4f.runs.statedump import compact_records, read_records
 
 RECORDS = "records"
 
 
-def attach_records(states: list[SessionState], dump_path) -> list[SessionState]:
-    """Each state with the records of its tokens from the done run's state dump, read once for the
-    longest (the others' tokens are a prefix of it: the same run's)."""
+def attach_records(states: list[SessionState], dump_path, geometry: dict) -> list[SessionState]:
+    """Each state with the compact records of its tokens from the done run's state dump (full or
+    compact), read once for the longest (the others' tokens are a prefix of it: the same run's)."""
     if not states:
         return []
-    records = read_records(dump_path, 0, max(s.position for s in states))
+    records = compact_records(read_records(dump_path, 0, max(s.position for s in states)), geometry)
     raw = np.frombuffer(records.tobytes(), np.uint8).reshape(len(records), -1)
     return [with_attached(s, **{RECORDS: raw if s.position == len(raw) else raw[:s.position].copy()})
             for s in states]
@@ -55,6 +56,19 @@ def marks(prompt, user_id: int | None = None) -> list[int]:
     first = next((i for i, t in enumerate(prompt) if t == user_id), None) if user_id is not None else None
     at = {len(prompt) - 1} | ({first} if first is not None else set())
     return sorted(m for m in at if 1 < m < len(prompt))
+
+
+def kept_on_disk(position: int, prompt_len: int, thinking: bool) -> bool:
+    """Does a done run's state at `position` go to the directory too (else RAM alone)? On disk, one
+    head a request: the end state (prompt and answer: what a chat's or an agent's next request
+    continues), or in thinking mode, whose next prompt drops the reasoning, the state before the
+    last prompt token; and the marks inside the prompt (a system prompt's end, written once for all
+    the conversations that share it). Every state stays in RAM while it fits."""
+    if position == prompt_len - 1:
+        return thinking
+    if position >= prompt_len:
+        return not thinking
+    return True
 
 
 def kept_tokens_for(config, kv, checkpoint, engines=None) -> list[tuple[int, ...]]:

@@ -106,6 +106,7 @@ def summary(snap, log: TokenLog, split: dict | None, prefill: dict | None, disk_
     cold = log.first
     return {
         "tokens": snap.tokens_done, "s_per_token": snap.s_per_token, "s_first_token": snap.s_first_token,
+        "tokens_s": float(log.rows["seconds"][:log.count].sum()),   # what the computed tokens took, in all
         "prompt_tokens_reused": snap.prompt_tokens_reused,   # from the prefix cache, not computed
         "gb_per_token": snap.gb_per_token, "gb_first_token": cold.bytes_read / 1e9 if cold else None,
         "eff_read_gbps": snap.eff_read_gbps, "floor_gbps": snap.floor_gbps, "io_efficiency": snap.io_efficiency,

@@ -45,11 +45,11 @@ from ds4f.native import kernels
 from ds4f.paths import user_data_dir
 from ds4f.runs.config import RunConfig, check_backend, check_fits, check_threads, checked, prompt_of
 from ds4f.runs.host import EngineHost
-from ds4f.runs.prefix import attach_records, kept_tokens_for, marks, reusable_records
+from ds4f.runs.prefix import RECORDS, attach_records, kept_on_disk, kept_tokens_for, marks, reusable_records
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
                               replay_last_reads, summary, time_split, write_report)
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
-from ds4f.runs.statedump import RUN_STATE, StateWriter, report_path_for, sweep_run_dirs
+from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, report_path_for, sweep_run_dirs
 
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
 SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
@@ -93,7 +93,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     try:
         kept = kept_tokens_for(config, kv_of(config, cfg), checkpoint, engines)
         prompt, tokenizer = prompt_of(config, checkpoint, kept)
-        check_fits(config, checkpoint, prompt, preset)
+        check_fits(config, checkpoint, prompt, preset, cfg)
         if isinstance(config.spec, int) and engines is not None and engines.parallel > 1:
             raise Ds4fError(f"spec: {config.spec} drafts: not while sequences step together (parallel"
                             f" {engines.parallel}); spec auto steps plainly there", param="spec")
@@ -167,6 +167,7 @@ class Run:
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
         self._marked: list = []                      # the states kept there so far
+        self._kept_written = 0                       # bytes its kept states wrote to the prefix cache's directory
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
         self.finished_at: float | None = None
@@ -193,6 +194,10 @@ class Run:
         self.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
         self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
         self._kv = kv_of(config, cfg)
+        self.dump_mode = config.dump          # full | compact | off (checked() resolved it)
+        if self.dump_mode == "off":           # no state dump, no report file: the report is in memory and the history
+            self.dump_path = self.report_path = None
+            return
         self.dump_path = Path(config.dump_path) if config.dump_path else user_data_dir() / "runs" / self.id / RUN_STATE
         self.report_path = Path(config.report_path) if config.report_path else \
             report_path_for(self.dump_path, own_dir=not config.dump_path)
@@ -212,6 +217,8 @@ class Run:
         so a long run's records are not held in memory); summary_report is the same without them."""
         if self._report is None:
             return None
+        if self.report_path is None:    # a run without a state dump writes no report file
+            return dict(self._report)
         try:
             with open(self.report_path) as f:
                 return json.load(f)
@@ -498,13 +505,15 @@ class Run:
         finally:
             self._release()
 
-    def _open_writer(self) -> StateWriter:
+    def _open_writer(self) -> "StateWriter | NoDump":
         """The state dump's writer, first, so an unwritable or busy place fails the run before the
         engine loads; its header holds what determines the numbers: the geometry (attention
-        included), the prompt, the token count, the sampling."""
+        included), the prompt, the token count, the sampling. NoDump when the run writes none."""
+        if self.dump_mode == "off":
+            return NoDump()
         sampling = self.config.sampling
         writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
-                             report_path=self.report_path,
+                             report_path=self.report_path, mode=self.dump_mode,
                              sampling=sampling.to_dict() if sampling is not None and not sampling.greedy else None)
         notes = writer.notes
         if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
@@ -690,29 +699,41 @@ class Run:
         if self._kv is None or session.kv is None or len(self.prompt) < 2:
             return 0
         kv = self._kv
-        cache = eng.use_prefix_cache(kv.ram_bytes, self.config.kv_dir or kv.dir, kv.disk_bytes, self._log)
-        start = self._restore_kept(cache, eng, session, writer)
+        cache = eng.use_prefix_cache(kv.ram_bytes, self.config.kv_dir or kv.dir, kv.disk_bytes, self._log, kv.block,
+                                     kv.write_budget)
+        if self.dump_mode == "full":     # kept states carry compact records; a full dump needs every float
+            self._log("prefix cache: not used by a run that writes a full state dump (kept states carry"
+                      " compact records); its states are kept")
+            start = 0
+        else:
+            start = self._restore_kept(cache, eng, session, writer)
         user = self.tokenizer.special_id(USER) if self.config.messages is not None else None
         self._marks = tuple(m for m in marks(self.prompt, user) if m > start)
         return start
 
     def _restore_kept(self, cache, eng: Engine, session, writer: StateWriter) -> int:
-        """_reuse's restore: the longest kept prefix into the session; how many tokens it gave."""
-        state = cache.lookup(self.prompt, eng.backend, at_most=len(self.prompt) - 1)
-        records = reusable_records(state, writer.dtype) if state is not None else None
-        if records is None:
-            if state is not None:
-                self._log("prefix cache: a kept state without this run's records: not used")
+        """_reuse's restore: the longest kept prefix into the session; how many tokens it gave. A
+        run with a state dump takes only a state with records of its tokens (written as its own)."""
+        dumps = writer.dtype is not None
+        state = cache.lookup(self.prompt, eng.backend, at_most=len(self.prompt) - 1, need=RECORDS if dumps else None)
+        if state is None:
+            return 0
+        records = reusable_records(state, writer.dtype) if dumps else None
+        if dumps and records is None:
+            self._log("prefix cache: a kept state without records of this run's dump: not used")
             return 0
         try:
             session.restore(state)
         except Ds4fError as exc:
             self._log(f"prefix cache: not used: {exc}")
             return 0
-        writer.write_records(records)
+        # the greedy pick after each reused token is in its record; without records it is not known (-1)
+        nexts = records["next"] if dumps else np.full(state.position, -1)
+        if dumps:
+            writer.write_records(records)
         with self._lock:
-            for i, r in enumerate(records):
-                self._log_tokens.add(TokenRecord(index=i, token_id=int(r["token"]), next_token_id=int(r["next"]),
+            for i, (token, nxt) in enumerate(zip(state.tokens, nexts)):
+                self._log_tokens.add(TokenRecord(index=i, token_id=int(token), next_token_id=int(nxt),
                                                  seconds=0.0, bytes_read=0, hits=0, misses=0, stall_s=0.0,
                                                  backend=eng.backend, kernel_threads=eng.kernel_threads,
                                                  io_threads=eng.io_threads, prefill=True, reused=True))
@@ -732,14 +753,20 @@ class Run:
         cache = eng.prefix_cache
         try:
             states = [s for s in (*self._marked, session.snapshot()) if s.position]
-            for state in attach_records(states, self.dump_path):
-                cache.keep(state)
+            if self.dump_path is not None:      # a run with a dump keeps its tokens' compact records with them
+                states = attach_records(states, self.dump_path, self.checkpoint.geometry.to_config())
+            before = cache.figures()
+            for state in states:
+                cache.keep(state, disk=kept_on_disk(state.position, len(self.prompt), self.config.thinking))
+            after = cache.figures()
+            self._kept_written = (after.written_heads + after.written_blocks) - (before.written_heads +
+                                                                                before.written_blocks)
         except Ds4fError as exc:
             self._log(f"prefix cache: not kept: {exc}")
         except Exception as exc:   # the run is done and its files are in place: say it, never fail it
             self._log(f"prefix cache: not kept: internal error: {type(exc).__name__}: {exc}")
         self._log(f"prefix cache: {len(cache)} states, {cache.stats.ram_bytes / 2**20:.1f} MiB in RAM,"
-                  f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk")
+                  f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk; this run wrote {self._kept_written / 1e6:.1f} MB")
 
     def _emit(self, eng: Engine, writer, step: int, token: int, next_token: int, rec, costs: dict, seconds: float,
               prefill: bool) -> None:
@@ -797,7 +824,7 @@ class Run:
         self.finished_at = time.time()
         report = None
         if state == "done":
-            self._optimum = self._optimum_hit_rate(writer.tmp)
+            self._optimum = self._optimum_hit_rate(writer.tmp) if writer.tmp is not None else None
             self._replay = self._replay_reads()
             report = self._build_report(sha)
             report["state_nbytes"] = writer.nbytes
@@ -806,10 +833,11 @@ class Run:
             s = report["summary"]
             spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
             hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"
-            write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
+            if writer.report_tmp is not None:
+                write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
             writer.commit()          # the last step that may fail: a run's files appear only when it is done
             self._keep_states()      # best effort from here on: it never fails the run
-            self._log(f"done: {spt}, {hit}, sha256 {sha[:12]}")
+            self._log(f"done: {spt}, {hit}, " + (f"sha256 {sha[:12]}" if sha else "no state dump"))
         with self._lock:
             self._report = report
             self._state = state
@@ -822,7 +850,7 @@ class Run:
                 if self.tokenizer is not None:
                     config["output_text"] = self.output_text
                 self.history.record(run_id=self.id, config=config, state=state, report=report,
-                                    state_path=str(self.dump_path) if report else None,
+                                    state_path=str(self.dump_path) if report and self.dump_path else None,
                                     state_sha256=sha, error=self._error,
                                     started_at=self.started_at, finished_at=self.finished_at)
             except Exception as exc:  # the run itself succeeded; say what went wrong with the record
@@ -893,5 +921,6 @@ class Run:
             "generated": [int(t) for t in rows["next_token_id"][len(self.prompt) - 1:]],
             "text": self._text_report(),
             "events": list(self._events), "events_dropped": self._n_events - len(self._events),
-            "state_path": str(self.dump_path), "state_sha256": sha,
+            "state_path": str(self.dump_path) if self.dump_path else None, "state_sha256": sha,
+            "dump": self.dump_mode,
         }

@@ -2,16 +2,29 @@
 
 Layout (little-endian):
     b"DS4FSTAT"  u32 version  u32 header_len  header_json (utf-8, space-padded to 8 bytes)
-    then one record per decoded token:
+    then one record per decoded token. Two kinds of dump (the version says which):
+
+    full (version 3): every float of each layer's state, for short experiments:
         i32 token_id, i32 next_token_id, u8 backend code, 3 pad bytes,
         i32 expert_ids[n_layers, top_k], f32 weights[n_layers, top_k], f32 hidden[n_layers, width],
         f32 attn[n_layers, hidden_size] (the whole model only), i32 top_ids[8], f32 top_logits[8]
+    compact (version 4): a size to keep for every served or chatted token (under 4 KB a token on
+    DeepSeek-V4-Flash, against 3.5 MB for a full record):
+        i32 token_id, i32 next_token_id, u8 backend code, 3 pad bytes,
+        i16 expert_ids[n_layers, top_k] (i32 past 32,767 experts), f32 weights[n_layers, top_k],
+        u64 digest[n_layers]                 a hash of the layer's exact bits (hidden, then attn)
+        f32 hidden_sketch[n_layers, 6]       max |h|, rms(h), and h on 4 fixed +-1/sqrt(width) directions
+        f32 attn_sketch[n_layers, 3]         the same for the attention output, 1 direction (whole model)
+        i32 top_ids[8], f32 top_logits[8]
+      The digest says "same bits or not" per token and layer; the sketches measure how far apart
+      two states are (ds4f.runs.diff: low-bit or drift), as the full floats do. A full record
+      gives its compact one exactly (compact_records), so any two dumps can be compared.
     width = hc_mult x hidden_size: each layer's output state, the hyper-connection streams one
     after the other (hidden_size alone for a MoE-only geometry, which has one residual stream).
     attn: each layer's attention sublayer output; top_ids / top_logits: the step's 8 largest
     logits, largest first (equal values: lower id first).
-Version 3; older dumps (version 1: the MoE half only; 2: no attention outputs or top logits)
-are refused with a message.
+Older dumps (version 1: the MoE half only; 2: no attention outputs or top logits) are refused
+with a message.
 The header holds only what determines the numbers (format, geometry, prompt, token count),
 never thread counts, paths or times, so equal math gives equal bytes (the determinism
 invariant).
@@ -50,15 +63,22 @@ except ImportError:  # pragma: no cover - not POSIX: no lock, leftovers are stil
     fcntl = None
 
 MAGIC = b"DS4FSTAT"
-VERSION = 3
+VERSION = 3               # full records
+COMPACT_VERSION = 4       # compact records
+VERSIONS = {VERSION: "full", COMPACT_VERSION: "compact"}
+DUMP_MODES = ("full", "compact", "off")    # what a run writes: full or compact records, or no dump
 BACKEND_CODES = {name: code for code, name in enumerate(BACKENDS)}   # a record's backend: the C enum's number
 BACKEND_BY_CODE = dict(enumerate(BACKENDS))
 
 TOP_LOGITS = 8    # a record keeps the step's TOP_LOGITS largest logits and their token ids
+HIDDEN_DIRECTIONS = 4     # a compact record's fixed directions per layer state
+ATTN_DIRECTIONS = 1       # and per attention output
+HIDDEN_SKETCH = 2 + HIDDEN_DIRECTIONS   # max |x|, rms(x), then x on each direction
+ATTN_SKETCH = 2 + ATTN_DIRECTIONS
 
 
 def record_dtype(n_layers: int, top_k: int, width: int, attn_width: int = 0) -> np.dtype:
-    """One step's record: width = floats of a layer's output state; attn_width = floats of a
+    """One step's full record: width = floats of a layer's output state; attn_width = floats of a
     layer's attention output (0: a MoE-only model, no attention field)."""
     fields = [("token", "<i4"), ("next", "<i4"), ("backend", "u1"), ("pad", "u1", (3,)),
               ("ids", "<i4", (n_layers, top_k)), ("weights", "<f4", (n_layers, top_k)),
@@ -67,6 +87,98 @@ def record_dtype(n_layers: int, top_k: int, width: int, attn_width: int = 0) -> 
         fields.append(("attn", "<f4", (n_layers, attn_width)))
     fields += [("top_ids", "<i4", (TOP_LOGITS,)), ("top_logits", "<f4", (TOP_LOGITS,))]
     return np.dtype(fields)
+
+
+def compact_record_dtype(n_layers: int, top_k: int, n_experts: int, attention: bool = True) -> np.dtype:
+    """One step's compact record (see the module docstring); attention: the whole model's (else
+    no attention sketch)."""
+    fields = [("token", "<i4"), ("next", "<i4"), ("backend", "u1"), ("pad", "u1", (3,)),
+              ("ids", "<i2" if n_experts <= 32767 else "<i4", (n_layers, top_k)),
+              ("weights", "<f4", (n_layers, top_k)), ("digest", "<u8", (n_layers,)),
+              ("hidden_sketch", "<f4", (n_layers, HIDDEN_SKETCH))]
+    if attention:
+        fields.append(("attn_sketch", "<f4", (n_layers, ATTN_SKETCH)))
+    fields += [("top_ids", "<i4", (TOP_LOGITS,)), ("top_logits", "<f4", (TOP_LOGITS,))]
+    return np.dtype(fields)
+
+
+_directions_cache: dict[tuple[int, int], np.ndarray] = {}
+
+
+def directions(width: int, n: int) -> np.ndarray:
+    """n fixed directions of `width` coordinates, each +-1/sqrt(width) (float64 [n, width]): the
+    signs from a splitmix64 of (direction, coordinate), so every ds4f and every machine has the
+    same ones."""
+    key = (width, n)
+    if key not in _directions_cache:
+        i = np.arange(width, dtype=np.uint64)
+        out = np.empty((n, width), np.float64)
+        with np.errstate(over="ignore"):
+            for j in range(n):
+                z = i + np.uint64(j + 1) * np.uint64(0x9E3779B97F4A7C15)
+                z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+                z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+                z ^= z >> np.uint64(31)
+                out[j] = 1.0 - 2.0 * (z & np.uint64(1)).astype(np.float64)
+        out /= np.sqrt(width)
+        _directions_cache[key] = out
+    return _directions_cache[key]
+
+
+def sketch(x: np.ndarray, n_directions: int) -> np.ndarray:
+    """Per row of x (fp32 [rows, width]): max |x|, rms(x), then x on each of the fixed directions;
+    float64 sums in numpy's fixed pairwise order (no BLAS: its order may change with the thread
+    count), rounded to fp32 [rows, 2 + n_directions]. A NaN or Inf in a row shows in its sketch."""
+    x64 = np.asarray(x, np.float64)
+    out = np.empty((x64.shape[0], 2 + n_directions), np.float64)
+    if x64.shape[1] == 0:
+        out[:] = 0.0
+        return out.astype(np.float32)
+    out[:, 0] = np.abs(x64).max(axis=1)
+    out[:, 1] = np.sqrt((x64 * x64).sum(axis=1) / x64.shape[1])
+    for j, d in enumerate(directions(x64.shape[1], n_directions)):
+        out[:, 2 + j] = (x64 * d).sum(axis=1)
+    return out.astype(np.float32)
+
+
+def layer_digests(hidden: np.ndarray, attn: np.ndarray | None) -> np.ndarray:
+    """Per layer, a 64-bit hash (blake2b) of its state's exact bits, then its attention output's:
+    uint64 [n_layers]. Equal digests: the same bits (but for a 2^-64 chance)."""
+    hidden = np.ascontiguousarray(hidden, np.float32)
+    attn = None if attn is None else np.ascontiguousarray(attn, np.float32)
+    out = np.empty(len(hidden), np.uint64)
+    for layer in range(len(hidden)):
+        h = hashlib.blake2b(hidden[layer].tobytes(), digest_size=8)
+        if attn is not None:
+            h.update(attn[layer].tobytes())
+        out[layer] = int.from_bytes(h.digest(), "little")
+    return out
+
+
+def fill_compact(rec, hidden: np.ndarray, attn: np.ndarray | None) -> None:
+    """A compact record's digest and sketches from a step's layer states (fp32 [n_layers, width])
+    and attention outputs (fp32 [n_layers, hidden_size]; None: a MoE-only model)."""
+    with_attn = "attn_sketch" in rec.dtype.names
+    rec["digest"] = layer_digests(hidden, attn if with_attn else None)
+    rec["hidden_sketch"] = sketch(hidden, HIDDEN_DIRECTIONS)
+    if with_attn:
+        rec["attn_sketch"] = sketch(attn, ATTN_DIRECTIONS)
+
+
+def compact_records(records: np.ndarray, g: dict) -> np.ndarray:
+    """Records of either kind as compact ones (a full record's compact one is exactly what a
+    compact dump of the same step holds)."""
+    dtype = geometry_record_dtype(g, "compact")
+    if records.dtype == dtype:
+        return records
+    out = np.zeros(len(records), dtype)
+    for name in ("token", "next", "backend", "weights", "top_ids", "top_logits"):
+        out[name] = records[name]
+    out["ids"] = records["ids"]
+    with_attn = "attn" in records.dtype.names
+    for i, r in enumerate(records):
+        fill_compact(out[i], r["hidden"], r["attn"] if with_attn else None)
+    return out
 
 
 def top_logits(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +318,11 @@ class StateWriter:
     by a live writer is refused."""
 
     def __init__(self, path: str | os.PathLike, geometry: dict, prompt: list[int], n_tokens: int,
-                 report_path: str | os.PathLike | None = None, sampling: dict | None = None) -> None:
+                 report_path: str | os.PathLike | None = None, sampling: dict | None = None,
+                 mode: str = "full") -> None:
+        if mode not in ("full", "compact"):
+            raise Ds4fError(f"dump: a state dump is full or compact, not {mode!r}", param="dump")
+        self.mode = mode
         self.path = Path(path)
         self.tmp = partial_path(self.path)
         self.report_path = Path(report_path) if report_path is not None else None
@@ -221,9 +337,10 @@ class StateWriter:
             except OSError as exc:
                 raise write_error(d, exc, "create the directory") from None
         g = geometry
-        self.dtype = geometry_record_dtype(g)
+        self.dtype = geometry_record_dtype(g, mode)
+        version = VERSION if mode == "full" else COMPACT_VERSION
         # the settings that determine the numbers; `sampling` only when tokens are drawn (greedy: absent)
-        self._header = {"format": "ds4f.state", "version": VERSION, "geometry": geometry,
+        self._header = {"format": "ds4f.state", "version": version, "geometry": geometry,
                         "prompt": list(prompt), "n_tokens": n_tokens}
         if sampling is not None:
             self._header["sampling"] = sampling
@@ -232,12 +349,13 @@ class StateWriter:
         header += b" " * (-(len(header) + 16) % 8)
         self._header_len = len(header)
         self._rec = np.zeros(1, self.dtype)
+        self._no_attn = np.zeros((g["num_hidden_layers"], g["hidden_size"]), np.float32)   # a full record's zeros
         self._sha = hashlib.sha256()
         self._open_locked()
         try:
             if self.report_path is not None:
                 self.notes = clean_leftovers(self.path, self.report_path)
-            self._write(MAGIC + struct.pack("<II", VERSION, len(header)) + header)
+            self._write(MAGIC + struct.pack("<II", version, len(header)) + header)
         except OSError as exc:
             self.abort()
             raise write_error(self.path, exc, "clean up") from None
@@ -280,9 +398,14 @@ class StateWriter:
         fp32 [vocab], of which the record keeps the top TOP_LOGITS) are zeros when not given."""
         rec = self._rec[0]
         rec["token"], rec["next"], rec["backend"] = token, next_token, BACKEND_CODES[backend]
-        rec["ids"], rec["weights"], rec["hidden"] = ids, weights, hidden
-        if "attn" in self.dtype.names:
-            rec["attn"] = attn if attn is not None else 0.0
+        rec["ids"], rec["weights"] = ids, weights
+        if self.mode == "full":
+            rec["hidden"] = hidden
+            if "attn" in self.dtype.names:
+                rec["attn"] = attn if attn is not None else 0.0
+        else:
+            with_attn = "attn_sketch" in self.dtype.names
+            fill_compact(rec, hidden, (attn if attn is not None else self._no_attn) if with_attn else None)
         if logits is not None:
             rec["top_ids"], rec["top_logits"] = top_logits(logits)
         else:
@@ -371,6 +494,33 @@ class StateWriter:
         self._release()
 
 
+class NoDump:
+    """The writer of a run that writes no state dump (dump off): the same calls, nothing written,
+    no report file (the run's report stays in memory and in the history)."""
+
+    mode = "off"
+    path = tmp = report_path = report_tmp = dtype = sha256 = None
+    nbytes = n_written = 0
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def write(self, *args, **kwargs) -> None:
+        pass
+
+    def write_records(self, records: np.ndarray) -> None:
+        pass
+
+    def close(self) -> None:
+        return None
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
 def clean_leftovers(state_path: str | os.PathLike, report_path: str | os.PathLike) -> list[str]:
     """Remove what a killed writer left in this place: the report's `.partial`, and a report
     claiming `state_path` whose sha256 does not match it (with that state dump). The caller
@@ -443,8 +593,17 @@ def sweep_run_dirs(runs_dir: str | os.PathLike, keep: str | os.PathLike | None =
 class State:
     path: Path
     header: dict
-    records: np.ndarray      # structured, one per token
+    records: np.ndarray      # structured, one per token (full or compact: `mode`)
     sha256: str
+
+    @property
+    def mode(self) -> str:
+        """full | compact: the kind of records the dump holds."""
+        return "compact" if "digest" in self.records.dtype.names else "full"
+
+    def compact(self) -> np.ndarray:
+        """Its records as compact ones (a compact dump's own)."""
+        return compact_records(self.records, self.header["geometry"])
 
     @property
     def tokens(self) -> np.ndarray:
@@ -460,11 +619,12 @@ def _header_length(path: Path, head: bytes) -> int:
     if len(head) < 16 or head[:8] != MAGIC:
         raise Ds4fError(f"{path}: not a ds4f state dump (bad magic)")
     version, hlen = struct.unpack("<II", head[8:16])
-    if version != VERSION:
+    if version not in VERSIONS:
         older = (" (written by an older ds4f that computed only the MoE half of the model: run it again to"
                  " compare)") if version < 2 else (" (written by an older ds4f, without the attention outputs"
                  " and top logits: run it again to compare)") if version < VERSION else ""
-        raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads version {VERSION}{older}")
+        raise Ds4fError(f"{path}: state dump version {version}; this ds4f reads versions {VERSION} (full) and"
+                        f" {COMPACT_VERSION} (compact){older}")
     return hlen
 
 
@@ -473,16 +633,26 @@ def state_width(g: dict) -> int:
     return g.get("hc_mult", 1) * g["hidden_size"]
 
 
-def geometry_record_dtype(g: dict) -> np.dtype:
+def geometry_record_dtype(g: dict, mode: str = "full") -> np.dtype:
+    """The records of a dump of `mode` (full | compact) for a geometry (its config.json dict)."""
+    if mode == "compact":
+        return compact_record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], g["n_routed_experts"],
+                                    "hc_mult" in g)
     attn = g["hidden_size"] if "hc_mult" in g else 0
     return record_dtype(g["num_hidden_layers"], g["num_experts_per_tok"], state_width(g), attn)
 
 
-def _parse_header(path: Path, raw: bytes) -> tuple[dict, np.dtype]:
-    """The JSON header and the record dtype it implies."""
+def record_nbytes(g: dict, mode: str) -> int:
+    """Bytes a dump of `mode` (full | compact | off) writes per token for a geometry."""
+    return 0 if mode == "off" else geometry_record_dtype(g, mode).itemsize
+
+
+def _parse_header(path: Path, head: bytes, raw: bytes) -> tuple[dict, np.dtype]:
+    """The JSON header and the record dtype it and the version (in `head`, the first 16 bytes) imply."""
+    version = struct.unpack("<I", head[8:12])[0]
     try:
         header = json.loads(raw)
-        return header, geometry_record_dtype(header["geometry"])
+        return header, geometry_record_dtype(header["geometry"], VERSIONS[version])
     except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: corrupt state dump header ({exc})") from None
     except RecursionError:
@@ -506,7 +676,7 @@ def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
                 raise Ds4fError(f"{path}: truncated state dump: its header says {hlen} bytes, the file has"
                                 f" {st.st_size - 16}")
             raw = f.read(hlen)
-            header, dtype = _parse_header(path, raw)
+            header, dtype = _parse_header(path, head, raw)
             n = header.get("n_tokens")
             if not isinstance(n, int) or n < 0:
                 raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
@@ -540,7 +710,7 @@ def read_records(path: str | os.PathLike, start: int, stop: int) -> np.ndarray:
         with open(path, "rb") as f:
             head = f.read(16)
             hlen = _header_length(path, head)
-            _, dtype = _parse_header(path, f.read(hlen))
+            _, dtype = _parse_header(path, head, f.read(hlen))
             f.seek(16 + hlen + start * dtype.itemsize)
             data = f.read((stop - start) * dtype.itemsize)
     except OSError as exc:
@@ -556,7 +726,8 @@ def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            header, dtype = _parse_header(path, f.read(_header_length(path, f.read(16))))
+            head = f.read(16)
+            header, dtype = _parse_header(path, head, f.read(_header_length(path, head)))
             g, n = header["geometry"], header.get("n_tokens")
             if not isinstance(n, int) or n < 0:
                 raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
@@ -567,7 +738,7 @@ def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray
                 if len(data) != count * dtype.itemsize:
                     raise Ds4fError(f"{path}: truncated state dump: record {start + len(data) // dtype.itemsize}"
                                     f" of {n} is missing")
-                ids[start:start + count] = np.frombuffer(data, dtype=dtype)["ids"]
+                ids[start:start + count] = np.frombuffer(data, dtype=dtype)["ids"]   # (int16 in a compact dump)
     except FileNotFoundError:
         raise Ds4fError(f"{path}: state dump not found") from None
     except OSError as exc:

@@ -72,7 +72,8 @@ class Ask:
 def run_config(ask: Ask, svc) -> RunConfig:
     return RunConfig(model=svc.model, preset=svc.preset, gen=ask.gen, backend=svc.cfg.backend,
                      config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
-                     reuse_prefix=svc.options.reuse_prefix, spec=svc.options.spec, **ask.fields)
+                     reuse_prefix=svc.options.reuse_prefix, spec=svc.options.spec,
+                     dump=svc.options.dump or svc.cfg.dump.server, **ask.fields)
 
 
 def ended_badly(run) -> HttpError | None:

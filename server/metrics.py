@@ -167,8 +167,20 @@ class LiveGauges:
                     ("misses", "Prompts that found none, since the engine loaded.", pc.misses),
                     ("evictions", "States the prefix cache dropped for its bounds, since the engine loaded.",
                      pc.evictions),
-                    ("rejected_files", "State files refused (damaged, foreign) and removed.", pc.rejected_files)):
+                    ("rejected_files", "State files refused (damaged, foreign) and removed.", pc.rejected_files),
+                    ("states", "Session states kept (RAM or disk).", pc.states),
+                    ("blocks_disk", "Blocks of kept compressed rows on disk, each shared by the states of its"
+                                    " prefix.", pc.blocks_disk),
+                    ("written_today_bytes", "Bytes the prefix cache wrote to its directory today.", pc.written_today),
+                    ("write_budget_bytes", "Bytes a day it may write ([kv] write_budget; 0: no bound).",
+                     pc.write_budget)):
                 yield GaugeMetricFamily(f"ds4f_prefix_cache_{name}", what, value=value)
+            written = CounterMetricFamily("ds4f_prefix_cache_written_bytes", "Bytes the prefix cache wrote to its"
+                                          " directory, by what: a state's head or a block of rows.",
+                                          labels=["what"])
+            written.add_metric(["head"], pc.written_heads)
+            written.add_metric(["block"], pc.written_blocks)
+            yield written
         b = d.get("batch")
         if b is not None:
             yield from _batch_gauges(b)

@@ -40,6 +40,7 @@ class ServerOptions:
     reuse_prefix: bool = True           # False: every prompt computed whole
     parallel: int | None = None         # sequences decoded together; None: ds4f.toml's [server] parallel
     spec: str = "off"                   # speculative decoding of every run: off | auto | 1..3 drafts
+    dump: str | None = None             # each request's state dump: full | compact | off; None: [dump] server
 
     @property
     def queue_share(self) -> int:
@@ -64,6 +65,8 @@ class ServerOptions:
             parse_spec(self.spec)
         except Ds4fError as exc:
             raise Ds4fError(f"--spec: {str(exc).removeprefix('spec: ')}") from None
+        if self.dump not in (None, "full", "compact", "off"):
+            raise Ds4fError(f"--dump: full, compact or off, got {self.dump!r}")
         if not 1 <= self.default_max_tokens:
             raise Ds4fError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
 

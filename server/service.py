@@ -449,6 +449,10 @@ class Service:
             state, report = rec.state, rec.report or {}
             if rec.state_path:
                 report = {**report, "state_path": rec.state_path, "state_sha256": rec.state_sha256}
+        if state == "done" and report and not report.get("state_path"):
+            raise HttpError(404, f"run {run_id} wrote no state dump (its dump setting was"
+                                 f" {report.get('dump', 'off')!r}: ds4f serve --dump, or [dump] server)",
+                            code="no_dump", extra={"state": state})
         if state != "done" or not report or not report.get("state_path"):
             raise HttpError(409, f"run {run_id} is {state}: its state dump exists only once it is done",
                             code="not_done", extra={"state": state})
@@ -567,7 +571,17 @@ class Service:
                        "body_timeout_s": self.options.body_timeout_s},
             "run": snapshot_view(snap, run.config.gen) if snap is not None else None,
             "last_report": self._last_report,
+            "dump": self.options.dump or self.cfg.dump.server,
+            "prefix_cache": self._prefix_cache_view(),
         }
+
+    def _prefix_cache_view(self) -> dict | None:
+        """The kept states' figures: bytes in RAM and on disk, what was written (today against the
+        write budget), hits; None before a run made the cache or with it off."""
+        stats = self.engines.prefix_cache_stats()
+        if stats is None:
+            return None
+        return dict(vars(stats), dir=str(self.options.kv_dir or (self.cfg.kv.dir if self.cfg.kv else "")) or None)
 
     # -- shutdown -----------------------------------------------------------------------------------
     def close(self, timeout: float = 60.0) -> bool:

@@ -113,6 +113,11 @@ class DiffScreen(Screen):
             t.append(f"no difference in any layer · {getattr(d, 'n_tokens', '?')} tokens\n")
         if getattr(d, "attention_token", None) is not None:
             t.append(f"attention first diverges at token {d.attention_token}, layer {d.attention_layer}\n")
+        if getattr(d, "state_token", None) is not None:
+            t.append(f"exact states first differ at token {d.state_token}, layer {d.state_layer}\n")
+        modes = getattr(d, "modes", ("full", "full"))
+        if "compact" in modes:
+            t.append(f"dumps {modes[0]} / {modes[1]}: compared as compact records (digests and sketches)\n", "dim")
         same = d.sha_a == d.sha_b
         t.append(f"sha256 A {d.sha_a[:12]} B {d.sha_b[:12]} ")
         t.append("equal" if same else "differ", "bold")
@@ -159,6 +164,7 @@ class DiffScreen(Screen):
         row("s/token", F.fmt_s_per_token(a.s_per_token), F.fmt_s_per_token(b.s_per_token))
         row("own hits", F.own_hit_rate_text(a.summary), F.own_hit_rate_text(b.summary))
         row("GB/s", F.fmt_gbps(a.summary.get("eff_read_gbps")), F.fmt_gbps(b.summary.get("eff_read_gbps")))
+        row("dump", a.config.get("dump") or "full", b.config.get("dump") or "full")
         row("sha256", (a.state_sha256 or F.DASH)[:12], (b.state_sha256 or F.DASH)[:12])
         self.query_one("#sides", Static).update(table)
 

@@ -136,7 +136,8 @@ def test_the_records_a_kept_state_gives_are_a_cold_runs_of_the_same_tokens(tiny_
         host.close()
     # the same tokens as a prompt (and one more), computed whole on an engine of its own
     run = start_run(RunConfig(model=str(tiny_model), prompt=tuple(fed) + (5,), gen=2, probe_floor=False,
-                              backend=one.report["backend_by_token"][0], dump_path=str(tmp_path / "ids.bin")))
+                              backend=one.report["backend_by_token"][0], dump_path=str(tmp_path / "ids.bin"),
+                              dump="compact"))
     assert run.wait(120) and run.state == "done", run.error
     cold = read_records(run.dump_path, 0, len(fed))
     assert records.tobytes() == cold.tobytes()

@@ -27,7 +27,7 @@ def _stream(client, prompt: str, out: dict, key, **kw) -> None:
 
 
 def test_four_streaming_clients_get_their_own_answers_decoded_together(start):
-    srv = start(parallel=4, reuse_prefix=False)
+    srv = start(parallel=4, reuse_prefix=False, dump="compact")
     client = srv.openai()
     kw = [dict(max_tokens=10, temperature=0), dict(max_tokens=7, temperature=0),
           dict(max_tokens=12, temperature=0.8, seed=5), dict(max_tokens=4, temperature=0)]

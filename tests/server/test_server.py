@@ -316,13 +316,13 @@ def test_a_restarted_server_continues_the_conversations_it_saved(start, tmp_path
     computes only what it adds (the new message and the format's tokens, and the last answer
     token), the third from the states on disk; its dump is a cold run's on the same prompt ids."""
     kv = tmp_path / "kv"
-    srv = start(kv_dir=str(kv))
+    srv = start(kv_dir=str(kv), dump="compact")
     messages, usages, ids = [{"role": "system", "content": "Answer briefly."}], [], []
     for turn, question in enumerate(("What is a slot cache?", "Why warm?", "And on a restart?")):
         if turn == 2:
             srv.close()
             assert list(kv.glob("*.kv")), "the states saved on disk"
-            srv = start(kv_dir=str(kv))              # a new server: nothing in RAM
+            srv = start(kv_dir=str(kv), dump="compact")      # a new server: nothing in RAM
         messages.append({"role": "user", "content": question})
         answer = srv.openai().chat.completions.create(model=srv.service.model_id, messages=messages, max_tokens=5,
                                                       temperature=0)
@@ -336,7 +336,8 @@ def test_a_restarted_server_continues_the_conversations_it_saved(start, tmp_path
     from ds4f.api import RunConfig, start_run
     cold = start_run(RunConfig(model=str(tiny_model), prompt=tuple(report["prompt"]), gen=5, stop_at_eos=True,
                                probe_floor=False, config_path=srv.service.options.config_path,
-                               backend=report["backend_by_token"][0], dump_path=str(tmp_path / "cold.bin")))
+                               backend=report["backend_by_token"][0], dump_path=str(tmp_path / "cold.bin"),
+                               dump="compact"))
     assert cold.wait(120) and cold.state == "done", cold.error
     assert cold.report["state_sha256"] == report["state_sha256"]
     assert cold.report["generated"] == report["generated"]
