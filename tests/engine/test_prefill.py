@@ -113,7 +113,11 @@ def test_prefill_past_the_context_and_bad_chunks_are_refused(tiny_model, tmp_pat
     with pytest.raises(Ds4fError) as e:
         start_run(RunConfig(model=str(tiny_model), prompt=tuple(i % 200 for i in range(2100)), gen=2, preset="minimal",
                             probe_floor=False))
-    assert e.value.param == "gen" and "context" in str(e.value)
+    assert e.value.param == "prompt" and "2100 tokens, past the context of 2048" in str(e.value)
+    with pytest.raises(Ds4fError) as e:
+        start_run(RunConfig(model=str(tiny_model), prompt=tuple(i % 200 for i in range(2040)), gen=10,
+                            preset="minimal", probe_floor=False))
+    assert e.value.param == "gen" and "generate at most 9" in str(e.value)
 
 
 def test_a_cancelled_prefill_leaves_nothing(tiny_model, tmp_path):
