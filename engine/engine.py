@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -259,6 +260,25 @@ class Engine:
                 return
             self.set_kernels(backend, kernel_threads)
             self.set_io_threads(io_threads)
+
+    @contextmanager
+    def read_scratch(self, n: int, session=None):
+        """Buffers for reads that are not the model's (a disk replay), lent while no forward pass
+        runs (the compute lock held): up to n of the expert cache's slots, taken out of the cache
+        (their experts forgotten, so what is read into them is never served as an expert) and
+        given back empty, and the streamer's trunk read-ahead buffers (a pass reads its trunk
+        layers into them afresh). Yields (expert buffers, trunk buffers); None while sessions
+        other than `session` step in the engine's batch (the lock would hold up their steps)."""
+        with self.compute_lock:
+            own = 1 if session is not None and self.batcher is not None and session.batcher is self.batcher else 0
+            if self.batcher is not None and self.batcher.members > own:
+                yield None
+                return
+            slots = self.cache.lend(n)
+            try:
+                yield [self.cache.pool[s.index] for s in slots], self.streamer.trunk_buffers
+            finally:
+                self.cache.take_back(slots)
 
     def close(self) -> None:
         if self.batcher is not None:

@@ -49,10 +49,12 @@ def optimum_hit_rate(g, state_file: Path, log: TokenLog, chunk: int, capacity_by
         return None
 
 
-def replay_last_reads(eng, log: TokenLog, note) -> dict | None:
+def replay_last_reads(eng, log: TokenLog, note, session=None) -> dict | None:
     """Replay the reads of the last warm tokens (same records, order and queue depth, no compute)
-    into the idle engine's cache slots; efficiency = replay time / the time those tokens had a
-    read in flight."""
+    into buffers the idle engine lends (Engine.read_scratch: cache slots taken out of the cache,
+    so the experts it serves stay theirs); efficiency = replay time / the time those tokens had a
+    read in flight. None (not measured) while sessions other than the run's `session` step on
+    the engine."""
     if log.count < 2:
         return None
     k = min(REPLAY_TOKENS, log.count - 1)
@@ -62,12 +64,16 @@ def replay_last_reads(eng, log: TokenLog, note) -> dict | None:
     if not reads or busy <= 0:
         return None
     threads = int(rows["io_threads"][-1])
-    slots = [eng.cache.pool[i] for i in range(threads)] if threads <= eng.cache.n_slots else None
-    try:
-        r = replay_reads(eng.ckpt, reads, threads, expert_bufs=slots, trunk_bufs=eng.streamer.trunk_buffers)
-    except Ds4fError as exc:
-        note(f"disk replay failed: {exc}")
-        return None
+    with eng.read_scratch(threads, session) as lent:
+        if lent is None:
+            note("I/O efficiency: not measured: other sequences step on the engine")
+            return None
+        slots, trunk = lent
+        try:
+            r = replay_reads(eng.ckpt, reads, threads, expert_bufs=slots, trunk_bufs=trunk)
+        except Ds4fError as exc:
+            note(f"disk replay failed: {exc}")
+            return None
     eff = r.seconds / busy
     note(f"disk replay of the last {k} tokens' {n} reads: {r.seconds:.3f} s against {busy:.3f} s"
          f" with reads in flight during the run: I/O efficiency {eff:.2f}")

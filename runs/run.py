@@ -876,7 +876,7 @@ class Run:
         if self._shared_passes:
             self._log("I/O efficiency: not measured: the run's reads were shared with other sequences")
             return None
-        return replay_last_reads(self._engine, self._log_tokens, self._log)
+        return replay_last_reads(self._engine, self._log_tokens, self._log, self._session)
 
     def _text_report(self) -> dict:
         sampling = self.config.sampling

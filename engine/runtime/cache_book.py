@@ -134,6 +134,32 @@ class CacheBook:
             out.append((slot, True) if slot is not None else (self.allocate(key, protected), False))
         return out
 
+    def lend(self, n: int) -> list[Slot]:
+        """Up to n slots taken out of the cache for a caller's own use (scratch for reads that are
+        not the model's): free slots first, then the policy's victims, never a slot whose read has
+        not landed. Their experts are forgotten, so nothing written into them is ever served as
+        an expert; take_back returns them, empty. Only while no forward pass uses the cache."""
+        out = []
+        while len(out) < n and self._free:
+            out.append(self.slots[self._free.pop()])
+        busy = {key for key, slot in self._where.items() if not slot.ready.is_set()}
+        while len(out) < n:
+            victim = self.policy.victim(busy)
+            if victim is None:
+                break
+            slot = self._where.pop(victim)
+            self.policy.remove(victim)
+            out.append(slot)
+        for slot in out:
+            slot.key, slot.error = None, None
+        return out
+
+    def take_back(self, slots: list[Slot]) -> None:
+        """Lent slots back into the free list (what they hold is not an expert until a read fills them)."""
+        for slot in slots:
+            slot.key, slot.error = None, None
+            self._free.append(slot.index)
+
     def discard(self, key) -> None:
         """Forget a key whose read failed, returning its slot to the free list."""
         slot = self._where.pop(key, None)

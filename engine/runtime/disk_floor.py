@@ -133,9 +133,10 @@ def replay_reads(checkpoint, reads: list[tuple[str, int, int]], io_threads: int,
     """Read `reads` (("expert", layer, expert) or ("trunk", layer, -1)) again in the same order at
     the same queue depth, with the engine's read path (direct I/O where the layout allows) and no
     compute: the time the disk itself needs for a run's reads.
-    expert_bufs: one aligned buffer per thread to read into (an idle engine's cache slots, say), so
-    the replay costs no memory; trunk_bufs: buffers the trunk reads share (a run keeps two, so at
-    most two trunk reads are in flight, as in the run). By default each thread allocates its own."""
+    expert_bufs: aligned buffers to read into, one per thread (slots an idle engine lends,
+    Engine.read_scratch), so the replay costs no memory; a thread beyond them allocates its own;
+    trunk_bufs: buffers the trunk reads share (a run keeps two, so at most two trunk reads are in
+    flight, as in the run). By default each thread allocates its own."""
     shared_trunk: queue.Queue | None = None
     if trunk_bufs:
         shared_trunk = queue.Queue()
@@ -146,7 +147,7 @@ def replay_reads(checkpoint, reads: list[tuple[str, int, int]], io_threads: int,
     nbytes = [0]
 
     def worker(i: int) -> None:
-        expert_buf = expert_bufs[i] if expert_bufs else warm_buffer(checkpoint.slot_nbytes)
+        expert_buf = expert_bufs[i] if expert_bufs and i < len(expert_bufs) else warm_buffer(checkpoint.slot_nbytes)
         trunk_buf = None
         while True:
             with lock:

@@ -55,3 +55,20 @@ def test_a_slot_still_being_read_is_never_reused():
 def test_too_small_a_budget_is_refused():
     with pytest.raises(Ds4fError, match="at least 12"):
         ExpertCache(budget_bytes=4 * SLOT, slot_nbytes=SLOT, n_layers=1, min_slots=12)
+
+
+def test_lent_slots_leave_the_cache_and_come_back_empty():
+    cache = ExpertCache(budget_bytes=4 * SLOT, slot_nbytes=SLOT, n_layers=1)
+    for e in (1, 2, 3):
+        cache.allocate((0, e), protected=set())
+    _landed(cache, (0, 1))
+    _landed(cache, (0, 2))                      # (0, 3) is still being read
+    lent = cache.lend(4)                        # the free slot, then the landed ones; never (0, 3)'s
+    assert len(lent) == 3 and cache.peek((0, 3)) not in lent
+    assert (0, 1) not in cache and (0, 2) not in cache and cache.lookup((0, 1)) is None
+    assert all(slot.key is None for slot in lent) and cache.resident == 1
+    assert cache.lend(1) == []                  # only a slot in flight is left
+    cache.take_back(lent)
+    for e in (4, 5, 6):                         # the slots given back are free: nothing is evicted
+        cache.allocate((0, e), protected=set())
+    assert cache.evictions == 0 and (0, 3) in cache and cache.resident == 4
