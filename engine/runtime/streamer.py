@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 from typing import Iterator
 
 import numpy as np
@@ -64,6 +65,7 @@ class Streamer:
         self._prefetched: dict[tuple[int, int], object] = {}  # key -> ReadJob, issued and not yet used
         self._trunk_bufs = ([warm_buffer(checkpoint.trunk_layer_buf_nbytes, huge=True) for _ in range(2)]
                             if self.unpinned else [])
+        self._trunk_jobs: list = [None] * len(self._trunk_bufs)   # the last read into each of them
         self._landed = threading.Event()  # set by an I/O thread whenever a read completes
         # lookahead routing works in buffers of its own
         self._h64 = np.empty(g.hidden, np.float64)
@@ -81,7 +83,10 @@ class Streamer:
 
     @property
     def trunk_buffers(self) -> list:
-        """The two read-ahead buffers of the unpinned trunk layers (empty if all are pinned)."""
+        """The two read-ahead buffers of the unpinned trunk layers (empty if all are pinned), with
+        no read left writing them (between passes, a caller may read into them itself)."""
+        for b in range(len(self._trunk_bufs)):
+            self._quiet_trunk(b)
         return list(self._trunk_bufs)
 
     @property
@@ -265,8 +270,18 @@ class Streamer:
 
     # -- reads ----------------------------------------------------------------------------------
     def _read_ahead(self, unpinned_index: int) -> TrunkJob:
-        layer = self.unpinned[unpinned_index]
-        return self.reader.read_trunk_layer(layer, self._trunk_bufs[unpinned_index % 2], self._landed)
+        layer, b = self.unpinned[unpinned_index], unpinned_index % 2
+        self._quiet_trunk(b)
+        self._trunk_jobs[b] = self.reader.read_trunk_layer(layer, self._trunk_bufs[b], self._landed)
+        return self._trunk_jobs[b]
+
+    def _quiet_trunk(self, b: int) -> None:
+        """No earlier read left writing trunk buffer b. A pass that stopped part way (cancelled, or
+        an error) leaves its next layer's read-ahead behind; landing late, it would overwrite the
+        layer a later pass reads into the same buffer. Cancelled if not started, else waited for."""
+        job, self._trunk_jobs[b] = self._trunk_jobs[b], None
+        if job is not None and not job.cancel():
+            futures.wait([job.future])
 
     def _issue(self, layer: int, pairs: list) -> list:
         """Slots of a layer's request: misses go to the reader; hits on a guess count the guess."""
