@@ -29,7 +29,7 @@ TOOLS = ("read_file", "write_file", "run_command", "search_code", "list_director
          "ask_user")
 
 
-def _words(model: Path) -> list[str]:
+def _words() -> list[str]:
     """The words of the text corpus ds4f ships (any text would do): what the prompts are made of."""
     from importlib import resources
 
@@ -53,10 +53,10 @@ class _Text:
         return " ".join(parts)
 
 
-def script(tokenizer, model: Path, prefix_tokens: int, result_tokens: tuple[int, int], seed: int = 0) -> dict:
+def script(tokenizer, prefix_tokens: int, result_tokens: tuple[int, int], seed: int = 0) -> dict:
     """The session's fixed parts: tools, the three threads' system prompts and tasks, and a result
     size per turn."""
-    text = _Text(tokenizer, _words(model), seed)
+    text = _Text(tokenizer, _words(), seed)
     per_tool = max(20, (prefix_tokens * 9 // 10) // len(TOOLS))
     tools = [{"type": "function", "function": {
         "name": name, "description": text(per_tool),
@@ -87,15 +87,11 @@ def schedule(main_turns: int, sub_turns: int) -> list[str]:
 
 
 class _Serve:
-    """`ds4f serve` in this process on a loopback port (a real HTTP server)."""
+    """A server the caller started (`serve(kv_dir, reuse)`: a running `ds4f serve` on loopback, with
+    `.url` and `.stop(timeout)`), spoken to over HTTP as an agent does."""
 
-    def __init__(self, model, preset, config_path, kv_dir, reuse: bool, parallel: int, dump: str | None) -> None:
-        from ds4f.server.app import Server, ServerOptions
-
-        self.server = Server(ServerOptions(model=str(model), preset=preset, config_path=config_path, host="127.0.0.1",
-                                           port=0, access_log=False, kv_dir=str(kv_dir), reuse_prefix=reuse,
-                                           parallel=parallel, dump=dump))
-        self.server.start(timeout=120)
+    def __init__(self, serve, kv_dir: Path, reuse: bool) -> None:
+        self.server = serve(kv_dir, reuse)
         self.url = self.server.url
 
     def client(self):
@@ -153,34 +149,38 @@ def _request(srv: _Serve, model_id: str, messages: list, tools: list, gen: int) 
             "heads": after[2] - before[2], "blocks": after[3] - before[3]}
 
 
-def bench_agent(model: str | Path | None = None, preset: str = "server", prefix_tokens: int = 10_000,
-                result_tokens: tuple[int, int] = (200, 3000), main_turns: int = 5, sub_turns: int = 2,
-                gen: int = 16, compare: int = 2, parallel: int = 1, dump: str | None = None,
-                config_path: str | None = None, *, log: Log | None = None, progress=None) -> dict:
+def bench_agent(model: str | Path, serve, prefix_tokens: int = 10_000, result_tokens: tuple[int, int] = (200, 3000),
+                main_turns: int = 5, sub_turns: int = 2, gen: int = 16, compare: int = 2, *,
+                log: Log | None = None) -> dict:
     """The session's requests (see the module docstring), the no-kv server's on the compared ones,
-    and the totals with the flash geometry's projection."""
-    from ds4f.api import ensure_demo_model, find_tokenizer, get_geometry, kept_state_nbytes, open_checkpoint
-    from ds4f.api import bookkeeping as books
+    and the totals with the flash geometry's projection. serve(kv_dir, reuse): a running `ds4f serve`
+    on the checkpoint `model` with that kv directory, reusing prefixes or not (the caller's
+    settings: preset, dump, parallel)."""
+    from ds4f.engine.checkpoint import open_checkpoint
+    from ds4f.engine.model.geometry import get_geometry
+    from ds4f.engine.text.tokenizer import find_tokenizer
+    from ds4f.runs.plan import bookkeeping as books
+    from ds4f.runs.plan import kept_state_nbytes
 
     log = log or _quiet
-    model = Path(model) if model else ensure_demo_model(progress=progress)
+    model = Path(model)
     tokenizer = find_tokenizer(model)
     if tokenizer is None:
         raise Ds4fError(f"{model}: no tokenizer: the agent bench speaks text", param="model")
     if main_turns < 2 or sub_turns < 0 or not 0 <= compare < main_turns:
         raise Ds4fError("bench agent: at least 2 main turns, and fewer compared requests than main turns")
-    parts = script(tokenizer, model, prefix_tokens, result_tokens)
+    parts = script(tokenizer, prefix_tokens, result_tokens)
     kv = bench_scratch_dir() / f"agent-kv-{time.strftime('%Y%m%d-%H%M%S')}"
     threads = {name: [{"role": "system", "content": parts["system"][name]},
                       {"role": "user", "content": parts["tasks"][name]}] for name in ("main", "sub1", "sub2")}
     records, turn_of, restarted, last = [], dict.fromkeys(threads, 0), False, {}
-    srv = _Serve(model, preset, config_path, kv, True, parallel, dump)
+    srv = _Serve(serve, kv, True)
     model_id = srv.get("/v1/models")["data"][0]["id"]
     try:
         for step in schedule(main_turns, sub_turns):
             if step == "restart":
                 srv.close()
-                srv = _Serve(model, preset, config_path, kv, True, parallel, dump)
+                srv = _Serve(serve, kv, True)
                 restarted = True
                 log("  restart: a new server on the same kv directory")
                 continue
@@ -206,7 +206,7 @@ def bench_agent(model: str | Path | None = None, preset: str = "server", prefix_
     compared = []
     mains = [r for r in records if r["thread"] == "main"][1:1 + compare]
     if mains:
-        cold = _Serve(model, preset, config_path, kv.parent / (kv.name + "-nokv"), False, parallel, dump)
+        cold = _Serve(serve, kv.parent / (kv.name + "-nokv"), False)
         try:
             for r in mains:
                 c = _request(cold, model_id, r["messages"], parts["tools"], gen)

@@ -1,7 +1,8 @@
 """`ds4f bench chat`: an N-turn conversation on the bench checkpoint (a system prompt of a few
 hundred tokens, as clients send, then a short question a turn; each answer kept as the ids it was
-generated as, as the console and `ds4f chat` keep it), each turn with the prefix cache and without it, and the last turn again after a restart (a new engine: the states from disk;
-all of its prompt but the last token was kept when it ran before).
+generated as, as the console and `ds4f chat` keep it), each turn with the prefix cache and without
+it, and the last turn again after a restart (a new engine: the states from disk, where a request
+puts its end state: the turn reuses the previous turn's prompt and answer).
 
 Per turn and mode, from the runs' own reports: the prompt tokens reused and computed, the time
 its tokens took (and the run's wall time: an engine load, a state read from disk), the GB read

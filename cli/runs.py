@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ds4f.api import DEFAULT_GEN, Ds4fError, format_bytes
+from ds4f.api import DEFAULT_GEN, Ds4fError, ensure_demo_model, format_bytes
 from ds4f.cli.output import (Cell, Column, Label, Table, add_dump_option, add_json_option, add_output_option,
                              check_output, check_streams, human_stream, print_tables, write_json)
 
@@ -554,8 +554,20 @@ def _bench_agent(args, model) -> int:
         low, high = (int(x) for x in args.result_tokens.split("-"))
     except ValueError:
         raise Ds4fError(f"--result-tokens: MIN-MAX tokens, e.g. 200-3000, got {args.result_tokens!r}") from None
-    r = bench_agent(model, args.preset, args.prefix_tokens, (low, high), args.turns or 5, args.sub_turns,
-                    args.gen or 16, args.compare, args.parallel, args.dump, args.config, log=_announce, progress=True)
+    model = model or str(ensure_demo_model(progress=True))
+
+    def serve(kv_dir, reuse: bool):
+        """ds4f serve on loopback, in this process, with the bench's settings."""
+        from ds4f.server.app import Server, ServerOptions
+
+        server = Server(ServerOptions(model=model, preset=args.preset, config_path=args.config, host="127.0.0.1",
+                                      port=0, access_log=False, kv_dir=str(kv_dir), reuse_prefix=reuse,
+                                      parallel=args.parallel, dump=args.dump))
+        server.start(timeout=120)
+        return server
+
+    r = bench_agent(model, serve, args.prefix_tokens, (low, high), args.turns or 5, args.sub_turns, args.gen or 16,
+                    args.compare, log=_announce)
     table = Table("agent", [Column("thread", align="left"), Column("turn"), Column("prompt_tokens", "prompt"),
                             Column("reused"), Column("computed"), Column("ttft_s", "TTFT s", ".2f"),
                             Column("total_s", "total s", ".2f"), Column("tokens_s", "tokens s", ".2f"),

@@ -198,7 +198,7 @@ class Engine:
         positions a block of kept rows spans (engine.kv_blocks; 0: the default)."""
         pc = self.prefix_cache
         g = self.geometry
-        span = block_tokens(g.to_config()["compress_ratios"][:g.n_layers], block or BLOCK_TARGET)
+        span = block_tokens(g.to_config().get("compress_ratios", ())[:g.n_layers], block or BLOCK_TARGET)
         asked = (ram_bytes, str(disk_dir), disk_bytes, span, write_budget)
         if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes, pc.span, pc.stats.write_budget) != asked:
             self.prefix_cache = PrefixCache(self.fingerprint, g.to_config(), ram_bytes, disk_dir, disk_bytes, log,

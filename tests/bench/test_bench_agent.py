@@ -7,10 +7,20 @@ from __future__ import annotations
 from ds4f.bench.agent import bench_agent, schedule
 
 
-def _config(tmp_path) -> str:
+def _serve(model, tmp_path):
+    """ds4f serve on loopback with one kernel thread, no NVMe probe, a history of its own."""
+    from ds4f.server.app import Server, ServerOptions
+
     cfg = tmp_path / "ds4f.toml"
     cfg.write_text(f'[engine]\nprobe_floor = false\nkernel_threads = 1\n[history]\npath = "{tmp_path / "h.sqlite3"}"\n')
-    return str(cfg)
+
+    def serve(kv_dir, reuse):
+        server = Server(ServerOptions(model=str(model), config_path=str(cfg), host="127.0.0.1", port=0,
+                                      access_log=False, kv_dir=str(kv_dir), reuse_prefix=reuse, parallel=1))
+        server.start(timeout=60)
+        return server
+
+    return serve
 
 
 def test_the_schedule_interleaves_the_subagents_and_restarts_half_way():
@@ -22,8 +32,8 @@ def test_the_schedule_interleaves_the_subagents_and_restarts_half_way():
 
 
 def test_an_agent_session_reuses_each_threads_past_and_writes_its_new_rows_once(tiny_model, tmp_path):
-    r = bench_agent(tiny_model, "laptop", prefix_tokens=150, result_tokens=(20, 40), main_turns=4, sub_turns=1,
-                    gen=4, compare=2, config_path=_config(tmp_path))
+    r = bench_agent(tiny_model, _serve(tiny_model, tmp_path), prefix_tokens=150, result_tokens=(20, 40), main_turns=4,
+                    sub_turns=1, gen=4, compare=2)
     reqs = r["requests"]
     assert [q["thread"] for q in reqs] == [s for s in schedule(4, 1) if s != "restart"]
     assert any(q["after_restart"] for q in reqs) and not reqs[0]["after_restart"]

@@ -15,8 +15,9 @@ def test_bench_chat_records_each_turn_with_and_without_reuse_and_a_restart(tiny_
     # turn two computes only what it adds: all that turn one fed (its prompt, its answer as its ids,
     # not the last pick) comes from the prefix cache
     assert by[2, "reuse"]["reused"] == by[1, "reuse"]["prompt_tokens"] + 4 - 1
-    # the last turn again on a new engine: all but its last prompt token from the states on disk
-    assert by[2, "restart"]["reused"] == by[2, "restart"]["prompt_tokens"] - 1
+    # the last turn again on a new engine: from the states on disk, as much as on the warm engine (a
+    # request puts its end state on disk, the one the next turn continues)
+    assert by[2, "restart"]["reused"] == by[2, "reuse"]["reused"] > 0
     for r in records:
         assert r["reused"] + r["computed"] == r["prompt_tokens"] and r["gb_read"] >= 0 and r["seconds"] > 0
         assert r["sha256"] == by[r["turn"], "recompute"]["sha256"]

@@ -346,13 +346,19 @@ def test_a_restarted_server_continues_the_conversations_it_saved(start, tmp_path
 @pytest.mark.parametrize("damage", ["flip", "truncate", "version"])
 def test_damaged_state_files_are_logged_and_the_request_served_without_them(start, tmp_path, damage):
     """The server restarted over a directory whose states were damaged (a flipped bit, cut short,
-    another version): the next request is answered, computing its whole prompt, as a server with
-    no prefix cache answers it; the run's events name each refused file; nothing else is lost."""
+    another version): the conversation's next request is answered, computing its whole prompt, as a
+    server with no prefix cache answers it; the run's events name each refused file; nothing else
+    is lost."""
     kv = tmp_path / "kv"
     srv = start(kv_dir=str(kv))
-    ask = [{"role": "user", "content": "Hello, keeper."}]
-    first = srv.chat(messages=ask, max_tokens=4, temperature=0).json()
+    first = srv.chat(messages=[{"role": "user", "content": "Hello, keeper."}], max_tokens=4, temperature=0).json()
     srv.close()
+    ask = [{"role": "user", "content": "Hello, keeper."},
+           {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+           {"role": "user", "content": "And the light?"}]         # continues the state the first request kept
+    cold = start(reuse_prefix=False)
+    want = cold.chat(messages=ask, max_tokens=4, temperature=0).json()
+    cold.close()
     files = sorted(kv.glob("*.kv"))
     assert files
     damaged = {}
@@ -371,7 +377,7 @@ def test_damaged_state_files_are_logged_and_the_request_served_without_them(star
     assert again.status == 200, again.body
     body = again.json()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert body["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert body["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     events = srv.get(f"/runs/{body['id'].removeprefix('chatcmpl-')}/report").json()["events"]
     refused = [e for e in events if "prefix cache:" in e and "not used" in e]
     # a header another version's: refused when the directory is opened; damage past the header:
@@ -1052,7 +1058,14 @@ def value(fams: dict, name: str, sample: str | None = None, **labels) -> float:
     return found[0]
 
 
-def test_metrics_are_rateable_counters_that_add_up(srv):
+@pytest.fixture()
+def dumping(start):
+    """A server whose requests write compact state dumps (and so reports with every token's record)."""
+    return start(dump="compact")
+
+
+def test_metrics_are_rateable_counters_that_add_up(dumping):
+    srv = dumping
     fams = metrics_of(srv)
     for name in ("process_resident_memory_bytes", "ds4f_engine_busy", "ds4f_queue_capacity", "ds4f_build_info"):
         assert name in fams, name
@@ -1181,7 +1194,7 @@ def test_a_foreign_origin_or_referer_cannot_start_or_cancel_runs(srv):
 
 
 def test_token_is_required_on_every_endpoint_when_configured(start):
-    srv = start(token=TOKEN)
+    srv = start(token=TOKEN, dump="compact")
     good = {"Authorization": f"Bearer {TOKEN}"}
     bad_headers = [{}, {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": f"Basic {TOKEN}"},
                    {"Authorization": "Bearer"}, {"Authorization": "Bearer " + TOKEN[:-1]},
@@ -1449,7 +1462,7 @@ def test_signal_cancels_the_run_and_leaves_no_partial_files(tiny_model, serve_co
     data_home = tmp_path / "xdg-data"
     env = dict(os.environ, XDG_DATA_HOME=str(data_home))
     proc = subprocess.Popen([sys.executable, "-m", "ds4f.cli", "serve", "-m", str(tiny_model),
-                             "--config", str(serve_config), "--port", "0"],
+                             "--config", str(serve_config), "--port", "0", "--dump", "compact"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         m = re.match(r"^ds4f serve: listening on http://127\.0\.0\.1:(\d+)\n$", _read_line(proc, 60))
