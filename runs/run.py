@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +31,11 @@ import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import Preset, format_bytes, load_config
-from ds4f.engine.batch import COST_KEYS, batched_chunk, split_whole
+from ds4f.engine.batch import batched_chunk
 from ds4f.engine.engine import Engine, EngineFigures
-from ds4f.engine.model.rows import Stopped
+from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
-from ds4f.engine.speculative import MtpDrafter, SpecController, finish_round, plain_step, speculate
+from ds4f.engine.speculative import MtpDrafter, SpecController
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler
@@ -114,16 +114,6 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     return run
 
 
-@dataclass
-class _Records:
-    """One token's arrays for the state dump (a prefill chunk's row)."""
-    ids: np.ndarray
-    weights: np.ndarray
-    hidden: np.ndarray
-    attn: np.ndarray
-    logits: np.ndarray
-
-
 class Run:
     def __init__(self, config: RunConfig, cfg, preset, checkpoint, prompt, history, engines=None,
                  on_token=None, tokenizer=None) -> None:
@@ -166,7 +156,7 @@ class Run:
         self._spec: SpecController | None = None       # speculative decoding, when on (_setup_spec)
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
-        self._marked: list = []                      # the states kept there so far
+        self._generation: Generation | None = None   # the generation loop (engine.generate), once started
         self._kept_written = 0                       # bytes its kept states wrote to the prefix cache's directory
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
@@ -540,32 +530,17 @@ class Run:
         return eng
 
     def _generate(self, eng: Engine, session, writer: StateWriter, start: int = 0) -> None:
-        """The prompt from `start` (layer-major chunks, else token by token) and the generated
-        tokens, until the token count, the end of the output, or a cancel. With the prefix cache,
+        """The generation loop (engine.generate) from `start`, each row it computes recorded
+        (_emit): until the token count, the end of the output, or a cancel. With the prefix cache,
         the last prompt token goes alone, and a state is kept at each of the run's marks."""
         sampling = self.config.sampling
-        sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
-        step, token = (self._prefill(eng, session, writer, sampler, start) if session.prefill_chunk
-                       else (start, self.prompt[start]))
-        while step < self.n_steps and self._finish_reason is None and not self._cancel.is_set():
-            self._mark(session, step)
-            self._apply_switches(eng, step)
-            generating = step >= len(self.prompt) - 1     # this step picks a generated token
-            spec = self._spec
-            k = spec.choose(min(self.n_steps - step, session.max_verify_rows) - 1) if generating and spec else 0
-            if k:
-                step, token = self._spec_round(eng, session, writer, sampler, step, token, k)
-                continue
-            t0 = time.perf_counter()
-            if generating and spec is not None:    # a plain step, with now and then a shadow draft beside it
-                res = plain_step(session, spec, session.drafter, token, sampler)
-            else:
-                res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
-            seconds = time.perf_counter() - t0
-            self._count_steps(res)
-            self._emit(eng, writer, step, token, res.next_token, res, vars(res), seconds, prefill=False)
-            step += 1
-            token = self.prompt[step] if step < len(self.prompt) else res.next_token
+        self._generation = Generation(
+            session, self.prompt, self.n_steps, emit=lambda *row: self._emit(eng, writer, *row),
+            stopped=lambda: self._finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
+            sampler=Sampler(sampling) if sampling is not None and not sampling.greedy else None, spec=self._spec,
+            marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
+            counted=self._count_steps)
+        self._generation.run(start)
 
     def _setup_spec(self, eng: Engine, session) -> None:
         """Speculative decoding for the run (RunConfig.spec): the MTP layer's drafter on the
@@ -598,30 +573,6 @@ class Run:
                                             if mode == "auto" else " drafts per round")
                   + f"; the MTP layer's {format_bytes(eng.mtp_nbytes)} resident")
 
-    def _spec_round(self, eng: Engine, session, writer, sampler, step: int, token: int, k: int) -> tuple[int, int]:
-        """A round of k drafts (engine.speculative): verified in one pass, each kept row's record
-        written as a plain step's, the round's costs split over them. (next step, its token)."""
-        t0 = time.perf_counter()
-        rnd = speculate(session, session.drafter, k, token, sampler)
-        res = rnd.result
-        seconds = time.perf_counter() - t0
-        costs = {key: v for key, v in vars(res).items() if not isinstance(v, np.ndarray)}
-        n = len(rnd.picks)
-        shares = {key: split_whole(costs[key], n) for key in COST_KEYS}
-        feed = [token] + rnd.drafts
-        emitted = 0
-        for c in range(n):
-            one = {key: (shares[key][c] if key in shares else v / n) for key, v in costs.items()}
-            arrays = _Records(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], res.logits[c])
-            self._emit(eng, writer, step, feed[c], rnd.picks[c], arrays, one, seconds / n, prefill=False)
-            emitted += 1
-            step += 1
-            if self._finish_reason is not None or self._cancel.is_set():
-                break
-        finish_round(session, self._spec, rnd, emitted, seconds)
-        self._count_steps(res)
-        return step, rnd.picks[emitted - 1]
-
     def _count_steps(self, res) -> None:
         """The forward passes a step or chunk went in, and those shared with other sequences."""
         with self._lock:
@@ -652,45 +603,6 @@ class Run:
         with _active_lock:
             if self in _active:
                 _active.remove(self)
-
-    def _prefill(self, eng: Engine, session, writer, sampler, start: int = 0) -> tuple[int, int]:
-        """The prompt from `start`, chunk by chunk, layer by layer (Session.prefill); each token's
-        record as a step's. Returns (the next step, the token it feeds): past the prompt (with the
-        prefix cache: at its last token), unless cancelled."""
-        prompt, chunk = self.prompt, session.prefill_chunk
-        end = len(prompt) - 1 if self._kv is not None else len(prompt)
-        step, token = start, prompt[start]
-        while step < end and self._finish_reason is None and not self._cancel.is_set():
-            self._mark(session, step)
-            self._apply_switches(eng, step)
-            stop = min([step + chunk, end] + [m for m in self._marks if m > step])   # a chunk ends at a mark
-            part = list(prompt[step:stop])
-            n = len(part)
-            t0 = time.perf_counter()
-            try:
-                res = session.prefill(part, should_stop=self._cancel.is_set)
-            except Stopped:   # cancelled part way through the chunk: the run ends cancelled
-                break
-            self._count_steps(res)
-            seconds = time.perf_counter() - t0
-            costs = {k: v for k, v in vars(res).items() if not isinstance(v, np.ndarray)}   # the chunk's
-            shares = {k: split_whole(costs[k], n) for k in COST_KEYS}
-            for c in range(n):
-                generating = step == len(prompt) - 1
-                logits = res.logits[c]
-                next_token = int(sampler.sample(logits)) if generating and sampler is not None \
-                    else int(np.argmax(logits))
-                one = {k: (shares[k][c] if k in shares else v / n) for k, v in costs.items()}
-                arrays = _Records(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], logits)
-                self._emit(eng, writer, step, part[c], next_token, arrays, one, seconds / n, prefill=True)
-                step += 1
-                token = prompt[step] if step < len(prompt) else next_token
-        return step, token
-
-    def _mark(self, session, step: int) -> None:
-        """Keep the session's state when `step` (the tokens fed so far) is one of the run's marks."""
-        if step in self._marks and all(s.position != step for s in self._marked):
-            self._marked.append(session.snapshot())
 
     def _reuse(self, eng: Engine, session, writer: StateWriter) -> int:
         """The longest kept prefix of the prompt (all of it but its last token at most) put into the
@@ -752,7 +664,8 @@ class Run:
             return
         cache = eng.prefix_cache
         try:
-            states = [s for s in (*self._marked, session.snapshot()) if s.position]
+            marked = self._generation.marked if self._generation is not None else []
+            states = [s for s in (*marked, session.snapshot()) if s.position]
             if self.dump_path is not None:      # a run with a dump keeps its tokens' compact records with them
                 states = attach_records(states, self.dump_path, self.checkpoint.geometry.to_config())
             before = cache.figures()
