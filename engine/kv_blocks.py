@@ -101,6 +101,23 @@ def _ratios(state: SessionState) -> list[int]:
     return [int(r) for r in g.get("compress_ratios", [0] * n)[:n]]
 
 
+def _compressors(state: SessionState):
+    """(layer, part, its snapshot) of every compressor and indexer the state's layers carry."""
+    for i, layer in enumerate(state.layers):
+        for part in PARTS:
+            c = getattr(layer, part)
+            if c is not None:
+                yield i, part, c
+
+
+def _with_rows(state: SessionState, rows: dict) -> tuple:
+    """The state's layers with the compressed rows of (layer, part) replaced by rows[layer, part]."""
+    layers = list(state.layers)
+    for (i, part), r in rows.items():
+        layers[i] = replace(layers[i], **{part: replace(getattr(layers[i], part), rows=r)})
+    return tuple(layers)
+
+
 def split(state: SessionState, span: int) -> tuple[Head, list[Block]]:
     """The state's head and its whole blocks (span positions each, from position 0)."""
     ratios = _ratios(state)
@@ -113,29 +130,23 @@ def split(state: SessionState, span: int) -> tuple[Head, list[Block]]:
     per_token = tuple(sorted(name for name, a in state.attached.items()
                              if a.ndim >= 1 and len(a) == state.position))
     blocks = [Block(key, b * span, span, {}) for b, key in enumerate(keys)]
-    layers = []
-    for i, layer in enumerate(state.layers):
-        tails = {}
-        for part in PARTS:
-            c = getattr(layer, part)
-            if c is None:
-                continue
-            per_block = span // ratios[i]
-            whole = n_blocks * per_block
-            if len(c.rows) < whole:
-                raise Ds4fError(f"layer {i} {part}: {len(c.rows)} compressed rows at position {state.position}, fewer"
-                                f" than its {n_blocks} blocks hold", kind="internal")
-            for b, block in enumerate(blocks):
-                block.arrays[f"{i}.{part}.rows"] = c.rows[b * per_block:(b + 1) * per_block]
-            tails[part] = replace(c, rows=c.rows[whole:])
-        layers.append(replace(layer, **tails))
+    tails = {}
+    for i, part, c in _compressors(state):
+        per_block = span // ratios[i]
+        whole = n_blocks * per_block
+        if len(c.rows) < whole:
+            raise Ds4fError(f"layer {i} {part}: {len(c.rows)} compressed rows at position {state.position}, fewer"
+                            f" than its {n_blocks} blocks hold", kind="internal")
+        for b, block in enumerate(blocks):
+            block.arrays[f"{i}.{part}.rows"] = c.rows[b * per_block:(b + 1) * per_block]
+        tails[i, part] = c.rows[whole:]
     attached = dict(state.attached)
     for name in per_token:
         a = state.attached[name]
         for b, block in enumerate(blocks):
             block.arrays[f"attached.{name}"] = a[b * span:(b + 1) * span]
         attached[name] = a[n_blocks * span:]
-    head = replace(state, layers=tuple(layers), attached=attached)
+    head = replace(state, layers=_with_rows(state, tails), attached=attached)
     return Head(head, tuple(keys), span, per_token), blocks
 
 
@@ -144,21 +155,15 @@ def join(head: Head, blocks: list[Block]) -> SessionState:
     if [b.key for b in blocks] != list(head.keys):
         raise Ds4fError("the blocks given are not the head's", kind="internal")
     state = head.state
-    layers = []
-    for i, layer in enumerate(state.layers):
-        whole = {}
-        for part in PARTS:
-            c = getattr(layer, part)
-            if c is None:
-                continue
-            rows = [b.arrays[f"{i}.{part}.rows"] for b in blocks] + [c.rows]
-            whole[part] = replace(c, rows=np.concatenate(rows) if len(rows) > 1 else c.rows)
-        layers.append(replace(layer, **whole))
+    whole = {}
+    for i, part, c in _compressors(state):
+        rows = [b.arrays[f"{i}.{part}.rows"] for b in blocks] + [c.rows]
+        whole[i, part] = np.concatenate(rows) if len(rows) > 1 else c.rows
     attached = dict(state.attached)
     for name in head.per_token:
         parts = [b.arrays[f"attached.{name}"] for b in blocks] + [state.attached[name]]
         attached[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    return replace(state, layers=tuple(layers), attached=attached)
+    return replace(state, layers=_with_rows(state, whole), attached=attached)
 
 
 # ---- the files ----------------------------------------------------------------------------------
