@@ -119,7 +119,8 @@ def _with_rows(state: SessionState, rows: dict) -> tuple:
 
 
 def split(state: SessionState, span: int) -> tuple[Head, list[Block]]:
-    """The state's head and its whole blocks (span positions each, from position 0)."""
+    """The state's head and its whole blocks (span positions each, from position 0), their arrays
+    copies (a block a cache already holds is shared, and the split state's rows can go)."""
     ratios = _ratios(state)
     for r in ratios:
         if r and span % r:
@@ -137,15 +138,15 @@ def split(state: SessionState, span: int) -> tuple[Head, list[Block]]:
         if len(c.rows) < whole:
             raise Ds4fError(f"layer {i} {part}: {len(c.rows)} compressed rows at position {state.position}, fewer"
                             f" than its {n_blocks} blocks hold", kind="internal")
-        for b, block in enumerate(blocks):
-            block.arrays[f"{i}.{part}.rows"] = c.rows[b * per_block:(b + 1) * per_block]
-        tails[i, part] = c.rows[whole:]
+        for b, block in enumerate(blocks):     # copies: the state's arrays go once split
+            block.arrays[f"{i}.{part}.rows"] = c.rows[b * per_block:(b + 1) * per_block].copy()
+        tails[i, part] = c.rows[whole:].copy()
     attached = dict(state.attached)
     for name in per_token:
         a = state.attached[name]
         for b, block in enumerate(blocks):
-            block.arrays[f"attached.{name}"] = a[b * span:(b + 1) * span]
-        attached[name] = a[n_blocks * span:]
+            block.arrays[f"attached.{name}"] = a[b * span:(b + 1) * span].copy()
+        attached[name] = a[n_blocks * span:].copy()
     head = replace(state, layers=_with_rows(state, tails), attached=attached)
     return Head(head, tuple(keys), span, per_token), blocks
 

@@ -70,8 +70,12 @@ def test_the_states_of_a_conversation_share_their_blocks_on_disk_and_in_ram(engi
     head77 = next(e for e in cache._disk.values() if e.tokens == states[77].tokens)
     assert second.written_heads - first.written_heads == head77.file_nbytes
     assert second.written_today == second.written_heads + second.written_blocks
-    # RAM holds the shared blocks once
+    # RAM holds the shared blocks once, each its own copy (no view keeps a whole state's rows alive)
     assert second.ram_bytes < states[40].nbytes + states[77].nbytes
+    held = [a for b in cache._ram_blocks.values() for a in b.arrays.values()]
+    held += [c.rows for e in cache._ram.values() for layer in e.head.state.layers
+             for c in (layer.compressor, layer.indexer) if c is not None]
+    assert held and all(a.base is None or a.base.nbytes == a.nbytes for a in held)
     assert second.disk_bytes == sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file())
     for n in (40, 77):
         assert _same(cache.lookup(TOKENS[:n] + (3,), "scalar"), states[n])
