@@ -182,3 +182,44 @@ def test_a_reused_prefix_answers_as_the_server_without_the_cache(config):
         assert sum(rounds) > 0, "speculation never engaged"
     finally:
         alone.close()
+
+
+def test_a_tool_turn_continues_the_state_of_the_answer_that_called(tmp_path):
+    """An agent's tool turn (the assistant's tool call sent back as the client got it, then the
+    tool's result) starts from the state the calling answer kept: all of that request and its
+    answer but the last pick, also when the server restarted in between (the state from disk)."""
+    import openai
+
+    config = tmp_path / "ds4f.toml"
+    config.write_text(f'[engine]\nprobe_floor = false\nkernel_threads = 1\n[history]\npath = "{tmp_path / "h.db"}"\n')
+    tools = [{"type": "function", "function": t} for t in SCRIPT["tools"]]
+    case = _case("weather_Paris")
+    for restart in (False, True):
+        kv = tmp_path / f"kv-{restart}"
+
+        def serve():
+            srv = Server(ServerOptions(model=str(FIXTURE), config_path=str(config), port=0, access_log=False,
+                                       kv_dir=str(kv), parallel=1))
+            srv.start()
+            return srv, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+
+        srv, client = serve()
+        try:
+            model = client.models.list().data[0].id
+            messages = [{"role": "system", "content": SCRIPT["system"]}, *case["messages"]]
+            first = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=64,
+                                                   temperature=0)
+            call = first.choices[0].message
+            assert call.tool_calls, "the trained model calls the tool"
+            if restart:
+                srv.stop()
+                srv, client = serve()
+            messages += [call.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": case["results"][0]}]
+            second = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=64,
+                                                    temperature=0)
+        finally:
+            srv.stop()
+        held = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+        assert second.usage.prompt_tokens_details.cached_tokens == held, (restart, second.usage, held)
+        assert second.choices[0].message.content == case["final"]["content"]
