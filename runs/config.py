@@ -103,17 +103,9 @@ def check_threads(**counts: int | None) -> None:
 def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset, cfg: Config | None = None
                ) -> None:
     """The prompt and the tokens to generate fit the run: a checkpoint with attention (or
-    moe_only), positions within the preset's context, and a full state dump within
-    [dump] full_limit (`cfg`'s)."""
+    moe_only), positions within the preset's context, then a full state dump within [dump]
+    full_limit (`cfg`'s)."""
     g = checkpoint.geometry
-    if config.dump == "full" and cfg is not None:
-        steps = len(prompt) - 1 + config.gen
-        nbytes = steps * record_nbytes(g.to_config(), "full")
-        if nbytes > cfg.dump.full_limit:
-            raise Ds4fError(f"dump: a full state dump of {steps} tokens would be {format_bytes(nbytes)}"
-                            f" ({format_bytes(nbytes / steps)} a token), past [dump] full_limit of"
-                            f" {format_bytes(cfg.dump.full_limit)} in {cfg.source}: ask for a compact dump"
-                            f" (--dump compact), or raise full_limit", param="dump")
     if g.attention is None and not config.moe_only:
         raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
                         f" head_dim, compress_ratios, ...), so only the MoE half of the model could run and its tokens"
@@ -125,6 +117,14 @@ def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: P
                         + " (spec auto runs plainly where there is none)", param="spec")
     if g.attention is not None:
         check_context(len(prompt), config.gen, preset)
+    if config.dump == "full" and cfg is not None:
+        steps = len(prompt) - 1 + config.gen
+        nbytes = steps * record_nbytes(g.to_config(), "full")
+        if nbytes > cfg.dump.full_limit:
+            raise Ds4fError(f"dump: a full state dump of {steps} tokens would be {format_bytes(nbytes)}"
+                            f" ({format_bytes(nbytes / steps)} a token), past [dump] full_limit of"
+                            f" {format_bytes(cfg.dump.full_limit)} in {cfg.source}: ask for a compact dump"
+                            f" (--dump compact), or raise full_limit", param="dump")
 
 
 def check_context(prompt_len: int, gen: int, preset: Preset) -> None:
