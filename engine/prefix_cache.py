@@ -300,9 +300,15 @@ class PrefixCache:
         self._sweep_blocks()
         self._count()
 
-    def _sweep_blocks(self) -> None:
-        """(lock held or not yet shared) Remove the block files no state on disk uses."""
+    def _sweep_blocks(self, rescan: bool = False) -> None:
+        """(lock held or not yet shared) Remove the block files this cache wrote or found that no
+        state on disk uses: its own states, and with `rescan` every head file the directory holds now
+        (another process sharing it may have written some since)."""
         used = self._block_users(self._disk)
+        if rescan:
+            for _, head in _headers(self.dir):
+                if not isinstance(head, Ds4fError):
+                    used.update(dict.fromkeys(head.get("blocks", ()), 1))
         for k in [k for k in self._disk_blocks if k not in used]:
             block_path(self._blocks_dir, k).unlink(missing_ok=True)
             self._disk_blocks.pop(k, None)
@@ -420,7 +426,7 @@ class PrefixCache:
             entry.path.unlink(missing_ok=True)
             entry.path, entry.file_nbytes = None, 0
         self.stats.evictions += 1
-        self._sweep_blocks()
+        self._sweep_blocks(rescan=True)
 
     def _reject(self, path: Path, why: str) -> None:
         self.stats.rejected_files += 1

@@ -168,3 +168,22 @@ def test_an_older_ds4fs_state_file_is_refused_file_by_file(engine, states, tmp_p
     cache = _cache(engine, tmp_path, lines=lines)
     assert cache.lookup(TOKENS, "scalar") is None and not old.exists()
     assert any("version 1" in line and "removed and not used" in line for line in lines), lines
+
+
+def test_a_cache_evicting_keeps_the_blocks_another_process_uses(engine, states, tmp_path):
+    """Two caches (two processes) on one directory: one evicts a state whose blocks a state the other
+    kept shares; the blocks stay, and the other's state is still whole on disk."""
+    probe = _cache(engine, tmp_path / "probe")
+    probe.keep(states[40])
+    one = probe.figures().disk_bytes
+    a = _cache(engine, tmp_path, disk=one + one // 2)
+    b = _cache(engine, tmp_path)
+    a.keep(states[40])
+    b.keep(states[77])                      # shares the first two blocks with a's state
+    session = engine.new_session()
+    for t in TOKENS[:40]:
+        session.eval(t + 1)
+    a.keep(session.snapshot())              # another conversation: a evicts its 40
+    assert a.figures().evictions >= 1
+    fresh = _cache(engine, tmp_path)
+    assert _same(fresh.lookup(TOKENS, "scalar", at_most=80), states[77])
