@@ -44,12 +44,14 @@ class _Text:
         self.tok, self.words, self.rng = tokenizer, words, random.Random(seed)
 
     def __call__(self, n: int) -> str:
+        """About n tokens: the sentences' own counts added up (a sentence is tokenized once, not the
+        text so far again at each one; the requests report the exact counts)."""
         parts: list[str] = []
         count = 0
         while count < n:
-            sentence = " ".join(self.rng.choice(self.words) for _ in range(self.rng.randint(8, 20)))
-            parts.append(sentence.capitalize() + ".")
-            count = len(self.tok.encode_text(" ".join(parts)))
+            sentence = " ".join(self.rng.choice(self.words) for _ in range(self.rng.randint(8, 20))).capitalize() + "."
+            parts.append(sentence)
+            count += len(self.tok.encode_text(" " + sentence))
         return " ".join(parts)
 
 
