@@ -7,7 +7,7 @@ group, the last logits) has a fixed size. A *block* holds one span of `block_tok
 the growing part: for every compressed layer the rows of that span, and the span's rows of every
 per-token attachment. The span ends at a multiple of every layer's ratio, so a block's rows depend
 only on the tokens up to its end; a block is keyed by the backend and that token prefix (a chain of
-sha256, one link per block). Two states of one conversation, or two conversations with one system
+sha256 from the checkpoint's fingerprint, one link per block). Two states of one conversation, or two conversations with one system
 prompt, share the blocks of their common prefix.
 
 A state kept in blocks is a *head* (a SessionState whose rows and per-token attachments are only
@@ -49,10 +49,11 @@ def block_tokens(ratios, target: int = BLOCK_TARGET) -> int:
     return step * max(1, -(-target // step))
 
 
-def chain_keys(backend: str, tokens, span: int, n_blocks: int) -> list[str]:
+def chain_keys(checkpoint: str, backend: str, tokens, span: int, n_blocks: int) -> list[str]:
     """The keys of the first n_blocks blocks of `tokens`: block b's is the sha256 of block b-1's key
-    and the token ids of its span, the first's of the backend and the span."""
-    keys, prev = [], f"ds4f.kvblock:{backend}:{span}"
+    and the token ids of its span, the first's of the checkpoint's fingerprint, the backend and the
+    span (so two checkpoints sharing a directory never share a key)."""
+    keys, prev = [], f"ds4f.kvblock:{checkpoint}:{backend}:{span}"
     for b in range(n_blocks):
         h = hashlib.sha256(prev.encode())
         h.update(np.asarray(tokens[b * span:(b + 1) * span], np.int64).tobytes())
@@ -127,7 +128,7 @@ def split(state: SessionState, span: int) -> tuple[Head, list[Block]]:
             raise Ds4fError(f"a block of {span} positions is not a multiple of the compression ratio {r}",
                             kind="internal")
     n_blocks = state.position // span
-    keys = chain_keys(state.backend, state.tokens, span, n_blocks)
+    keys = chain_keys(state.checkpoint, state.backend, state.tokens, span, n_blocks)
     per_token = tuple(sorted(name for name, a in state.attached.items()
                              if a.ndim >= 1 and len(a) == state.position))
     blocks = [Block(key, b * span, span, {}) for b, key in enumerate(keys)]

@@ -39,6 +39,7 @@ from ds4f.errors import Ds4fError
 
 SUFFIX = ".kv"
 BLOCKS = "blocks"          # the directory's subdirectory of blocks
+ORPHAN_AGE_S = 600.0       # a block file no head uses is removed once this old (its head may still be coming)
 
 
 @dataclass
@@ -76,8 +77,9 @@ class CacheStats:
     write_budget: int = 0        # bytes a day; 0: none
 
 
-def _key(backend: str, tokens: tuple[int, ...]) -> str:
-    return hashlib.sha256(f"{backend}:{','.join(map(str, tokens))}".encode()).hexdigest()
+def _key(checkpoint: str, backend: str, tokens: tuple[int, ...]) -> str:
+    """A state's name: its checkpoint, backend and tokens (two models sharing a directory never collide)."""
+    return hashlib.sha256(f"{checkpoint}:{backend}:{','.join(map(str, tokens))}".encode()).hexdigest()
 
 
 def _headers(directory: Path):
@@ -157,7 +159,7 @@ class PrefixCache:
             raise Ds4fError("the session state belongs to another checkpoint or model", param="state")
         if not state.tokens:
             return
-        key = _key(state.backend, state.tokens)
+        key = _key(self.fingerprint, state.backend, state.tokens)
         head, blocks = split(state, self.span)
         with self._lock:
             entry = self._ram.get(key) or self._disk.get(key)
@@ -223,7 +225,7 @@ class PrefixCache:
     def _to_ram(self, entry: Entry, head: Head, blocks: list[Block], key: str | None = None) -> None:
         """(lock held) The entry's head and blocks in RAM if they fit there, then the tier within its
         bound (a block RAM already holds is shared, not copied)."""
-        key = key or _key(entry.backend, entry.tokens)
+        key = key or _key(self.fingerprint, entry.backend, entry.tokens)
         alone = head.nbytes + sum(b.nbytes for b in blocks)
         if alone <= self.ram_bytes:
             entry.head = head
@@ -274,17 +276,25 @@ class PrefixCache:
             self.log(f"prefix cache: {self.dir}: cannot write there ({exc.strerror or exc}); states kept in RAM only")
             self.dir = None
             return
-        for path in sorted(self._blocks_dir.glob(f"*{BLOCK_SUFFIX}")):
-            try:
-                self._disk_blocks[path.name[:-len(BLOCK_SUFFIX)]] = path.stat().st_size
-            except OSError:
-                pass
+        heads, others = [], set()         # this cache's readable heads; the blocks of the others'
         for path, head in _headers(self.dir):
             if isinstance(head, Ds4fError):
                 self._reject(path, str(head))
+            elif head["checkpoint"] != self.fingerprint or head["geometry"] != self.geometry:
+                others.update(head.get("blocks", ()))   # another checkpoint's: left for its own engine, blocks too
+            else:
+                heads.append((path, head))
+        mine = {k for _, head in heads for k in head.get("blocks", ())}
+        for path in sorted(self._blocks_dir.glob(f"*{BLOCK_SUFFIX}")):
+            try:
+                key, st = path.name[:-len(BLOCK_SUFFIX)], path.stat()
+            except OSError:
                 continue
-            if head["checkpoint"] != self.fingerprint or head["geometry"] != self.geometry:
-                continue                       # another checkpoint's: left for its own engine
+            if key in mine:
+                self._disk_blocks[key] = st.st_size
+            elif key not in others and time.time() - st.st_mtime > ORPHAN_AGE_S:   # no head uses it (a young
+                path.unlink(missing_ok=True)                                      # one's head may follow)
+        for path, head in heads:
             tokens = tuple(head["tokens"])
             keys = tuple(head.get("blocks", ()))
             attached = frozenset(a["name"].split(".", 1)[1] for a in head["arrays"] if a["name"].startswith("attached."))
@@ -295,20 +305,21 @@ class PrefixCache:
                 self._reject(path, f"{path}: a kept state whose {why}")
                 continue
             size = path.stat().st_size
-            self._disk[_key(head["backend"], tokens)] = Entry(tokens, head["backend"], keys, size, path=path,
-                                                              file_nbytes=size, attached=attached)
-        self._sweep_blocks()
+            self._disk[_key(self.fingerprint, head["backend"], tokens)] = Entry(
+                tokens, head["backend"], keys, size, path=path, file_nbytes=size, attached=attached)
+        self._sweep_blocks(others)             # what rejected heads held
         self._count()
 
-    def _sweep_blocks(self, rescan: bool = False) -> None:
-        """(lock held or not yet shared) Remove the block files this cache wrote or found that no
-        state on disk uses: its own states, and with `rescan` every head file the directory holds now
-        (another process sharing it may have written some since)."""
-        used = self._block_users(self._disk)
-        if rescan:
-            for _, head in _headers(self.dir):
-                if not isinstance(head, Ds4fError):
-                    used.update(dict.fromkeys(head.get("blocks", ()), 1))
+    def _sweep_blocks(self, others: set | None = None) -> None:
+        """(lock held or not yet shared) Remove the block files this cache wrote or took up that no
+        state uses: none of its own, and none of `others` (the blocks of the heads it does not keep;
+        None: every head the directory holds now, read again: another process's, another
+        checkpoint's)."""
+        used = set(self._block_users(self._disk))
+        if others is None:
+            others = {k for _, head in _headers(self.dir) if not isinstance(head, Ds4fError)
+                      for k in head.get("blocks", ())}
+        used |= others
         for k in [k for k in self._disk_blocks if k not in used]:
             block_path(self._blocks_dir, k).unlink(missing_ok=True)
             self._disk_blocks.pop(k, None)
@@ -343,7 +354,7 @@ class PrefixCache:
         except Ds4fError as exc:
             missing = not entry.path.exists()
             with self._lock:
-                self._disk.pop(_key(entry.backend, entry.tokens), None)
+                self._disk.pop(_key(self.fingerprint, entry.backend, entry.tokens), None)
                 self._count()
             if missing:
                 self.log(f"prefix cache: {entry.path}: gone (another process evicted it)")
@@ -426,7 +437,7 @@ class PrefixCache:
             entry.path.unlink(missing_ok=True)
             entry.path, entry.file_nbytes = None, 0
         self.stats.evictions += 1
-        self._sweep_blocks(rescan=True)
+        self._sweep_blocks()
 
     def _reject(self, path: Path, why: str) -> None:
         self.stats.rejected_files += 1

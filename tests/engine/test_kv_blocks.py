@@ -77,9 +77,11 @@ def test_states_of_one_conversation_share_their_blocks(states):
     # another token anywhere in the span: another key from there on
     other = list(states[77].tokens)
     other[20] += 1
-    keys = chain_keys(states[77].backend, other, 16, 4)
+    keys = chain_keys(states[77].checkpoint, states[77].backend, other, 16, 4)
     assert keys[0] == h77.keys[0] and all(k != h for k, h in zip(keys[1:], h77.keys[1:]))
-    assert chain_keys("avx2", states[77].tokens, 16, 1) != chain_keys("scalar", states[77].tokens, 16, 1)
+    fp = states[77].checkpoint
+    assert chain_keys(fp, "avx2", states[77].tokens, 16, 1) != chain_keys(fp, "scalar", states[77].tokens, 16, 1)
+    assert chain_keys("another", "scalar", states[77].tokens, 16, 1) != chain_keys(fp, "scalar", states[77].tokens, 16, 1)
 
 
 def test_a_block_file_is_checked_whole(states, tmp_path):

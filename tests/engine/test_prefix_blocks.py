@@ -187,3 +187,23 @@ def test_a_cache_evicting_keeps_the_blocks_another_process_uses(engine, states, 
     assert a.figures().evictions >= 1
     fresh = _cache(engine, tmp_path)
     assert _same(fresh.lookup(TOKENS, "scalar", at_most=80), states[77])
+
+
+def test_two_checkpoints_sharing_a_directory_keep_their_blocks_apart(engine, states, tmp_path):
+    """The same tokens on two checkpoints: blocks of their own keys, and opening a cache for one
+    removes nothing of the other's (the default kv directory serves every model)."""
+    import dataclasses
+
+    mine = _cache(engine, tmp_path)
+    mine.keep(states[77])
+    other_state = dataclasses.replace(states[77], checkpoint="another-checkpoint")
+    theirs = PrefixCache("another-checkpoint", engine.geometry.to_config(), 1 << 30, tmp_path / "kv", 1 << 30,
+                         span=SPAN)
+    theirs.keep(other_state)
+    assert len(_files(tmp_path, "*.kvb")) == 2 * (77 // SPAN)
+    assert len(list((tmp_path / "kv").glob("*.kv"))) == 2
+    again = _cache(engine, tmp_path)                      # opening mine leaves theirs whole
+    assert _same(again.lookup(TOKENS, "scalar", at_most=80), states[77])
+    back = PrefixCache("another-checkpoint", engine.geometry.to_config(), 1 << 30, tmp_path / "kv", 1 << 30, span=SPAN)
+    assert _same(back.lookup(TOKENS, "scalar", at_most=80), other_state)
+    assert back.figures().blocks_disk == again.figures().blocks_disk == 77 // SPAN    # each counts its own
