@@ -105,6 +105,7 @@ class Engine:
                                  preset.policy, min_slots=(g.n_hash_layers + 1) * g.top_k, n_experts=g.n_experts)
         self.reader = Reader(checkpoint, io_threads)
         self.prefix_cache: PrefixCache | None = None   # use_prefix_cache makes it
+        self._prefix_lock = threading.Lock()
         self.streamer = Streamer(checkpoint, self.pinned, self.routers, self.globals, self.cache, self.reader,
                                  prefetch=bool(preset.prefetch), attention=self.attention)
         self.mtp = None              # the MTP layer, loaded when a run first drafts (mtp_layer)
@@ -196,16 +197,17 @@ class Engine:
         """The engine's prefix cache, made on first use with these bounds (kept as long as the
         engine: the states of one run serve the next); its RAM bound counts as resident. block:
         positions a block of kept rows spans (engine.kv_blocks; 0: the default)."""
-        pc = self.prefix_cache
         g = self.geometry
         span = block_tokens(g.to_config().get("compress_ratios", ())[:g.n_layers], block or BLOCK_TARGET)
         asked = (ram_bytes, str(disk_dir), disk_bytes, span, write_budget)
-        if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes, pc.span, pc.stats.write_budget) != asked:
-            self.prefix_cache = PrefixCache(self.fingerprint, g.to_config(), ram_bytes, disk_dir, disk_bytes, log,
-                                            span=span, write_budget=write_budget)
-        elif log is not None:
-            pc.log = log
-        return self.prefix_cache
+        with self._prefix_lock:      # the first runs of a batch ask at once: one cache for all of them
+            pc = self.prefix_cache
+            if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes, pc.span, pc.stats.write_budget) != asked:
+                self.prefix_cache = PrefixCache(self.fingerprint, g.to_config(), ram_bytes, disk_dir, disk_bytes, log,
+                                                span=span, write_budget=write_budget)
+            elif log is not None:
+                pc.log = log
+            return self.prefix_cache
 
     @functools.cached_property
     def fingerprint(self) -> str:

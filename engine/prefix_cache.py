@@ -269,7 +269,7 @@ class PrefixCache:
     def _open_dir(self) -> None:
         try:
             self._blocks_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}"
+            probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}"   # a name no other cache uses
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:

@@ -207,3 +207,37 @@ def test_two_checkpoints_sharing_a_directory_keep_their_blocks_apart(engine, sta
     back = PrefixCache("another-checkpoint", engine.geometry.to_config(), 1 << 30, tmp_path / "kv", 1 << 30, span=SPAN)
     assert _same(back.lookup(TOKENS, "scalar", at_most=80), other_state)
     assert back.figures().blocks_disk == again.figures().blocks_disk == 77 // SPAN    # each counts its own
+
+
+def test_runs_that_start_together_share_one_cache_and_its_directory(engine, tmp_path):
+    """The first runs of a batch ask for the prefix cache at once: one cache comes of it, and caches
+    opened at the same moment on one directory each find it writable (no probe of one is another's)."""
+    import threading
+
+    engine.prefix_cache = None
+    barrier, got = threading.Barrier(8), []
+
+    def ask():
+        barrier.wait()
+        got.append(engine.use_prefix_cache(1 << 20, str(tmp_path / "kv"), 1 << 30))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 8 and len({id(c) for c in got}) == 1 and got[0].dir is not None
+    engine.prefix_cache = None
+    opened = []
+    barrier = threading.Barrier(8)
+
+    def open_one():
+        barrier.wait()
+        opened.append(_cache(engine, tmp_path / "shared"))
+
+    threads = [threading.Thread(target=open_one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(opened) == 8 and all(c.dir is not None for c in opened)
