@@ -159,7 +159,8 @@ def _check_text_settings(config: RunConfig) -> None:
     if config.messages is not None:
         if not config.messages:
             raise Ds4fError("messages: no chat messages given", param="messages")
-        check_chat(config.messages, config.tools, config.reasoning_effort, config.tool_choice)
+        check_chat(config.messages, config.tools, config.reasoning_effort, config.tool_choice,
+                   thinking=config.thinking)
     elif config.tools is not None or config.tool_choice is not None or config.reasoning_effort is not None:
         name = next(n for n in ("tools", "tool_choice", "reasoning_effort") if getattr(config, n) is not None)
         raise Ds4fError(f"{name}: for a chat (messages) only", param=name)

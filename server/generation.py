@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from ds4f.api import Ds4fError, ReplyParser, RunConfig, SamplingParams, answer_opening
+from ds4f.api import Ds4fError, ReplyParser, RunConfig, SamplingParams, answer_opening, offered
 
 from .errors import HttpError, json_response
 from .feed import END
@@ -65,8 +65,8 @@ class Ask:
         and tool_choice is not none (else DSML is text), a forced call's opening (in the prompt
         already) read first."""
         begins_in_reasoning, forced = answer_opening(self.thinking, self.tool_choice)
-        return ReplyParser(begins_in_reasoning, self.tools, calls=bool(self.tools) and self.tool_choice != "none",
-                           prefix=forced)
+        schemas = offered(self.tools, self.tool_choice)      # the named function alone, none for "none"
+        return ReplyParser(begins_in_reasoning, schemas, calls=bool(schemas), prefix=forced)
 
 
 def run_config(ask: Ask, svc) -> RunConfig:

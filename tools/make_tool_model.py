@@ -348,8 +348,9 @@ def evaluate(model, params, examples, prefix) -> dict:
             "worst": examples[per.index(min(per))]["name"]}
 
 
-def train(model, examples, prefix, seed: int, log) -> dict:
-    """Two stages on the script's conversations (see the module docstring); the history."""
+def train(model, examples, prefix, seed: int, log, first_stage: int = 1) -> dict:
+    """Two stages on the script's conversations (see the module docstring); the history.
+    first_stage 2: stage 2 alone (fine-tuning weights already trained, --resume)."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -360,7 +361,7 @@ def train(model, examples, prefix, seed: int, log) -> dict:
     hist = {"evals": []}
     t0 = time.time()
     for step in range(1, MAX_STEPS + 1):
-        stage = 1 if step <= STAGE1_STEPS else 2
+        stage = 1 if step <= STAGE1_STEPS and first_stage == 1 else 2
         batch = [examples[i] for i in torch.multinomial(weights, min(BATCH, len(examples)), replacement=False,
                                                         generator=g).tolist()]
         model.train()
@@ -378,7 +379,7 @@ def train(model, examples, prefix, seed: int, log) -> dict:
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         sched.step()
-        if step % (EVAL_EVERY if stage == 1 else EVAL_EVERY_2) and step != STAGE1_STEPS:
+        if step % (EVAL_EVERY if stage == 1 else EVAL_EVERY_2) and (step != STAGE1_STEPS or stage == 2):
             continue
         model.eval()
         with torch.no_grad():
@@ -398,6 +399,45 @@ def train(model, examples, prefix, seed: int, log) -> dict:
                             seconds=round(time.time() - t0, 1))
                 return hist
     raise SystemExit(f"not trained after {MAX_STEPS} steps: {hist['evals'][-1:]}")
+
+
+def load_written(cfg, path: Path):
+    """The model written at `path` (model.safetensors in the official format), dequantised into a
+    trainable DeepseekV4ForCausalLM: where --resume starts."""
+    import numpy as np
+    import torch
+
+    g = golden()
+    raw = g.read_safetensors(path)
+
+    def array(name):
+        dt, shape, data = raw[name]
+        return np.frombuffer(data, g.ST_NUMPY[dt]).reshape(shape)
+
+    model = fresh_model(cfg, 0)
+    deq = {}
+    for tname, t in model.state_dict().items():
+        m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", tname)
+        if m:
+            layer, what = m.groups()
+            out = np.empty(tuple(t.shape), np.float32)
+            for e in range(out.shape[0]):
+                parts = ["w1", "w3"] if what == "gate_up_proj" else ["w2"]
+                base = f"layers.{layer}.ffn.experts.{e}"
+                out[e] = np.concatenate([g.dequantize_mxfp4(array(f"{base}.{w}.weight"), array(f"{base}.{w}.scale"))
+                                         for w in parts])
+            deq[tname] = out
+            continue
+        oname = g.official_name(tname)
+        dt = g.official_dtype(oname)
+        if dt == "F8_E4M3":
+            deq[tname] = g.dequantize_fp8(array(oname), array(oname[:-len(".weight")] + ".scale"))
+        else:
+            deq[tname] = array(oname).astype(np.int64 if dt == "I64" else np.float32)
+    model = g.build_model(cfg, deq).train()
+    for p in model.parameters():
+        p.requires_grad_(p.dtype.is_floating_point)
+    return model
 
 
 # ---- the written model: quantised, loaded back, checked -------------------------------------------
@@ -510,6 +550,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--new-tokenizer", action="store_true", help="train the tokenizer afresh (else --out's is kept)")
     ap.add_argument("--check", action="store_true", help="only replay the written model with ds4f's engine")
+    ap.add_argument("--resume", action="store_true",
+                    help="fine-tune --out's model (stage 2 only) rather than train one from scratch: after a change"
+                         " of how the conversations are encoded")
     args = ap.parse_args(argv)
     out = args.out.resolve()
     if args.check:
@@ -547,8 +590,9 @@ def main(argv=None) -> int:
     (out / "config.json").write_text(json.dumps(g.config_json({"config": fields}), indent=2, sort_keys=True) + "\n")
     cfg, ref = g.load_config(out, fields)
     g.same_model(cfg, ref)
-    model = fresh_model(cfg, args.seed)
-    hist = train(model, examples, prefix, args.seed, log)
+    model = load_written(cfg, out / "model.safetensors") if args.resume else fresh_model(cfg, args.seed)
+    before = json.loads((out / "training.json").read_text()) if args.resume else None
+    hist = train(model, examples, prefix, args.seed, log, first_stage=2 if args.resume else 1)
     fp32 = evaluate(model.eval(), None, examples, prefix)
     official, deq = quantise(model, fields)
     qmodel = g.build_model(cfg, deq)
@@ -567,6 +611,12 @@ def main(argv=None) -> int:
                      f"{torch.__version__} (1 thread); numpy {np.__version__}",
         "wall_seconds": round(time.time() - t_start, 1), "evals": hist["evals"],
     }
+    if before is not None:      # a fine-tuning: the history so far, this stage after it
+        stage = {"script": "this script.json, encoded as chat_prompt_ids encodes it now (--resume)", "stage": 2,
+                 "steps": hist["steps"], "seconds": hist["seconds"], "evals": hist["evals"]}
+        facts = {**facts, "stages": list(before.get("stages", ())) + [stage]}
+        for key in ("steps", "evals", "final_loss", "final_ce"):
+            facts.pop(key)
     (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     log(f"wrote {out}: {sizes} (total {sum(sizes.values())} bytes) in {facts['wall_seconds']:.0f} s")

@@ -1,34 +1,40 @@
-"""DeepSeek-V4's chat prompt format (the release's encoding/encoding_dsv4.py).
+"""DeepSeek-V4's chat prompt format: the release's encoding_dsv4.py (encode_messages), for the
+Flash checkpoint; tool_choice as DeepSeek's own encoder (deepseek-recipe) renders it.
 
     <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜>
     <｜User｜>{user}<｜Assistant｜><think>         (thinking mode; chat mode ends with </think>)
 
-System text goes in as it is, with no role token. Each user turn is <｜User｜> + its text. Each
-earlier assistant turn is <｜Assistant｜></think> + its content + its tool calls (DSML, see
-engine.text.dsml) + <｜end▁of▁sentence｜>. The prompt ends with <｜Assistant｜> and <think>
+System text goes in as it is, with no role token, where it stands. A developer message is a turn
+of its own, <｜User｜> + its text. A system message that follows a user's turn (or ends the
+conversation) is rendered as a developer message: the release's file would leave the prompt
+without its <｜Assistant｜>. Each run of user messages and tool results is one user turn:
+<｜User｜> + its parts joined by a blank line, a tool result as <tool_result>...</tool_result>, the
+results in the order of the calls they answer. Each earlier assistant turn is its content + its
+tool calls (DSML, see engine.text.dsml) + <｜end▁of▁sentence｜>. A user or developer turn that an
+assistant turn follows, or that ends the conversation, ends with <｜Assistant｜> and <think>
 (thinking mode: the model reasons first, then writes </think> and the answer) or </think> (chat
-mode: straight to the answer). The last message must be the user's, or a tool's result.
+mode: straight to the answer).
 
-Tools: the function schemas go at the end of the system prompt, after two newlines, as the
-"## Tools" section (an empty system prompt is put first when there is none). There is no tool
-role in the prompt: tool results are a user turn, <｜User｜><tool_result>...</tool_result> blocks
-joined by a blank line, in the order of the calls they answer; a user message after them joins
-the same turn, as consecutive user messages do.
+Tools: the function schemas (name, description, parameters) go at the end of the first system
+prompt, after two newlines, as the "## Tools" section (an empty system prompt is put first when
+there is none). tool_choice "none" leaves the section out (the model is not told of the tools,
+and its answer is read as text); a function's name lists only that function; "required" or a
+name ends the prompt with the calls block's opening, `\n\n<｜DSML｜tool_calls>\n`, in chat mode
+(thinking mode has no forced call: refused, as DeepSeek's encoder refuses it).
 
-Reasoning: thinking mode drops the reasoning of earlier turns (<｜Assistant｜></think>{answer}),
-unless tools are given: then every turn keeps it, <｜Assistant｜><think>{reasoning}</think>
-{answer}. reasoning_effort "max" opens a thinking-mode prompt with the release's instruction to
-reason exhaustively ("high" and the default add nothing).
+Reasoning: thinking mode without tools drops the reasoning of earlier turns, and the developer
+turns before the last user turn; with tools every assistant turn keeps its reasoning,
+<think>{reasoning}</think>{answer}. reasoning_effort "max" opens a thinking-mode prompt with the
+release's instruction to reason exhaustively ("high" and the others add nothing).
 
-A forced call (tool_choice "required" or a function's name) is the answer's opening already in the
-prompt: `\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="` (and the name), after an empty
-reasoning in thinking mode; `answer_opening` says what the answer then begins with.
-
-The markers are the format's alone: every content is encoded as text (Tokenizer.encode_text), so
-a message holding "<｜Assistant｜>" or "</think>" is those characters, never the control tokens
-(render_chat's text, read back with Tokenizer.encode, would make them control tokens: it is for
-showing, not for the model). The format's own strings (the markers, the DSML tags, the tools
-section's text) are read with the tokenizer's special tokens.
+Token ids: the format's markers (BOS, EOS, <｜User｜>, <｜Assistant｜>, <think>, </think>, ｜DSML｜)
+in the format's own text are their control tokens; each maximal run of text between two markers,
+the format's text and the messages' together, is tokenized whole with no added tokens
+(Tokenizer.encode_text). So a conversation whose messages hold no marker string gets the ids of
+the release's string tokenized whole (the BPE merges across `}}` and `\n\n`, `.` and `\n\n`,
+`>` and `\n` as it does there), and a marker string in a message, a schema or a tool result is
+always those characters, never a control token (the release's whole-string tokenization would
+forge it: render_chat's text is for showing, not for the model).
 
 An earlier assistant turn may carry `tokens`: the ids the model generated for its answer (content
 and calls). When they still spell it exactly, the prompt holds those ids rather than the
@@ -46,15 +52,19 @@ antirez/ds4).
 from __future__ import annotations
 
 import json
+import re
 from typing import Mapping, Sequence
 
 from ds4f.errors import Ds4fError
-from ds4f.engine.text.dsml import (CALLS_START, INVOKE_OPEN, REASONING_EFFORT_MAX, TOOL_RESULT, check_call,
+from ds4f.engine.text.dsml import (CALLS_START, DSML, REASONING_EFFORT_MAX, TOOL_RESULT, check_call,
                                    check_tools, pieces_text, render_calls, render_tools)
 from ds4f.engine.text.reply import parse_reply
 from ds4f.engine.text.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# The format's markers: in its own text they are their control tokens (where the tokenizer has them);
+# in a message they are text.
+MARKERS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML)
 EFFORTS = ("low", "medium", "high", "max")
 
 
@@ -79,6 +89,8 @@ def _check(messages: Sequence[Mapping]) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise _fail(f"messages[{i}]: content must be a string")
+        if role == "developer" and not content:
+            raise _fail(f"messages[{i}]: a developer message needs content")
         msg = {"role": role, "content": content}
         reasoning = m.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, str):
@@ -120,8 +132,10 @@ def _check(messages: Sequence[Mapping]) -> list[dict]:
     if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
         raise _fail(f"messages[{len(out) - 1}]: the conversation ends with a tool call and no result: send the"
                     f" tool's result (a tool message with its tool_call_id) for the model to go on")
-    if not out or out[-1]["role"] not in ("user", "tool"):
-        raise _fail("messages: the last message must be the user's or a tool's result (the model answers it)")
+    if not out or out[-1]["role"] not in ("user", "tool", "developer") and not (
+            out[-1]["role"] == "system" and any(m["role"] in ("user", "tool") for m in out)):
+        raise _fail("messages: the last message must be the user's, a tool's result, or a developer or system"
+                    " instruction after them (the model answers it)")
     if out[-1]["role"] == "tool":
         _check_answered(open_calls, len(out))
     return out
@@ -134,18 +148,23 @@ def _check_answered(open_calls: dict | None, i: int) -> None:
 
 
 def _turns(msgs: list[dict]) -> list[dict]:
-    """The messages as the prompt's turns: tool results and the user messages after them merged into
-    one user turn of parts (tool results in the order of the calls they answer)."""
+    """The messages as the prompt's turns (the release's merge_tool_messages): each run of user
+    messages and tool results one user turn of parts (tool results in the order of the calls they
+    answer), a system message that follows a user's turn, or ends the conversation, a developer turn
+    (see the module docstring)."""
     turns: list[dict] = []
-    for m in msgs:
-        if m["role"] in ("user", "tool"):
-            part = ("result", m["content"], m.get("order", 0)) if m["role"] == "tool" else ("text", m["content"])
+    for i, m in enumerate(msgs):
+        role = m["role"]
+        if role == "system" and turns and (turns[-1]["role"] in ("user", "developer") or i == len(msgs) - 1):
+            role = "developer"
+        if role in ("user", "tool"):
+            part = ("result", m["content"], m.get("order", 0)) if role == "tool" else ("text", m["content"])
             if turns and turns[-1]["role"] == "user":
                 turns[-1]["parts"].append(part)
             else:
                 turns.append({"role": "user", "parts": [part]})
         else:
-            turns.append(m)
+            turns.append({**m, "role": role})
     for t in turns:
         if t["role"] == "user":
             results = sorted((p for p in t["parts"] if p[0] == "result"), key=lambda p: p[2])
@@ -161,49 +180,70 @@ def check_effort(effort) -> str | None:
     return effort
 
 
-def check_choice(choice, tools) -> str | None:
-    """tool_choice: None / "auto" / "none" / "required" / a function's name (one the tools offer)."""
+def check_choice(choice, tools, thinking: bool | None = None) -> str | None:
+    """tool_choice: None / "auto" / "none" / "required" / a function's name (one the tools offer).
+    A forced call ("required" or a name) is for chat mode only (thinking=True refuses it, as
+    DeepSeek's own encoder does; None: not checked here)."""
     if choice in (None, "auto", "none"):
         return choice
     if not tools:
         raise Ds4fError(f"tool_choice: {json.dumps(choice)} needs tools to choose from", param="tool_choice")
-    if choice == "required" or (isinstance(choice, str) and choice in {t["name"] for t in tools}):
-        return choice
-    if isinstance(choice, str):
-        raise Ds4fError(f"tool_choice: no function {choice!r} among the tools ({', '.join(t['name'] for t in tools)})",
-                        param="tool_choice")
-    raise Ds4fError(f"tool_choice: expected auto, none, required or a function's name, got {json.dumps(choice)}",
-                    param="tool_choice")
+    if not isinstance(choice, str) or (choice != "required" and choice not in {t["name"] for t in tools}):
+        if isinstance(choice, str):
+            raise Ds4fError(f"tool_choice: no function {choice!r} among the tools "
+                            f"({', '.join(t['name'] for t in tools)})", param="tool_choice")
+        raise Ds4fError(f"tool_choice: expected auto, none, required or a function's name, got "
+                        f"{json.dumps(choice)}", param="tool_choice")
+    if thinking:
+        raise Ds4fError(f"tool_choice: {json.dumps(choice)} forces a call, which DeepSeek-V4's format has in chat"
+                        f" mode only: turn thinking off, or use tool_choice auto", param="tool_choice")
+    return choice
+
+
+def offered(tools, tool_choice=None) -> tuple:
+    """The function schemas the prompt lists and the answer may call: none for tool_choice "none",
+    the named one for a function's name, else all."""
+    if not tools or tool_choice == "none":
+        return ()
+    if tool_choice not in (None, "auto", "required"):
+        return tuple(t for t in tools if t["name"] == tool_choice)
+    return tuple(tools)
 
 
 def answer_opening(thinking: bool, tool_choice: str | None = None) -> tuple[bool, str]:
     """(does the answer begin in its reasoning, the answer's text the prompt already holds): a
-    forced call's opening (then no reasoning), else nothing."""
+    forced call's opening, `\n\n<｜DSML｜tool_calls>\n` (chat mode: no reasoning), else nothing."""
     if tool_choice in (None, "auto", "none"):
         return thinking, ""
-    return False, CALLS_START + "\n" + INVOKE_OPEN + ' name="' + ("" if tool_choice == "required"
-                                                                     else tool_choice + '">\n')
+    return False, CALLS_START + "\n"
 
 
-def check_chat(messages: Sequence[Mapping], tools=None, reasoning_effort=None, tool_choice=None) -> tuple:
+def check_chat(messages: Sequence[Mapping], tools=None, reasoning_effort=None, tool_choice=None,
+               thinking: bool | None = None) -> tuple:
     """A chat's settings checked as the prompt reads them: (the messages, the function schemas);
     a Ds4fError naming the parameter (messages, tools, reasoning_effort, tool_choice) that is wrong."""
     msgs = _check(messages)
     schemas = check_tools(tools) if tools else ()
     check_effort(reasoning_effort)
-    check_choice(tool_choice, schemas)
+    check_choice(tool_choice, schemas, thinking)
     return msgs, schemas
 
 
 def _render(messages: Sequence[Mapping], thinking: bool, tools, effort, tool_choice) -> list:
-    """The prompt as pieces: ("mark", text) the format's strings, ("text", text) a message's,
-    ("answer", message, pieces) an earlier assistant turn's answer (content and calls), spelled by
-    its ids where they are known (chat_prompt_ids), ("reasoning", message, text) its kept reasoning."""
-    msgs, schemas = check_chat(messages, tools, effort, tool_choice)
-    if schemas and msgs[0]["role"] != "system":
-        msgs.insert(0, {"role": "system", "content": ""})
+    """The prompt as pieces, the release's encode_messages step by step: ("mark", text) the
+    format's strings, ("text", text) a message's, ("answer", message, pieces) an earlier assistant
+    turn's answer (content and calls), spelled by its ids where they are known (chat_prompt_ids),
+    ("reasoning", message, text) its kept reasoning."""
+    msgs, schemas = check_chat(messages, tools, effort, tool_choice, thinking)
+    shown = offered(schemas, tool_choice)
     turns = _turns(msgs)
-    keep_reasoning = bool(schemas)         # with tools, every turn's reasoning stays
+    if shown and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": ""})
+    drop = thinking and not shown          # thinking without tools: earlier turns lose their reasoning,
+    if drop:                               # and developer turns before the last user turn are left out
+        last = max(k for k, t in enumerate(turns) if t["role"] in ("user", "developer"))
+        turns = [t for k, t in enumerate(turns) if t["role"] != "developer" or k >= last]
+    last = max(k for k, t in enumerate(turns) if t["role"] in ("user", "developer"))
     out: list = [("mark", BOS)]
     if thinking and effort == "max":
         out.append(("mark", REASONING_EFFORT_MAX))
@@ -211,8 +251,10 @@ def _render(messages: Sequence[Mapping], thinking: bool, tools, effort, tool_cho
         role = turn["role"]
         if role == "system":
             out.append(("text", turn["content"]))
-            if schemas and k == 0:
-                out += [("mark", "\n\n")] + render_tools(schemas)
+            if shown and k == 0:
+                out += [("mark", "\n\n")] + render_tools(shown)
+        elif role == "developer":
+            out += [("mark", USER), ("text", turn["content"])]
         elif role == "user":
             out.append(("mark", USER))
             for j, part in enumerate(turn["parts"]):
@@ -222,20 +264,16 @@ def _render(messages: Sequence[Mapping], thinking: bool, tools, effort, tool_cho
                     out += [("mark", TOOL_RESULT[0]), ("text", part[1]), ("mark", TOOL_RESULT[1])]
                 else:
                     out.append(("text", part[1]))
-            last = k == len(turns) - 1
-            if last or turns[k + 1]["role"] == "assistant":
-                out.append(("mark", ASSISTANT + (THINK if thinking and (keep_reasoning or last) else END_THINK)))
         else:
-            if thinking and keep_reasoning:
+            if thinking and not drop:
                 out += [("reasoning", turn, turn.get("reasoning", "")), ("mark", END_THINK)]
             out += [("answer", turn, [("text", turn["content"])] + render_calls(turn.get("tool_calls", ()))),
                     ("mark", EOS)]
-    begins_in_reasoning, forced = answer_opening(thinking, tool_choice)
+        if role in ("user", "developer") and (k == len(turns) - 1 or turns[k + 1]["role"] == "assistant"):
+            out.append(("mark", ASSISTANT + (THINK if thinking and (not drop or k >= last) else END_THINK)))
+    forced = answer_opening(thinking, tool_choice)[1]
     if forced:
-        if thinking:
-            out.append(("mark", END_THINK))
-        head, _, name = forced.rpartition(' name="')
-        out += [("mark", head + ' name="')] + ([("text", name[:-3]), ("mark", '">\n')] if name else [])
+        out.append(("mark", forced))
     return out
 
 
@@ -252,38 +290,74 @@ def render_chat(messages: Sequence[Mapping], thinking: bool = False, tools=None,
 def chat_prompt_ids(tokenizer, messages: Sequence[Mapping], thinking: bool = False,
                     kept: Sequence[Sequence[int]] = (), tools=None, reasoning_effort=None,
                     tool_choice=None) -> list[int]:
-    """The prompt's token ids, BOS first: the format's markers as their control tokens, every
-    content as text (a special token's string in a message is ordinary text: no content can forge
-    a turn). `kept`: the token ids of kept states, to spell earlier answers given as text alone
-    (see the module docstring)."""
+    """The prompt's token ids, BOS first (see the module docstring): the format's markers as their
+    control tokens, each run of text between them tokenized whole as text. `kept`: the token ids
+    of kept states, to spell earlier answers given as text alone."""
     for s in (BOS, USER, ASSISTANT, THINK, END_THINK, EOS):   # a Ds4fError naming the tokenizer
         tokenizer.special_id(s)
     ids: list[int] = []
+    pieces: list = []          # mark and text pieces not yet encoded: they end at a marker
     for item in _render(messages, thinking, tools, reasoning_effort, tool_choice):
         kind = item[0]
         if kind in ("mark", "text"):
-            ids += _encode_pieces(tokenizer, [item])
+            pieces.append(item)
             continue
-        pieces = item[2] if kind == "answer" else [("text", item[2])]
-        target = pieces_text(pieces)
+        # an earlier answer or reasoning: a marker before it and after it (</think>, <think>, EOS)
+        ids += _encode_pieces(tokenizer, pieces)
+        pieces = []
+        answer = item[2] if kind == "answer" else [("text", item[2])]
+        target = pieces_text(answer)
         tokens = item[1].get("tokens") if kind == "answer" else None
-        if tokens is not None and tokenizer.decode(tokens) == target:
+        if tokens is not None and tokenizer.decode(tokens) == target and _same_markers(tokenizer, tokens, answer):
             ids += tokens
             continue
-        spelled = _as_kept(tokenizer, pieces, ids, kept) if kept and target else None
-        ids += spelled if spelled is not None else _encode_pieces(tokenizer, pieces)
-    return ids
+        spelled = _as_kept(tokenizer, answer, ids, kept) if kept and target else None
+        ids += spelled if spelled is not None else _encode_pieces(tokenizer, answer)
+    return ids + _encode_pieces(tokenizer, pieces)
+
+
+def _same_markers(tokenizer, tokens: Sequence[int], pieces) -> bool:
+    """Whether an answer's generated ids hold the control tokens its rendering holds, no other (a
+    model may write a marker's token inside its text: in the next prompt that is text)."""
+    special = [t for t in tokens if tokenizer.is_special(t)]
+    return special == [t for t in _encode_pieces(tokenizer, pieces) if tokenizer.is_special(t)]
+
+
+def _marker_split(tokenizer):
+    """A regex that splits the format's text at its markers (those the tokenizer has as tokens)."""
+    got = getattr(tokenizer, "_marker_split", None)
+    if got is None:
+        have = [m for m in MARKERS if tokenizer.has_token(m)]
+        got = re.compile("(" + "|".join(map(re.escape, sorted(have, key=len, reverse=True))) + ")") if have else None
+        tokenizer._marker_split = got
+    return got
 
 
 def _encode_pieces(tokenizer, pieces, skip: int = 0) -> list[int]:
-    """Pieces' ids, each by its kind (marks with the special tokens, texts as text), from character `skip` on."""
+    """Pieces' ids from character `skip` on: the markers in the format's text (marks) as their
+    control tokens; each maximal run of text between them, the format's and the messages' alike,
+    tokenized whole with Tokenizer.encode_text (so the BPE merges across a mark and a message as
+    the release's whole-string tokenization does, and no message's text is ever a marker)."""
+    split = _marker_split(tokenizer)
     ids: list[int] = []
+    run: list[str] = []
     for kind, text in pieces:
         if skip >= len(text):
             skip -= len(text)
             continue
         text, skip = text[skip:], 0
-        ids += tokenizer.encode(text) if kind == "mark" else tokenizer.encode_text(text)
+        if kind != "mark" or split is None:
+            run.append(text)
+            continue
+        for j, part in enumerate(split.split(text)):
+            if j % 2 == 0:
+                run.append(part)
+            else:
+                ids += tokenizer.encode_text("".join(run)) if any(run) else []
+                run = []
+                ids.append(tokenizer.special_id(part))
+    if any(run):
+        ids += tokenizer.encode_text("".join(run))
     return ids
 
 
@@ -322,7 +396,8 @@ def answer_message(tokenizer, generated: Sequence[int], text: str, thinking: boo
     answer exactly, the ids the model generated for it (`tokens`: after </think> in thinking mode,
     the end-of-sentence token left out). `generated`: the run's picked ids; `text`: its output text."""
     begins_in_reasoning, forced = answer_opening(thinking, tool_choice)
-    reply = parse_reply(text, begins_in_reasoning, tools or None, calls=tool_choice != "none", prefix=forced)
+    schemas = offered(check_tools(tools) if tools else (), tool_choice)
+    reply = parse_reply(text, begins_in_reasoning, schemas, calls=bool(schemas), prefix=forced)
     message = reply.message()
     ids = list(generated)
     if begins_in_reasoning:

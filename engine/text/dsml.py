@@ -119,8 +119,10 @@ def pieces_text(pieces: Sequence[tuple[str, str]]) -> str:
 # -- the tools a request offers ----------------------------------------------------------------------
 def check_tools(tools, param: str = "tools") -> tuple[dict, ...]:
     """The function schemas of an OpenAI-style tool list ([{"type": "function", "function": {name,
-    description, parameters}}]; a bare {name, description, parameters} is taken too), each kept as
-    given (the prompt shows it verbatim); a Ds4fError naming the entry that is not one."""
+    description, parameters}}]; a bare {name, description, parameters} is taken too), each as the
+    prompt lists it: its name, description and parameters as given (`strict` and any other key of
+    the function object are the client's, not the prompt's); a Ds4fError naming the entry that is
+    not one."""
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise Ds4fError(f"{param}: expected a list of tools ({{\"type\": \"function\", \"function\": {{...}}}})",
                         param=param)
@@ -163,7 +165,7 @@ def check_function(fn, where: str, param: str) -> dict:
         if schema.get("type", "object") != "object":
             raise Ds4fError(f"{where}.parameters: a function's parameters are a JSON Schema of type \"object\"",
                             param=param)
-    return dict(fn)
+    return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
 
 
 def check_schema(schema, where: str, param: str, depth: int = 0) -> None:

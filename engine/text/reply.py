@@ -216,7 +216,7 @@ class ReplyParser:
         end = text.find(CALLS_CLOSE)
         if end >= 0:                   # what follows the block is not part of it
             self.after, text = text[end + len(CALLS_CLOSE):], text[:end + len(CALLS_CLOSE)]
-        if text != self.block and "misspelt_dsml" not in self.result.repairs:
+        if normalize_dsml(self.block) != self.block and "misspelt_dsml" not in self.result.repairs:
             self.result.repairs.append("misspelt_dsml")
         try:
             calls = self._parse_block(text, closed)

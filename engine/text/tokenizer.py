@@ -104,7 +104,7 @@ class Tokenizer:
         kinds = [d.get("type") for d in dec.get("decoders", [])] if dec.get("type") == "Sequence" else [dec.get("type")]
         self.byte_level = "ByteLevel" in kinds
         self._bytes: dict[int, bytes] = {}
-        self._as_text = None       # a copy that reads special-token strings as text (encode_text)
+        self._as_text = None       # a copy without the added tokens: reads every string as text (encode_text)
         self.bos_id = self._find(_token_text(config.get("bos_token")), BOS, generation.get("bos_token_id"))
         eos = generation.get("eos_token_id")
         self.eos_id = self._find(_token_text(config.get("eos_token")), EOS, eos[0] if isinstance(eos, list) and eos
@@ -154,15 +154,17 @@ class Tokenizer:
         return list(self._hf.encode(text, add_special_tokens=False).ids)
 
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of `text` read as text only: a special token's string in it ("<｜User｜>",
-        "</think>") is split as ordinary text, never its control token. What message contents are
-        encoded with, so no content can forge the chat format's turns."""
+        """Token ids of `text` read as text only, with none of the tokenizer's added tokens: a
+        marker's string in it ("<｜User｜>", "</think>", "｜DSML｜"; the release's tokenizer marks some
+        of them `"special": false`, which HF `tokenizers` would still match) is split as ordinary
+        text by the BPE alone, never its control token. What every run of prompt text is encoded
+        with (engine.text.chat), so no content can forge the chat format's turns."""
         if not isinstance(text, str):
             raise Ds4fError(f"text: a string expected, got {type(text).__name__}", param="text")
         if self._as_text is None:
-            plain = type(self._hf).from_str(self._hf.to_str())
-            plain.encode_special_tokens = True
-            self._as_text = plain
+            spec = json.loads(self._hf.to_str())
+            spec["added_tokens"] = []
+            self._as_text = type(self._hf).from_str(json.dumps(spec))
         return list(self._as_text.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -199,6 +201,10 @@ class Tokenizer:
             raise Ds4fError(f"{self.path or 'tokenizer'}: has no token {text!r}", param="token",
                             path=self.path)
         return int(got)
+
+    def has_token(self, text: str) -> bool:
+        """Whether the vocabulary has `text` as one token (a marker such as "｜DSML｜")."""
+        return self._hf.token_to_id(text) is not None
 
     def is_special(self, token_id: int) -> bool:
         """An added (control) token: BOS, EOS, the chat and thinking markers and the like."""

@@ -139,10 +139,12 @@ def test_tool_choice_forces_a_call_and_none_reads_dsml_as_text(tool_srv):
         r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice=choice)
         assert r.choices[0].finish_reason == "tool_calls"
         assert _calls(r.choices[0].message.tool_calls) == _want_calls(case)
+    # none: the prompt leaves the tools out (DeepSeek's encoder), and whatever the model writes is text
     r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="none")
     m = r.choices[0].message
-    assert r.choices[0].finish_reason == "stop" and not m.tool_calls
-    assert "<｜DSML｜invoke name=\"get_weather\">" in m.content and "Paris" in m.content
+    assert r.choices[0].finish_reason in ("stop", "length") and not m.tool_calls
+    bare = client.chat.completions.create(model=model, messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == bare.usage.prompt_tokens
     one = client.chat.completions.create(model=model, messages=[msgs[0]] + CASES["pair_Paris_Rome"]["messages"],
                                          tools=TOOLS, parallel_tool_calls=False)
     assert _calls(one.choices[0].message.tool_calls) == _want_calls(CASES["pair_Paris_Rome"])[:1]

@@ -106,13 +106,19 @@ def test_no_system_prompt_gets_an_empty_one_for_the_tools_and_max_effort_opens_t
 
 
 def test_forced_calls_open_the_answer_in_the_prompt():
+    """DeepSeek's encoder (deepseek-recipe): a forced call ends the prompt with the calls block's
+    opening, a named one lists only its function, "none" lists none; thinking mode has no forced call."""
     msgs = [{"role": "user", "content": "hi"}]
     base = "<｜begin▁of▁sentence｜>\n\n" + SECTION + "<｜User｜>hi<｜Assistant｜>"
-    opening = f'\n\n<{B}tool_calls>\n<{B}invoke name="'
+    opening = f'\n\n<{B}tool_calls>\n'
     assert render_chat(msgs, tools=TOOLS, tool_choice="required") == base + "</think>" + opening
-    assert render_chat(msgs, thinking=True, tools=TOOLS, tool_choice="clock") == \
-        base + "<think></think>" + opening + 'clock">\n'
-    assert render_chat(msgs, tools=TOOLS, tool_choice="none") == base + "</think>"
+    weather_line = SECTION.splitlines()[-4] + "\n"
+    assert weather_line.startswith('{"name": "get_weather"')
+    assert render_chat(msgs, tools=TOOLS, tool_choice="clock") == \
+        base.replace(weather_line, "") + "</think>" + opening
+    assert render_chat(msgs, tools=TOOLS, tool_choice="none") == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>"
+    with pytest.raises(Ds4fError, match="tool_choice.*chat mode only"):
+        render_chat(msgs, thinking=True, tools=TOOLS, tool_choice="clock")
 
 
 def test_prompt_ids_read_the_format_as_marks_and_the_clients_text_as_text(tok):
@@ -199,6 +205,7 @@ def test_what_the_format_leaves_one_reading_of_is_repaired(text, repair):
     for step in (1, 1000):
         _, r = streamed(text, True, step)
         assert r.error is None and repair in r.repairs, (step, r)
+        assert len(r.repairs) == 1 or repair == "value_type", r.repairs     # named once, and nothing else
         assert [(c["name"], json.loads(c["arguments"])) for c in r.calls] == [("get_weather", {"city": "Paris", "days": 3})]
 
 
