@@ -170,7 +170,7 @@ def accept_draft(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
     step would (greedy: its argmax; a sampler: its draw, one uniform of its stream), the draft
     kept when it is that token. Sampled, a draft is so kept with the probability the sampler's
     distribution gives it, and the token is always a draw from that distribution."""
-    if sampler is None or sampler.params.greedy:
+    if sampler is None or sampler.plain_greedy:
         best = int(np.argmax(logits))
         return best == draft, best
     token = int(sampler.sample(logits))

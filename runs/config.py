@@ -10,6 +10,7 @@ from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DUMP_MODES, MAX_CHUN
                                 Preset, format_bytes)
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
+from ds4f.engine.text.constraint import check_response_format
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.runs.statedump import record_nbytes
@@ -58,6 +59,8 @@ class RunConfig:
     spec: "str | int" = "off"                # speculative decoding with the MTP layer: off | auto | 1..3 drafts
 
 
+    response_format: "ResponseFormat | None" = None   # text: the answer held to JSON / a JSON Schema
+                                             # (engine.text.constraint); None: free text
 def checked(config: RunConfig, cfg: Config) -> RunConfig:
     """`config` with its backend resolved (None: ds4f.toml's), once every setting that needs no
     file is in range; else a Ds4fError naming the first that is not."""
@@ -176,6 +179,7 @@ def _check_text_settings(config: RunConfig) -> None:
 def _check_text(config: RunConfig) -> None:
     """Every text of the run is text: encodable as UTF-8 (a lone surrogate, which invalid bytes in
     a command line or a JSON escape give, is not), named by its parameter."""
+    _check_response_format(config)
     stops = config.stop if isinstance(config.stop, (tuple, list)) else ()
     texts = [("text", config.text)] + [("stop", s) for s in stops]
     for i, m in enumerate(config.messages or ()):
@@ -183,6 +187,24 @@ def _check_text(config: RunConfig) -> None:
             texts += [(f"messages[{i}].{k}", m.get(k)) for k in ("content", "reasoning")]
             if m.get("tool_calls"):
                 texts.append((f"messages[{i}].tool_calls", json.dumps(m["tool_calls"], ensure_ascii=False,
+def _check_response_format(config: RunConfig) -> None:
+    """A response format: for a text or chat prompt that ends at the end-of-sentence token (where a
+    valid answer ends), never with a call the answer could make instead, and compilable."""
+    fmt = config.response_format
+    if fmt is None:
+        return
+    if config.text is None and config.messages is None:
+        raise Ds4fError("response_format: for a text or chat prompt only (it needs the tokenizer)",
+                        param="response_format")
+    if config.stop_at_eos is False:
+        raise Ds4fError("response_format: the answer ends at the end-of-sentence token: not with stop_at_eos off",
+                        param="response_format")
+    if config.tools and config.tool_choice != "none":
+        raise Ds4fError("response_format: not with tools the answer may call (the answer must be the format's"
+                        " JSON); send tool_choice none, or no response_format", param="response_format")
+    check_response_format(fmt)
+
+
                                                                       default=str)))
     if config.tools:
         texts.append(("tools", json.dumps(config.tools, ensure_ascii=False, default=str)))

@@ -37,8 +37,9 @@ from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
 from ds4f.engine.speculative import MtpDrafter, SpecController
 from ds4f.engine.text.chat import answer_message
+from ds4f.engine.text.constraint import Constraint, prepare
 from ds4f.engine.text.output import OutputText
-from ds4f.engine.text.sampling import Sampler
+from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import USER
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
@@ -95,6 +96,8 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         prompt, tokenizer = prompt_of(config, checkpoint, kept)
         check_fits(config, checkpoint, prompt, preset, cfg)
         if isinstance(config.spec, int) and engines is not None and engines.parallel > 1:
+        if config.response_format is not None:     # its grammar compiled for the tokenizer now, kept for the run
+            prepare(tokenizer, config.response_format)
             raise Ds4fError(f"spec: {config.spec} drafts: not while sequences step together (parallel"
                             f" {engines.parallel}); spec auto steps plainly there", param="spec")
     except Ds4fError:
@@ -504,7 +507,8 @@ class Run:
         sampling = self.config.sampling
         writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
                              report_path=self.report_path, mode=self.dump_mode,
-                             sampling=sampling.to_dict() if sampling is not None and not sampling.greedy else None)
+                             sampling=sampling.to_dict() if sampling is not None and not sampling.greedy else None,
+                             response_format=fmt.to_dict() if (fmt := self.config.response_format) is not None else None)
         notes = writer.notes
         if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
             notes += sweep_run_dirs(self.dump_path.parent.parent, keep=self.dump_path.parent)
@@ -533,16 +537,24 @@ class Run:
         """The generation loop (engine.generate) from `start`, each row it computes recorded
         (_emit): until the token count, the end of the output, or a cancel. With the prefix cache,
         the last prompt token goes alone, and a state is kept at each of the run's marks."""
-        sampling = self.config.sampling
         self._generation = Generation(
             session, self.prompt, self.n_steps, emit=lambda *row: self._emit(eng, writer, *row),
             stopped=lambda: self._finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
-            sampler=Sampler(sampling) if sampling is not None and not sampling.greedy else None, spec=self._spec,
+            sampler=self._sampler(), spec=self._spec,
             marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
             counted=self._count_steps)
         self._generation.run(start)
 
     def _setup_spec(self, eng: Engine, session) -> None:
+    def _sampler(self) -> Sampler | None:
+        """The run's sampler: None for plain greedy; a response format's constraint on every pick."""
+        sampling, fmt = self.config.sampling, self.config.response_format
+        if fmt is not None:
+            constraint = Constraint(self.tokenizer, fmt, self.checkpoint.geometry.vocab,
+                                    thinking=self.config.thinking and self.config.messages is not None)
+            return Sampler(sampling if sampling is not None else SamplingParams(temperature=0.0), constraint)
+        return Sampler(sampling) if sampling is not None and not sampling.greedy else None
+
         """Speculative decoding for the run (RunConfig.spec): the MTP layer's drafter on the
         session, told every row from the prompt's first on. spec auto runs plainly where there is
         no MTP layer or sequences step together (start_run refuses a fixed k there)."""
@@ -799,6 +811,7 @@ class Run:
                 "output": self.output_text if self.tokenizer is not None else None,
                 "sampling": sampling.to_dict() if sampling is not None else "greedy",
                 "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
+                "response_format": fmt.to_dict() if (fmt := self.config.response_format) is not None else None,
                 "finish_reason": self._finish_reason, "prompt_tokens": len(self.prompt),
                 "prompt_tokens_reused": self._log_tokens.reused_tokens,
                 "generated_tokens": self._generated}

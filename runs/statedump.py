@@ -319,7 +319,7 @@ class StateWriter:
 
     def __init__(self, path: str | os.PathLike, geometry: dict, prompt: list[int], n_tokens: int,
                  report_path: str | os.PathLike | None = None, sampling: dict | None = None,
-                 mode: str = "full") -> None:
+                 mode: str = "full", response_format: dict | None = None) -> None:
         if mode not in ("full", "compact"):
             raise Ds4fError(f"dump: a state dump is full or compact, not {mode!r}", param="dump")
         self.mode = mode
@@ -339,11 +339,14 @@ class StateWriter:
         g = geometry
         self.dtype = geometry_record_dtype(g, mode)
         version = VERSION if mode == "full" else COMPACT_VERSION
-        # the settings that determine the numbers; `sampling` only when tokens are drawn (greedy: absent)
+        # the settings that determine the numbers; `sampling` only when tokens are drawn (greedy: absent),
+        # `response_format` only when the picks were held to one (engine.text.constraint)
         self._header = {"format": "ds4f.state", "version": version, "geometry": geometry,
                         "prompt": list(prompt), "n_tokens": n_tokens}
         if sampling is not None:
             self._header["sampling"] = sampling
+        if response_format is not None:
+            self._header["response_format"] = response_format
         self.n_tokens = n_tokens
         header = json.dumps(self._header, sort_keys=True).encode()
         header += b" " * (-(len(header) + 16) % 8)

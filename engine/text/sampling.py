@@ -18,6 +18,10 @@ drawn. Otherwise, in float64, in this order:
   9. the first kept token (sorted order) whose cumulative r exceeds u (the last one if rounding
      leaves the sum below u)
 One uniform per sampled token, so the same seed and settings give the same tokens.
+
+With a constraint (engine.text.constraint: a response format), each pick is among the ids it
+allows only, as if every other logit were -inf: the allowed ids' logits, in id order, go through
+the same steps (greedy included), and the constraint is told the token picked.
 """
 from __future__ import annotations
 
@@ -83,12 +87,27 @@ class SamplingParams:
 class Sampler:
     """Samples token ids with `params` (see the module docstring); keeps its own random stream."""
 
-    def __init__(self, params: SamplingParams | None = None) -> None:
+    def __init__(self, params: SamplingParams | None = None, constraint=None) -> None:
         self.params = params if params is not None else SamplingParams()
         self.rng = np.random.Generator(np.random.PCG64(self.params.seed))
         self.draws = 0   # uniforms drawn so far (one per sampled, non-greedy token)
+        self.constraint = constraint   # None, or what the picks must follow (allowed(), advance(token))
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every pick is the logits' argmax (greedy, no constraint)."""
+        return self.params.greedy and self.constraint is None
 
     def sample(self, logits: np.ndarray) -> int:
+        c = self.constraint
+        if c is None:
+            return self._pick(logits)
+        ids = c.allowed()
+        token = int(ids[self._pick(np.asarray(logits)[ids])])
+        c.advance(token)
+        return token
+
+    def _pick(self, logits: np.ndarray) -> int:
         kept = self.distribution(logits)
         if isinstance(kept, int):
             return kept
@@ -132,4 +151,7 @@ class Sampler:
 
     def state(self) -> dict:
         """The random stream's position: the params, the uniforms drawn, the generator's state."""
-        return {"params": self.params.to_dict(), "draws": self.draws, "rng": self.rng.bit_generator.state}
+        state = {"params": self.params.to_dict(), "draws": self.draws, "rng": self.rng.bit_generator.state}
+        if self.constraint is not None:
+            state["constraint"] = self.constraint.state()
+        return state
