@@ -48,14 +48,17 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
         parser.add_argument("--config", help="ds4f.toml to use")
     elif name == "bench":
-        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec", "agent"],
+        parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec", "agent",
+                                             "structured"],
                             help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                                  "console (key-to-action latency and bytes per refresh during a run), "
                                  "prefill (the prompt token by token against layer-major chunks), "
                                  "chat (a conversation's turns with the prefix cache and without, and a restart), "
                                  "batch (1, 2, 4, 8 sequences decoded together against taking turns), "
                                  "spec (speculative decoding with the MTP layer against plain decoding), "
-                                 "agent (an agent's session against ds4f serve: reuse, times and bytes written)")
+                                 "agent (an agent's session against ds4f serve: reuse, times and bytes written), "
+                                 "structured (a JSON Schema's token mask: its cost per token and a request's memory, "
+                                 "on the demo and flash vocabularies and MODEL's tokenizer when given)")
         _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
         parser.add_argument("-n", "--gen", type=int, default=None,
                             help="tokens to generate per run (default: bench engine 8, bench cache 24, bench spec 24)")
@@ -363,6 +366,8 @@ def _bench(args) -> int:
         return _bench_console(args)
     args.preset = args.preset or "laptop"
     model = _model_arg(args)
+    if args.what == "structured":
+        return _bench_structured(args, model)
     if args.what == "engine":
         from ds4f.bench import bench_engine
 
@@ -387,6 +392,33 @@ def _bench(args) -> int:
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
                     log=_announce, progress=True)
     _show(args, _cache_tables(r), lambda out: _print_bench_cache(r, out), r)
+    return 0
+
+
+def _bench_structured(args, model) -> int:
+    from ds4f.bench import bench_structured
+
+    records = bench_structured(model, log=_announce)
+    table = Table("structured", [Column("vocab", align="left"), Column("ids"),
+                                 Column("mask_us_median", "mask µs", ".0f"), Column("mask_us_p90", "p90", ".0f"),
+                                 Column("mask_us_max", "max", ".0f"), Column("wait_us_median", "waited µs", ".0f"),
+                                 Column("greedy_pick_us", "greedy pick µs", ".0f"),
+                                 Column("greedy_plain_us", "unconstrained", ".0f"),
+                                 Column("sampled_pick_us", "sampled pick µs", ".0f"),
+                                 Column("sampled_plain_us", "unconstrained", ".0f"),
+                                 Column("compile_ms", "compile ms", ".1f"), Column("request_ms", "request ms", ".2f"),
+                                 Column("request_kib", "KiB/request", ".0f"),
+                                 Column("tokenizer_build_s", "tokenizer s", ".2f")],
+                  title="a JSON Schema's constraint per token (answers to random logits; the forward pass not included)")
+    for r in records:
+        table.add(r["vocab"], r["ids"], r["mask_us_median"], r["mask_us_p90"], r["mask_us_max"], r["wait_us_median"],
+                  r["greedy_pick_us"], r["greedy_plain_us"], r["sampled_pick_us"], r["sampled_plain_us"],
+                  r["compile_ms"], r["request_ms"], r["request_kib"], r["tokenizer_build_s"])
+
+    def text(out) -> None:
+        builtins.print(file=out)
+        builtins.print(table.text(), file=out)
+    _show(args, [table], text, records)
     return 0
 
 
