@@ -111,7 +111,7 @@ class _Session:
                            stop_at_eos=not a.ignore_eos, io_threads=a.io_threads, kernel_threads=a.threads,
                            backend=a.backend, config_path=a.config, probe_floor=a.probe,
                            kv_dir=a.kv_dir, reuse_prefix=not a.no_kv, spec=a.spec, dump=a.dump)
-        printer = _Printer(thinking, self.color, chat=messages is not None)
+        printer = _Printer(thinking, self.color)
         run = start_run(config, history=self.history, engines=self.host, on_token=printer.token)
         try:
             while not run.wait(0.1):
@@ -129,13 +129,13 @@ class _Session:
 class _Printer:
     """Writes each token's text as it comes, read by the engine's answer reader: in thinking mode
     the reasoning dimmed (on a terminal) until `</think>`, which is not printed (the answer starts
-    on a new line); a tool call the model makes as `→ name {arguments}` on a line of its own."""
+    on a new line). No tools are offered here, so DSML the model writes is text."""
 
-    def __init__(self, thinking: bool, color: bool, chat: bool) -> None:
+    def __init__(self, thinking: bool, color: bool) -> None:
         from ds4f.api import ReplyParser
 
         self.color = color
-        self.reply = ReplyParser(thinking, calls=chat)    # a completion's text is all text
+        self.reply = ReplyParser(thinking, calls=False)
         self.last = None        # the kind of what was written last
 
     def token(self, record) -> None:
@@ -151,10 +151,7 @@ class _Printer:
         for kind, value in events:
             if self.last is not None and kind != self.last:
                 self._write("\n")
-            if kind == "call":
-                self._write(f"→ {value['name']} {value['arguments']}", dim=False)
-            else:
-                self._write(value, dim=kind == "reasoning")
+            self._write(value, dim=kind == "reasoning")
             self.last = kind
 
     def _write(self, text: str, dim: bool = False) -> None:

@@ -544,7 +544,7 @@ class Ds4fConsole(App):
             return
         status = f"reading the prompt: {run.prompt_tokens} tokens…" if run.generated_tokens == 0 else "…"
         thinking = bool(answer.request.get("thinking"))
-        transcript.show_answer(text, thinking, status, done=ended)
+        transcript.show_answer(text, thinking, status, done=ended, tools=answer.request.get("tools"))
         if ended:
             self._answer_ended(answer)
 

@@ -19,16 +19,16 @@ from ..figures import printable
 from .common import Panel
 
 
-def answer_text(output: str, thinking: bool, done: bool = True) -> Text:
+def answer_text(output: str, thinking: bool, done: bool = True, tools=None) -> Text:
     """An answer as the transcript shows it: in thinking mode the reasoning dimmed, then (once
     </think> came) the answer on a line of its own, then each tool call the model made as a call,
     `→ name {arguments}` (read by the engine's answer reader: a call block still being written
     shows once it closes, never as raw DSML; one that does not parse is the answer's text once
-    the answer is `done`)."""
+    the answer is `done`). `tools`: the function schemas the turn offered; without them DSML is text."""
     if done:
-        reply = parse_reply(output, thinking)
+        reply = parse_reply(output, thinking, tools or None, calls=bool(tools))
     else:                  # so far: what may still become a marker or a call waits
-        parser = ReplyParser(thinking)
+        parser = ReplyParser(thinking, tools or None, calls=bool(tools))
         parser.push(output)
         reply = parser.result
     t = Text()
@@ -78,13 +78,13 @@ class Transcript(VerticalScroll):
         self._answer = self._add(Text(status, style="dim italic"), "answer")
         self._shown = None
 
-    def show_answer(self, output: str, thinking: bool, status: str = "", done: bool = True) -> None:
+    def show_answer(self, output: str, thinking: bool, status: str = "", done: bool = True, tools=None) -> None:
         """The answer so far (`status`: what shows before any text, e.g. 'reading the prompt…';
-        `done`: the whole answer, else what has come of it)."""
+        `done`: the whole answer, else what has come of it; `tools`: the schemas the turn offered)."""
         if self._answer is None or self._shown == (output, status, done):
             return
         self._shown = (output, status, done)
-        self._answer.update(answer_text(output, thinking, done) if output else Text(status or "…", style="dim italic"))
+        self._answer.update(answer_text(output, thinking, done, tools) if output else Text(status or "…", style="dim italic"))
 
     def end_answer(self, line: str, style: str = "dim") -> None:
         """The answer ended: its last line says how (end of answer, stopped, failed)."""

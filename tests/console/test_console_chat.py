@@ -481,14 +481,17 @@ def test_tools_system_prompt_and_results_in_the_chat(tmp_path):
 def test_a_tool_call_shows_as_a_call_never_as_dsml():
     from ds4f.console.widgets.chat import answer_text
 
-    shown = answer_text("Let me look." + DSML_CALL, thinking=False).plain
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    shown = answer_text("Let me look." + DSML_CALL, thinking=False, tools=tools).plain
     assert shown == 'Let me look.\n→ get_weather {"city": "Paris"}' and "DSML" not in shown
-    half = answer_text("Let me look." + DSML_CALL[:40], thinking=False, done=False).plain
+    half = answer_text("Let me look." + DSML_CALL[:40], thinking=False, done=False, tools=tools).plain
     assert half == "Let me look." and "DSML" not in half          # a block being written waits
-    think = answer_text("I should call it" + DSML_CALL, thinking=True).plain   # no </think> before the call
+    think = answer_text("I should call it" + DSML_CALL, thinking=True, tools=tools).plain   # no </think> first
     assert think == 'I should call it\n→ get_weather {"city": "Paris"}'
-    broken = answer_text("Let me look." + DSML_CALL[:40], thinking=False).plain
+    broken = answer_text("Let me look." + DSML_CALL[:40], thinking=False, tools=tools).plain
     assert broken == "Let me look." + DSML_CALL[:40], "a block that never closed is the answer's text"
+    # a turn that offered no tools: what the model writes is its text, DSML included
+    assert answer_text("Let me look." + DSML_CALL, thinking=False).plain == "Let me look." + DSML_CALL
 
 
 TOOL_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "toolcall"
