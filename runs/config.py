@@ -57,10 +57,10 @@ class RunConfig:
     prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
                                              # None: the preset's
     spec: "str | int" = "off"                # speculative decoding with the MTP layer: off | auto | 1..3 drafts
-
-
     response_format: "ResponseFormat | None" = None   # text: the answer held to JSON / a JSON Schema
                                              # (engine.text.constraint); None: free text
+
+
 def checked(config: RunConfig, cfg: Config) -> RunConfig:
     """`config` with its backend resolved (None: ds4f.toml's), once every setting that needs no
     file is in range; else a Ds4fError naming the first that is not."""
@@ -169,6 +169,7 @@ def _check_text_settings(config: RunConfig) -> None:
         raise Ds4fError(f"{name}: for a chat (messages) only", param=name)
     if config.sampling is not None and not isinstance(config.sampling, SamplingParams):
         raise Ds4fError(f"sampling: expected SamplingParams, got {type(config.sampling).__name__}", param="sampling")
+    _check_response_format(config)
     stop = config.stop
     if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or len(stop) > MAX_STOP \
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
@@ -176,17 +177,6 @@ def _check_text_settings(config: RunConfig) -> None:
                         param="stop")
 
 
-def _check_text(config: RunConfig) -> None:
-    """Every text of the run is text: encodable as UTF-8 (a lone surrogate, which invalid bytes in
-    a command line or a JSON escape give, is not), named by its parameter."""
-    _check_response_format(config)
-    stops = config.stop if isinstance(config.stop, (tuple, list)) else ()
-    texts = [("text", config.text)] + [("stop", s) for s in stops]
-    for i, m in enumerate(config.messages or ()):
-        if isinstance(m, dict):
-            texts += [(f"messages[{i}].{k}", m.get(k)) for k in ("content", "reasoning")]
-            if m.get("tool_calls"):
-                texts.append((f"messages[{i}].tool_calls", json.dumps(m["tool_calls"], ensure_ascii=False,
 def _check_response_format(config: RunConfig) -> None:
     """A response format: for a text or chat prompt that ends at the end-of-sentence token (where a
     valid answer ends), never with a call the answer could make instead, and compilable."""
@@ -205,6 +195,16 @@ def _check_response_format(config: RunConfig) -> None:
     check_response_format(fmt)
 
 
+def _check_text(config: RunConfig) -> None:
+    """Every text of the run is text: encodable as UTF-8 (a lone surrogate, which invalid bytes in
+    a command line or a JSON escape give, is not), named by its parameter."""
+    stops = config.stop if isinstance(config.stop, (tuple, list)) else ()
+    texts = [("text", config.text)] + [("stop", s) for s in stops]
+    for i, m in enumerate(config.messages or ()):
+        if isinstance(m, dict):
+            texts += [(f"messages[{i}].{k}", m.get(k)) for k in ("content", "reasoning")]
+            if m.get("tool_calls"):
+                texts.append((f"messages[{i}].tool_calls", json.dumps(m["tool_calls"], ensure_ascii=False,
                                                                       default=str)))
     if config.tools:
         texts.append(("tools", json.dumps(config.tools, ensure_ascii=False, default=str)))

@@ -95,9 +95,9 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         kept = kept_tokens_for(config, kv_of(config, cfg), checkpoint, engines)
         prompt, tokenizer = prompt_of(config, checkpoint, kept)
         check_fits(config, checkpoint, prompt, preset, cfg)
-        if isinstance(config.spec, int) and engines is not None and engines.parallel > 1:
         if config.response_format is not None:     # its grammar compiled for the tokenizer now, kept for the run
             prepare(tokenizer, config.response_format)
+        if isinstance(config.spec, int) and engines is not None and engines.parallel > 1:
             raise Ds4fError(f"spec: {config.spec} drafts: not while sequences step together (parallel"
                             f" {engines.parallel}); spec auto steps plainly there", param="spec")
     except Ds4fError:
@@ -545,7 +545,6 @@ class Run:
             counted=self._count_steps)
         self._generation.run(start)
 
-    def _setup_spec(self, eng: Engine, session) -> None:
     def _sampler(self) -> Sampler | None:
         """The run's sampler: None for plain greedy; a response format's constraint on every pick."""
         sampling, fmt = self.config.sampling, self.config.response_format
@@ -555,6 +554,7 @@ class Run:
             return Sampler(sampling if sampling is not None else SamplingParams(temperature=0.0), constraint)
         return Sampler(sampling) if sampling is not None and not sampling.greedy else None
 
+    def _setup_spec(self, eng: Engine, session) -> None:
         """Speculative decoding for the run (RunConfig.spec): the MTP layer's drafter on the
         session, told every row from the prompt's first on. spec auto runs plainly where there is
         no MTP layer or sequences step together (start_run refuses a fixed k there)."""
@@ -810,8 +810,8 @@ class Run:
                 "tool_choice": self.config.tool_choice, "reasoning_effort": self.config.reasoning_effort,
                 "output": self.output_text if self.tokenizer is not None else None,
                 "sampling": sampling.to_dict() if sampling is not None else "greedy",
-                "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
                 "response_format": fmt.to_dict() if (fmt := self.config.response_format) is not None else None,
+                "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
                 "finish_reason": self._finish_reason, "prompt_tokens": len(self.prompt),
                 "prompt_tokens_reused": self._log_tokens.reused_tokens,
                 "generated_tokens": self._generated}
