@@ -32,6 +32,7 @@ from ds4f.engine.speculative import MAX_DRAFTS, parse_spec
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
                               find_tokenizer, render_chat)
 from ds4f.engine.text.output import THINK_END
+from ds4f.engine.text.constraint import ResponseFormat, check_response_format
 from ds4f.engine.text.chat import answer_opening, check_chat, check_choice, check_effort, offered
 from ds4f.engine.text.dsml import check_call, check_function, check_tools
 from ds4f.engine.text.reply import Reply, ReplyParser, new_call_id, parse_reply
@@ -71,6 +72,8 @@ __all__ = [
     # text: tokenizer, streaming, chat format, sampling
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
     "SamplingParams", "Sampler", "THINK_END",
+    # structured outputs: the answer held to JSON or a JSON Schema
+    "ResponseFormat", "check_response_format",
     # tools: DeepSeek-V4's tool calls, and the answer's reader
     "answer_opening", "offered", "check_chat", "check_choice", "check_effort", "check_call", "check_function",
     "check_tools",

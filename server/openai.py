@@ -19,6 +19,9 @@ seed, stop (a string or a list), n (1 only), stream, stream_options.include_usag
   effort), `reasoning` {"effort", "enabled"}, `chat_template_kwargs` {"thinking" |
   "enable_thinking", "reasoning_effort"}. Earlier turns' reasoning_content (or reasoning) is
   taken back; "" and null are the same.
+- response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+  "schema", "strict"}}: the answer held to JSON, or to the schema, token by token (server.structured,
+  engine.text.constraint); a schema that cannot be compiled is a 400 naming response_format.
 - An answer whose calls do not parse, or that the tools refuse (an unknown function, arguments
   against the schema): its text is the content, finish_reason "tool_call_error", and the choice's
   `tool_call_error` says what was wrong; counted in /metrics (engine.text.reply lists what is
@@ -48,6 +51,7 @@ from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_chat,
 
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly as ended_badly_of, reply_of, respond
+from .structured import response_format_of
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TOOL_CALL_ERROR = "tool_call_error"    # the finish reason of an answer whose calls were refused
@@ -56,8 +60,8 @@ MAX_STOP = 4               # as OpenAI
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
           "stream_options", "user")
 THINKING_PARAMS = ("thinking", "reasoning_effort", "reasoning", "chat_template_kwargs")
-CHAT_PARAMS = COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls") \
-    + THINKING_PARAMS
+CHAT_PARAMS = COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                        "response_format") + THINKING_PARAMS
 COMPLETION_PARAMS = COMMON + ("prompt",)
 # OpenAI parameters accepted when they ask for what this server does anyway
 DEFAULT_ONLY = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, 0),
@@ -320,6 +324,7 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
             raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
         parallel = parallel is not False
         fields = chat_fields(parse_messages(raw["messages"]), tools, choice, thinking, effort)
+        fields["response_format"] = response_format_of(raw.get("response_format"), tools, choice)
     else:
         if "prompt" not in raw:
             raise bad("prompt", "required: the text to continue", code="missing_parameter")

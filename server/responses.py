@@ -11,7 +11,8 @@
     reasoning     {"effort": none | minimal | low | medium | high | xhigh}: thinking mode unless none
                   (xhigh asks for the release's maximum effort); summary is accepted
     max_output_tokens, temperature, top_p, stream; store, include, metadata, user,
-    prompt_cache_key, truncation "disabled", text {"format": {"type": "text"}} are accepted
+    prompt_cache_key, truncation "disabled", text {"format": ...} (text, json_object or json_schema {name,
+    schema, strict}: the answer held to it, server.structured) are accepted
     (nothing is stored: no GET /v1/responses/{id}, previous_response_id is refused).
 
 The answer's output items, in order: reasoning (thinking mode, when the model reasoned), the
@@ -36,6 +37,7 @@ from ds4f.api import MAX_GEN
 
 from .errors import bad, json_bytes
 from .generation import Ask, counted, ended_badly, reply_of, respond
+from .structured import text_format_of
 from .openai import (EFFORTS, _text_parts, _whole, chat_fields, check_model, check_names, parse_sampling,
                      parse_tool_choice, parse_tools)
 
@@ -159,10 +161,6 @@ def parse_ask(raw: dict, svc) -> Ask:
     stream_ = raw.get("stream")
     if stream_ is not None and not isinstance(stream_, bool):
         raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
-    text = raw.get("text")
-    if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}).get("type") != "text"):
-        raise bad("text", "only text output is supported ({\"format\": {\"type\": \"text\"}})",
-                  code="unsupported_value")
     gen = _whole(raw, "max_output_tokens", 1, MAX_GEN) or svc.options.default_max_tokens
     reasoning = raw.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
@@ -178,7 +176,7 @@ def parse_ask(raw: dict, svc) -> Ask:
         raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
     fields = chat_fields(parse_input(raw["input"], raw.get("instructions")), tools, choice, thinking,
                          EFFORTS[effort] if thinking else None)
-    fields.update(stop=(), stop_at_eos=True)
+    fields.update(stop=(), stop_at_eos=True, response_format=text_format_of(raw.get("text"), tools, choice))
     sampling = parse_sampling({k: raw.get(k) for k in ("temperature", "top_p")}, svc)
     return Ask("chat", fields, gen, "max_output_tokens", sampling, bool(stream_), thinking=thinking, tools=tools,
                tool_choice=choice, parallel_calls=parallel is not False, endpoint="responses",
@@ -201,7 +199,8 @@ class Shape:
                 "max_output_tokens": ask.gen, "model": self.svc.model_id, "output": output,
                 "parallel_tool_calls": ask.parallel_calls, "previous_response_id": None,
                 "reasoning": {"effort": effort, "summary": (raw.get("reasoning") or {}).get("summary")},
-                "store": False, "temperature": ask.sampling.temperature, "text": {"format": {"type": "text"}},
+                "store": False, "temperature": ask.sampling.temperature,
+                "text": {"format": (raw.get("text") or {}).get("format") or {"type": "text"}},
                 "tool_choice": _choice_out(ask.tool_choice), "tools": raw.get("tools") or [],
                 "top_p": ask.sampling.top_p, "truncation": "disabled", "usage": usage,
                 "metadata": raw.get("metadata") or {}, **extra}

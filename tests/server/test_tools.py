@@ -232,7 +232,7 @@ BAD_RESPONSES = [
     ({"input": "hi", "tool_choice": {"type": "function", "name": "absent"}}, "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning"), ({"input": "hi", "max_output_tokens": 0},
                                                                      "max_output_tokens"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text"), ({"input": "hi", "stream": "yes"}, "stream"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"), ({"input": "hi", "stream": "yes"}, "stream"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9", "output": "x"}]},
      "messages"),
     ({"input": [{"role": "user", "content": "hi"},
