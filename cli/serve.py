@@ -38,9 +38,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, metavar="N",
                         help="sequences decoded together, one forward pass over their rows (default: ds4f.toml's "
                              "[server] parallel; 0 there: as many as the memory plan fits, at most 4)")
-    parser.add_argument("--max-tokens", type=int, default=defaults.default_max_tokens, metavar="N",
-                        help=f"tokens a chat completion generates when the request does not say "
-                             f"(default {defaults.default_max_tokens})")
+    parser.add_argument("--max-tokens", type=int, metavar="N",
+                        help="the most tokens an answer generates when the request gives no max_tokens (chat "
+                             "completions, Responses; default: what the context leaves after the prompt)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the names requests may give as `model`; the first is what /v1/models lists and "
+                             "answers report (default: ds4f.toml's [server] served_model_name, else the "
+                             "checkpoint directory's name, which is always taken)")
     parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
                         help="on SIGINT/SIGTERM, how long to wait for the active run to cancel (default 60)")
     parser.add_argument("--quiet", action="store_true", help="no access log lines on stderr")
@@ -75,6 +79,7 @@ def run(args) -> int:
     options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
                             port=args.port, token=token, queue_size=args.queue,
                             default_max_tokens=args.max_tokens, access_log=not args.quiet,
+                            served_model_names=tuple(args.served_model_name or ()),
                             kv_dir=args.kv_dir, reuse_prefix=not args.no_kv, parallel=args.parallel,
                             spec=args.spec, dump=args.dump)
     server = Server(options)
@@ -92,7 +97,8 @@ def run(args) -> int:
     try:
         server.start()
         auth = "bearer token required" if token else "no token (loopback only)"
-        _say(f"model {service.model} ({service.checkpoint_kind}) as {service.model_id!r}, preset {service.preset}, "
+        names = ", ".join(map(repr, service.model_names))
+        _say(f"model {service.model} ({service.checkpoint_kind}) as {names}, preset {service.preset}, "
              f"kernels {service.best_backend}, {service.parallel} sequences at once, queue {options.queue_size}, history {service.history.path}, {auth}")
         print(f"ds4f serve: listening on {server.url}", flush=True)
         while not stop.wait(0.5):

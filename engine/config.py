@@ -188,6 +188,7 @@ class Config:
     presets: dict[str, Preset] = field(default_factory=dict)
     kv: "KvSettings | None" = None       # the prefix cache ([kv]); None: off
     server_parallel: int = 0             # [server] parallel: sequences `ds4f serve` steps together; 0 = auto
+    served_model_names: tuple[str, ...] = ()   # [server] served_model_name: the names `ds4f serve` answers to
     dump: DumpSettings = field(default_factory=DumpSettings)   # [dump]
 
     def default_backend(self) -> str:
@@ -243,7 +244,7 @@ _SCHEMA = {
     "history": {"path": str},
     "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int), "block": int,
            "write_budget": (str, int)},
-    "server": {"parallel": int},
+    "server": {"parallel": int, "served_model_name": (str, list)},
     "dump": {"runs": str, "text": str, "server": str, "full_limit": (str, int)},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
@@ -356,11 +357,17 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
     if not 0 <= parallel <= MAX_PARALLEL:
         raise Ds4fError(f"{source}: server.parallel: must be between 0 (as many as the memory plan fits, at most"
                         f" {DEFAULT_PARALLEL}) and {MAX_PARALLEL} sequences, got {parallel}")
+    names = raw["server"].get("served_model_name", [])
+    names = [names] if isinstance(names, str) else names
+    if not all(isinstance(n, str) and n and not any(c.isspace() for c in n) for n in names) \
+            or len(set(names)) != len(names):
+        raise Ds4fError(f"{source}: server.served_model_name: a name, or a list of names (each without spaces,"
+                        f" none twice), got {raw['server']['served_model_name']!r}")
     return Config(source=source, model_path=os.path.expanduser(model_path), preset=eng["preset"],
                   io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
                   probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
                   history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel,
-                  dump=_dump_settings(raw["dump"], source))
+                  served_model_names=tuple(names), dump=_dump_settings(raw["dump"], source))
 
 
 def _dump_settings(dump: dict, source: str) -> DumpSettings:

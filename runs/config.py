@@ -26,6 +26,8 @@ class RunConfig:
     model: str                               # checkpoint path (official shards or ds4f layout)
     preset: "str | Preset" = "laptop"        # a preset of ds4f.toml, or a Preset made in code
     gen: int = DEFAULT_GEN                   # tokens to generate
+    fit_gen: bool = False                    # gen is a ceiling: at most what the preset's context leaves
+                                             # after the prompt (a server's answer without max_tokens)
     prompt: tuple[int, ...] | None = None    # prompt token ids; None: (bos,)
     io_threads: int | None = None            # None: the preset's, else ds4f.toml's
     kernel_threads: int | None = None        # None: the preset's, else ds4f.toml's (0 there = all cores)
@@ -128,6 +130,14 @@ def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: P
                             f" ({format_bytes(nbytes / steps)} a token), past [dump] full_limit of"
                             f" {format_bytes(cfg.dump.full_limit)} in {cfg.source}: ask for a compact dump"
                             f" (--dump compact), or raise full_limit", param="dump")
+
+
+def fitted(config: RunConfig, prompt: tuple[int, ...], preset: Preset) -> RunConfig:
+    """`config`, its gen lowered to the positions the preset's context leaves after the prompt when
+    gen is a ceiling (fit_gen); at least 1, so a prompt that fills the context is refused as the prompt."""
+    if not config.fit_gen:
+        return config
+    return replace(config, gen=max(1, min(config.gen, preset.context - len(prompt) + 1)))
 
 
 def check_context(prompt_len: int, gen: int, preset: Preset) -> None:

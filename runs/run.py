@@ -44,7 +44,7 @@ from ds4f.engine.text.tokenizer import USER
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.paths import user_data_dir
-from ds4f.runs.config import RunConfig, check_backend, check_fits, check_threads, checked, prompt_of
+from ds4f.runs.config import RunConfig, check_backend, check_fits, check_threads, checked, fitted, prompt_of
 from ds4f.runs.host import EngineHost
 from ds4f.runs.prefix import RECORDS, attach_records, kept_on_disk, kept_tokens_for, marks, reusable_records
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
@@ -94,6 +94,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     try:
         kept = kept_tokens_for(config, kv_of(config, cfg), checkpoint, engines)
         prompt, tokenizer = prompt_of(config, checkpoint, kept)
+        config = fitted(config, prompt, preset)
         check_fits(config, checkpoint, prompt, preset, cfg)
         if config.response_format is not None:     # its grammar compiled for the tokenizer now, kept for the run
             prepare(tokenizer, config.response_format)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from ds4f.api import Ds4fError, ReplyParser, RunConfig, SamplingParams, answer_opening, offered
+from ds4f.api import MAX_GEN, Ds4fError, ReplyParser, RunConfig, SamplingParams, answer_opening, offered
 
 from .errors import HttpError, json_response
 from .feed import END
@@ -42,7 +42,7 @@ class Ask:
     """One generation request, parsed."""
     kind: str                      # "chat" | "completion"
     fields: dict                   # RunConfig's text fields: messages / text / prompt, thinking, tools, stop...
-    gen: int
+    gen: int | None                # None: what the context leaves after the prompt (at most --max-tokens)
     gen_param: str                 # what the request called the token limit: max_tokens, max_output_tokens...
     sampling: SamplingParams
     stream: bool
@@ -70,7 +70,8 @@ class Ask:
 
 
 def run_config(ask: Ask, svc) -> RunConfig:
-    return RunConfig(model=svc.model, preset=svc.preset, gen=ask.gen, backend=svc.cfg.backend,
+    gen = ask.gen if ask.gen is not None else svc.options.default_max_tokens or MAX_GEN
+    return RunConfig(model=svc.model, preset=svc.preset, gen=gen, fit_gen=ask.gen is None, backend=svc.cfg.backend,
                      config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
                      reuse_prefix=svc.options.reuse_prefix, spec=svc.options.spec,
                      dump=svc.options.dump or svc.cfg.dump.server, **ask.fields)

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4f.api import MAX_PARALLEL, Ds4fError, parse_spec
+from ds4f.api import MAX_GEN, MAX_PARALLEL, Ds4fError, parse_spec
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8734
@@ -33,7 +33,12 @@ class ServerOptions:
     max_client_requests: int = 32       # requests in progress from one address; more get 429
     queue_size: int = 8                 # requests waiting for the engine; more get 429
     client_queue_share: int | None = None   # of them, from one address; None: half the queue (at least 1)
-    default_max_tokens: int = 256       # chat completions without max_tokens (completions: 16, as OpenAI)
+    default_max_tokens: int | None = None   # the most an answer without max_tokens generates (chat completions,
+                                        # Responses); None: what the context leaves after the prompt
+                                        # (completions: 16, as OpenAI's)
+    served_model_names: tuple[str, ...] = ()   # the names requests may give as `model`, the first one listed
+                                        # and reported; (): ds4f.toml's [server] served_model_name, else
+                                        # the checkpoint directory's name
     cancel_wait_s: float = 5.0          # DELETE waits this long for the run to stop before answering 202
     access_log: bool = True             # one stderr line per request
     kv_dir: str | None = None           # the prefix cache's directory; None: ds4f.toml's [kv] dir
@@ -67,8 +72,20 @@ class ServerOptions:
             raise Ds4fError(f"--spec: {str(exc).removeprefix('spec: ')}") from None
         if self.dump not in (None, "full", "compact", "off"):
             raise Ds4fError(f"--dump: full, compact or off, got {self.dump!r}")
-        if not 1 <= self.default_max_tokens:
-            raise Ds4fError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
+        if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= MAX_GEN:
+            raise Ds4fError(f"--max-tokens: must be between 1 and {MAX_GEN}, got {self.default_max_tokens}")
+        check_model_names(self.served_model_names, "--served-model-name")
+
+
+def check_model_names(names, where: str) -> tuple[str, ...]:
+    """Model names as requests give them: non-empty strings without spaces, no name twice."""
+    names = tuple(names)
+    for name in names:
+        if not isinstance(name, str) or not name or name != name.strip() or any(c.isspace() for c in name):
+            raise Ds4fError(f"{where}: a model name is a non-empty string without spaces, got {name!r}")
+    if len(set(names)) != len(names):
+        raise Ds4fError(f"{where}: a name given twice in {', '.join(names)}")
+    return names
 
 
 def is_loopback(host: str) -> bool:

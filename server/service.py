@@ -120,7 +120,11 @@ class Service:
         self.geometry = summary["geometry"]
         self.checkpoint_kind = summary["kind"]
         self.io_mode = summary["io_mode"]
-        self.model_id = Path(self.model).resolve().name or "ds4f"   # the name OpenAI clients ask for
+        folder = Path(self.model).resolve().name or "ds4f"
+        # the names requests may give as `model`; the first is the one listed and reported
+        self.model_names = options.served_model_names or self.cfg.served_model_names or (folder,)
+        self.model_id = self.model_names[0]
+        self._model_names = {*self.model_names, folder}
         self.generation_defaults = GenerationDefaults.load(self.model)   # sampling a request leaves out
         self.history = History(self.cfg.history_path)
         self.run_history = RecordingHistory(self.history)   # what runs record themselves in
@@ -175,6 +179,16 @@ class Service:
         except Ds4fError:
             pass
         return None
+
+    def serves(self, name) -> bool:
+        """Whether a request's `model` names the model served: one of its names, or its checkpoint
+        directory's."""
+        return isinstance(name, str) and name in self._model_names
+
+    @property
+    def context(self) -> int:
+        """The positions a request's prompt and answer share: the preset's context."""
+        return self.cfg.get_preset(self.preset).context
 
     # -- the engine and its queue -----------------------------------------------------------------
     @property
@@ -559,7 +573,8 @@ class Service:
                        "current_run": run.id if run is not None else None, "loaded_engines": self.engines.loads},
             "queue": self.queue.view(),
             "batch": self.batch_view(),
-            "model": {"id": self.model_id, "path": self.model, "kind": self.checkpoint_kind,
+            "model": {"id": self.model_id, "names": list(self.model_names), "path": self.model,
+                      "kind": self.checkpoint_kind,
                       "io_mode": self.io_mode, "geometry": self.geometry},
             "preset": {"name": preset.name, "detail": preset.describe(), "available": list(self.cfg.presets)},
             "backend": {"default": self.cfg.backend, "best": self.best_backend, "available": self.backends},
