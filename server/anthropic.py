@@ -3,14 +3,17 @@
     POST /v1/messages                 system + messages (+ tools) -> an assistant message; streams too
     POST /v1/messages/count_tokens    the same request -> {"input_tokens": n}, the prompt's length
 
-Parameters: model (the served id, GET /v1/models: a client asking for "claude-..." gets a 404, so
-point it at this server's id, e.g. Claude Code's ANTHROPIC_MODEL), max_tokens (required, as
-Anthropic's), messages, system (a string or text blocks, joined by newlines), tools, tool_choice,
-thinking, temperature (0 to 1, as Anthropic's), top_p, top_k, stop_sequences, stream. Also taken:
-metadata (ignored), service_tier auto / standard_only (ignored), output_config.effort (low, medium,
+Parameters: model (one of the served model's names, GET /v1/models: a client asking for
+"claude-..." gets a 404, so point it at this server's name, e.g. Claude Code's ANTHROPIC_MODEL, or
+serve under that name with --served-model-name), max_tokens (required, as Anthropic's), messages,
+system (a string or text blocks, joined by newlines), tools, tool_choice, thinking, temperature (0
+to 1, as Anthropic's), top_p, top_k, stop_sequences, stream, output_config.effort (low, medium,
 high, xhigh, max: the reasoning effort of thinking mode; xhigh and max ask for the release's
-maximum, the rest add nothing), `cache_control` wherever Anthropic puts it (dropped: the prefix
-cache works without marks). Anything else is a 400 naming it.
+maximum, the rest add nothing). Taken and ignored, since they do not change the answer (IGNORED):
+metadata, service_tier auto / standard_only, context_management, thread, `cache_control` wherever
+Anthropic puts it (the prefix cache works without marks). What would change the answer and cannot
+be honoured is a 400 naming it (server tools, mcp_servers, container, output_config.format,
+tools[].input_examples, image and document blocks), and so is anything unknown.
 
 - Content blocks. User: text, tool_result {tool_use_id, content (a string or text blocks),
   is_error (the content is passed as it is: the tool's error text says what went wrong)}; image
@@ -18,17 +21,23 @@ cache works without marks). Anything else is a 400 naming it.
   is the turn's reasoning: with tools in thinking mode every turn keeps it, else the prompt drops
   it), redacted_thinking (ignored), tool_use {id, name, input}. A user message's tool_result
   blocks become the tool results of the calls before it (each tool_use needs one, in the very next
-  message), its text a user turn after them. A conversation must end with the user's message (an
-  assistant prefill is refused).
+  message), its text a user turn after them. A system message (role "system", as the SDK's types
+  allow and Claude Code sends after a user turn) is a system message of the chat at its place. A
+  conversation must end with the user's message, system messages after it aside (an assistant
+  prefill is refused).
 - tools: client tools {name, description, input_schema} (type "custom" or none; `strict` is
-  taken: the answer's calls are always checked against the schema); server tools (web search,
-  code execution...) are refused. The prompt shows each as {"name", "description", "parameters"}.
+  taken: the answer's calls are always checked against the schema; defer_loading,
+  eager_input_streaming and cache_control are taken and change nothing); server tools (web
+  search, code execution...) are refused. The prompt shows each as {"name", "description",
+  "parameters"}, as every endpoint's (server.conversation).
 - tool_choice: auto, any (a call is forced), tool {name} (that call is forced), none (the tools
   stay in the prompt, DSML is read as text); disable_parallel_tool_use: one call at most.
 - thinking: {"type": "enabled", "budget_tokens": n} or {"type": "adaptive"} turn on DeepSeek's
   thinking mode, {"type": "disabled"} (the default) turns it off. The budget cannot be enforced
   (the model ends its reasoning when it will; max_tokens bounds reasoning and answer together);
-  `display` is ignored (the reasoning is shown whole). The thinking block's signature is "".
+  `display` is ignored (the reasoning is shown whole). The thinking block's signature is an
+  opaque string derived from its text (never "": clients drop such blocks); a thinking block sent
+  back is taken whatever its signature says.
 
 The answer: content blocks thinking (thinking mode, when there is reasoning), text (when not
 empty), tool_use (id "toolu_<hex>", input the checked arguments); stop_reason tool_use, end_turn
@@ -52,8 +61,9 @@ tokens off for a conversation whose earlier answers the prefix cache spells as t
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
-import re
 import threading
 
 from starlette.concurrency import run_in_threadpool
@@ -62,16 +72,30 @@ from starlette.responses import Response
 
 from ds4f.api import MAX_GEN, Ds4fError, Tokenizer, chat_prompt_ids, check_choice, check_tools
 
+from .conversation import Conversation
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly, reply_of, respond
-from .openai import EFFORTS, chat_fields, check_model, check_names, parse_sampling
+from .openai import EFFORTS, check_model, check_names, parse_sampling
 from .routes import json_body, refused
 
+# Taken and ignored: how Anthropic's service keeps, bills or trims a conversation, never what the model
+# reads here. context_management asks Anthropic to clear old tool results and thinking server-side;
+# this server reads the conversation as sent, whole (the prefix cache makes that cheap). thread is
+# Anthropic's bookkeeping of a conversation. Each must be an object.
+IGNORED = ("metadata", "cache_control", "context_management", "thread")
+# Refused, named in a 400, because they would change the answer and cannot be honoured: server tools
+# (tools[].type other than custom, mcp_servers, container), structured output (output_config.format),
+# tools[].input_examples (shown to Anthropic's models), image and document blocks; unknown keys too.
 CREATE_PARAMS = ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "thinking", "temperature",
-                 "top_p", "top_k", "stop_sequences", "stream", "metadata", "output_config", "cache_control")
-COUNT_PARAMS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control")
+                 "top_p", "top_k", "stop_sequences", "stream", "output_config", *IGNORED)
+COUNT_PARAMS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", *IGNORED)
 DEFAULT_ONLY = {"service_tier": ("auto", "standard_only")}
-TOOL_KEYS = ("name", "description", "input_schema", "type", "cache_control", "strict")
+# a tool's keys: the schema, and what does not change the prompt (cache_control; defer_loading asks
+# Anthropic to load the tool on demand: here it is in the prompt from the start; strict: the calls
+# are checked against the schema anyway; eager_input_streaming: calls stream as they are read)
+TOOL_KEYS = ("name", "description", "input_schema", "type", "cache_control", "strict", "defer_loading",
+             "eager_input_streaming")
+SIGNATURE = b"ds4f-thinking\0"    # what a thinking block's signature hashes with its text
 MAX_STOP_SEQUENCES = 64
 UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 
@@ -140,15 +164,12 @@ def parse_thinking(value) -> bool:
         if key not in ("type", "budget_tokens", "display"):
             raise bad(f"thinking.{key}", "unknown field (known: type, budget_tokens, display)",
                       code="unknown_parameter")
-    budget = value.get("budget_tokens")
-    if budget is not None:
-        if kind != "enabled":
-            raise bad("thinking.budget_tokens", "only with \"type\": \"enabled\"")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise bad("thinking.budget_tokens", f"expected a whole number of tokens, got {json.dumps(budget)}")
-    display = value.get("display")
-    if display not in (None, "summarized", "omitted"):
-        raise bad("thinking.display", f"expected summarized or omitted, got {json.dumps(display)}")
+    budget = value.get("budget_tokens")       # taken, not enforced: max_tokens bounds reasoning and answer
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise bad("thinking.budget_tokens", f"expected a whole number of tokens, got {json.dumps(budget)}")
+    display = value.get("display")            # how to show the reasoning: it is sent whole whatever this says
+    if display is not None and not isinstance(display, str):
+        raise bad("thinking.display", f"expected a string (summarized, omitted...), got {json.dumps(display)}")
     return kind != "disabled"
 
 
@@ -236,28 +257,6 @@ def parse_tool_choice(value, tools: tuple) -> tuple[str | None, bool]:
         where = "tool_choice.name" if kind == "tool" else "tool_choice"
         raise bad(where, exc.message.split(": ", 1)[-1]) from None
     return choice, not single
-
-
-class Conversation:
-    """The request's messages as the engine's (engine.text.chat), and where each came from."""
-
-    def __init__(self) -> None:
-        self.messages: list[dict] = []
-        self.origins: list[str] = []          # per internal message: where it is in the request
-        self.call_origins: dict = {}          # (internal message, call) -> where its tool_use block is
-
-    def add(self, msg: dict, origin: str) -> None:
-        self.messages.append(msg)
-        self.origins.append(origin)
-
-    def renamed(self, message: str) -> str:
-        """A message of engine.text.chat's checks, its `messages[k]...` named as the request has it."""
-        def where(m: re.Match) -> str:
-            k = min(int(m.group(1)), len(self.origins) - 1)
-            if m.group(3) is not None:
-                return self.call_origins.get((k, int(m.group(3))), self.origins[k])
-            return self.origins[k] + (".tool_use_id" if m.group(2) == ".tool_call_id" else "")
-        return re.sub(r"messages\[(\d+)\](\.tool_call_id|\.tool_calls\[(\d+)\])?", where, message)
 
 
 def _user(conv: Conversation, blocks: list, where: str, open_calls: dict) -> None:
@@ -367,9 +366,13 @@ def parse_messages(value, system) -> Conversation:
             if key not in ("role", "content"):
                 raise bad(f"{where}.{key}", "unknown field (known: role, content)", code="unknown_parameter")
         role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise bad(f"{where}.role", f"{json.dumps(role)}: expected user or assistant (the system prompt is the "
-                                       f"`system` parameter)")
+        if role not in ("user", "assistant", "system"):
+            raise bad(f"{where}.role", f"{json.dumps(role)}: expected user, assistant or system")
+        if role == "system":        # an instruction at its place in the conversation (Claude Code's reminders)
+            text = _text_blocks(content, f"{where}.content", "a system message")
+            if text:
+                conv.add({"role": "system", "content": text}, f"{where}.content")
+            continue
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}] if content or role == "user" else []
         elif isinstance(content, list) and content:
@@ -384,11 +387,12 @@ def parse_messages(value, system) -> Conversation:
                 raise bad(where, f"the tool_use blocks {', '.join(map(repr, open_calls))} before it have no "
                                  f"tool_result (the next message must be the user's, with a tool_result for each)")
             open_calls = _assistant(conv, blocks, where)
-    last = f"messages[{len(value) - 1}]"
+    k = max((i for i, m in enumerate(value) if m["role"] != "system"), default=len(value) - 1)
+    last = f"messages[{k}]"
     if open_calls:
         raise bad(last, "the conversation ends with a tool_use and no tool_result: send the tool's result (a user "
                         "message with a tool_result block naming its tool_use_id) for the model to go on")
-    if value[-1].get("role") != "user":
+    if value[k].get("role") != "user":
         raise bad(last, "the last message must be the user's (the model answers it); an assistant message to "
                         "continue (a prefill) is not supported", code="unsupported_value")
     return conv
@@ -400,16 +404,11 @@ def parse_chat(raw: dict) -> tuple[dict, bool, tuple, str | None, bool]:
     effort = parse_effort(raw.get("output_config"), thinking)
     tools = parse_tools(raw.get("tools"))
     choice, parallel = parse_tool_choice(raw.get("tool_choice"), tools)
-    metadata = raw.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad("metadata", "expected an object")
+    for key in IGNORED:
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise bad(key, "expected an object")
     conv = parse_messages(raw.get("messages"), raw.get("system"))
-    try:           # the engine's checks of the chat (a 400 naming engine.text.chat's message)
-        fields = chat_fields(tuple(conv.messages), tools, choice, thinking, effort)
-    except HttpError as exc:
-        if exc.param == "messages":
-            exc.message = conv.renamed(exc.message)
-        raise
+    fields = conv.fields(tools, choice, thinking, effort)      # the chat layer's checks, named as sent
     return fields, thinking, tools, choice, parallel
 
 
@@ -462,10 +461,16 @@ def stop_of(run, reply) -> tuple[str, str | None]:
     return "max_tokens", None
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's signature: opaque, never empty (clients drop a block whose signature is
+    ""), the same for the same text. Taken back with any value: the thinking's text is the reasoning."""
+    return base64.b64encode(hashlib.sha256(SIGNATURE + thinking.encode()).digest()).decode()
+
+
 def blocks_of(ask: Ask, reply) -> list[dict]:
     out = []
     if ask.thinking and reply.reasoning:
-        out.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        out.append({"type": "thinking", "thinking": reply.reasoning, "signature": signature(reply.reasoning)})
     if reply.content:
         out.append({"type": "text", "text": reply.content})
     for call in reply.calls:
@@ -503,6 +508,7 @@ class _Blocks:
         self.index = -1
         self.open: str | None = None
         self.calls = 0
+        self.thinking = ""         # the open thinking block's text: its signature's at the close
 
     def _delta(self, delta: dict) -> bytes:
         return sse("content_block_delta", {"index": self.index, "delta": delta})
@@ -517,7 +523,8 @@ class _Blocks:
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
-        out = [self._delta({"type": "signature_delta", "signature": ""})] if self.open == "thinking" else []
+        out = [self._delta({"type": "signature_delta", "signature": signature(self.thinking)})] \
+            if self.open == "thinking" else []
         out.append(sse("content_block_stop", {"index": self.index}))
         self.open = None
         return out
@@ -530,6 +537,8 @@ class _Blocks:
                     continue
                 if self.open != "thinking":
                     out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                    self.thinking = ""
+                self.thinking += value
                 out.append(self._delta({"type": "thinking_delta", "thinking": value}))
             elif kind == "content":
                 if self.open != "text":

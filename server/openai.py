@@ -1,14 +1,21 @@
 """The OpenAI-compatible endpoints: what an OpenAI client library, or curl, expects of a local server.
 
-    GET  /v1/models              the model served (one)
+    GET  /v1/models              the model served (one), with its context (max_model_len, context_length)
     GET  /v1/models/{model}
     POST /v1/chat/completions    messages -> an assistant message (reasoning, content, tool calls); streams too
     POST /v1/completions         a prompt (text, or token ids) -> its continuation; streams too
 
-Parameters: model, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k, min_p,
-seed, stop (a string or a list), n (1 only), stream, stream_options.include_usage. Chat also:
+Parameters: model (one of the served model's names), max_tokens (chat also max_completion_tokens;
+left out, a chat answer may fill what the context leaves after the prompt, or at most the operator's
+--max-tokens; a completion gets 16), temperature, top_p, top_k, min_p, seed, stop (a string or a
+list), n (1 only), stream, stream_options.include_usage; and IGNORED below (store, metadata, user,
+prompt_cache_key, safety_identifier, service_tier, verbosity: they do not change the answer, the
+Responses API takes them too). Chat also:
 
-- tools (function schemas), tool_choice (none, auto, required, {"type": "function", "function":
+- messages: system, developer, user, assistant and tool messages, each kept with its role at its
+  place for the chat layer (a developer or system message after the last user turn included).
+- tools (function schemas: the prompt shows name, description and parameters, as on every
+  endpoint, server.conversation), tool_choice (none, auto, required, {"type": "function", "function":
   {"name"}}), parallel_tool_calls (false: the first call only). The model's DSML calls come back
   as `tool_calls` (finish_reason "tool_calls"); tool results go back as `tool` messages. With
   tool_choice none the tools stay in the prompt and DSML is read as content; required or a name
@@ -47,8 +54,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4f import __version__
-from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_chat, check_choice, check_tools
+from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_choice, check_tools
 
+from .conversation import chat_fields, from_ds4f, function_schema
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly as ended_badly_of, reply_of, respond
 from .structured import response_format_of
@@ -57,8 +65,14 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TOOL_CALL_ERROR = "tool_call_error"    # the finish reason of an answer whose calls were refused
 MAX_STOP = 4               # as OpenAI
 
+# OpenAI parameters that say how OpenAI's service keeps, bills or schedules a request, never what
+# the model reads: taken (checked for their type) and ignored by chat completions, completions and
+# the Responses API alike. Nothing is stored here (`store`), no tier is faster than another.
+IGNORED = {"store": bool, "metadata": dict, "user": str, "prompt_cache_key": str, "prompt_cache_retention": str,
+           "safety_identifier": str, "service_tier": ("auto", "default", "flex", "scale", "priority"),
+           "verbosity": ("low", "medium", "high")}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
-          "stream_options", "user")
+          "stream_options", *IGNORED)
 THINKING_PARAMS = ("thinking", "reasoning_effort", "reasoning", "chat_template_kwargs")
 CHAT_PARAMS = COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
                         "response_format") + THINKING_PARAMS
@@ -66,8 +80,8 @@ COMPLETION_PARAMS = COMMON + ("prompt",)
 # OpenAI parameters accepted when they ask for what this server does anyway
 DEFAULT_ONLY = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, 0),
                 "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,), "suffix": ("",), "best_of": (1,),
-                "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
-                "metadata": ({},), "service_tier": ("auto", "default")}
+                "response_format": ({"type": "text"},), "modalities": (["text"],)}
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
 
 
@@ -91,8 +105,15 @@ def _whole(raw: dict, name: str, lo: int, hi: int):
 
 
 def check_names(raw: dict, known: tuple, default_only: dict = DEFAULT_ONLY) -> None:
+    """Every parameter known (the IGNORED ones of the right type), or one of default_only asking
+    for the default; else a 400 naming it."""
     for key, value in raw.items():
-        if key in known or value is None:
+        if value is None:
+            continue
+        if key in IGNORED and key in known:
+            _check_ignored(key, value)
+            continue
+        if key in known:
             continue
         if key in default_only:
             if value not in default_only[key]:
@@ -100,6 +121,16 @@ def check_names(raw: dict, known: tuple, default_only: dict = DEFAULT_ONLY) -> N
                           code="unsupported_parameter")
             continue
         raise bad(key, f"unknown parameter (known: {', '.join(known)})", code="unknown_parameter")
+
+
+def _check_ignored(key: str, value) -> None:
+    kind = IGNORED[key]
+    if isinstance(kind, tuple):
+        if value not in kind:
+            raise bad(key, f"expected one of {', '.join(kind)}, got {json.dumps(value)}")
+    elif not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        what = {bool: "true or false", dict: "an object", str: "a string"}[kind]
+        raise bad(key, f"expected {what}, got {json.dumps(value)}")
 
 
 def _text_parts(value, where: str, kinds: tuple = ("text",)) -> str:
@@ -110,11 +141,6 @@ def _text_parts(value, where: str, kinds: tuple = ("text",)) -> str:
                                        and isinstance(p.get("text"), str) for p in value):
         return "\n".join(p["text"] for p in value)
     raise bad(where, "expected text: a string, or a list of {\"type\": \"text\", \"text\": ...} parts")
-
-
-def from_ds4f(exc: Ds4fError) -> HttpError:
-    """A chat setting the engine's checks refused, as a 400 naming the parameter."""
-    return HttpError(400, exc.message, param=exc.param, code="invalid_value")
 
 
 def thinking_of(raw: dict, default: bool = False) -> tuple[bool, str | None]:
@@ -178,10 +204,12 @@ def parse_tool_choice(value, tools: tuple, param: str = "tool_choice"):
 
 
 def parse_tools(value, param: str = "tools") -> tuple:
+    """OpenAI's tools ({"type": "function", "function": {...}}, or the bare function) as the function
+    schemas the prompt shows: name, description and parameters (`strict` and the like left out)."""
     if value is None:
         return ()
     try:
-        return check_tools(value, param)
+        return tuple(function_schema(fn) for fn in check_tools(value, param))
     except Ds4fError as exc:
         raise HttpError(400, exc.message, param=param, code="invalid_value") from None
 
@@ -203,9 +231,7 @@ def parse_messages(value) -> tuple[dict, ...]:
         if not isinstance(m, dict):
             raise bad(where, "expected a {role, content} object")
         role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
+        if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"{where}.role", f"{json.dumps(role)} is not supported (system, developer, user, assistant,"
                                        f" tool)")
         calls = m.get("tool_calls")
@@ -255,8 +281,10 @@ def parse_prompt(value) -> dict:
 
 
 def check_model(raw: dict, svc) -> None:
+    """`model`, when given, names the served model: one of its names (--served-model-name) or its
+    checkpoint directory's; else a 404."""
     model = raw.get("model")
-    if model is not None and model != svc.model_id:
+    if model is not None and not svc.serves(model):
         if not isinstance(model, str):
             raise bad("model", f"expected a model name, got {json.dumps(model)}")
         raise HttpError(404, f"model: no model {model!r} here; this server serves {svc.model_id!r} "
@@ -273,16 +301,6 @@ def parse_stop(stop, param: str = "stop") -> tuple:
     raise bad(param, f"expected a string or a list of at most {MAX_STOP} strings")
 
 
-def chat_fields(messages: tuple, tools: tuple, tool_choice, thinking: bool, effort) -> dict:
-    """RunConfig's chat fields, checked as the prompt reads them (a 400 naming the parameter)."""
-    try:
-        check_chat(messages, tools or None, effort, tool_choice)
-    except Ds4fError as exc:
-        raise from_ds4f(exc) from None
-    return {"messages": messages, "thinking": thinking, "tools": tools or None, "tool_choice": tool_choice,
-            "reasoning_effort": effort}
-
-
 def parse_ask(raw: dict, kind: str, svc) -> Ask:
     check_names(raw, CHAT_PARAMS if kind == "chat" else COMPLETION_PARAMS)
     check_model(raw, svc)
@@ -297,13 +315,14 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
     if options is not None:
         if not stream_:
             raise bad("stream_options", "only with \"stream\": true")
-        if not isinstance(options, dict) or any(k != "include_usage" for k in options) \
-                or not isinstance(options.get("include_usage", False), bool):
-            raise bad("stream_options", "expected {\"include_usage\": true|false}")
+        if not isinstance(options, dict) or any(k not in STREAM_OPTIONS for k in options) \
+                or not all(isinstance(v, bool) for v in options.values()):
+            raise bad("stream_options", "expected {\"include_usage\": true|false} (include_obfuscation is ignored)")
         include_usage = options.get("include_usage", False)
 
-    default_gen = svc.options.default_max_tokens if kind == "chat" else 16
-    gen_param, gen = "max_tokens", default_gen
+    # without a limit a chat answer may fill the context (None: the room the prompt leaves), as OpenAI's
+    # do; a completion gets OpenAI's 16 tokens
+    gen_param, gen = "max_tokens", None if kind == "chat" else 16
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     given = {k: _whole(raw, k, 1, MAX_GEN) for k in names if raw.get(k) is not None}
     if len(set(given.values())) > 1:
@@ -474,8 +493,11 @@ async def _events(pending):
 
 
 # -- endpoints ----------------------------------------------------------------------------------
-def _model_card(svc) -> dict:
-    return {"id": svc.model_id, "object": "model", "created": int(svc.started_at), "owned_by": "ds4f",
+def _model_card(svc, name: str | None = None) -> dict:
+    """The model as OpenAI lists it, with its context (prompt and answer together, in tokens) under
+    the names vLLM and OpenRouter give it (aider and other clients read them)."""
+    return {"id": name or svc.model_id, "object": "model", "created": int(svc.started_at), "owned_by": "ds4f",
+            "max_model_len": svc.context, "context_length": svc.context,
             "ds4f": {"path": svc.model, "kind": svc.checkpoint_kind, "preset": svc.preset}}
 
 
@@ -486,10 +508,10 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     svc = request.app.state.service
     name = request.path_params["model"]
-    if name != svc.model_id:
+    if not svc.serves(name):
         raise HttpError(404, f"model: no model {name!r} here; this server serves {svc.model_id!r}", param="model",
                         code="model_not_found")
-    return json_response(200, _model_card(svc))
+    return json_response(200, _model_card(svc, name))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -1,29 +1,36 @@
 """OpenAI's Responses API: POST /v1/responses, what Codex CLI and other Responses clients speak.
 
     input         a string (one user message) or a list of items: messages ({role, content}: system,
-                  developer, user, assistant; content a string or input_text / output_text parts),
-                  function_call ({call_id, name, arguments}), function_call_output ({call_id,
-                  output}), reasoning ({content: reasoning_text parts, or summary, or the
-                  encrypted_content this server gave}: the next assistant turn's reasoning)
+                  developer, user, assistant; content a string or input_text / output_text parts;
+                  system and developer keep their role and place), function_call ({call_id, name,
+                  arguments}), function_call_output ({call_id, output}), reasoning (the next
+                  assistant turn's reasoning: the text of its content's reasoning_text parts, else
+                  of its summary, else the encrypted_content this server gave)
     instructions  the system prompt
-    tools         [{"type": "function", "name", "description", "parameters"}]; tool_choice auto,
-                  none, required or {"type": "function", "name"}; parallel_tool_calls
+    tools         [{"type": "function", "name", "description", "parameters"}] (the prompt shows those
+                  three; strict is taken); tool_choice auto, none, required or {"type": "function",
+                  "name"}; parallel_tool_calls
     reasoning     {"effort": none | minimal | low | medium | high | xhigh}: thinking mode unless none
                   (xhigh asks for the release's maximum effort); summary is accepted
-    max_output_tokens, temperature, top_p, stream; store, include, metadata, user,
-    prompt_cache_key, truncation "disabled", text {"format": ...} (text, json_object or json_schema {name,
-    schema, strict}: the answer held to it, server.structured) are accepted
-    (nothing is stored: no GET /v1/responses/{id}, previous_response_id is refused).
+    max_output_tokens (left out: what the context leaves after the prompt), temperature, top_p,
+    stream; text {"format": ...}: text, json_object or json_schema {name, schema, strict} (the answer
+    held to it: server.structured); include, truncation "disabled" are accepted, and so
+    are the parameters that do not change the answer (server.openai.IGNORED: store, metadata, user,
+    prompt_cache_key, safety_identifier, service_tier...). Nothing is stored: no GET
+    /v1/responses/{id}, previous_response_id is refused.
 
-The answer's output items, in order: reasoning (thinking mode, when the model reasoned), the
-message (its output_text), one function_call per call. status is completed, or incomplete with
-incomplete_details.reason max_output_tokens. An answer whose calls were refused (engine.text.reply):
-its text is the message, and the response's `tool_call_error` says why. Streaming sends the API's
-events: response.created, response.in_progress, per item response.output_item.added, its deltas
-(response.reasoning_text.delta, response.content_part.added / response.output_text.delta /
-.done / response.content_part.done, response.function_call_arguments.delta / .done),
-response.output_item.done, then response.completed, response.incomplete or response.failed.
-One engine path with the chat endpoint (server.generation).
+The answer's output items, in order: reasoning (thinking mode, when the model reasoned: the text
+as its content and as its summary, the part most clients show), the message (its output_text),
+one function_call per call. status is completed, or incomplete with incomplete_details.reason
+max_output_tokens. An answer whose calls were refused (engine.text.reply): its text is the
+message, and the response's `tool_call_error` says why. Streaming sends the API's events:
+response.created, response.in_progress, per item response.output_item.added, its deltas
+(response.reasoning_summary_part.added, response.reasoning_text.delta with
+response.reasoning_summary_text.delta, their .done events and response.reasoning_summary_part.done;
+response.content_part.added / response.output_text.delta / .done / response.content_part.done;
+response.function_call_arguments.delta / .done), response.output_item.done, then
+response.completed, response.incomplete or response.failed. A refused conversation is a 400
+naming `input` (input[3], instructions). One engine path with the chat endpoint (server.generation).
 """
 from __future__ import annotations
 
@@ -35,19 +42,19 @@ from starlette.responses import Response
 
 from ds4f.api import MAX_GEN
 
+from .conversation import Conversation
 from .errors import bad, json_bytes
 from .generation import Ask, counted, ended_badly, reply_of, respond
 from .structured import text_format_of
-from .openai import (EFFORTS, _text_parts, _whole, chat_fields, check_model, check_names, parse_sampling,
+from .openai import (EFFORTS, IGNORED, _text_parts, _whole, check_model, check_names, parse_sampling,
                      parse_tool_choice, parse_tools)
 
 PARAMS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
-          "max_output_tokens", "temperature", "top_p", "stream", "store", "include", "metadata", "user",
-          "prompt_cache_key", "text", "truncation", "service_tier", "safety_identifier", "background",
-          "previous_response_id", "top_logprobs")
-DEFAULT_ONLY = {"truncation": ("disabled", "auto"), "background": (False,), "top_logprobs": (0,),
-                "service_tier": ("auto", "default")}
+          "max_output_tokens", "temperature", "top_p", "stream", "include", "text", "truncation", "background",
+          "previous_response_id", "top_logprobs", *IGNORED)
+DEFAULT_ONLY = {"truncation": ("disabled", "auto"), "background": (False,), "top_logprobs": (0,)}
 ENCRYPTED = "ds4f:"        # the prefix of the reasoning this server hands out as encrypted_content (not encrypted)
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _tools(value) -> tuple:
@@ -73,42 +80,46 @@ def _choice(value, tools):
 
 
 def _reasoning_text(item: dict, where: str) -> str:
-    parts = item.get("content") or []
-    summary = item.get("summary") or []
-    if not isinstance(parts, list) or not isinstance(summary, list):
-        raise bad("input", f"{where}: content and summary are lists of text parts")
-    texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") in ("reasoning_text", "text")]
-    if not texts:
-        texts = [p.get("text") for p in summary if isinstance(p, dict)]
-    if not texts and isinstance(item.get("encrypted_content"), str) and item["encrypted_content"].startswith(ENCRYPTED):
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's parts (this
+    server writes the reasoning there too), else the encrypted_content this server gave; the first
+    of them that holds text (a client may send back empty content or an empty summary part)."""
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+            raise bad("input", f"{where}.{key}: expected a list of text parts")
+        texts = [p.get("text") for p in parts if key == "summary" or p.get("type") in ("reasoning_text", "text")]
+        if not all(isinstance(t, str) for t in texts):
+            raise bad("input", f"{where}.{key}: reasoning text parts hold text")
+        if "".join(texts):
+            return "\n".join(texts)
+    sealed = item.get("encrypted_content")
+    if isinstance(sealed, str) and sealed.startswith(ENCRYPTED):
         try:
-            texts = [base64.b64decode(item["encrypted_content"][len(ENCRYPTED):]).decode("utf-8")]
+            return base64.b64decode(sealed[len(ENCRYPTED):], validate=True).decode("utf-8")
         except ValueError:
             raise bad("input", f"{where}.encrypted_content: not one this server gave") from None
-    if not all(isinstance(t, str) for t in texts):
-        raise bad("input", f"{where}: reasoning text parts hold text")
-    return "\n".join(texts)
+    return ""
 
 
-def parse_input(value, instructions) -> tuple[dict, ...]:
-    """The input items as the chat format's messages: an assistant turn gathers the reasoning,
-    message and function_call items that follow each other; function_call_output is a tool message."""
+def parse_input(value, instructions) -> Conversation:
+    """The input items as the chat layer's messages: an assistant turn gathers the reasoning,
+    message and function_call items that follow each other; function_call_output is a tool message;
+    system and developer messages keep their role and place."""
     if isinstance(value, str):
         value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise bad("input", "expected a string or a non-empty list of input items")
-    out: list[dict] = []
+    conv = Conversation("input", "call_id")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise bad("instructions", "expected a string")
-        out.append({"role": "system", "content": instructions})
+        conv.add({"role": "system", "content": instructions}, "instructions")
     turn: dict | None = None       # the assistant turn being gathered
 
-    def assistant() -> dict:
+    def assistant(where: str) -> dict:
         nonlocal turn
         if turn is None:
-            turn = {"role": "assistant", "content": ""}
-            out.append(turn)
+            turn = conv.add({"role": "assistant", "content": ""}, where)
         return turn
 
     for i, item in enumerate(value):
@@ -118,36 +129,32 @@ def parse_input(value, instructions) -> tuple[dict, ...]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role == "developer":
-                role = "system"
-            if role not in ("system", "user", "assistant"):
+            if role not in ("system", "developer", "user", "assistant"):
                 raise bad("input", f"{where}.role: {json.dumps(role)} is not supported (system, developer, user,"
                                    f" assistant)")
-            text = _text_parts(item.get("content"), f"{where}.content", ("input_text", "output_text", "text"))
+            text = _text_parts(item.get("content"), f"{where}.content", TEXT_PARTS)
             if role == "assistant":
-                t = assistant()
-                t["content"] += text
+                assistant(where)["content"] += text
             else:
                 turn = None
-                out.append({"role": role, "content": text})
+                conv.add({"role": role, "content": text}, where)
         elif kind == "reasoning":
-            t = assistant()
-            text = _reasoning_text(item, where)
-            t["reasoning"] = t.get("reasoning", "") + text
+            t = assistant(where)
+            t["reasoning"] = t.get("reasoning", "") + _reasoning_text(item, where)
         elif kind == "function_call":
-            t = assistant()
-            t.setdefault("tool_calls", []).append({"id": item.get("call_id"), "name": item.get("name"),
-                                                   "arguments": item.get("arguments")})
+            t = assistant(where)
+            calls = t.setdefault("tool_calls", [])
+            conv.call_origins[(len(conv.messages) - 1, len(calls))] = where
+            calls.append({"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")})
         elif kind == "function_call_output":
             turn = None
             output = item.get("output")
-            output = output if isinstance(output, str) else _text_parts(output, f"{where}.output",
-                                                                        ("input_text", "output_text", "text"))
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            output = output if isinstance(output, str) else _text_parts(output, f"{where}.output", TEXT_PARTS)
+            conv.add({"role": "tool", "tool_call_id": item.get("call_id"), "content": output}, where)
         else:
             raise bad("input", f"{where}.type: {json.dumps(kind)} items are not supported (message, reasoning,"
                                f" function_call, function_call_output)", code="unsupported_value")
-    return tuple(out)
+    return conv
 
 
 def parse_ask(raw: dict, svc) -> Ask:
@@ -161,7 +168,7 @@ def parse_ask(raw: dict, svc) -> Ask:
     stream_ = raw.get("stream")
     if stream_ is not None and not isinstance(stream_, bool):
         raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
-    gen = _whole(raw, "max_output_tokens", 1, MAX_GEN) or svc.options.default_max_tokens
+    gen = _whole(raw, "max_output_tokens", 1, MAX_GEN)     # None: what the context leaves after the prompt
     reasoning = raw.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad("reasoning", "expected an object: {\"effort\": ...}")
@@ -174,8 +181,8 @@ def parse_ask(raw: dict, svc) -> Ask:
     parallel = raw.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
-    fields = chat_fields(parse_input(raw["input"], raw.get("instructions")), tools, choice, thinking,
-                         EFFORTS[effort] if thinking else None)
+    fields = parse_input(raw["input"], raw.get("instructions")).fields(tools, choice, thinking,
+                                                                       EFFORTS[effort] if thinking else None)
     fields.update(stop=(), stop_at_eos=True, response_format=text_format_of(raw.get("text"), tools, choice))
     sampling = parse_sampling({k: raw.get(k) for k in ("temperature", "top_p")}, svc)
     return Ask("chat", fields, gen, "max_output_tokens", sampling, bool(stream_), thinking=thinking, tools=tools,
@@ -206,7 +213,9 @@ class Shape:
                 "metadata": raw.get("metadata") or {}, **extra}
 
     def reasoning_item(self, text: str, status: str = "completed") -> dict:
-        item = {"type": "reasoning", "id": f"rs_{self.run.id}", "summary": [],
+        """The reasoning, whole, as its content and as its summary (the part clients show)."""
+        item = {"type": "reasoning", "id": f"rs_{self.run.id}",
+                "summary": [{"type": "summary_text", "text": text}] if text else [],
                 "content": [{"type": "reasoning_text", "text": text}], "status": status}
         if self.encrypted:
             item["encrypted_content"] = ENCRYPTED + base64.b64encode(text.encode()).decode()
@@ -305,6 +314,10 @@ async def _events(pending):
             item = shape.reasoning_item(texts["reasoning"])
             yield emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
                        text=texts["reasoning"])
+            yield emit("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
+                       summary_index=0, text=texts["reasoning"])
+            yield emit("response.reasoning_summary_part.done", item_id=item["id"], output_index=index,
+                       summary_index=0, part={"type": "summary_text", "text": texts["reasoning"]})
         else:
             item = shape.message_item(texts["content"])
             part = item["content"][0]
@@ -345,15 +358,23 @@ async def _events(pending):
             if want == "reasoning":
                 open_item = shape.reasoning_item("", "in_progress")
                 yield emit("response.output_item.added", output_index=index, item=open_item)
+                yield emit("response.reasoning_summary_part.added", item_id=open_item["id"], output_index=index,
+                           summary_index=0, part={"type": "summary_text", "text": ""})
             else:
                 open_item = shape.message_item("", "in_progress")
                 yield emit("response.output_item.added", output_index=index, item=open_item)
                 yield emit("response.content_part.added", item_id=open_item["id"], output_index=index,
                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-        texts["reasoning" if want == "reasoning" else "content"] += event[1]
-        yield emit("response.reasoning_text.delta" if want == "reasoning" else "response.output_text.delta",
-                   item_id=open_item["id"], output_index=index, content_index=0, delta=event[1],
-                   **({} if want == "reasoning" else {"logprobs": []}))
+        if want == "reasoning":
+            texts["reasoning"] += event[1]
+            yield emit("response.reasoning_text.delta", item_id=open_item["id"], output_index=index, content_index=0,
+                       delta=event[1])
+            yield emit("response.reasoning_summary_text.delta", item_id=open_item["id"], output_index=index,
+                       summary_index=0, delta=event[1])
+        else:
+            texts["content"] += event[1]
+            yield emit("response.output_text.delta", item_id=open_item["id"], output_index=index, content_index=0,
+                       delta=event[1], logprobs=[])
 
     async for event in pending.events():
         if event[0] == "queued":

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from ds4f.api import Tokenizer, chat_prompt_ids
+from ds4f.server.anthropic import signature
 
 from server_helpers import HELLO, Srv, idle, serve_config, srv, start  # noqa: F401 (fixtures)
 
@@ -181,7 +182,7 @@ def test_thinking_mode_gives_a_thinking_block(srv):
     reasoning, marker, content = output.partition("</think>")
     if not marker:
         reasoning, content = output, ""
-    want = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []) + \
+    want = ([{"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)}] if reasoning else []) + \
         ([{"type": "text", "text": content}] if content else [])
     assert dumped(msg.content) == want
     events = raw_events(srv, {"model": model, "max_tokens": 8, "messages": HELLO, "temperature": 0,
@@ -314,7 +315,8 @@ BAD = [
     ({"thinking": {"type": "enabled", "budget": 1}}, "thinking.budget"),
     ({"output_config": {"effort": "huge"}}, "output_config.effort"),
     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),     # no user's message to answer
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x", "name": "me"}]}, "messages[0].name"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
@@ -506,7 +508,7 @@ def _check_answer(msg, want: dict, thinking: bool) -> None:
     blocks = dumped(msg.content)
     thought = [b for b in blocks if b["type"] == "thinking"]
     assert [b["thinking"] for b in thought] == ([want["reasoning"]] if thinking and want["reasoning"] else [])
-    assert all(b["signature"] == "" for b in thought)
+    assert all(b["signature"] == signature(b["thinking"]) for b in thought)      # never "": clients drop those
     assert "".join(b["text"] for b in blocks if b["type"] == "text") == want["content"]
     assert [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"] == \
         [(c["name"], c["arguments"]) for c in want["tool_calls"]]

@@ -234,9 +234,9 @@ BAD_RESPONSES = [
                                                                      "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"), ({"input": "hi", "stream": "yes"}, "stream"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9", "output": "x"}]},
-     "messages"),
+     "input"),       # the chat layer's refusals too name the Responses API's parameter
     ({"input": [{"role": "user", "content": "hi"},
-                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]}, "messages"),
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]}, "input"),
     ({"input": "hi", "bogus": 1}, "bogus"),
 ]
 
