@@ -9,11 +9,13 @@ serve under that name with --served-model-name), max_tokens (required, as Anthro
 system (a string or text blocks, joined by newlines), tools, tool_choice, thinking, temperature (0
 to 1, as Anthropic's), top_p, top_k, stop_sequences, stream, output_config.effort (low, medium,
 high, xhigh, max: the reasoning effort of thinking mode; xhigh and max ask for the release's
-maximum, the rest add nothing). Taken and ignored, since they do not change the answer (IGNORED):
+maximum, the rest add nothing), output_config.format ({"type": "json_schema", "schema": {...}}:
+structured outputs, the answer held to the schema token by token, as response_format on chat
+completions; server.structured). Taken and ignored, since they do not change the answer (IGNORED):
 metadata, service_tier auto / standard_only, context_management, thread, `cache_control` wherever
 Anthropic puts it (the prefix cache works without marks). What would change the answer and cannot
-be honoured is a 400 naming it (server tools, mcp_servers, container, output_config.format,
-tools[].input_examples, image and document blocks), and so is anything unknown.
+be honoured is a 400 naming it (server tools, mcp_servers, container, tools[].input_examples,
+image and document blocks), and so is anything unknown.
 
 - Content blocks. User: text, tool_result {tool_use_id, content (a string or text blocks),
   is_error (the content is passed as it is: the tool's error text says what went wrong)}; image
@@ -77,6 +79,7 @@ from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly, reply_of, respond
 from .openai import EFFORTS, check_model, check_names, parse_sampling
 from .routes import json_body, refused
+from .structured import text_format_of
 
 # Taken and ignored: how Anthropic's service keeps, bills or trims a conversation, never what the model
 # reads here. context_management asks Anthropic to clear old tool results and thinking server-side;
@@ -84,7 +87,7 @@ from .routes import json_body, refused
 # Anthropic's bookkeeping of a conversation. Each must be an object.
 IGNORED = ("metadata", "cache_control", "context_management", "thread")
 # Refused, named in a 400, because they would change the answer and cannot be honoured: server tools
-# (tools[].type other than custom, mcp_servers, container), structured output (output_config.format),
+# (tools[].type other than custom, mcp_servers, container),
 # tools[].input_examples (shown to Anthropic's models), image and document blocks; unknown keys too.
 CREATE_PARAMS = ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "thinking", "temperature",
                  "top_p", "top_k", "stop_sequences", "stream", "output_config", *IGNORED)
@@ -179,9 +182,7 @@ def parse_effort(value, thinking: bool) -> str | None:
         return None
     if not isinstance(value, dict):
         raise bad("output_config", "expected an object: {\"effort\": ...}")
-    for key, v in value.items():
-        if key == "format" and v is not None:
-            raise bad("output_config.format", "structured outputs are not supported", code="unsupported_value")
+    for key in value:
         if key not in ("effort", "format"):
             raise bad(f"output_config.{key}", "unknown field (known: effort)", code="unknown_parameter")
     effort = value.get("effort")
@@ -434,6 +435,9 @@ def parse_ask(raw: dict, svc) -> Ask:
     fields, thinking, tools, choice, parallel = parse_chat(raw)
     fields["stop"] = parse_stop_sequences(raw.get("stop_sequences"))
     fields["stop_at_eos"] = True
+    fmt = (raw.get("output_config") or {}).get("format")    # structured outputs: {"type": "json_schema", "schema"}
+    if fmt is not None:
+        fields["response_format"] = text_format_of({"format": fmt}, tools, choice, "output_config")
     return Ask("chat", fields, gen, "max_tokens", parse_sampling(raw, svc), bool(stream_), False, thinking, tools,
                choice, parallel, names=dict(NAMES), endpoint="messages")
 

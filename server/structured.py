@@ -95,8 +95,8 @@ def _schema_format(schema, name, strict, where: str) -> ResponseFormat:
 
 def _checked(fmt: ResponseFormat, tools, tool_choice, param: str) -> ResponseFormat:
     if tools and tool_choice != "none":
-        raise bad(param, "a JSON answer cannot also be a tool call: send tool_choice \"none\" (the tools stay in the"
-                         " prompt), or leave the tools or the format out", code="unsupported_value")
+        raise bad(param, "a JSON answer cannot also be a tool call: send tool_choice \"none\" (the tools are then left"
+                         " out of the prompt), or leave the tools or the format out", code="unsupported_value")
     try:
         return check_response_format(fmt)
     except Ds4fError as exc:

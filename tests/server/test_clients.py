@@ -103,7 +103,6 @@ def test_claude_codes_decorations_are_taken_and_change_nothing(srv, thinking):
 @pytest.mark.parametrize("extra, name", [
     ({"mcp_servers": [{"type": "url", "url": "https://example.com/mcp", "name": "x"}]}, "mcp_servers"),
     ({"container": "container_1"}, "container"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "output_config.format"),
     ({"tools": [{**CLAUDE_TOOLS[0], "input_examples": [{"path": "a"}]}]}, "tools[0].input_examples"),
     ({"context_management": "clear"}, "context_management"), ({"thread": "new"}, "thread"),
     ({"thinking": {"type": "adaptive", "display": 3}}, "thinking.display"),

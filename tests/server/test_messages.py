@@ -314,7 +314,7 @@ BAD = [
     ({"thinking": {"type": "enabled", "budget_tokens": "x"}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "enabled", "budget": 1}}, "thinking.budget"),
     ({"output_config": {"effort": "huge"}}, "output_config.effort"),
-    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),     # no user's message to answer
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x", "name": "me"}]}, "messages[0].name"),

@@ -114,6 +114,20 @@ def test_responses_text_format_json_schema(served):
     assert isinstance(parsed.output_parsed, Person)
 
 
+def test_anthropic_output_config_format(served):
+    """Anthropic's structured outputs (output_config.format) through the anthropic SDK's own client."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.url, api_key="none", max_retries=0, timeout=60)
+    msg = client.messages.create(model=served.service.model_id, max_tokens=MAX_TOKENS, system=ASK[0]["content"],
+                                 messages=ASK[1:], extra_body={"temperature": 0, "output_config": {
+                                     "format": {"type": "json_schema", "schema": PERSON}}})
+    assert msg.stop_reason == "end_turn", msg
+    jsonschema.validate(json.loads(msg.content[0].text), PERSON)
+    report = served.get(f"/runs/{msg.id.removeprefix('msg_')}/report").json()
+    assert report["text"]["response_format"]["kind"] == "json_schema"
+
+
 def test_without_a_format_the_answer_is_unchanged(served):
     """response_format text (or none) is the free answer: the same tokens, greedy and sampled."""
     for temperature in (0.0, 1.0):
