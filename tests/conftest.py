@@ -56,3 +56,18 @@ def ratios_model(tmp_path_factory):
     src = tmp_path_factory.mktemp("ratios") / "official"
     shutil.copytree(whole / "ratios", src, ignore=shutil.ignore_patterns("expected.npz"))
     return convert_checkpoint(src, src.parent / "ds4f", progress=False)
+
+
+@pytest.fixture(scope="session")
+def release():
+    """The release's chat encoder (tests/reference/deepseek_v4_encoding.py, from the vLLM 0.20.0 wheel,
+    unchanged): encode_messages and parse_message_from_completion_text, the chat format's reference."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("regex")
+    path = Path(__file__).resolve().parent / "reference" / "deepseek_v4_encoding.py"
+    spec = importlib.util.spec_from_file_location("deepseek_v4_encoding", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

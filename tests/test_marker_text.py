@@ -12,7 +12,6 @@ string taken out of the contents, tokenized whole by HF `tokenizers` (no ds4f co
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -44,14 +43,6 @@ def real_model(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(pkg.__file__).parent / name, official / name)
     return convert_checkpoint(official, root / "ds4f", progress=False)
-
-
-@pytest.fixture(scope="module")
-def release():
-    spec = importlib.util.spec_from_file_location("release_encoding", HERE / "reference" / "deepseek_v4_encoding.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def release_text(release, messages, tools, thinking) -> str:

@@ -16,7 +16,6 @@ whole-string tokenization would make them control tokens: there ds4f must spell 
 its ids must equal deepseek-recipe's.
 """
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
@@ -26,18 +25,8 @@ from ds4f.engine.text import Tokenizer, chat_prompt_ids, render_chat
 from ds4f.engine.text.chat import check_chat
 from ds4f.errors import Ds4fError
 
-REFERENCE = Path(__file__).resolve().parents[2] / "reference" / "deepseek_v4_encoding.py"
 MARKERS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
            "｜DSML｜", "<｜latest_reminder｜>", "<｜tool▁calls▁begin｜>")
-
-
-@pytest.fixture(scope="module")
-def release():
-    pytest.importorskip("regex")
-    spec = importlib.util.spec_from_file_location("deepseek_v4_encoding", REFERENCE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

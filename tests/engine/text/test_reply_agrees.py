@@ -7,15 +7,12 @@ processor fed the answer in pieces, as a server would (its chat completions resp
 Where ds4f reads more (misspelt markers, an unclosed </think>, values of the wrong type), the
 README's tool-call section says so; those cases are in test_text_tools.py.
 """
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from ds4f.engine.text.reply import ReplyParser
 
-REFERENCE = Path(__file__).resolve().parents[2] / "reference" / "deepseek_v4_encoding.py"
 B = "｜DSML｜"
 EOS = "<｜end▁of▁sentence｜>"
 
@@ -60,15 +57,6 @@ ANSWERS = {   # name: (thinking, text without EOS)
     "think_call": (True, "I need the weather for Paris.\nTwo lines.</think>" + block(WEATHER)),
     "think_content_call": (True, "Plan.</think>Checking now." + block(WEATHER, CLOCK)),
 }
-
-
-@pytest.fixture(scope="module")
-def release():
-    pytest.importorskip("regex")
-    spec = importlib.util.spec_from_file_location("deepseek_v4_encoding", REFERENCE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def ours(thinking, text, pieces=7):
