@@ -22,6 +22,7 @@ beyond loopback without one is refused.
     queue.py     the engine's waiting line
     feed.py      a run's tokens, from its thread to the event loop
     metrics.py   Prometheus metrics (prometheus_client)
+    ecosystem.py vLLM's metric names and llama-server's /slots, for the ecosystem's monitors
     errors.py    errors in OpenAI's JSON shape
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from starlette.routing import Match, Route
 
 from ds4f.api import Ds4fError
 
-from . import anthropic, openai, responses, routes
+from . import anthropic, ecosystem, openai, responses, routes
 from .errors import HttpError
 from .guard import Guard
 from .options import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, is_loopback, read_token_file
@@ -55,6 +56,7 @@ ROUTES = [
     Route("/health", routes.health, methods=["GET"]),
     Route("/status", routes.status, methods=["GET"]),
     Route("/metrics", routes.metrics, methods=["GET"]),
+    Route("/slots", ecosystem.slots, methods=["GET"]),
     Route("/runs", routes.list_runs, methods=["GET"]),
     Route("/runs", routes.start_json, methods=["POST"]),
     Route("/run", routes.start_query, methods=["GET"]),
@@ -120,6 +122,7 @@ def build_app(service: Service):
                                         Ds4fError: _ds4f_error})
     app.router.redirect_slashes = False   # /runs/ is not /runs
     app.state.service = service
+    service.metrics.serve(service)   # vLLM's series and llama-server's slots, read from the service
     return Guard(app, service.options, service.metrics, ROUTES)
 
 

@@ -2,12 +2,15 @@
 
 The run API calls on_token(record) in the run's thread after each token; the feed passes the
 record to the loop (call_soon_threadsafe), where it is counted for /metrics and its text is
-queued for whoever streams the answer. Records that arrive before the feed knows its run (the
+queued for whoever streams the answer; the request's figures for vLLM's metric names
+(ds4f.server.ecosystem) see each record with the time.monotonic() its thread handed it over.
+Records that arrive before the feed knows its run (the
 run's thread can be faster than start_run's return) wait until attach().
 """
 from __future__ import annotations
 
 import asyncio
+import time
 
 END = None   # what `pieces` yields once the run has ended
 
@@ -16,6 +19,7 @@ class RunFeed:
     def __init__(self, loop: asyncio.AbstractEventLoop, metrics):
         self.loop = loop
         self.metrics = metrics
+        self.request = metrics.figures(None)   # the request's figures for the vllm: series, from attach()
         self.run = None
         self._early: list = []
         self._prefill_steps = 0
@@ -25,27 +29,31 @@ class RunFeed:
     def on_token(self, record) -> None:
         """The run's thread, after each token."""
         try:
-            self.loop.call_soon_threadsafe(self._take, record)
+            self.loop.call_soon_threadsafe(self._take, record, time.monotonic())
         except RuntimeError:   # the loop is closed: the server is gone, nobody to tell
             pass
 
     def attach(self, run) -> None:
         self.run = run
         self._prefill_steps = len(run.prompt) - 1   # steps that read the prompt; the rest generate
+        self.request = self.metrics.figures(run)
         early, self._early = self._early, []
-        for record in early:
-            self._take(record)
+        for record, t in early:
+            self._take(record, t)
 
-    def _take(self, record) -> None:
+    def _take(self, record, t: float) -> None:
         if self.run is None:
-            self._early.append(record)
+            self._early.append((record, t))
             return
-        self.metrics.token(record, "prefill" if record.index < self._prefill_steps else "decode")
+        generated = record.index >= self._prefill_steps
+        self.metrics.token(record, "decode" if generated else "prefill")
+        self.request.token(generated, t)
         if record.text:
             self.pieces.put_nowait(record.text)
 
     def close(self) -> None:
         """The run has ended and every record it handed over is taken."""
         if not self.ended.is_set():
+            self.request.finished()
             self.ended.set()
             self.pieces.put_nowait(END)

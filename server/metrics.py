@@ -8,7 +8,8 @@ prefetch guesses when the run ends, when every guess it issued has an outcome, s
 always add up to the issued total. No label takes a value that changes from run to run: labels
 are a fixed handful of words (phase, outcome, state, endpoint, method, status class).
 Gauges say what the engine is doing now (busy, queue, threads, cache); process_* come from
-prometheus_client's ProcessCollector.
+prometheus_client's ProcessCollector. Beside them, once the server is bound (serve()), vLLM's
+metric names with vLLM's meaning (ds4f.server.ecosystem), which the ecosystem's monitors read.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from prometheus_client.exposition import choose_encoder
 
 from ds4f import __version__
 from ds4f.api import END_STATES
+
+from .ecosystem import NO_REQUEST, Ecosystem
 
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 READ_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -92,6 +95,19 @@ class Metrics:
                 family.labels(v)
         if live is not None:
             r.register(LiveGauges(live))
+        self.ecosystem: Ecosystem | None = None   # the vllm: series and the slots, once serve() binds a server
+
+    def serve(self, server) -> None:
+        """Add vLLM's series, read from the server (a Service: its queue, model, parallel, context)."""
+        if self.ecosystem is None:
+            self.ecosystem = Ecosystem(self.registry, server)
+
+    def figures(self, run):
+        """The figures of the request whose run has just started (RunFeed.attach), for the vllm:
+        series; a stand-in that keeps nothing before a run, or without a server."""
+        if run is None or self.ecosystem is None:
+            return NO_REQUEST
+        return self.ecosystem.request(run)
 
     # -- feeding --------------------------------------------------------------------------------
     def token(self, record, phase: str) -> None:

@@ -26,6 +26,7 @@ class Ticket:
     client: str                 # the client's address
     joined_at: float = field(default_factory=time.monotonic)
     granted: asyncio.Future | None = None
+    granted_at: float | None = None     # when it took a slot (time.monotonic())
     run_id: str | None = None   # the run it started, once it has
     run: object = None
     starting: bool = False      # its run is being started
@@ -119,6 +120,7 @@ class EngineQueue:
 
     def _grant(self, ticket: Ticket) -> None:
         if not ticket.granted.done():   # done: it gave up (a cancelled future)
+            ticket.granted_at = time.monotonic()
             self.holders.append(ticket)
             ticket.granted.set_result(True)
 

@@ -3,7 +3,8 @@
     GET    /                  what this server is, and its endpoints
     GET    /health            {"status": "ok"} while it takes requests (503 while shutting down)
     GET    /status            engine state, queue, model, preset, backends, live figures, last report
-    GET    /metrics           Prometheus metrics (see ds4f.server.metrics)
+    GET    /metrics           Prometheus metrics (see ds4f.server.metrics, ds4f.server.ecosystem)
+    GET    /slots             llama-server's slots: the sequences decoded together (ds4f.server.ecosystem)
     POST   /runs              start a run (JSON body); 202 + id, 429 + Retry-After while the engine is taken
     GET    /run?gen=N         the same with query parameters: a compatibility alias of POST /runs
     GET    /runs              recent runs (this server's and the history's)
@@ -202,7 +203,9 @@ def _client(request: Request) -> str:
 # -- endpoints ----------------------------------------------------------------------------------
 ENDPOINTS = [
     ("GET", "/", "what this server is"), ("GET", "/health", "liveness"), ("GET", "/status", "engine, queue, model"),
-    ("GET", "/metrics", "Prometheus metrics"), ("GET", "/v1/models", "OpenAI: the model served"),
+    ("GET", "/metrics", "Prometheus metrics (ds4f_*, and vLLM's vllm:* names)"),
+    ("GET", "/slots", "llama-server's slots: each parallel sequence, what it holds"),
+    ("GET", "/v1/models", "OpenAI: the model served"),
     ("POST", "/v1/chat/completions", "OpenAI: chat, stream or not"),
     ("POST", "/v1/completions", "OpenAI: text completion, stream or not"),
     ("POST", "/v1/responses", "OpenAI Responses API: input items, function calls, stream or not"),
