@@ -220,7 +220,8 @@ def test_gauges_follow_the_live_sequences(workload):
     assert value(live, "vllm:num_requests_waiting") == 0
     lo, hi = workload["live"]["tokens_done"]
     held = PARALLEL * workload["context"]
-    assert (lo - 2) / held <= value(live, "vllm:kv_cache_usage_perc") <= hi / held   # its positions over both slots'
+    # its positions over both slots' (a record or two may be logged and not yet handed to the loop)
+    assert (lo - 4) / held <= value(live, "vllm:kv_cache_usage_perc") <= hi / held
     both = families(workload["both"]["metrics"])
     assert value(both, "vllm:num_requests_running") == 2
     assert value(both, "vllm:kv_cache_usage_perc") > value(live, "vllm:kv_cache_usage_perc")
