@@ -32,6 +32,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", metavar="PATH",
                         help="file holding the bearer token every request must send (Authorization: Bearer ...)")
     parser.add_argument("--token", metavar="TOKEN", help=argparse.SUPPRESS)
+    parser.add_argument("--operator-token", metavar="TOKEN",
+                        help="the token of the operator's endpoints, POST /operator/... (default: ds4f.toml's"
+                             " [server] operator_token, else a random one written to a file only you can read;"
+                             " GET /status names it)")
+    parser.add_argument("--operator-remote", action="store_true", default=None,
+                        help="let peers beyond loopback use the operator's endpoints (default: ds4f.toml's "
+                             "[server] operator_remote, else loopback only)")
     parser.add_argument("--config", metavar="PATH", help="ds4f.toml to use")
     parser.add_argument("--queue", type=int, default=defaults.queue_size, metavar="N",
                         help=f"requests that may wait for the engine; more get 429 (default {defaults.queue_size})")
@@ -55,7 +62,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     add_dump_option(parser, "server")
     parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
                      "GET /metrics, GET /status, POST /runs, GET /runs, GET|PATCH|DELETE /runs/ID, "
-                     "GET /runs/ID/state (GET / lists them)")
+                     "GET /runs/ID/state, GET /events, POST /operator/ACTION (GET / lists them)")
 
 
 def _say(message: str) -> None:
@@ -81,7 +88,8 @@ def run(args) -> int:
                             default_max_tokens=args.max_tokens, access_log=not args.quiet,
                             served_model_names=tuple(args.served_model_name or ()),
                             kv_dir=args.kv_dir, reuse_prefix=not args.no_kv, parallel=args.parallel,
-                            spec=args.spec, dump=args.dump)
+                            spec=args.spec, dump=args.dump, operator_token=args.operator_token,
+                            operator_remote=args.operator_remote)
     server = Server(options)
     service = server.service
 
@@ -100,6 +108,11 @@ def run(args) -> int:
         names = ", ".join(map(repr, service.model_names))
         _say(f"model {service.model} ({service.checkpoint_kind}) as {names}, preset {service.preset}, "
              f"kernels {service.best_backend}, {service.parallel} sequences at once, queue {options.queue_size}, history {service.history.path}, {auth}")
+        operator = service.operator
+        where = (f"token in {operator.token_file}" if operator.token_file else "token from --operator-token"
+                 if args.operator_token else "token from ds4f.toml [server] operator_token")
+        _say(f"operator endpoints (POST /operator/...): {where}, "
+             + ("any peer" if operator.remote else "loopback peers only"))
         print(f"ds4f serve: listening on {server.url}", flush=True)
         while not stop.wait(0.5):
             if not server.serving:

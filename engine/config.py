@@ -189,6 +189,8 @@ class Config:
     kv: "KvSettings | None" = None       # the prefix cache ([kv]); None: off
     server_parallel: int = 0             # [server] parallel: sequences `ds4f serve` steps together; 0 = auto
     served_model_names: tuple[str, ...] = ()   # [server] served_model_name: the names `ds4f serve` answers to
+    operator_token: str = ""             # [server] operator_token: the operator endpoints' token ("": a random one)
+    operator_remote: bool = False        # [server] operator_remote: operator endpoints answer beyond loopback
     dump: DumpSettings = field(default_factory=DumpSettings)   # [dump]
 
     def default_backend(self) -> str:
@@ -244,7 +246,7 @@ _SCHEMA = {
     "history": {"path": str},
     "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int), "block": int,
            "write_budget": (str, int)},
-    "server": {"parallel": int, "served_model_name": (str, list)},
+    "server": {"parallel": int, "served_model_name": (str, list), "operator_token": str, "operator_remote": bool},
     "dump": {"runs": str, "text": str, "server": str, "full_limit": (str, int)},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
@@ -367,7 +369,9 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
                   io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
                   probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
                   history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel,
-                  served_model_names=tuple(names), dump=_dump_settings(raw["dump"], source))
+                  served_model_names=tuple(names), operator_token=raw["server"].get("operator_token", ""),
+                  operator_remote=raw["server"].get("operator_remote", False),
+                  dump=_dump_settings(raw["dump"], source))
 
 
 def _dump_settings(dump: dict, source: str) -> DumpSettings:

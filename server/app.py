@@ -7,13 +7,19 @@ console and the CLI.
 
 One engine, kept loaded between runs; one sequence computes at a time and requests wait their
 turn in a bounded queue. When a bearer token is set every endpoint requires it, and a bind
-beyond loopback without one is refused.
+beyond loopback without one is refused. The operator's endpoints (POST /operator/{action})
+take the operator's token instead, from loopback peers only unless allowed; GET /events streams
+the server's log and snapshots to watchers (the operator's console).
 
     options.py   the options, the token file, loopback
     guard.py     token, Host / Origin / Referer / Sec-Fetch-Site checks, per-client cap, body
                  size and deadline, access log, request counts (ASGI middleware)
     protocol.py  uvicorn's h11 protocol with a deadline for request heads, connections per client
     routes.py    the operator's endpoints: /, /health, /status, /metrics, /runs...
+    events.py    GET /events: server-sent events for watchers (hello, log, snapshot), the log,
+                 the latency rings
+    operator.py  POST /operator/{action}: backend, threads, preset, cancel, drain, resume; the
+                 operator's token and its file
     openai.py    the OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions
     anthropic.py Anthropic's Messages API: /v1/messages, /v1/messages/count_tokens
     responses.py OpenAI's Responses API: /v1/responses
@@ -41,7 +47,7 @@ from starlette.routing import Match, Route
 
 from ds4f.api import Ds4fError
 
-from . import anthropic, ecosystem, openai, responses, routes
+from . import anthropic, ecosystem, events, openai, operator, responses, routes
 from .errors import HttpError
 from .guard import Guard
 from .options import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, is_loopback, read_token_file
@@ -65,6 +71,8 @@ ROUTES = [
     Route("/runs/{id}", routes.cancel_run, methods=["DELETE"]),
     Route("/runs/{id}/report", routes.get_report, methods=["GET"]),
     Route("/runs/{id}/state", routes.download_state, methods=["GET"]),
+    Route("/events", events.events, methods=["GET"]),
+    Route("/operator/{action}", operator.act, methods=["POST"]),
     Route("/v1/models", openai.list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", openai.get_model, methods=["GET"]),
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -114,6 +122,7 @@ def build_app(service: Service):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service_ref.loop = asyncio.get_running_loop()
+        service_ref.events.bind(service_ref.loop)
         yield
         service_ref.queue.close()
 
@@ -123,7 +132,7 @@ def build_app(service: Service):
     app.router.redirect_slashes = False   # /runs/ is not /runs
     app.state.service = service
     service.metrics.serve(service)   # vLLM's series and llama-server's slots, read from the service
-    return Guard(app, service.options, service.metrics, ROUTES)
+    return Guard(app, service.options, service.metrics, ROUTES, events=service.events)
 
 
 CONCURRENCY_HEADROOM = 64      # connections being closed, and requests' tasks, past max_connections
@@ -141,6 +150,12 @@ class Server:
         try:
             self.socket = self._bind(options.host, options.port)
         except BaseException:
+            self.service.close()
+            raise
+        try:
+            self.service.operator.write_file(self.port)   # a random operator token's file, named by the port
+        except BaseException:
+            self.socket.close()
             self.service.close()
             raise
         self.app = build_app(self.service)

@@ -2,9 +2,10 @@
 
 The run API calls on_token(record) in the run's thread after each token; the feed passes the
 record to the loop (call_soon_threadsafe), where it is counted for /metrics and its text is
-queued for whoever streams the answer; the request's figures for vLLM's metric names
-(ds4f.server.ecosystem) see each record with the time.monotonic() its thread handed it over.
-Records that arrive before the feed knows its run (the
+queued for whoever streams the answer; `observe` (when given) sees each record with the
+time.monotonic() its thread handed it over, and whether it was a generated token (the server's
+latency figures, ds4f.server.events); the request's figures for vLLM's metric names
+(ds4f.server.ecosystem) see them too. Records that arrive before the feed knows its run (the
 run's thread can be faster than start_run's return) wait until attach().
 """
 from __future__ import annotations
@@ -16,9 +17,10 @@ END = None   # what `pieces` yields once the run has ended
 
 
 class RunFeed:
-    def __init__(self, loop: asyncio.AbstractEventLoop, metrics):
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics, observe=None):
         self.loop = loop
         self.metrics = metrics
+        self.observe = observe      # observe(record, generated: bool, monotonic time), in the loop
         self.request = metrics.figures(None)   # the request's figures for the vllm: series, from attach()
         self.run = None
         self._early: list = []
@@ -48,6 +50,8 @@ class RunFeed:
         generated = record.index >= self._prefill_steps
         self.metrics.token(record, "decode" if generated else "prefill")
         self.request.token(generated, t)
+        if self.observe is not None:
+            self.observe(record, generated, t)
         if record.text:
             self.pieces.put_nowait(record.text)
 

@@ -30,8 +30,10 @@ from ds4f.api import MAX_GEN, Ds4fError, ReplyParser, RunConfig, SamplingParams,
 
 from .errors import HttpError, json_response
 from .feed import END
-from .queue import QueueFull, Ticket
+from .events import client_label, endpoint_of
+from .queue import QueueFull, Ticket, product_token
 from .routes import json_body, refused
+from .service import DEFAULTED
 
 QUEUE_LOOK_S = 1.0         # how often a queued streaming request looks at its position
 QUEUE_REPEAT_S = 15.0      # and says it again, unchanged (a keep-alive for proxies and clients)
@@ -71,7 +73,8 @@ class Ask:
 
 def run_config(ask: Ask, svc) -> RunConfig:
     gen = ask.gen if ask.gen is not None else svc.options.default_max_tokens or MAX_GEN
-    return RunConfig(model=svc.model, preset=svc.preset, gen=gen, fit_gen=ask.gen is None, backend=svc.cfg.backend,
+    return RunConfig(model=svc.model, preset=svc.preset, gen=gen, fit_gen=ask.gen is None, backend=svc.backend,
+                     kernel_threads=svc.kernel_threads, io_threads=svc.io_threads,
                      config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
                      reuse_prefix=svc.options.reuse_prefix, spec=svc.options.spec,
                      dump=svc.options.dump or svc.cfg.dump.server, **ask.fields)
@@ -133,7 +136,8 @@ class Pending:
 
     async def _start(self) -> None:
         try:
-            self.run, self.feed = await self.svc.start(self.config, self.ticket)
+            # preset, backend and threads as the server's defaults are when the run starts
+            self.run, self.feed = await self.svc.start(self.config, self.ticket, DEFAULTED)
         except Ds4fError as exc:
             raise refused(exc, self.raw, self.ask.names) from None
 
@@ -163,6 +167,14 @@ class Pending:
             raise failure
         return self.run
 
+    def _refused_in_stream(self, exc: HttpError) -> HttpError:
+        """A refusal after waiting, sent as an event of the stream (its status was 200): logged
+        for the watchers of /events here, as the Guard logs the refusals it sees."""
+        t = self.ticket
+        self.svc.events.log("refused", f"{endpoint_of(t)} request from {client_label(t)}, after waiting in the queue:"
+                                       f" {exc.status} {exc.code or ''}: {exc.message}".replace("  ", " "))
+        return exc
+
     async def events(self):
         """Streaming: the queue's news while waiting, then the run's text pieces, then its end."""
         svc = self.svc
@@ -179,13 +191,13 @@ class Pending:
                 except asyncio.TimeoutError:
                     continue
                 except QueueFull as exc:
-                    yield ("refused", HttpError(503, exc.message, code=exc.code))
+                    yield ("refused", self._refused_in_stream(HttpError(503, exc.message, code=exc.code)))
                     return
             svc.metrics.queue_wait.observe(time.monotonic() - self.waited_from)
             try:
                 await self._start()
             except HttpError as exc:
-                yield ("refused", exc)
+                yield ("refused", self._refused_in_stream(exc))
                 return
         yield ("started", self.run)
         sent = []
@@ -202,8 +214,10 @@ async def begin(request: Request, ask: Ask, raw: dict) -> Pending:
     """Join the engine queue; start at once when the engine is free (a refusal is then this
     request's status: HttpError)."""
     svc = request.app.state.service
-    ticket = Ticket(ask.object, request.client.host if request.client else "-")
+    ticket = Ticket(ask.object, request.client.host if request.client else "-",
+                    agent=product_token(request.headers.get("user-agent")))
     pending = Pending(svc, ask, raw, ticket)
+    ticket.max_tokens = pending.config.gen
     svc.join(ticket)
     if ticket.granted.done():
         svc.metrics.queue_wait.observe(0.0)

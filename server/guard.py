@@ -7,8 +7,10 @@ or cancels a run (any method but GET and HEAD, and the GET /run alias) an Origin
 naming another site; a cap on the requests in progress from one client address (its fair
 share); and the body, read whole within a size limit and a deadline for all of it (408), so a
 client trickling its body cannot hold a request open. It adds Cache-Control: no-store, counts
-every answer for /metrics, and writes the access log: one line per request on stderr, with a
-timestamp.
+every answer for /metrics, writes the access log: one line per request on stderr, with a
+timestamp, and tells the watchers of /events of every refusal (a 4xx or a 503, and why).
+The operator's endpoints (/operator/...) check the operator's token themselves, in place of the
+API token.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 
 from .errors import HttpError
+from .events import error_of
 from .options import ServerOptions, is_loopback
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")   # methods that change nothing...
 ACTING_GETS = ("/run",)                      # ...except on these paths (the compatibility alias)
+OPERATOR_PATHS = "/operator/"                # their own token (ds4f.server.operator)
+REFUSAL_BODY = 4096                          # the bytes of an error answer read for the log
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -74,11 +79,12 @@ def _replay(body: bytes, receive):
 
 
 class Guard:
-    def __init__(self, app, options: ServerOptions, metrics, routes):
+    def __init__(self, app, options: ServerOptions, metrics, routes, events=None):
         self.app = app
         self.options = options
         self.metrics = metrics
         self.routes = routes            # Starlette routes: their path templates label the metrics
+        self.events = events            # the EventHub refusals are logged to (None: not logged)
         self.in_progress: Counter = Counter()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -86,7 +92,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        sent = {"status": None, "bytes": 0}
+        sent = {"status": None, "bytes": 0, "error": b""}
 
         async def send_and_note(message) -> None:
             if message["type"] == "http.response.start":
@@ -96,7 +102,10 @@ class Guard:
                     headers.append((b"cache-control", b"no-store"))
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body":
-                sent["bytes"] += len(message.get("body", b""))
+                body = message.get("body", b"")
+                sent["bytes"] += len(body)
+                if sent["status"] >= 400 and len(sent["error"]) < REFUSAL_BODY:
+                    sent["error"] += body[:REFUSAL_BODY - len(sent["error"])]
             await send(message)
 
         client = scope["client"][0] if scope.get("client") else "-"
@@ -131,7 +140,8 @@ class Guard:
     # -- checks ---------------------------------------------------------------------------------
     def _check(self, scope) -> None:
         headers = Headers(scope=scope)
-        self._authorize(headers)
+        if not scope["path"].startswith(OPERATOR_PATHS):
+            self._authorize(headers)
         host = headers.get("host")
         if host is not None and is_loopback(self.options.host) and not is_loopback(_host_name(host)):
             raise HttpError(403, f"Host: {host[:80]!r} is not a loopback name; this server answers only to "
@@ -224,6 +234,10 @@ class Guard:
     def _account(self, scope, client: str, sent: dict, seconds: float) -> None:
         status = sent["status"]
         self.metrics.request(self._endpoint(scope), scope["method"], status or 0)
+        if self.events is not None and status is not None and (400 <= status < 500 or status == 503):
+            code, message = error_of(sent["error"])
+            self.events.log("refused", f"{scope['method']} {scope['path'][:200]} from {client}: {status}"
+                                       + (f" {code}" if code else "") + (f": {message}" if message else ""))
         if not self.options.access_log:
             return
         now = time.time()

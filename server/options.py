@@ -1,5 +1,5 @@
-"""What `ds4f serve` is told: the listener, the token, the limits that keep one client from
-starving the others, and the engine queue."""
+"""What `ds4f serve` is told: the listener, the tokens (the API's and the operator's), the limits
+that keep one client from starving the others, the engine queue, and the watchers of /events."""
 from __future__ import annotations
 
 import ipaddress
@@ -46,6 +46,14 @@ class ServerOptions:
     parallel: int | None = None         # sequences decoded together; None: ds4f.toml's [server] parallel
     spec: str = "off"                   # speculative decoding of every run: off | auto | 1..3 drafts
     dump: str | None = None             # each request's state dump: full | compact | off; None: [dump] server
+    operator_token: str | None = None   # the operator's token (POST /operator/...); None: [server] operator_token,
+                                        # else a random one written to a 0600 file (operator_token_dir)
+    operator_remote: bool | None = None  # operator endpoints answer peers beyond loopback; None: [server]
+                                        # operator_remote
+    operator_token_dir: str | None = None   # where the random token's file goes; None: the user's runtime dir
+                                        # ($XDG_RUNTIME_DIR/ds4f), else state dir (platformdirs)
+    max_watchers: int = 16              # GET /events streams open at once; more get 503
+    watcher_queue: int = 256            # events a watcher may fall behind before it is dropped
 
     @property
     def queue_share(self) -> int:
@@ -75,6 +83,12 @@ class ServerOptions:
         if self.default_max_tokens is not None and not 1 <= self.default_max_tokens <= MAX_GEN:
             raise Ds4fError(f"--max-tokens: must be between 1 and {MAX_GEN}, got {self.default_max_tokens}")
         check_model_names(self.served_model_names, "--served-model-name")
+        if self.operator_token is not None:
+            check_token(self.operator_token, "--operator-token")
+        if not 1 <= self.max_watchers <= 1024:
+            raise Ds4fError(f"max_watchers: must be between 1 and 1024, got {self.max_watchers}")
+        if not 2 <= self.watcher_queue <= 65536:
+            raise Ds4fError(f"watcher_queue: must be between 2 and 65536 events, got {self.watcher_queue}")
 
 
 def check_model_names(names, where: str) -> tuple[str, ...]:
@@ -109,6 +123,11 @@ def read_token_file(path: str | os.PathLike) -> str:
     token = text.strip()
     if not token:
         raise Ds4fError(f"{where}: the file is empty")
+    return check_token(token, where)
+
+
+def check_token(token: str, where: str) -> str:
+    """A bearer token: at least MIN_TOKEN_CHARS characters of RFC 6750's b64token; Ds4fError if not."""
     if len(token) < MIN_TOKEN_CHARS:
         raise Ds4fError(f"{where}: the token is {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
                         f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")

@@ -12,12 +12,18 @@ requests) never holds a place a complete request needs: when a new connection wo
 bound, the oldest waiting one (of that address, or of any) is closed to make room, and only when
 every connection is serving a request is the new one refused (503). So half-open sockets, all
 from 127.0.0.1 as every local client is, cannot shut the well-behaved clients out.
+
+A request's scope["state"] holds ABORT_KEY: a callable that cuts its connection at once, its
+unsent bytes dropped (what /events does to a watcher that stopped reading: a graceful close
+would wait for that client to read them).
 """
 from __future__ import annotations
 
 from collections import Counter
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+ABORT_KEY = "ds4f.abort"
 
 
 def protocol_class(header_timeout_s: float, max_client_connections: int, max_connections: int = 512) -> type:
@@ -46,6 +52,7 @@ class DeadlineProtocol(H11Protocol):
         self._header_timer = None
         self._counted = True
         self._address = self.client[0] if self.client else "-"
+        self.app_state = {**self.app_state, ABORT_KEY: self._abort}   # this connection's requests' scope["state"]
         self.open_by_client[self._address] += 1
         self.live[self] = None
         address = self._address
@@ -85,6 +92,11 @@ class DeadlineProtocol(H11Protocol):
                 self.transport.write(_raw_answer("408 Request Timeout", "the request line and headers did not"
                                                  " arrive before the server needed the connection"))
             self.transport.close()
+
+    def _abort(self) -> None:
+        """Cut the connection now, dropping what was not sent (connection_lost follows)."""
+        self._uncount()
+        self.transport.abort()
 
     def _uncount(self) -> None:
         """Out of the counts at once (connection_lost comes later), once."""

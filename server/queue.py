@@ -4,6 +4,8 @@ engine.batch), the others wait in order.
 A request takes a Ticket and joins; it holds one of the engine's slots when its ticket is
 granted, and leaves when its run has ended (or it gave up). The line is bounded, in all and per client address (a
 client's fair share), so a full line answers at once (429) instead of letting requests pile up.
+While the line is held (an operator's preset change waiting for the engine to be idle) no slot is
+granted; the waiting keep their places until it is released.
 Everything here runs in the server's event loop: no locks.
 """
 from __future__ import annotations
@@ -20,6 +22,14 @@ class QueueFull(Exception):
         self.message, self.code = message, code
 
 
+def product_token(user_agent: str | None) -> str:
+    """The first product token of a User-Agent header ("OpenAI/Python 1.2" -> "OpenAI/Python"),
+    printable ASCII, at most 64 characters; "" if none."""
+    words = (user_agent or "").split()
+    word = words[0] if words else ""
+    return "".join(c for c in word if 32 < ord(c) < 127)[:64]
+
+
 @dataclass(eq=False)
 class Ticket:
     kind: str                   # what waits: "run" (POST /runs), "chat.completion", "text_completion"
@@ -31,6 +41,9 @@ class Ticket:
     run: object = None
     starting: bool = False      # its run is being started
     abandoned: bool = False     # the client left: its run, started or to come, is cancelled
+    agent: str = ""             # the product token of the client's User-Agent ("" if none)
+    max_tokens: int | None = None   # the tokens its run generates at most, as the request asked
+    timing: object = None       # its times from arrival to the end (ds4f.server.events.Timing)
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -46,6 +59,9 @@ class EngineQueue:
         self.holders: list[Ticket] = []
         self.waiting: deque[Ticket] = deque()
         self.closed = False
+        self.held = False        # no slot granted while held (see hold())
+        self.on_gone = None      # called with a waiting ticket that left before its turn
+        self.on_free = None      # called when a holder left (after the slots it freed were granted)
 
     @property
     def holder(self) -> Ticket | None:
@@ -62,7 +78,7 @@ class EngineQueue:
         if self.closed:
             raise QueueFull("the server is shutting down", "shutting_down")
         ticket.granted = asyncio.get_running_loop().create_future()
-        if not self.full and not self.waiting:
+        if not self.full and not self.waiting and not self.held:
             self._grant(ticket)
             return
         if len(self.waiting) >= self.capacity:
@@ -76,7 +92,7 @@ class EngineQueue:
 
     def take_now(self, ticket: Ticket) -> bool:
         """Take a slot if one is free and nobody waits; False otherwise (nothing joined)."""
-        if self.closed or self.full or self.waiting:
+        if self.closed or self.full or self.waiting or self.held:
             return False
         ticket.granted = asyncio.get_running_loop().create_future()
         self._grant(ticket)
@@ -103,12 +119,27 @@ class EngineQueue:
         """The ticket's run ended or it gave up: the next in line gets its slot."""
         if ticket in self.holders:
             self.holders.remove(ticket)
-            while self.waiting and not self.full:
-                self._grant(self.waiting.popleft())
+            self._grant_waiting()
+            if self.on_free is not None:
+                self.on_free()
         elif ticket in self.waiting:
             self.waiting.remove(ticket)
+            if self.on_gone is not None:
+                self.on_gone(ticket)
         if ticket.granted is not None and not ticket.granted.done():
             ticket.granted.cancel()
+
+    def hold(self) -> None:
+        """Grant no slot until release(): the holders finish, the waiting keep their places."""
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self._grant_waiting()
+
+    def _grant_waiting(self) -> None:
+        while self.waiting and not self.full and not self.held:
+            self._grant(self.waiting.popleft())
 
     def close(self) -> None:
         """Refuse new tickets and turn the waiting ones away."""
@@ -128,7 +159,7 @@ class EngineQueue:
         now = time.monotonic()
         holder = self.holder
         return {"capacity": self.capacity, "client_share": self.client_share, "waiting": len(self.waiting),
-                "slots": self.slots,
+                "slots": self.slots, "held": self.held,
                 "active": None if holder is None else {"kind": holder.kind, "run_id": holder.run_id,
                                                        "held_s": now - holder.joined_at},
                 "holding": [{"kind": t.kind, "run_id": t.run_id, "held_s": now - t.joined_at} for t in self.holders],

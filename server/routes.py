@@ -1,7 +1,7 @@
 """The operator's endpoints of `ds4f serve` (the OpenAI-compatible ones are in ds4f.server.openai).
 
     GET    /                  what this server is, and its endpoints
-    GET    /health            {"status": "ok"} while it takes requests (503 while shutting down)
+    GET    /health            {"status": "ok"} while it takes requests (503 while draining or shutting down)
     GET    /status            engine state, queue, model, preset, backends, live figures, last report
     GET    /metrics           Prometheus metrics (see ds4f.server.metrics, ds4f.server.ecosystem)
     GET    /slots             llama-server's slots: the sequences decoded together (ds4f.server.ecosystem)
@@ -13,6 +13,8 @@
     DELETE /runs/{id}         cancel
     GET    /runs/{id}/report  the whole report of a done run, per-token records included
     GET    /runs/{id}/state   the state dump (state.bin), checked to be that run's before and while it is sent
+    GET    /events            server-sent events for watchers: hello, log, snapshot (ds4f.server.events)
+    POST   /operator/{action} backend, threads, preset, cancel, drain, resume (ds4f.server.operator)
 
 HEAD is answered wherever GET is (never for /run: it would start a run). Parameters are parsed
 here: a query string holds text and a JSON body typed values, and each must be of the right
@@ -36,7 +38,7 @@ from ds4f import __version__
 from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, Ds4fError, RunConfig, parse_json, parse_spec
 
 from .errors import HttpError, bad, json_response
-from .queue import Ticket
+from .queue import Ticket, product_token
 
 RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt", "spec")
 SWITCH_PARAMS = ("backend", "threads", "kernel_threads", "io_threads")
@@ -215,6 +217,8 @@ ENDPOINTS = [
     ("GET", "/runs", "recent runs"), ("GET", "/runs/{id}", "a run"), ("PATCH", "/runs/{id}", "switch backend, threads"),
     ("DELETE", "/runs/{id}", "cancel"), ("GET", "/runs/{id}/report", "the whole report"),
     ("GET", "/runs/{id}/state", "the state dump"),
+    ("GET", "/events?interval=S", "server-sent events for watchers: hello, log, snapshot"),
+    ("POST", "/operator/{action}", "operator: backend, threads, preset, cancel, drain, resume (operator token)"),
 ]
 
 
@@ -230,7 +234,11 @@ async def health(request: Request) -> Response:
     svc = request.app.state.service
     if svc.closing:
         return json_response(503, {"status": "shutting down"}, {"Retry-After": "5"})
-    return json_response(200, {"status": "ok", "busy": svc.busy, "queue_waiting": len(svc.queue.waiting)})
+    if svc.draining:   # out of a balancer's rotation; what runs and waits still finishes
+        return json_response(503, {"status": "draining", "draining": True, "busy": svc.busy,
+                                   "queue_waiting": len(svc.queue.waiting)}, {"Retry-After": "30"})
+    return json_response(200, {"status": "ok", "draining": False, "busy": svc.busy,
+                               "queue_waiting": len(svc.queue.waiting)})
 
 
 async def status(request: Request) -> Response:
@@ -259,15 +267,18 @@ async def list_runs(request: Request) -> Response:
 async def _start(request: Request, raw: dict, from_query: bool) -> Response:
     svc = request.app.state.service
     fields = parse_run_params(raw, svc.cfg.presets, from_query)
+    # what the request leaves out comes from the server's defaults as they are when the run starts
+    defaults = tuple(k for k in ("preset", "backend", "kernel_threads", "io_threads") if k not in fields)
     fields.setdefault("preset", svc.preset)
-    fields.setdefault("backend", svc.cfg.backend)
+    fields.setdefault("backend", svc.backend)
     # an operator's measured run starts on an empty expert cache, so its hit rate compares with others
     fields.setdefault("spec", svc.options.spec)
     config = RunConfig(model=svc.model, config_path=svc.options.config_path, cold_start=True, **fields)
-    ticket = Ticket("run", _client(request))
+    ticket = Ticket("run", _client(request), agent=product_token(request.headers.get("user-agent")),
+                    max_tokens=config.gen)
     svc.take_now(ticket)
     try:
-        run, _feed = await svc.start(config, ticket)
+        run, _feed = await svc.start(config, ticket, defaults)
     except Ds4fError as exc:
         raise refused(exc, raw) from None
     snap = run.snapshot()

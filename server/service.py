@@ -7,6 +7,12 @@ watcher gives the engine to the next ticket when the run has ended, and counts t
 for /metrics. Finished runs older than the current one are served from the history database,
 which the console and `ds4f run` share.
 
+The operator's actions (ds4f.server.operator) change the server's defaults for the runs to
+come (backend, threads, preset) and switch the live runs at their next step, cancel a run, or
+drain the server (finish what runs and waits, take nothing new). What happens is told to the
+watchers of GET /events (ds4f.server.events): the log, snapshots of the status with every live
+sequence's figures, and the last hour's latency.
+
 In every answer `gen` is the number of tokens a run generates at most (as requested) and
 `steps` its decode steps: the prompt's tokens after the first plus `gen`. Polling answers use a
 run's summary report, kept in memory; only GET /runs/{id}/report reads the whole report, per-
@@ -24,7 +30,7 @@ import psutil
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
@@ -36,14 +42,19 @@ from ds4f.api import (DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_
                       load_config, report_file)
 from ds4f.api import start_run as api_start_run
 
-from .errors import HttpError
+from .errors import HttpError, bad
+from .events import (EVENTS_VERSION, EventHub, Timing, client_label, endpoint_of, kept_state_refusal, log_line,
+                     sequences as sequence_views)
 from .feed import RunFeed
 from .metrics import Metrics
-from .options import ServerOptions
+from .operator import OperatorAuth
+from .options import ServerOptions, check_token
 from .queue import EngineQueue, QueueFull, Ticket
 
 WATCH_S = 0.02        # how often a watcher looks whether its run has ended
-EVICTIONS_EVERY_S = 1.0   # and how often it reads the run's snapshot for the evictions
+EVICTIONS_EVERY_S = 1.0   # and how often it reads the run's snapshot for the evictions (and kept-state refusals)
+DEFAULTED = ("preset", "backend", "kernel_threads", "io_threads")   # a run's settings the server's defaults give
+SWITCHABLE = ("backend", "kernel_threads", "io_threads")            # of them, those a live run can switch
 
 
 def resolve_model(explicit: str | None, cfg) -> str:
@@ -134,7 +145,26 @@ class Service:
         self.engines = EngineHost(self.parallel)   # one loaded engine, kept between runs; closed by close()
         self._start_run = start_run or api_start_run
         self.queue = EngineQueue(options.queue_size, options.queue_share, slots=self.parallel)
+        self.queue.on_gone = self._left_queue
+        self.queue.on_free = self._engine_freed
         self.metrics = Metrics(self._live_gauges)
+        # the defaults of the runs to come (the operator changes them): backend, kernel and I/O threads
+        # (None: the preset's), and a preset waiting for the engine to be idle
+        self.backend = self.cfg.backend
+        self.kernel_threads: int | None = None
+        self.io_threads: int | None = None
+        self.pending_preset: str | None = None
+        self._defaults_lock = threading.Lock()
+        self._defaults_version = 0
+        self.draining = False
+        self._drained_said = False
+        self._cancelled_by: dict[str, str] = {}    # run id -> who cancelled it (an operator, DELETE)
+        token = options.operator_token
+        if token is None and self.cfg.operator_token:
+            token = check_token(self.cfg.operator_token, f"{self.cfg.source}: server.operator_token")
+        remote = options.operator_remote if options.operator_remote is not None else self.cfg.operator_remote
+        self.operator = OperatorAuth(token, remote, options.operator_token_dir)
+        self.events = EventHub(self._events_snapshot, self._hello, options.watcher_queue, options.max_watchers)
         self.loop: asyncio.AbstractEventLoop | None = None   # the server's, from its startup
         self._lock = threading.Lock()          # guards starting a run, _current and _closing
         self._hashes_lock = threading.Lock()
@@ -157,6 +187,7 @@ class Service:
         prefix_ram = self.cfg.kv.ram_bytes if self.cfg.kv is not None else 0
         with open_checkpoint(self.model) as ck:
             g = ck.geometry
+        self._geometry = g
         if not asked:
             return fit_parallel(g, preset, ram, prefix_ram, DEFAULT_PARALLEL)
         if asked > 1:
@@ -205,18 +236,24 @@ class Service:
         return self._closing
 
     def join(self, ticket: Ticket) -> None:
-        """Into the queue (the engine at once if it is free); 429 with Retry-After when full."""
+        """Into the queue (the engine at once if it is free); 429 with Retry-After when full, 503
+        while draining or shutting down."""
         if self._closing:
             raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        if self.draining:
+            raise self._draining_refusal()
         try:
             self.queue.join(ticket)
         except QueueFull as exc:
             raise self._refusal(exc.message, exc.code) from None
+        self._track(ticket)
 
     def take_now(self, ticket: Ticket) -> None:
-        """The engine at once, or 429 (POST /runs does not wait in line)."""
+        """The engine at once, or 429 (POST /runs does not wait in line); 503 while draining."""
         if self._closing:
             raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        if self.draining:
+            raise self._draining_refusal()
         if not self.queue.take_now(ticket):
             waiting = len(self.queue.waiting)
             held = [t.run_id for t in self.queue.holders if t.run_id]
@@ -224,7 +261,32 @@ class Service:
                    f"runs {', '.join(held)} hold the engine" if held else "the engine is taken")
             limit = "one run at a time" if self.parallel == 1 else f"{self.parallel} runs at a time"
             raise self._refusal("busy: " + who + (f" and {waiting} requests wait for it" if waiting else "")
-                                + f"; {limit}", "busy")
+                                + f"; {limit}" + (f" (a change to preset {self.pending_preset} waits for the"
+                                                  f" engine to be idle)" if self.pending_preset else ""), "busy")
+        self._track(ticket)
+
+    def _track(self, ticket: Ticket) -> None:
+        """A request the queue took: its times from now, and the log's word on it when it waits."""
+        if ticket.timing is None:
+            ticket.timing = Timing(ticket.joined_at)
+        pos = self.queue.position(ticket)
+        if pos:
+            self.events.log("queued", f"{endpoint_of(ticket)} request from {client_label(ticket)} waits for the "
+                                      f"engine, position {pos} of {len(self.queue.waiting)}")
+
+    def _left_queue(self, ticket: Ticket) -> None:
+        self.events.log("cancelled", f"{endpoint_of(ticket)} request from {client_label(ticket)} left the queue "
+                                     f"before its turn (its client went away)")
+        self._check_drained()
+
+    def _draining_refusal(self) -> HttpError:
+        live = [r for r in self._live.values() if not r.finished]
+        etas = [r.snapshot().eta_s for r in live]
+        retry = max([5] + [min(3600, math.ceil(e)) for e in etas if e])
+        return HttpError(503, f"the server is draining: it finishes the {len(live)} running and "
+                              f"{len(self.queue.waiting)} waiting requests and takes no new ones until an operator"
+                              f" resumes it; try again later", code="draining", headers={"Retry-After": str(retry)},
+                         extra={"retry_after_s": retry})
 
     def _refusal(self, message: str, code: str) -> HttpError:
         """429 for a request the engine cannot take now: Retry-After is the active run's ETA."""
@@ -241,20 +303,25 @@ class Service:
         return HttpError(429, message, code=code, headers={"Retry-After": str(retry)},
                          extra={**extra, "retry_after_s": retry})
 
-    async def start(self, config: RunConfig, ticket: Ticket) -> tuple[object, RunFeed]:
+    async def start(self, config: RunConfig, ticket: Ticket, defaults: tuple[str, ...] = ()) -> tuple[object, RunFeed]:
         """Start the ticket's run (the ticket holds the engine). Shielded: once started, the run
         is watched and the engine handed on when it ends, even if the request is cancelled
         meanwhile (ticket.abandon() then cancels the run). Errors release the engine: the run
-        API's Ds4fError (the caller names the parameter), 503 while shutting down."""
+        API's Ds4fError (the caller names the parameter), 503 while shutting down.
+        defaults: the config's settings (of DEFAULTED) to take from the server's defaults as they
+        are when the run starts."""
         ticket.starting = True
-        return await asyncio.shield(self._start(config, ticket))
+        return await asyncio.shield(self._start(config, ticket, defaults))
 
-    async def _start(self, config: RunConfig, ticket: Ticket):
-        feed = RunFeed(asyncio.get_running_loop(), self.metrics)
+    async def _start(self, config: RunConfig, ticket: Ticket, defaults: tuple[str, ...] = ()):
+        if ticket.timing is None:
+            ticket.timing = Timing(ticket.joined_at)
+        ticket.timing.granted = ticket.granted_at or time.monotonic()
+        feed = RunFeed(asyncio.get_running_loop(), self.metrics, observe=self._observer(ticket))
         try:
             if ticket.abandoned:   # the client left before its turn came
                 raise HttpError(503, "the client left", code="client_left")
-            run = await run_in_threadpool(self._start_locked, config, feed.on_token)
+            run = await run_in_threadpool(self._start_locked, config, feed.on_token, defaults)
         except BaseException:
             self.queue.leave(ticket)
             raise
@@ -262,6 +329,11 @@ class Service:
             ticket.starting = False
         ticket.run_id = run.id
         ticket.run = run
+        if ticket.max_tokens is None:
+            ticket.max_tokens = run.config.gen
+        self.events.log("request", f"{endpoint_of(ticket)} request from {client_label(ticket)}: run {run.id} "
+                                   f"started, {len(run.prompt)} prompt tokens, at most {run.config.gen} to generate"
+                                   f" (preset {run.preset.name})", run_id=run.id)
         feed.attach(run)
         task = asyncio.create_task(self._watch(run, ticket, feed))
         self._watchers.add(task)
@@ -280,18 +352,46 @@ class Service:
     def abandon_factory(self, ticket: Ticket):
         return lambda: self.abandon(ticket)
 
-    def _start_locked(self, config: RunConfig, on_token):
+    def _observer(self, ticket: Ticket):
+        """What the run's feed tells of each token record: the request's times, the latency ring."""
+        timing, latency = ticket.timing, self.events.latency
+
+        def observe(record, generated: bool, t: float) -> None:
+            gap = timing.record(generated, t)
+            if gap is not None:
+                latency.gap(t, gap)
+        return observe
+
+    def _defaulted(self, config: RunConfig, defaults: tuple[str, ...]) -> RunConfig:
+        """`config` with the settings named in `defaults` taken from the server's defaults now."""
+        if not defaults:
+            return config
+        now = {"preset": self.preset, "backend": self.backend, "kernel_threads": self.kernel_threads,
+               "io_threads": self.io_threads}
+        return replace(config, **{k: now[k] for k in defaults})
+
+    def _start_locked(self, config: RunConfig, on_token, defaults: tuple[str, ...] = ()):
         with self._lock:
             if self._closing:
                 raise HttpError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+            with self._defaults_lock:
+                version = self._defaults_version
+                config = self._defaulted(config, defaults)
             try:
                 run = self._start_run(config, history=self.run_history, engines=self.engines, on_token=on_token)
             except Ds4fError as exc:
                 if exc.kind == "busy":   # a run this server did not start
                     raise self._refusal(f"busy: {exc.message}", "busy") from None
                 raise
-            self._current = run
-            self._live[run.id] = run
+            with self._defaults_lock:
+                self._current = run
+                self._live[run.id] = run
+                if version != self._defaults_version:   # an operator switched while it started
+                    now = self._defaulted(config, defaults)
+                    switch = {k: getattr(now, k) for k in SWITCHABLE if k in defaults
+                              and getattr(now, k) is not None and getattr(now, k) != getattr(config, k)}
+                    if switch:
+                        run.switch(**switch)
             self.runs_started += 1
             return run
 
@@ -299,21 +399,72 @@ class Service:
         """Until the run ends: its evictions for /metrics; then its end, and the engine to the next."""
         loop = asyncio.get_running_loop()
         counted = 0
+        seen: set[str] = set()
         next_look = loop.time() + EVICTIONS_EVERY_S
         try:
             while not run.finished:
                 await asyncio.sleep(WATCH_S)
                 if loop.time() >= next_look:
-                    counted = self._count_evictions(run.snapshot(), counted)
+                    snap = run.snapshot()
+                    counted = self._count_evictions(snap, counted)
+                    self._kept_state_refusals(run, snap, seen)
                     next_look = loop.time() + EVICTIONS_EVERY_S
             await asyncio.sleep(0)   # the last token's record, handed over just before the run ended
             snap = run.snapshot()
             self._count_evictions(snap, counted)
+            self._kept_state_refusals(run, snap, seen)
             self.metrics.run_ended(snap.state, snap.prefetch, snap.prompt_tokens_reused)
+            self._run_ended(run, ticket, snap)
         finally:
             self._live.pop(run.id, None)
+            self._cancelled_by.pop(run.id, None)
             self.queue.leave(ticket)
             feed.close()
+
+    def _kept_state_refusals(self, run, snap, seen: set) -> None:
+        """The prefix cache's refusals of kept-state files, from the run's events, to the log."""
+        for line in snap.events:
+            message = log_line(line)
+            if line not in seen and kept_state_refusal(message):
+                seen.add(line)
+                self.events.log("kept_state", message, run_id=run.id)
+
+    def _run_ended(self, run, ticket: Ticket, snap) -> None:
+        """A run's end: its request's latency, and the log's word on it."""
+        timing = ticket.timing
+        if timing is not None:
+            self.events.latency.request(time.monotonic(), timing)
+        what = f"{endpoint_of(ticket)} request from {client_label(ticket)}: run {run.id} {snap.state}"
+        ttft = timing.ttft if timing is not None else None
+        figures = (f"{snap.generated_tokens} tokens generated" + (f" ({snap.finish_reason})" if snap.finish_reason
+                                                                   else "")
+                   + f" in {snap.elapsed_s:.2f} s" + (f", first token after {ttft:.3f} s" if ttft is not None else ""))
+        if snap.state == "cancelled":
+            who = self._cancelled_by.get(run.id)
+            why = (f"cancelled by {who}" if who else "its client went away" if ticket.abandoned else
+                   "the server is shutting down" if self._closing else "cancelled")
+            self.events.log("cancelled", f"{what} ({why}): {figures}", run_id=run.id)
+        elif snap.state == "failed":
+            self.events.log("failed", f"{what}: {snap.error}", run_id=run.id)
+        else:
+            self.events.log(snap.state, f"{what}: {figures}", run_id=run.id)
+
+    def _engine_freed(self) -> None:
+        """A slot of the engine was given up: a preset change waiting for the engine to be idle
+        lands once none is held; a drain may be complete."""
+        if self.pending_preset is not None and not self.queue.holders:
+            name, self.pending_preset = self.pending_preset, None
+            old, self.preset = self.preset, name
+            self.queue.release()
+            self.events.log("preset", f"preset {name} in effect (was {old}): the engine was idle; the next run "
+                                      f"loads it with {name}")
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self.draining and not self._drained_said and not self.queue.holders and not self.queue.waiting:
+            self._drained_said = True
+            self.events.log("drain", "drained: no run is live and no request waits; new requests are refused "
+                                     "until an operator resumes")
 
     def _count_evictions(self, snap, counted: int) -> int:
         total = sum(snap.layer_evictions)
@@ -421,9 +572,101 @@ class Service:
 
     def cancel(self, run_id: str) -> tuple[int, dict]:
         run = self.live_run(run_id)
+        self._cancelled_by.setdefault(run.id, f"DELETE /runs/{run.id}")
         run.cancel()
         stopped = run.wait(self.options.cancel_wait_s)
         return (200 if stopped else 202), self.run_view(run)
+
+    # -- the operator's actions (ds4f.server.operator checks who and the parameters) ---------------
+    def live_runs(self) -> list:
+        return [r for r in list(self._live.values()) if not r.finished]
+
+    def switch_all(self, who: str, **settings) -> tuple[dict, str]:
+        """Backend and threads (SWITCHABLE, checked): the default of the runs to come, and every
+        live run's at its next step (a switch not yet landed is replaced). In the event loop."""
+        with self._defaults_lock:
+            for name, value in settings.items():
+                setattr(self, name, value)
+            self._defaults_version += 1
+            runs = self.live_runs()
+            for run in runs:
+                run.switch(**settings)
+        said = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in settings.items())
+        lands = "next step" if runs else "now"
+        self.events.log("operator", f"{said}: " + (f"{len(runs)} live run{'s' if len(runs) != 1 else ''} switch"
+                                                   f"{'es' if len(runs) == 1 else ''} at the next step"
+                                                   f" ({', '.join(r.id for r in runs)}); " if runs else "")
+                        + "the runs to come start with it", who=who)
+        return {**settings, "runs": [r.id for r in runs]}, lands
+
+    def change_preset(self, name: str, who: str) -> tuple[dict, str]:
+        """The preset of the requests to come; now when no run holds the engine, else once none
+        does (the queue grants no slot meanwhile, so the moment comes). In the event loop."""
+        if name not in self.cfg.presets:
+            raise bad("preset", f"no preset named {name!r} (have: {', '.join(self.cfg.presets)})")
+        preset = self.cfg.get_preset(name)
+        if self.parallel > 1:
+            prefix_ram = self.cfg.kv.ram_bytes if self.cfg.kv is not None else 0
+            plan = memory_plan(self._geometry, preset, int(psutil.virtual_memory().total), prefix_ram, self.parallel)
+            if not plan.fits:
+                raise bad("preset", f"{self.parallel} sequences plan {format_bytes(plan.total_bytes)} with preset "
+                                    f"{name}, more than this machine's RAM less 2 GiB for the OS; at most "
+                                    f"{max(1, plan.sequences_fit)} fit")
+        was = self.pending_preset or self.preset
+        if self.queue.holders and name != self.preset:
+            self.pending_preset = name
+            self.queue.hold()
+            lands = "next idle"
+            said = (f"preset {name} for the requests to come, once no run is live ({len(self.queue.holders)} "
+                    f"hold the engine; new requests wait meanwhile)")
+        else:
+            self.pending_preset = None
+            self.preset = name
+            if self.queue.held:
+                self.queue.release()
+            lands = "now"
+            said = f"preset {name} for the requests to come" + ("" if name != was else " (unchanged)")
+        self.events.log("operator", said + (f" (was {was})" if name != was else ""), who=who)
+        return {"preset": name, "was": was, "engine": "loads with the next run" if name != was else "kept"}, lands
+
+    def operator_cancel(self, run_id: str, who: str) -> tuple[dict, str]:
+        """Cancel a live run; its client gets the error a cancelled run gives. Waits a little for
+        it to stop (not from the event loop)."""
+        run = self.live_run(run_id)
+        self._cancelled_by[run.id] = who
+        self.events.log("operator", f"cancel run {run.id}", run_id=run.id, who=who)
+        run.cancel()
+        stopped = run.wait(self.options.cancel_wait_s)
+        return {"run_id": run.id, "state": run.state}, "now" if stopped else "next step"
+
+    def drain(self, who: str) -> tuple[dict, str]:
+        """Take no new generation requests (503); what runs and waits finishes."""
+        self.draining = True
+        self._drained_said = False
+        running, waiting = len(self.queue.holders), len(self.queue.waiting)
+        self.events.log("operator", f"drain: {running} running and {waiting} waiting requests finish; new ones are"
+                                    f" refused (503) until resume", who=who)
+        self._check_drained()
+        return {"draining": True, "running": running, "waiting": waiting}, "now"
+
+    def resume(self, who: str) -> tuple[dict, str]:
+        was = self.draining
+        self.draining = False
+        self.events.log("operator", "resume: requests are taken again" if was else "resume: the server was not "
+                                    "draining", who=who)
+        return {"draining": False, "was_draining": was}, "now"
+
+    # -- GET /events -------------------------------------------------------------------------------
+    def _hello(self) -> dict:
+        return {"server": "ds4f", "version": __version__, "model": self.model_id,
+                "served_model_names": list(self.model_names), "events_version": EVENTS_VERSION}
+
+    def sequences(self) -> list[dict]:
+        """Every live sequence: those holding the engine, then those waiting, in order."""
+        return sequence_views(list(self.queue.holders) + list(self.queue.waiting), time.monotonic())
+
+    def _events_snapshot(self) -> dict:
+        return {**self.status(), "sequences": self.sequences(), "latency": self.events.latency.figures()}
 
     def full_report(self, run_id: str) -> dict:
         """The whole report of a done run, per-token records included, read from its file."""
@@ -566,6 +809,7 @@ class Service:
         preset = self.cfg.get_preset(self.preset)
         return {
             "server": {"version": __version__, "busy": self.busy, "closing": self._closing,
+                       "draining": self.draining,
                        "auth": bool(self.options.token), "uptime_s": time.time() - self.started_at,
                        "runs_started": self.runs_started, "config": self.cfg.source,
                        "history": str(self.history.path), "history_error": self.run_history.last_failure},
@@ -576,8 +820,12 @@ class Service:
             "model": {"id": self.model_id, "names": list(self.model_names), "path": self.model,
                       "kind": self.checkpoint_kind,
                       "io_mode": self.io_mode, "geometry": self.geometry},
-            "preset": {"name": preset.name, "detail": preset.describe(), "available": list(self.cfg.presets)},
-            "backend": {"default": self.cfg.backend, "best": self.best_backend, "available": self.backends},
+            "preset": {"name": preset.name, "detail": preset.describe(), "available": list(self.cfg.presets),
+                       "pending": self.pending_preset},
+            "backend": {"default": self.backend, "best": self.best_backend, "available": self.backends},
+            # the runs to come's threads: the operator's, else the preset's (else ds4f.toml's)
+            "threads": {"kernel_threads": self.kernel_threads or self.cfg.effective_kernel_threads(preset),
+                        "io_threads": self.io_threads or self.cfg.effective_io_threads(preset)},
             "limits": {"max_gen": MAX_GEN, "context": preset.context, "max_threads": MAX_THREADS,
                        "max_body_bytes": self.options.max_body_bytes, "queue_size": self.options.queue_size,
                        "client_queue_share": self.options.queue_share,
@@ -588,6 +836,8 @@ class Service:
             "last_report": self._last_report,
             "dump": self.options.dump or self.cfg.dump.server,
             "prefix_cache": self._prefix_cache_view(),
+            "operator": self.operator.view(),
+            "events": self.events.view(),
         }
 
     def _prefix_cache_view(self) -> dict | None:
@@ -604,15 +854,21 @@ class Service:
         it, then release the loaded engine; False if the run did not stop in time (the engine
         stays with it). Not from the event loop's thread (it waits)."""
         with self._lock:
+            first = not self._closing
             self._closing = True
             run = self._current
             live = [r for r in self._live.values() if r is not run]
+        if first:
+            self.events.log("shutdown", "the server is stopping: queued requests are turned away, live runs "
+                                        "cancelled")
         loop = self.loop
         if loop is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(self.queue.close)
+                loop.call_soon_threadsafe(self.events.close)
             except RuntimeError:
                 pass
+        self.operator.remove_file()
         for other in live:
             other.cancel()
         deadline = time.monotonic() + timeout
