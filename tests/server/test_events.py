@@ -98,7 +98,8 @@ def test_a_watcher_sees_the_recent_log_and_the_sequences_of_a_streaming_run(srv,
         gate.close(lambda run, step: run.generated_tokens >= 2)
         future = pool.submit(streamed_chat, srv, 24)
         run_id, _step = gate.wait()
-        snap = events.snapshot(lambda d: any(s["run_id"] == run_id for s in d["sequences"]))
+        # (snapshots taken before it was held may still be on their way)
+        snap = events.snapshot(lambda d: any(s["run_id"] == run_id and s["tokens"] == 2 for s in d["sequences"]))
         (seq,) = snap["sequences"]
         assert set(seq) == SEQUENCE_KEYS
         prompt = len(chat_prompt_ids(Tokenizer.load(tiny_model), HELLO))
