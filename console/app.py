@@ -1,6 +1,7 @@
 """ds4f-console: the Textual operator console over the run API.
 
     ds4f-console [--config PATH] [--model PATH] [--preset NAME]
+    ds4f-console --attach URL [URL ...] [--operator-token TOKEN] [--token-file PATH]   (console.attach)
 
 The app polls the live run's Snapshot on a timer (not a message per token), so a busy run
 costs the SSH link one screen diff per refresh period and keys stay responsive. Long
@@ -31,7 +32,7 @@ from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THE
 
 from .bindings import APP_BINDINGS
 from .chat import MODE_NAMES, PROMPT_KINDS, Command, TextSupport, parse_command
-from .commands import ActionCommands
+from .commands import ActionCommands, ConsolePalette
 from .controller import Controller, default_start_run, demo_dir, next_refresh, probe_text, simd_scalar_pair
 from .figures import ENDINGS, fmt_s_per_token, model_name, sampling_text
 from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen
@@ -58,20 +59,6 @@ def _default_validate(path: str) -> None:
 
 def builtin_config_path() -> Path:
     return Path(str(resources.files("ds4f").joinpath("ds4f.toml")))
-
-
-class ConsolePalette(CommandPalette):
-    """Textual's command palette, except that its search worker ends quietly when the palette was
-    closed under it (a key burst: typed letters, then Escape, before the search ran), instead of
-    failing the worker, and the console with it, on the palette's vanished option list."""
-
-    @work(exclusive=True, group=CommandPalette._GATHER_COMMANDS_GROUP)
-    async def _gather_commands(self, search_value: str) -> None:
-        try:
-            await CommandPalette._gather_commands.__wrapped__(self, search_value)
-        except NoMatches:
-            if self.is_attached and self.is_current:
-                raise      # the palette is still there: a real problem
 
 
 class Ds4fConsole(App):
@@ -671,6 +658,17 @@ class Ds4fConsole(App):
             self.engines.close()
 
 
+def read_token(path: str) -> str:
+    """A bearer token from a file (surrounding whitespace stripped); Ds4fError naming the file."""
+    try:
+        token = Path(path).expanduser().read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Ds4fError(f"--token-file {path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    if not token or any(c.isspace() for c in token):
+        raise Ds4fError(f"--token-file {path}: expected one token on one line")
+    return token
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ds4f-console",
@@ -682,7 +680,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, metavar="N",
                         help="runs that may go at once, decoded together in one forward pass per step "
                              "(r starts another while one runs; default 1)")
+    parser.add_argument("--attach", nargs="+", metavar="URL",
+                        help="watch and steer running `ds4f serve`s over HTTP instead, one tab per URL "
+                             "(http://host:port, or host:port; port 8734 when none)")
+    parser.add_argument("--operator-token", metavar="TOKEN",
+                        help="with --attach: the servers' operator token (default: the token file a server on "
+                             "this machine names in GET /status, when this user can read it)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help="with --attach: the file holding the bearer token of a server started with "
+                             "ds4f serve --token-file")
     args = parser.parse_args(argv)
+    if args.attach:
+        local = [f"--{name}" for name in ("model", "preset") if getattr(args, name)] + (
+            ["--parallel"] if args.parallel != 1 else [])
+        if local:
+            parser.error(f"--attach watches running servers: {', '.join(local)} is for a local run")
+        from .attach import AttachConsole
+        try:
+            token = read_token(args.token_file) if args.token_file else None
+            app = AttachConsole(args.attach, operator_token=args.operator_token, token=token,
+                                config_path=args.config)
+        except Ds4fError as exc:
+            parser.error(str(exc))
+        app.run()
+        return int(app.return_code or 0)
+    if args.operator_token or args.token_file:
+        parser.error("--operator-token and --token-file go with --attach")
     if not 1 <= args.parallel <= MAX_PARALLEL:
         parser.error(f"--parallel: between 1 and {MAX_PARALLEL} runs, got {args.parallel}")
     app = Ds4fConsole(config_path=args.config, model=args.model, preset=args.preset, parallel=args.parallel)

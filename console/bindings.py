@@ -97,6 +97,54 @@ DIFF_BINDINGS = [
     Binding("x", "swap", "swap A/B", tooltip="Swap the two runs"),
 ]
 
+# The dashboard of a running `ds4f serve` (ds4f-console --attach): the same keys as a local run
+# where they mean the same (threads, kernels, preset, stop, the refresh period, freeze), each
+# an operator call to the server; r reconnects (there is no run to start).
+SEQUENCE = Binding.Group("sequence", compact=True)
+SERVER = Binding.Group("server", compact=True)
+_LOCAL = {b.action: b for b in DASHBOARD_BINDINGS}
+
+ATTACH_BINDINGS = [
+    Binding("r", "reconnect", "reconnect", tooltip="Reconnect to the server now (after a failure; a live stream restarts)"),
+    Binding("up", "select_sequence(-1)", "sequence up", key_display="↑", group=SEQUENCE,
+            tooltip="Pick the sequence above: the run panels follow it and s cancels it"),
+    Binding("down", "select_sequence(1)", "sequence down", key_display="↓", group=SEQUENCE,
+            tooltip="Pick the sequence below (past the last: back to following the most active one)"),
+    Binding("s", "cancel_sequence", "cancel",
+            tooltip="Cancel the picked sequence (else the one the panels follow): POST /operator/cancel"),
+    Binding("d", "drain", "drain",
+            tooltip="Drain the server: it takes no new requests and the running ones finish (POST /operator/drain)"),
+    Binding("u", "resume", "resume", tooltip="The server takes requests again after a drain (POST /operator/resume)"),
+    Binding("p", "server_preset", "preset",
+            tooltip="The server's next preset, for the requests that come next (POST /operator/preset)"),
+    Binding("left_square_bracket", "server_io_threads(-1)", "I/O threads down", key_display="[", group=IO,
+            tooltip="One I/O thread fewer on the server: live sequences at their next token, and the next requests"),
+    Binding("right_square_bracket", "server_io_threads(1)", "I/O threads up", key_display="]", group=IO,
+            tooltip="One I/O thread more on the server: live sequences at their next token, and the next requests"),
+    Binding("left_curly_bracket", "server_kernel_threads(-1)", "kernel threads down", key_display="{", group=KERNEL,
+            tooltip="One kernel thread fewer on the server: live sequences at their next token, and the next "
+                    "requests"),
+    Binding("right_curly_bracket", "server_kernel_threads(1)", "kernel threads up", key_display="}", group=KERNEL,
+            tooltip="One kernel thread more on the server: live sequences at their next token, and the next "
+                    "requests"),
+    Binding("k", "server_toggle_simd", "simd",
+            tooltip="Switch the server's kernels between SIMD and scalar: live sequences at their next token, and "
+                    "the next requests (the kernels panel shows where it landed)"),
+    _LOCAL["refresh_period(1)"],
+    _LOCAL["refresh_period(-1)"],
+    _LOCAL["freeze"],
+    Binding("tab", "next_server(1)", "next server", group=SERVER, tooltip="The next server's tab (several --attach URLs)"),
+    Binding("shift+tab", "next_server(-1)", "previous server", group=SERVER, show=False,
+            tooltip="The previous server's tab"),
+]
+
+# The error screen of a server that cannot be attached (nothing answers, not ds4f, too old).
+ATTACH_ERROR_BINDINGS = [
+    Binding("r", "retry", "retry", tooltip="Try the server again now"),
+    Binding("escape", "back_to_tabs", "back", key_display="esc",
+            tooltip="Back to the servers' tabs (several --attach URLs); this one keeps its problem in its tab"),
+]
+
 # Command-palette titles (the key bar's labels are kept short to fit 80 columns).
 TITLES = {
     "help": "Help: every key", "cycle_theme": "Cycle theme", "quit": "Quit",
@@ -114,6 +162,14 @@ TITLES = {
     "chat": "Chat: type a prompt", "cycle_mode": "Prompt mode: chat, thinking, completion",
     "clear_chat": "Clear the conversation", "interrupt": "Stop the answer", "submit": "Send the prompt",
     "leave": "Leave the prompt line",
+    "reconnect": "Reconnect to the server", "select_sequence(-1)": "Pick the sequence above",
+    "select_sequence(1)": "Pick the sequence below", "cancel_sequence": "Cancel the picked sequence",
+    "drain": "Drain the server (no new requests)", "resume": "Resume taking requests",
+    "server_preset": "The server's next preset", "server_io_threads(-1)": "Server I/O threads down",
+    "server_io_threads(1)": "Server I/O threads up", "server_kernel_threads(-1)": "Server kernel threads down",
+    "server_kernel_threads(1)": "Server kernel threads up", "server_toggle_simd": "Toggle the server's SIMD / scalar kernels",
+    "next_server(1)": "Next server", "next_server(-1)": "Previous server", "retry": "Retry the server",
+    "back_to_tabs": "Back to the servers' tabs",
 }
 
 SCREENS_FOR_HELP = (
@@ -125,10 +181,17 @@ SCREENS_FOR_HELP = (
     ("Diff", DIFF_BINDINGS),
 )
 
+ATTACH_SCREENS_FOR_HELP = (
+    ("Everywhere", APP_BINDINGS),
+    ("Attached to a server (ds4f-console --attach)", ATTACH_BINDINGS),
+    ("A server that cannot be attached", ATTACH_ERROR_BINDINGS),
+)
+
 KEY_NAMES = {
     "question_mark": "?", "colon": ":", "left_square_bracket": "[", "right_square_bracket": "]",
     "left_curly_bracket": "{", "right_curly_bracket": "}", "plus": "+", "minus": "-", "space": "space",
     "escape": "esc", "f1": "F1", "ctrl+p": "ctrl+p", "enter": "enter",
+    "up": "↑", "down": "↓", "shift+tab": "shift+tab",
 }
 
 
@@ -149,7 +212,7 @@ def by_action(bindings: list[Binding]) -> list[tuple[str, str, Binding]]:
 OWN_KEYS: dict[tuple[str, str], Binding] = {
     (b.action, k.strip()): b
     for bindings in (APP_BINDINGS, DASHBOARD_BINDINGS, CHAT_BINDINGS, PROMPT_BINDINGS, HISTORY_BINDINGS,
-                     DIFF_BINDINGS)
+                     DIFF_BINDINGS, ATTACH_BINDINGS, ATTACH_ERROR_BINDINGS)
     for b in bindings for k in b.key.split(",")
 }
 

@@ -2,13 +2,16 @@
 
 It is built from the screen's active bindings that are the console's own (bindings.OWN_KEYS),
 so a key and its palette entry can never drift apart, and a focused widget's scroll and cursor
-keys stay out. The palette shows each action's keys next to its name.
+keys stay out. The palette shows each action's keys next to its name. ConsolePalette is Textual's
+palette made safe against key bursts; both the local console and the attached one open it.
 """
 from __future__ import annotations
 
 from functools import partial
 
-from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual import work
+from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider
+from textual.css.query import NoMatches
 
 from .bindings import OWN_KEYS, TITLES, keys_of
 
@@ -46,3 +49,17 @@ class ActionCommands(Provider):
             score = max(matcher.match(title), matcher.match(help_text) * 0.5)
             if score > 0:
                 yield Hit(score, matcher.highlight(title), callback, text=title, help=help_text)
+
+
+class ConsolePalette(CommandPalette):
+    """Textual's command palette, except that its search worker ends quietly when the palette was
+    closed under it (a key burst: typed letters, then Escape, before the search ran), instead of
+    failing the worker, and the console with it, on the palette's vanished option list."""
+
+    @work(exclusive=True, group=CommandPalette._GATHER_COMMANDS_GROUP)
+    async def _gather_commands(self, search_value: str) -> None:
+        try:
+            await CommandPalette._gather_commands.__wrapped__(self, search_value)
+        except NoMatches:
+            if self.is_attached and self.is_current:
+                raise      # the palette is still there: a real problem

@@ -18,19 +18,21 @@ from ..bindings import SCREENS_FOR_HELP, by_action
 class HelpScreen(ModalScreen[None]):
     """Every key of every screen, and where the console's files are.
 
-    `files`: (what, where) rows, e.g. ("config", path of the ds4f.toml in use)."""
+    `files`: (what, where) rows, e.g. ("config", path of the ds4f.toml in use); `sections`: (title,
+    bindings) of the screens to list (the local console's by default)."""
 
     BINDINGS = [("escape,question_mark,q,f1", "dismiss", "close")]
 
-    def __init__(self, files: list[tuple[str, str]]) -> None:
+    def __init__(self, files: list[tuple[str, str]], sections=SCREENS_FOR_HELP) -> None:
         super().__init__()
         self.files = files
+        self.sections = sections
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-box") as box:
             box.border_title = "keys"
             box.border_subtitle = "esc closes · every key is also in the command palette (ctrl+p or :)"
-            for title, bindings in SCREENS_FOR_HELP:
+            for title, bindings in self.sections:
                 table = Table(box=None, show_header=False, pad_edge=False, expand=True, title=title,
                               title_justify="left", title_style="bold")
                 table.add_column(style="bold", no_wrap=True, width=12)
