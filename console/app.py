@@ -669,7 +669,13 @@ def read_token(path: str) -> str:
     return token
 
 
-def main(argv: list[str] | None = None) -> int:
+DEFAULT_SERVE_PORT = 8734      # ds4f serve's default port
+
+
+def main(argv: list[str] | None = None, serve_here: Callable | None = None) -> int:
+    """The console's command line. `serve_here(model=, preset=, config_path=, port=, parallel=)` ->
+    (a started server, its operator token): what --serve starts (ds4f.cli.console passes it; the
+    console itself never imports the server)."""
     parser = argparse.ArgumentParser(
         prog="ds4f-console",
         description="The ds4f operator console: run, watch and compare DeepSeek-V4-Flash disk-streaming runs.")
@@ -689,7 +695,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file", metavar="PATH",
                         help="with --attach: the file holding the bearer token of a server started with "
                              "ds4f serve --token-file")
+    parser.add_argument("--serve", nargs="?", type=int, const=DEFAULT_SERVE_PORT, metavar="PORT",
+                        help=f"serve the OpenAI and Anthropic APIs from this process on 127.0.0.1:PORT (default "
+                             f"{DEFAULT_SERVE_PORT}) and watch and steer that server here: one engine for both")
     args = parser.parse_args(argv)
+    if args.serve is not None:
+        if args.attach or args.operator_token or args.token_file:
+            parser.error("--serve watches the server it starts: not with --attach, --operator-token, --token-file")
+        return _serve_and_watch(args, parser, serve_here)
     if args.attach:
         local = [f"--{name}" for name in ("model", "preset") if getattr(args, name)] + (
             ["--parallel"] if args.parallel != 1 else [])
@@ -711,6 +724,27 @@ def main(argv: list[str] | None = None) -> int:
     app = Ds4fConsole(config_path=args.config, model=args.model, preset=args.preset, parallel=args.parallel)
     app.run()  # a live run is stopped and the engine released as the app unmounts
     return int(app.return_code or 0)
+
+
+def _serve_and_watch(args, parser, serve_here: Callable | None) -> int:
+    """--serve: the server in a thread of this process, the attached console on its URL."""
+    from .attach import AttachConsole
+
+    if serve_here is None:
+        parser.error("--serve: start the console as ds4f-console (its entry point brings the server)")
+    if not 0 <= args.serve <= 65535 or not 1 <= args.parallel <= MAX_PARALLEL:
+        parser.error(f"--serve: a port 0..65535 (got {args.serve}); --parallel: 1..{MAX_PARALLEL}")
+    try:
+        server, token = serve_here(model=args.model, preset=args.preset, config_path=args.config, port=args.serve,
+                                   parallel=args.parallel if args.parallel != 1 else None)
+    except Ds4fError as exc:
+        parser.error(str(exc))
+    try:
+        app = AttachConsole([server.url], operator_token=token, config_path=args.config)
+        app.run()
+        return int(app.return_code or 0)
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":
