@@ -120,9 +120,9 @@ def _max_tokens(raw: dict) -> int:
     if v is None:
         raise bad("max_tokens", "required: the most tokens to generate (reasoning and answer together)",
                   code="missing_parameter")
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_GEN:
-        raise bad("max_tokens", f"must be a whole number from 1 to {MAX_GEN}, got {json.dumps(v)}")
-    return v
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise bad("max_tokens", f"must be a whole number of at least 1, got {json.dumps(v)}")
+    return min(v, MAX_GEN)      # a ceiling: the answer stops where the context ends (stop_reason max_tokens)
 
 
 def _bool(value, where: str) -> bool | None:
@@ -432,6 +432,12 @@ def parse_ask(raw: dict, svc) -> Ask:
     gen = _max_tokens(raw)
     stream_ = _bool(raw.get("stream"), "stream")
     _number(raw, "temperature", 0, 1)
+    thread = raw.get("thread")
+    if isinstance(thread, dict) and thread.get("type") not in (None, "create"):
+        # this server keeps no threads: a client continuing one is told so, and sends the whole conversation
+        raise HttpError(404, "thread: this server keeps no threads; send the whole conversation (thread type"
+                             " \"create\", or no thread)", param="thread", code="thread_not_found",
+                        extra={"details": {"error_code": "thread_not_found"}})
     fields, thinking, tools, choice, parallel = parse_chat(raw)
     fields["stop"] = parse_stop_sequences(raw.get("stop_sequences"))
     fields["stop_at_eos"] = True
@@ -439,7 +445,7 @@ def parse_ask(raw: dict, svc) -> Ask:
     if fmt is not None:
         fields["response_format"] = text_format_of({"format": fmt}, tools, choice, "output_config")
     return Ask("chat", fields, gen, "max_tokens", parse_sampling(raw, svc), bool(stream_), False, thinking, tools,
-               choice, parallel, names=dict(NAMES), endpoint="messages")
+               choice, parallel, names=dict(NAMES), endpoint="messages", gen_ceiling=True)
 
 
 # -- answers -------------------------------------------------------------------------------------
@@ -565,7 +571,7 @@ async def _events(pending):
     parser = ask.parser()
     blocks = _Blocks(ask)
     async for event in pending.events():
-        if event[0] == "queued":
+        if event[0] in ("queued", "alive"):
             yield PING
         elif event[0] == "refused":
             yield sse("error", {"error": event[1].anthropic_body()["error"]})

@@ -6,6 +6,7 @@
     run = await pending.finish(request)          # not streaming: the ended run (None: the client left)
     return await respond(request, parse, events, answer)     # all of that, as an endpoint does it
     async for event in pending.events(): ...     # streaming: ("queued", position, waiting) | ("piece", text)
+                                                 # | ("alive",): nothing new for a while (a long prefill)
                                                  #   | ("refused", HttpError) | ("end", run)
     reply = reply_of(ask, run, svc)              # a chat answer read whole: reasoning, content, calls
 
@@ -36,6 +37,7 @@ from .routes import json_body, refused
 from .service import DEFAULTED
 
 QUEUE_LOOK_S = 1.0         # how often a queued streaming request looks at its position
+KEEPALIVE_S = 15.0         # a stream that has sent nothing this long (a long prefill) gets a keep-alive
 QUEUE_REPEAT_S = 15.0      # and says it again, unchanged (a keep-alive for proxies and clients)
 
 
@@ -55,6 +57,7 @@ class Ask:
     parallel_calls: bool = True    # False: one call at most (the first)
     names: dict = field(default_factory=dict)   # the run API's parameter names as this request spells them
     endpoint: str = "chat"         # for the counters: chat | responses | messages
+    gen_ceiling: bool = False      # gen is a ceiling: at most what the context leaves (Anthropic's max_tokens)
 
     @property
     def object(self) -> str:
@@ -73,7 +76,7 @@ class Ask:
 
 def run_config(ask: Ask, svc) -> RunConfig:
     gen = ask.gen if ask.gen is not None else svc.options.default_max_tokens or MAX_GEN
-    return RunConfig(model=svc.model, preset=svc.preset, gen=gen, fit_gen=ask.gen is None, backend=svc.backend,
+    return RunConfig(model=svc.model, preset=svc.preset, gen=gen, fit_gen=ask.gen is None or ask.gen_ceiling, backend=svc.backend,
                      kernel_threads=svc.kernel_threads, io_threads=svc.io_threads,
                      config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
                      reuse_prefix=svc.options.reuse_prefix, spec=svc.options.spec,
@@ -133,6 +136,7 @@ class Pending:
         self.config = run_config(ask, svc)
         self.waited_from = time.monotonic()
         self.run = self.feed = None
+        self._waiting = None       # the feed's next piece, while a keep-alive's timeout runs
 
     async def _start(self) -> None:
         try:
@@ -175,6 +179,12 @@ class Pending:
                                        f" {exc.status} {exc.code or ''}: {exc.message}".replace("  ", " "))
         return exc
 
+    def _next_piece(self):
+        """The feed's next piece, one wait at a time (a keep-alive's timeout must not lose it)."""
+        if self._waiting is None or self._waiting.done():
+            self._waiting = asyncio.ensure_future(self.feed.pieces.get())
+        return self._waiting
+
     async def events(self):
         """Streaming: the queue's news while waiting, then the run's text pieces, then its end."""
         svc = self.svc
@@ -201,7 +211,14 @@ class Pending:
                 return
         yield ("started", self.run)
         sent = []
-        while (piece := await self.feed.pieces.get()) is not END:
+        while True:
+            try:        # a long prefill sends nothing for minutes: a keep-alive now and then (clients time out)
+                piece = await asyncio.wait_for(asyncio.shield(self._next_piece()), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ("alive",)
+                continue
+            if piece is END:
+                break
             sent.append(piece)
             yield ("piece", piece)
         text, streamed = self.run.output_text, "".join(sent)

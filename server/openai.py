@@ -460,6 +460,8 @@ async def _events(pending):
     async for event in pending.events():
         if event[0] == "queued":
             yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
+        elif event[0] == "alive":
+            yield b": working\n\n"
         elif event[0] == "refused":
             yield sse(event[1].body())
             yield b"data: [DONE]\n\n"

@@ -379,6 +379,8 @@ async def _events(pending):
     async for event in pending.events():
         if event[0] == "queued":
             yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
+        elif event[0] == "alive":
+            yield b": working\n\n"
         elif event[0] == "refused":
             err = event[1]
             yield emit("error", code=err.code, message=err.message, param=err.param)

@@ -200,10 +200,6 @@ def test_anthropic_tool_runner(srv, model, stream):
     assert [b.text for b in replies[-1].content if b.type == "text"] == [FINAL]
 
 
-@pytest.mark.xfail(reason="the SDK's default runner keeps the conversation on the server (message threads: "
-                          "`thread: {type: continue, previous_message_id}` with only the new messages); ds4f "
-                          "ignores `thread` and refuses the lone tool_result (400), where a `thread_not_found` "
-                          "error would make the SDK send the whole conversation again", strict=False)
 def test_anthropic_tool_runner_threaded(srv, model):
     tools, replies = _run_tool_runner(srv, model, False)
     assert tools.calls == [CALL] and [b.text for b in replies[-1].content if b.type == "text"] == [FINAL]

@@ -375,12 +375,19 @@ def test_without_max_tokens_an_answer_may_fill_the_context(small):
     for path, body, param in (("/v1/chat/completions", {"messages": HELLO, "max_tokens": 500}, "max_tokens"),
                               ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": 500},
                                "max_completion_tokens"),
-                              ("/v1/responses", {"input": "hi", "max_output_tokens": 500}, "max_output_tokens"),
-                              ("/v1/messages", {"messages": HELLO, "max_tokens": 500}, "max_tokens")):
+                              ("/v1/responses", {"input": "hi", "max_output_tokens": 500}, "max_output_tokens")):
         r, err = post(small, path, {"model": model, **body})
         assert r.status == 400, (path, r.body)
         err = err["error"]
         assert err["message"].startswith(f"{param}: ") and "past the context of 160" in err["message"], (path, err)
+    # Anthropic's max_tokens is required, so clients send a large one (Claude Code 32000, litellm 128000):
+    # a ceiling there, the answer stopping where the context ends
+    for limit in (500, 128_000):
+        r, answer = post(small, "/v1/messages", {"model": model, "messages": HELLO, "max_tokens": limit})
+        assert r.status == 200, r.body
+        view = small.wait_state(run_of(answer["id"]), timeout=120)
+        left = context - view["prompt_tokens"] + 1
+        assert view["gen"] == min(limit, left) and answer["usage"]["output_tokens"] <= left
     r, err = post(small, "/v1/messages", {"model": model, "messages": HELLO})       # Anthropic's is required
     assert r.status == 400 and err["error"]["message"].startswith("max_tokens:")
 
