@@ -245,6 +245,7 @@ def test_litellm_thinking_sends_the_reasoning_back(srv, model):
 
 # -- LangChain ------------------------------------------------------------------------------------------
 def _langchain_loop(llm, stream):
+    """The script's loop through a LangChain chat model: (the calls the tools got, the final message)."""
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 
     def ask(messages):
@@ -259,8 +260,7 @@ def _langchain_loop(llm, stream):
     first = ask(messages)
     messages += [first] + [ToolMessage(tools(c["name"], c["args"]), tool_call_id=c["id"]) for c in first.tool_calls]
     final = ask(messages)
-    assert tools.calls == [CALL]
-    assert not final.tool_calls and final.text == FINAL
+    return tools.calls, final
 
 
 @STREAM
@@ -269,14 +269,18 @@ def test_langchain_openai(srv, model, api, stream):
     lc = _needs("langchain_openai")
     llm = lc.ChatOpenAI(model=model, base_url=f"{srv.url}/v1", api_key="none", max_retries=0,
                         use_responses_api=api == "responses")
-    _langchain_loop(llm.bind_tools(OPENAI_TOOLS), stream)
+    calls, final = _langchain_loop(llm.bind_tools(OPENAI_TOOLS), stream)
+    assert calls == [CALL]
+    assert not final.tool_calls and final.text == FINAL
 
 
 @STREAM
 def test_langchain_anthropic(srv, model, stream):
     lc = _needs("langchain_anthropic")
     llm = lc.ChatAnthropic(model=model, base_url=srv.url, api_key="none", max_retries=0)
-    _langchain_loop(llm.bind_tools(ANTHROPIC_TOOLS), stream)
+    calls, final = _langchain_loop(llm.bind_tools(ANTHROPIC_TOOLS), stream)
+    assert calls == [CALL]
+    assert not final.tool_calls and final.text == FINAL
 
 
 # -- the OpenAI Agents SDK -----------------------------------------------------------------------------

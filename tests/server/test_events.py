@@ -96,6 +96,7 @@ def test_a_watcher_sees_the_recent_log_and_the_sequences_of_a_streaming_run(srv,
 
         # a streaming OpenAI client's run, held once it generated two tokens
         gate.close(lambda run, step: run.generated_tokens >= 2)
+        sent_at = time.time()
         future = pool.submit(streamed_chat, srv, 24)
         run_id, _step = gate.wait()
         # (snapshots taken before it was held may still be on their way)
@@ -107,7 +108,7 @@ def test_a_watcher_sees_the_recent_log_and_the_sequences_of_a_streaming_run(srv,
         assert seq["state"] == "decode" and seq["tokens"] == 2 and seq["max_tokens"] == 24
         assert seq["prompt_tokens"] == seq["prompt_tokens_done"] == prompt and seq["prefill_eta_s"] == 0
         assert seq["decode_tok_s"] > 0 and seq["spec_acceptance"] is None and seq["batch_share"] is None
-        assert seq["started_at"] <= time.time() and seq["prompt_tokens_reused"] >= 0
+        assert seq["started_at"] >= sent_at and seq["prompt_tokens_reused"] >= 0   # the request's arrival, after sending
         assert snap["engine"]["current_run"] == run_id and snap["run"]["run_id"] == run_id
         gate.open()
         cid, text = future.result(timeout=60)
