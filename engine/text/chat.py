@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Mapping, Sequence
 
 from ds4f.errors import Ds4fError
@@ -318,19 +319,24 @@ def chat_prompt_ids(tokenizer, messages: Sequence[Mapping], thinking: bool = Fal
 
 def _same_markers(tokenizer, tokens: Sequence[int], pieces) -> bool:
     """Whether an answer's generated ids hold the control tokens its rendering holds, no other (a
-    model may write a marker's token inside its text: in the next prompt that is text)."""
-    special = [t for t in tokens if tokenizer.is_special(t)]
-    return special == [t for t in _encode_pieces(tokenizer, pieces) if tokenizer.is_special(t)]
+    model may write a marker's token inside its text: in the next prompt that is text). The
+    rendering's are the markers in its marks (a message's text holds none)."""
+    split = _marker_split(tokenizer)
+    rendered = [] if split is None else [tokenizer.special_id(m) for kind, text in pieces if kind == "mark"
+                                         for m in split.split(text)[1::2]]
+    return [t for t in tokens if tokenizer.is_special(t)] == rendered
+
+
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> its marker regex (or None)
 
 
 def _marker_split(tokenizer):
     """A regex that splits the format's text at its markers (those the tokenizer has as tokens)."""
-    got = getattr(tokenizer, "_marker_split", None)
-    if got is None:
+    if tokenizer not in _SPLITS:
         have = [m for m in MARKERS if tokenizer.has_token(m)]
-        got = re.compile("(" + "|".join(map(re.escape, sorted(have, key=len, reverse=True))) + ")") if have else None
-        tokenizer._marker_split = got
-    return got
+        _SPLITS[tokenizer] = re.compile("(" + "|".join(map(re.escape, sorted(have, key=len, reverse=True))) + ")") \
+            if have else None
+    return _SPLITS[tokenizer]
 
 
 def _encode_pieces(tokenizer, pieces, skip: int = 0) -> list[int]:
