@@ -7,7 +7,9 @@ waited longest first): decode tokens and prompt chunks go in steps of their own,
 while both wait (a chunk takes at most rows - parallel rows, its remainder goes in its next
 steps), so the sequences already decoding keep streaming and a new prompt waits for one decode
 step at most; it runs the step and hands each member its rows' records, logits and share of the
-step's reads.
+step's reads. Each member computes with its own kernel backend and threads (Session.kernels): a
+step holds the rows of one setting (the longest waiting member's) and applies it, so switching
+one sequence's kernels changes no other's numbers.
 
 Each row's numbers are those it gets alone, whatever else is in the step (model.rows), so a
 sequence's tokens and state dump do not depend on who it shared steps with. A step of one row
@@ -209,6 +211,8 @@ class StepBatcher:
         sequences decoding get a token between a prompt's chunks (each at most rows - parallel),
         and a new prompt waits for at most the decode step in flight."""
         reqs = sorted(self._pending, key=lambda r: r.asked_at)
+        kernels = reqs[0].session.kernels        # a step computes with one kernel setting: the longest waiting's
+        reqs = [r for r in reqs if r.session.kernels == kernels]
         cap = self.cap
         if self._steps - self._capped_at >= PROBE_STEPS:
             self._capped_at = self._steps
@@ -238,6 +242,7 @@ class StepBatcher:
         t0 = time.perf_counter()
         with eng.compute_lock:
             try:
+                eng.use_kernels(plan[0][0].session.kernels)   # its sequences' own (_plan: one setting a step)
                 if len(plan) == 1 and n == 1:
                     errors = self._alone(plan[0][0])
                     union = float(eng.geometry.top_k)

@@ -54,7 +54,8 @@ class EngineFigures:
 class KernelSettings:
     """The native kernels' backend and thread count. The native library holds one setting per
     process; the engine applies its own when a session starts and when a switch lands, so it
-    holds while the engine computes (one engine computes at a time)."""
+    holds while the engine computes (one engine computes at a time). Sessions stepping together
+    each keep theirs (Session.kernels): a batched step holds rows of one setting and applies it."""
 
     backend: str        # avx512 | avx2 | neon | scalar (resolved, never "auto")
     threads: int        # native pool size, the calling thread included
@@ -170,6 +171,25 @@ class Engine:
             try:
                 resolved = kernels.best_backend() if backend == "auto" else backend
                 settings = KernelSettings(resolved, threads)
+                settings.apply()
+            except ValueError as exc:
+                raise Ds4fError(str(exc)) from None
+            self.kernels = settings
+
+    @staticmethod
+    def kernel_settings(backend: str, threads: int) -> KernelSettings:
+        """The settings a session of a batch computes with (engine.batch applies them to its
+        steps): the backend resolved ("auto" = the best here) and checked to run here."""
+        resolved = kernels.best_backend() if backend == "auto" else backend
+        if resolved not in kernels.available_backends():
+            raise Ds4fError(f"backend: {resolved!r} is not supported on this machine (available: "
+                            f"{', '.join(kernels.available_backends())})", param="backend")
+        return KernelSettings(resolved, threads)
+
+    def use_kernels(self, settings: KernelSettings) -> None:
+        """`settings` in force for the next kernel calls (the compute lock held: between steps)."""
+        if settings != self.kernels:
+            try:
                 settings.apply()
             except ValueError as exc:
                 raise Ds4fError(str(exc)) from None

@@ -59,6 +59,7 @@ class Session:
         att = self.geometry.attention
         self.kv = KVCache(attention_shapes(att, self.geometry.rms_norm_eps), self.context) if att else None
         self.batcher = None        # the engine's StepBatcher once joined (engine.batch): steps shared
+        self._kernels = None       # its own kernel settings in a batch (see `kernels`)
         self._batched = None       # the batcher's answer to the last step or chunk
         self.drafter = None        # engine.speculative's: told each row's last-layer streams
         self._verify_buf: ChunkBuffers | None = None   # a token and its drafts' rows (verify)
@@ -73,8 +74,21 @@ class Session:
             return 1
         return max(1, min(journal_limit(self.kv.layers), self.context - self.position))
 
+    @property
+    def kernels(self):
+        """The kernel backend and threads its rows are computed with (engine.KernelSettings): the
+        engine's; in a batch its own, from the engine's when it joined unless set (a step holds
+        rows of one setting and applies it, engine.batch), so a switch of one sequence is its own."""
+        return self._kernels if self._kernels is not None else self.engine.kernels
+
+    @kernels.setter
+    def kernels(self, settings) -> None:
+        self._kernels = settings
+
     def join(self, batcher) -> None:
         """Step together with the other sessions of `batcher` from the next token on."""
+        if self._kernels is None:
+            self._kernels = self.engine.kernels
         batcher.join(self)
         self.batcher = batcher
 
@@ -207,7 +221,7 @@ class Session:
             raise Ds4fError("a session without attention (the MoE half alone) has no state to keep", param="state")
         logits = None if self._logits is None else self._logits.copy()
         return SessionState(tuple(self.tokens), logits, take_layers(self.kv), canonical(self.geometry.to_config()),
-                            self.engine.fingerprint, self.engine.backend)
+                            self.engine.fingerprint, self.kernels.backend)
 
     def restore(self, state: SessionState) -> None:
         """Put `state` back: this session is then at its position, with its tokens, logits and

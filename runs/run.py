@@ -290,8 +290,12 @@ class Run:
         return out.stopped if out is not None and self._finish_reason == "stop" else None
 
     def switch(self, backend: str | None = None, kernel_threads: int | None = None,
-               io_threads: int | None = None) -> None:
-        """Change settings; they take effect at the next token boundary."""
+               io_threads: int | None = None, engine_wide: bool = False) -> None:
+        """Change settings; they take effect at the next token boundary. Among sequences stepping
+        together (EngineHost(parallel=N)) the backend and kernel threads are the run's own (its rows
+        go in steps of their own setting); the I/O threads are the engine's reader, every
+        sequence's: switched only engine_wide (an operator switching every run), else refused
+        where it lands if other runs step on the engine then (said in the run's log)."""
         if backend is not None:
             check_backend(backend)
         check_threads(kernel_threads=kernel_threads, io_threads=io_threads)
@@ -299,6 +303,16 @@ class Run:
             for name, value in (("backend", backend), ("kernel_threads", kernel_threads), ("io_threads", io_threads)):
                 if value is not None:
                     self._pending[name] = value
+            if io_threads is not None:
+                self._pending["engine_wide"] = engine_wide
+
+    def sharing_with(self) -> list[str]:
+        """The ids of the other runs stepping on this run's engine (EngineHost(parallel=N)), or
+        starting to; [] when it steps alone."""
+        if self.engines is None or self.engines.parallel < 2:
+            return []
+        with _active_lock:
+            return [r.id for r in _active if r is not self and r.engines is self.engines and not r.finished]
 
     def snapshot(self) -> Snapshot:
         """The run's live figures: cheap, from any thread, at any time (the token log's read
@@ -439,15 +453,27 @@ class Run:
             pending, self._pending = self._pending, {}
         if not pending:
             return
+        session = self._session
+        batched = session is not None and session.batcher is not None
+        old = (self._backend, self.kernel_threads, eng.io_threads)
         backend = pending.get("backend", self._backend)
-        threads = pending.get("kernel_threads", eng.kernel_threads)
-        old = (self._backend, eng.kernel_threads, eng.io_threads)
-        eng.set_kernels(backend, threads)
+        threads = pending.get("kernel_threads", old[1])
+        if batched:       # its own: its rows go in steps of their setting (engine.batch), the others' keep theirs
+            session.kernels = eng.kernel_settings(backend, threads)
+        else:
+            eng.set_kernels(backend, threads)
         if "io_threads" in pending:
-            eng.set_io_threads(pending["io_threads"])
+            others = self.sharing_with() if batched and not pending.get("engine_wide") else []
+            if others:
+                self._log(f"token {step}: I/O threads {pending['io_threads']} not switched: the engine's reader is"
+                          f" shared with run{'s' if len(others) > 1 else ''} {', '.join(others)} stepping together"
+                          f" with this one (POST /operator/threads switches every run's)")
+            else:
+                eng.set_io_threads(pending["io_threads"])
+        kernels = session.kernels if session is not None else eng.kernels
         with self._lock:
-            self._backend, self.kernel_threads, self.io_threads = eng.backend, eng.kernel_threads, eng.io_threads
-        new = (self._backend, eng.kernel_threads, eng.io_threads)
+            self._backend, self.kernel_threads, self.io_threads = kernels.backend, kernels.threads, eng.io_threads
+        new = (self._backend, self.kernel_threads, eng.io_threads)
         for label, a, b in zip(("backend", "kernel threads", "I/O threads"), old, new):
             if a != b:
                 self._log(f"token {step}: {label} {a} -> {b}")
@@ -462,6 +488,12 @@ class Run:
             self._cache_at_start = 0 if self.config.cold_start and not sharing else eng.cache.resident
             session = eng.new_session(self.prefill_chunk, cold=self.config.cold_start)
             self._session = session
+            if self.engines is not None and self.engines.parallel > 1:
+                # its own kernels beside the others' (engine.batch: a step computes with one setting)
+                session.kernels = eng.kernel_settings(self._backend, self.kernel_threads)
+                if sharing and eng.io_threads != self.io_threads:
+                    self._log(f"I/O threads: the engine's {eng.io_threads} (the sequences stepping on it share"
+                              f" its reader), not {self.io_threads}")
             if sharing and self.config.cold_start:
                 self._log("cold start: not while other sequences step on the engine; on the cache as it is")
             self._log(f"expert cache warm: {self._cache_at_start} experts from earlier runs" if self._cache_at_start
@@ -469,7 +501,7 @@ class Run:
             with self._lock:
                 self._engine, self._session_nbytes = eng, session.nbytes
                 self._kv_bytes, self._context = session.kv_nbytes, session.context if session.kv else 0
-                self._backend = eng.backend
+                self._backend, self.kernel_threads = session.kernels.backend, session.kernels.threads
             if self.probe and not self._cancel.is_set():
                 self._floor = cached_floor(self.checkpoint, self.io_threads)
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
@@ -640,7 +672,8 @@ class Run:
         """_reuse's restore: the longest kept prefix into the session; how many tokens it gave. A
         run with a state dump takes only a state with records of its tokens (written as its own)."""
         dumps = writer.dtype is not None
-        state = cache.lookup(self.prompt, eng.backend, at_most=len(self.prompt) - 1, need=RECORDS if dumps else None)
+        state = cache.lookup(self.prompt, session.kernels.backend, at_most=len(self.prompt) - 1,
+                             need=RECORDS if dumps else None)
         if state is None:
             return 0
         records = reusable_records(state, writer.dtype) if dumps else None
@@ -660,7 +693,8 @@ class Run:
             for i, (token, nxt) in enumerate(zip(state.tokens, nexts)):
                 self._log_tokens.add(TokenRecord(index=i, token_id=int(token), next_token_id=int(nxt),
                                                  seconds=0.0, bytes_read=0, hits=0, misses=0, stall_s=0.0,
-                                                 backend=eng.backend, kernel_threads=eng.kernel_threads,
+                                                 backend=session.kernels.backend,
+                                                 kernel_threads=session.kernels.threads,
                                                  io_threads=eng.io_threads, prefill=True, reused=True))
         self._log(f"prefix cache: {state.position} prompt tokens reused, {len(self.prompt) - state.position} computed")
         return state.position
@@ -698,12 +732,13 @@ class Run:
               prefill: bool) -> None:
         """One step's record: into the state dump, the token log (its costs), on_token; the text
         it adds to the output when it picked a generated token."""
-        writer.write(token, next_token, eng.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
+        kernels = self._session.kernels      # what computed the row (in a batch: its own, not the last step's)
+        writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
         generating = step >= len(self.prompt) - 1
         text = self._take_output(next_token, last=step + 1 == self.n_steps) if generating else ""
         record = TokenRecord(index=step, token_id=token, next_token_id=next_token, seconds=seconds,
                              bytes_read=costs["bytes_read"], hits=costs["hits"], misses=costs["misses"],
-                             stall_s=costs["stall_s"], backend=eng.backend, kernel_threads=eng.kernel_threads,
+                             stall_s=costs["stall_s"], backend=kernels.backend, kernel_threads=kernels.threads,
                              io_threads=eng.io_threads, disk_busy_s=costs["disk_busy_s"],
                              disk_depth_s=costs["disk_depth_s"], reads=costs["reads"],
                              prefetch_hits=costs["prefetch_hits"], attention_s=costs["attention_s"],

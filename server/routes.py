@@ -9,7 +9,8 @@
     GET    /run?gen=N         the same with query parameters: a compatibility alias of POST /runs
     GET    /runs              recent runs (this server's and the history's)
     GET    /runs/{id}         state, live figures, and when done the summary report with its state sha256
-    PATCH  /runs/{id}         switch the kernel backend and threads of a live run (at its next token)
+    PATCH  /runs/{id}         switch the kernel backend and threads of a live run (at its next token;
+                              its own, beside runs it steps with; io_threads is the engine's: 409 then)
     DELETE /runs/{id}         cancel
     GET    /runs/{id}/report  the whole report of a done run, per-token records included
     GET    /runs/{id}/state   the state dump (state.bin), checked to be that run's before and while it is sent
@@ -324,6 +325,13 @@ async def switch_run(request: Request) -> Response:
     settings = _threads(raw, from_query=False)
     svc = request.app.state.service
     run = await run_in_threadpool(svc.live_run, run_id)
+    others = run.sharing_with() if "io_threads" in settings else []
+    if others:   # the backend and kernel threads are the run's own; the reader is every sequence's
+        raise HttpError(409, f"io_threads: run {run.id} steps together with run{'s' if len(others) > 1 else ''} "
+                             f"{', '.join(others)} on one engine, whose I/O threads they share: switching them for "
+                             f"one would switch them for all (POST /operator/threads switches every run's; backend "
+                             f"and threads are each run's own)", param="io_threads", code="engine_shared",
+                        extra={"sharing_with": others})
     try:
         run.switch(**settings)
     except Ds4fError as exc:

@@ -590,7 +590,7 @@ class Service:
             self._defaults_version += 1
             runs = self.live_runs()
             for run in runs:
-                run.switch(**settings)
+                run.switch(**settings, engine_wide=True)
         said = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in settings.items())
         lands = "next step" if runs else "now"
         self.events.log("operator", f"{said}: " + (f"{len(runs)} live run{'s' if len(runs) != 1 else ''} switch"
