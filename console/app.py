@@ -22,7 +22,6 @@ from typing import Callable
 
 from textual import work
 from textual.app import App
-from textual.command import CommandPalette
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
@@ -32,7 +31,7 @@ from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THE
 
 from .bindings import APP_BINDINGS
 from .chat import MODE_NAMES, PROMPT_KINDS, Command, TextSupport, parse_command
-from .commands import ActionCommands, ConsolePalette
+from .commands import ActionCommands, open_palette
 from .controller import Controller, default_start_run, demo_dir, next_refresh, probe_text, simd_scalar_pair
 from .figures import ENDINGS, fmt_s_per_token, model_name, sampling_text
 from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen
@@ -71,9 +70,8 @@ class Ds4fConsole(App):
     VERTICAL_BREAKPOINTS = [(0, "-too-short"), (24, "-short"), (36, "-tall")]
 
     def action_command_palette(self) -> None:
-        """Textual's command palette, in the variant a burst of keys cannot break."""
-        if self.use_command_palette and not CommandPalette.is_open(self):
-            self.push_screen(ConsolePalette(id="--command-palette"))
+        """Textual's command palette, in the variant a burst of keys cannot break (one at a time)."""
+        open_palette(self)
 
     def pop_screen(self):
         """Textual's, except with one screen left: a burst of keys (two Enters for one command

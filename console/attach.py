@@ -14,14 +14,13 @@ from typing import Callable
 
 from textual.app import App
 from textual.await_complete import AwaitComplete
-from textual.command import CommandPalette
 from textual.css.query import NoMatches
 
 from ds4f.api import Ds4fError, History, load_config
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEMES, next_theme, stylesheet_path
 
 from .bindings import APP_BINDINGS, ATTACH_SCREENS_FOR_HELP
-from .commands import ActionCommands, ConsolePalette
+from .commands import ActionCommands, open_palette
 from .controller import next_refresh
 from .remote import ServerLink, ServerView, backend_toggle, next_preset, parse_address, threads_step
 from .screens import HelpScreen
@@ -69,8 +68,8 @@ class AttachConsole(App):
         return AttachedScreen([a.short for a in self.addresses])
 
     def action_command_palette(self) -> None:
-        if self.use_command_palette and not CommandPalette.is_open(self):
-            self.push_screen(ConsolePalette(id="--command-palette"))
+        """Textual's command palette, in the variant a burst of keys cannot break (one at a time)."""
+        open_palette(self)
 
     def pop_screen(self):
         """Textual's, except with one screen left: a key burst may close a screen twice."""

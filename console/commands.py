@@ -51,6 +51,18 @@ class ActionCommands(Provider):
                 yield Hit(score, matcher.highlight(title), callback, text=title, help=help_text)
 
 
+def open_palette(app) -> None:
+    """Open the console's command palette, at most one at a time: nothing when a palette is
+    anywhere on the screen stack already (pushed by an earlier key of the same burst, mounted or
+    not, or under a screen it opened). Each palette gets no fixed id, so one still being removed
+    after it closed (its removal runs after the key that closed it) cannot clash with the next."""
+    if not app.use_command_palette:
+        return
+    if any(isinstance(screen, CommandPalette) for screen in app.screen_stack):
+        return
+    app.push_screen(ConsolePalette())
+
+
 class ConsolePalette(CommandPalette):
     """Textual's command palette, except that its search worker ends quietly when the palette was
     closed under it (a key burst: typed letters, then Escape, before the search ran), instead of

@@ -63,3 +63,75 @@ async def test_palette_bursts_never_end_the_console(tiny_model, history_path):
         if run is not None:            # "r" typed outside the palette starts one
             run.cancel()
             run.wait(30)
+
+
+def _palettes(app) -> int:
+    from textual.command import CommandPalette
+
+    return sum(isinstance(s, CommandPalette) for s in app.screen_stack)
+
+
+@async_test
+async def test_a_palette_closed_and_asked_for_again_in_one_tick_opens_once(tiny_model, history_path):
+    """The palette dismissed and asked for again before its removal ran (the removal comes after
+    the key that closed it), and asked for twice before the first one mounted: one palette, no
+    clash of ids, no error."""
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.controller is not None and app._booted, 30, "boot")
+        for _ in range(5):
+            app.action_command_palette()
+            app.action_command_palette()          # pushed, not yet mounted: no second one
+            assert _palettes(app) == 1
+            await wait_for(pilot, lambda: _palettes(app) == 1 and app.screen.is_mounted, 10, "the palette")
+            app.screen.dismiss()
+            app.action_command_palette()          # the closed one is still being removed
+            app.action_command_palette()
+            assert _palettes(app) == 1
+            await pilot.pause(0.1)
+            assert app._exception is None
+            app.screen.dismiss()
+            await wait_for(pilot, lambda: _palettes(app) == 0, 10, "the palette to close")
+        assert app.is_running and app._exception is None
+
+
+@async_test
+async def test_bursts_of_palette_keys_with_no_pause_never_stack_two(tiny_model, history_path):
+    """ctrl+p, :, Escape and Enter queued at once, many times over with no pause between: never a
+    second palette on the stack, never an error."""
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.controller is not None and app._booted, 30, "boot")
+        seen = []
+        app.screen_change_signal.subscribe(app, lambda _screen: seen.append(_palettes(app)))
+        for seed in range(12):
+            _queue(app, random.Random(seed).choices(["ctrl+p", "colon", "ctrl+p", "escape", "escape"], k=80))
+        await pilot.pause(1.0)
+        _queue(app, ["escape"] * 4)
+        await wait_for(pilot, lambda: _palettes(app) == 0, 10, "the palettes to close")
+        assert seen and max(seen) == 1, seen      # opened, and never two at once
+        assert app.is_running and app._exception is None
+
+
+@async_test
+async def test_the_attached_console_opens_one_palette_too():
+    """The same in ds4f-console --attach (here on a port with no server: its error screen)."""
+    import socket
+
+    from ds4f.console.attach import AttachConsole
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = AttachConsole([f"http://127.0.0.1:{port}"], refresh_s=0.2)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.pause(0.3)
+        below = len(app.screen_stack)
+        app.action_command_palette()
+        await wait_for(pilot, lambda: _palettes(app) == 1 and app.screen.is_mounted, 10, "the palette")
+        app.screen.dismiss()
+        app.action_command_palette()
+        app.action_command_palette()
+        assert _palettes(app) == 1 and len(app.screen_stack) == below + 1
+        await pilot.pause(0.2)
+        assert app.is_running and app._exception is None
