@@ -40,6 +40,7 @@ from ds4f.engine.text.reply import Reply, ReplyParser, new_call_id, parse_reply
 from ds4f.cachelab.replay import parse_policy, replay
 from ds4f.cachelab.sweep import format_table, plot_sweep, sweep
 # runs: the run API and its artifacts
+from ds4f.runs.budget import RunsBudget, runs_budget_for
 from ds4f.runs.config import RunConfig
 from ds4f.runs.history import (History, PrunePlan, RunRecord, hash_groups, plan_prune, prune_runs, report_file,
                                run_files)
@@ -67,6 +68,8 @@ __all__ = [
     "BACKENDS", "probe_floor", "cached_floor", "FLOOR_CAVEAT",
     # pruning the run history
     "PrunePlan", "plan_prune", "prune_runs", "run_files", "report_file",
+    # the runs directory's disk budget ([runs] budget)
+    "RunsBudget", "runs_budget_for",
     # the memory plan
     "MemoryPlan", "memory_plan", "fit_parallel", "bookkeeping", "kept_state_nbytes", "CONVERSATION_TOKENS", "DEFAULT_PARALLEL", "MAX_PARALLEL",
     # text: tokenizer, streaming, chat format, sampling

@@ -192,6 +192,7 @@ class Config:
     operator_token: str = ""             # [server] operator_token: the operator endpoints' token ("": a random one)
     operator_remote: bool = False        # [server] operator_remote: operator endpoints answer beyond loopback
     dump: DumpSettings = field(default_factory=DumpSettings)   # [dump]
+    runs_budget: int = 20 * 10**9        # [runs] budget: bytes of the runs directory and the history together
 
     def default_backend(self) -> str:
         """The backend a run gets when it names none: engine.backend unless it is auto; else
@@ -248,6 +249,7 @@ _SCHEMA = {
            "write_budget": (str, int)},
     "server": {"parallel": int, "served_model_name": (str, list), "operator_token": str, "operator_remote": bool},
     "dump": {"runs": str, "text": str, "server": str, "full_limit": (str, int)},
+    "runs": {"budget": (str, int)},
 }
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
@@ -371,7 +373,20 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
                   history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel,
                   served_model_names=tuple(names), operator_token=raw["server"].get("operator_token", ""),
                   operator_remote=raw["server"].get("operator_remote", False),
-                  dump=_dump_settings(raw["dump"], source))
+                  dump=_dump_settings(raw["dump"], source), runs_budget=_runs_budget(raw["runs"], source))
+
+
+MIN_RUNS_BUDGET = 10**6    # [runs] budget: less holds no run's report
+
+
+def _runs_budget(runs: dict, source: str) -> int:
+    size = parse_budget(runs["budget"], f"{source}: runs.budget")
+    if size.nbytes is None:
+        raise Ds4fError(f"{source}: runs.budget: a size like '20 GB', not a fraction, got {runs['budget']!r}")
+    if size.nbytes < MIN_RUNS_BUDGET:
+        raise Ds4fError(f"{source}: runs.budget: at least 1 MB (a run's report alone takes tens of KB), got"
+                        f" {runs['budget']!r}")
+    return size.nbytes
 
 
 def _dump_settings(dump: dict, source: str) -> DumpSettings:

@@ -13,6 +13,7 @@ from ds4f.engine.text.chat import chat_prompt_ids, check_chat
 from ds4f.engine.text.constraint import check_response_format
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
+from ds4f.runs.budget import planned_bytes
 from ds4f.runs.statedump import record_nbytes
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
@@ -130,6 +131,29 @@ def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: P
                             f" ({format_bytes(nbytes / steps)} a token), past [dump] full_limit of"
                             f" {format_bytes(cfg.dump.full_limit)} in {cfg.source}: ask for a compact dump"
                             f" (--dump compact), or raise full_limit", param="dump")
+    if config.dump != "off" and config.dump_path is None and cfg is not None:
+        check_runs_budget(config, g.to_config(), prompt, cfg)
+
+
+def check_runs_budget(config: RunConfig, geometry: dict, prompt: tuple[int, ...], cfg: Config) -> None:
+    """A run whose files in the runs directory (its state dump and report) would alone pass
+    [runs] budget is refused before it starts, naming the sizes and the setting."""
+    steps = len(prompt) - 1 + config.gen
+    nbytes = planned_bytes(geometry, config.dump, len(prompt), steps, text_chars(config))
+    if nbytes > cfg.runs_budget:
+        raise Ds4fError(f"dump: a {config.dump} state dump of {steps} tokens and its report would take up to"
+                        f" {format_bytes(nbytes)} in the runs directory, past [runs] budget of"
+                        f" {format_bytes(cfg.runs_budget)} in {cfg.source}: ask for a smaller dump (--dump compact"
+                        f" or off), or raise the budget", param="dump")
+
+
+def text_chars(config: RunConfig) -> int:
+    """The characters of a text run's prompt that its report repeats (the text, the messages, the tools)."""
+    n = len(config.text or "")
+    for part in (config.messages, config.tools):
+        if part:
+            n += len(json.dumps(list(part), default=str))
+    return n
 
 
 def fitted(config: RunConfig, prompt: tuple[int, ...], preset: Preset) -> RunConfig:

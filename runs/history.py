@@ -289,6 +289,31 @@ class History:
         return bool(self._run(lambda c: c.execute("DELETE FROM runs WHERE run_id = ?", (run_id,)).rowcount,
                               write=True))
 
+    def trim(self, nbytes: int, keep: int = 1) -> int:
+        """Remove the oldest records (by start) until they add up to `nbytes` of text, the newest
+        `keep` always kept, then compact the file (VACUUM, and the WAL truncated) so that it
+        shrinks; the records removed (the runs' files are not touched: see prune_runs)."""
+        def go(conn: sqlite3.Connection):
+            rows = conn.execute("SELECT run_id, 256 + length(CAST(config AS BLOB)) + coalesce(length(CAST(report AS"
+                                " BLOB)), 0) + coalesce(length(CAST(error AS BLOB)), 0) AS n FROM runs"
+                                " ORDER BY started_at ASC, rowid ASC").fetchall()
+            doomed, total = [], 0
+            for r in rows[:max(0, len(rows) - keep)]:
+                if total >= nbytes:
+                    break
+                doomed.append((r["run_id"],))
+                total += int(r["n"])
+            conn.executemany("DELETE FROM runs WHERE run_id = ?", doomed)
+            return len(doomed)
+
+        removed = self._run(go, write=True)
+        if removed:
+            def compact(conn: sqlite3.Connection):
+                conn.execute("VACUUM")
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._run(compact, write=True)
+        return removed
+
     def get_setting(self, key: str, default: Any = None) -> Any:
         row = self._run(lambda c: c.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone())
         if row is None:

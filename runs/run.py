@@ -44,7 +44,9 @@ from ds4f.engine.text.tokenizer import USER
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.paths import user_data_dir
-from ds4f.runs.config import RunConfig, check_backend, check_fits, check_threads, checked, fitted, prompt_of
+from ds4f.runs.budget import Reservation, planned_bytes, runs_budget_for
+from ds4f.runs.config import (RunConfig, text_chars, check_backend, check_fits, check_threads, checked, fitted,
+                              prompt_of)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.prefix import RECORDS, attach_records, kept_on_disk, kept_tokens_for, marks, reusable_records
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
@@ -114,6 +116,14 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
                             + (f": {parallel} sequences step together at most" if parallel > 1 else ""), kind="busy")
         run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
         _active[:] = live + [run]
+    try:
+        run._reserve()      # room in the runs directory for its files, or refused now
+    except BaseException:
+        with _active_lock:
+            if run in _active:
+                _active.remove(run)
+        checkpoint.close()
+        raise
     run._thread.start()
     return run
 
@@ -189,6 +199,11 @@ class Run:
         self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
         self._kv = kv_of(config, cfg)
         self.dump_mode = config.dump          # full | compact | off (checked() resolved it)
+        # the runs directory's budget ([runs] budget): its files there and the history together
+        history_path = getattr(self.history, "path", None)
+        self._budget = runs_budget_for(user_data_dir() / "runs", cfg.runs_budget, history_path, cfg.source) \
+            if history_path is not None or (self.dump_mode != "off" and not config.dump_path) else None
+        self._reservation: Reservation | None = None
         if self.dump_mode == "off":           # no state dump, no report file: the report is in memory and the history
             self.dump_path = self.report_path = None
             return
@@ -531,6 +546,29 @@ class Run:
         finally:
             self._release()
 
+    def _reserve(self) -> None:
+        """Room in the runs directory for what the run writes in its own directory there (older
+        finished runs removed if need be), before its thread starts; a Ds4fError if there is none."""
+        if self._budget is None or self.dump_path is None or self.config.dump_path:
+            return
+        nbytes = planned_bytes(self.checkpoint.geometry.to_config(), self.dump_mode, len(self.prompt), self.n_steps,
+                               text_chars(self.config))
+        self._reservation = self._budget.reserve(self.dump_path.parent, nbytes, self.history)
+        for note in self._reservation.notes:
+            self._log(note)
+
+    def _settle_budget(self) -> None:
+        """After the run's files and record: what it wrote counted, older runs removed if the runs
+        directory and the history are past [runs] budget. Never fails the run."""
+        if self._budget is None:
+            return
+        try:
+            own = self.dump_path.parent if self._reservation is not None else None
+            for note in self._budget.settle(self._reservation, keep=own, history=self.history):
+                self._log(note)
+        except Exception as exc:
+            self._log(f"runs directory: not checked against its budget: {exc}")
+
     def _open_writer(self) -> "StateWriter | NoDump":
         """The state dump's writer, first, so an unwritable or busy place fails the run before the
         engine loads; its header holds what determines the numbers: the geometry (attention
@@ -633,7 +671,10 @@ class Run:
 
     def _release(self) -> None:
         """The run's end, whatever it was: the engine's last figures kept, the engine and the
-        checkpoint closed unless a host keeps them, and the process free for the next run."""
+        checkpoint closed unless a host keeps them, its place in the runs directory given up, and
+        the process free for the next run."""
+        if self._reservation is not None:
+            self._reservation.release()
         if self._session is not None:
             self._session.leave()
         if self._engine is not None:
@@ -817,6 +858,7 @@ class Run:
             except Exception as exc:  # the run itself succeeded; say what went wrong with the record
                 self.history_error = f"the run's history record was not written: {exc}"
                 self._log(self.history_error)
+        self._settle_budget()
 
     def _optimum_hit_rate(self, state_file: Path) -> float | None:
         fig = self._engine.figures(self._session_nbytes, self._session) if self._engine is not None else self._final_figures

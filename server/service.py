@@ -39,7 +39,7 @@ from ds4f import __version__
 from ds4f.api import (DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
                       open_checkpoint, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
-                      load_config, report_file)
+                      load_config, report_file, runs_budget_for, user_data_dir)
 from ds4f.api import start_run as api_start_run
 
 from .errors import HttpError, bad
@@ -715,7 +715,9 @@ class Service:
                             code="not_done", extra={"state": state})
         path = Path(report["state_path"])
         if not path.is_file():
-            raise HttpError(410, f"run {run_id}: the state dump {path} is gone", code="gone")
+            raise HttpError(410, f"run {run_id}: the state dump {path} is gone (removed to keep the runs directory"
+                                 f" within [runs] budget, by `ds4f history prune`, or by hand); the run's record"
+                                 f" stays", code="gone")
         nbytes = report.get("state_nbytes")
         return path, report.get("state_sha256"), nbytes if isinstance(nbytes, int) else None
 
@@ -836,9 +838,20 @@ class Service:
             "last_report": self._last_report,
             "dump": self.options.dump or self.cfg.dump.server,
             "prefix_cache": self._prefix_cache_view(),
+            "runs_dir": self._runs_dir_view(),
             "operator": self.operator.view(),
             "events": self.events.view(),
         }
+
+    def _runs_dir_view(self) -> dict | None:
+        """The runs directory and the history against [runs] budget: bytes used on disk (counted
+        across processes, at most a second old), the budget, and the runs whose files this server
+        removed to keep within it; None if it cannot be read."""
+        try:
+            return runs_budget_for(user_data_dir() / "runs", self.cfg.runs_budget, self.history.path,
+                                   self.cfg.source).figures()
+        except (OSError, Ds4fError):
+            return None
 
     def _prefix_cache_view(self) -> dict | None:
         """The kept states' figures: bytes in RAM and on disk, what was written (today against the

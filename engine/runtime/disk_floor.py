@@ -82,6 +82,7 @@ def _cache_key(checkpoint, io_threads: int) -> str:
 
 
 FLOOR_MAX_AGE_S = 900.0  # a shared or thermally throttled disk drifts: re-measure after this
+FLOOR_ENTRIES = 64       # floor.json keeps at most this many (checkpoint, queue depth) measurements, none stale
 
 
 def cached_floor(checkpoint, io_threads: int, seconds: float = 2.0, max_age_s: float = FLOOR_MAX_AGE_S) -> FloorResult:
@@ -112,6 +113,11 @@ def refresh_floor(checkpoint, io_threads: int, seconds: float = 2.0, known: dict
             known = {}
     result = probe_floor(checkpoint, io_threads, seconds)
     known[key] = {"measured_at": result.measured_at, "result": asdict(result)}
+    # only what cached_floor may still use: a checkpoint's entry stays behind when it changes or goes
+    fresh = sorted(((v.get("measured_at", 0), k) for k, v in known.items() if isinstance(v, dict)
+                    and isinstance(v.get("measured_at", 0), (int, float))
+                    and result.measured_at - v.get("measured_at", 0) < FLOOR_MAX_AGE_S), reverse=True)
+    known = {k: known[k] for _, k in fresh[:FLOOR_ENTRIES]}
     store.parent.mkdir(parents=True, exist_ok=True)
     tmp = store.with_suffix(".tmp")
     tmp.write_text(json.dumps(known, indent=1))
