@@ -406,7 +406,7 @@ class Ds4fConsole(App):
         if ctl is None or ctl.history is None:
             self.notify("No run history is open.", severity="warning")
             return
-        self.push_screen(HistoryScreen(lambda: ctl.runs(500), known_tokens=ctl.tokens_of))
+        self.push_screen(HistoryScreen(lambda: ctl.runs(500), known_tokens=ctl.tokens_of, disk=ctl.runs_dir_figures))
 
     def on_dashboard_screen_diff_last_two(self, _message: DashboardScreen.DiffLastTwo) -> None:
         pair = self.controller.last_two() if self.controller else None

@@ -231,6 +231,16 @@ class Controller:
     def runs(self, limit: int = 200) -> list[RunRecord]:
         return self.history.list_runs(limit) if self.history else []
 
+    def runs_dir_figures(self) -> dict | None:
+        """The runs directory and the history against [runs] budget (None: not known)."""
+        if self.history is None:
+            return None
+        try:
+            return api.runs_budget_for(api.user_data_dir() / "runs", self.config.runs_budget, self.history.path,
+                                       self.config.source).figures()
+        except (OSError, Ds4fError):
+            return None
+
     def last_two(self) -> tuple[RunRecord, RunRecord] | None:
         done = [r for r in self.runs(50) if r.state == "done" and r.state_path]
         return (done[1], done[0]) if len(done) >= 2 else None

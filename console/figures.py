@@ -380,3 +380,18 @@ def spec_text(snap) -> str:
     tpr = DASH if snap.spec_tokens_per_round is None else f"{snap.spec_tokens_per_round:.2f}"
     return (f"spec {snap.spec_mode} · k={snap.spec_k}\n{acc} kept · {tpr} tok/round\n"
             f"drafts {snap.spec_draft_gb:.2f} GB · {fmt_seconds(snap.spec_draft_s)}")
+
+
+def runs_dir_text(fig: dict | None) -> str:
+    """The runs directory against [runs] budget (its runs' files and the history together):
+    'runs dir 3.10 MiB of 18.6 GiB (0%) · 2 runs' files removed'; '' when not known."""
+    if not isinstance(fig, dict) or not isinstance(fig.get("budget_bytes"), (int, float)) or not fig["budget_bytes"]:
+        return ""
+    used = fig.get("used_bytes") if isinstance(fig.get("used_bytes"), (int, float)) else 0
+    out = f"runs dir {fmt_size(used)} of {fmt_size(fig['budget_bytes'])} ({used / fig['budget_bytes']:.0%})"
+    removed, rows = fig.get("removed"), fig.get("history_rows_removed")
+    if isinstance(removed, int) and removed:
+        out += f" · {removed} old run{'s' if removed != 1 else ''}' files removed"
+    if isinstance(rows, int) and rows:
+        out += f" · {rows} old record{'s' if rows != 1 else ''} removed"
+    return out

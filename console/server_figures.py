@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from .figures import DASH, fmt_seconds, fmt_size, model_name
+from .figures import DASH, fmt_seconds, fmt_size, model_name, runs_dir_text
 
 SEQUENCE_MARK = {"waiting": "…", "prefill": "◐", "decode": "●"}
 ENDPOINT_NAMES = {"/v1/chat/completions": "chat", "/v1/completions": "compl", "/v1/responses": "resp",
@@ -174,6 +174,11 @@ def prefix_lines(cache: dict | None) -> list[str]:
         third.append(f"{cache['rejected_files']} files rejected")
     lines.append(" · ".join(third))
     return lines
+
+
+def runs_dir_line(status: dict | None) -> str:
+    """The server's runs directory against [runs] budget (GET /status runs_dir)."""
+    return runs_dir_text((status or {}).get("runs_dir")) or "runs dir —"
 
 
 def server_title(view) -> str:

@@ -52,7 +52,8 @@ class HistoryScreen(Screen):
 
     `load_runs` returns the records to list; it is called again whenever the screen is shown.
     `known_tokens(run_id)`: the tokens a run decoded as the console saw it (None: unknown), for
-    the cancelled and failed runs whose record has no report to say."""
+    the cancelled and failed runs whose record has no report to say. `disk()`: the runs directory
+    against [runs] budget (RunsBudget.figures), shown in the title."""
 
     BINDINGS = HISTORY_BINDINGS
 
@@ -71,10 +72,12 @@ class HistoryScreen(Screen):
             self.records = records
 
     def __init__(self, load_runs: Callable[[], list[RunRecord]],
-                 known_tokens: Callable[[str], int | None] | None = None) -> None:
+                 known_tokens: Callable[[str], int | None] | None = None,
+                 disk: Callable[[], dict | None] | None = None) -> None:
         super().__init__()
         self.load_runs = load_runs
         self.known_tokens = known_tokens or (lambda _run_id: None)
+        self.disk = disk or (lambda: None)
         self.records: list[RunRecord] = []
         self.marked: list[str] = []
 
@@ -115,9 +118,13 @@ class HistoryScreen(Screen):
             table.add_row(*self._cells(r, letters), key=r.run_id)
         if self.records:
             table.move_cursor(row=min(max(0, row), len(self.records) - 1))
-        title = Text()
+        title = Text(no_wrap=True, overflow="ellipsis")
         title.append(" run history ", "reverse bold")
-        title.append(f" {len(self.records)} runs · =A, =B…: runs with the same state hash")
+        title.append(f" {len(self.records)} runs")
+        disk = F.runs_dir_text(self.disk())
+        if disk:
+            title.append(f" · {disk}")
+        title.append(" · =A, =B…: runs with the same state hash")
         self.query_one("#history-title", Static).update(title)
         self._detail()
 

@@ -153,8 +153,9 @@ class PrefixCachePanel(ServerPanel):
 
     def show_view(self, view: ServerView) -> None:
         cache = (view.status or {}).get("prefix_cache")
-        self.put("#prefix-text", Text("\n".join(S.prefix_lines(cache)), style="" if cache else "dim",
-                                      no_wrap=True, overflow="ellipsis"))
+        text = Text("\n".join(S.prefix_lines(cache)), style="" if cache else "dim", no_wrap=True, overflow="ellipsis")
+        text.append("\n" + S.runs_dir_line(view.status), style="")     # and the runs directory's budget
+        self.put("#prefix-text", text)
 
 
 class ServerLogPanel(ServerPanel):

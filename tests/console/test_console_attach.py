@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import sys
 import threading
@@ -189,6 +190,9 @@ async def test_hello_and_snapshots_reach_the_panels(serve, tiny_model):
         await wait_for(pilot, lambda: "TTFT p50" in text(app, "#lat-text"), 30, "the latency")
         await wait_for(pilot, lambda: "done" in text(app, "#run-state"), 30, "the run panel")
         assert "1 requests" in text(app, "#lat-text")
+        # the server's runs directory against [runs] budget (20 GB by default), beside the prefix cache
+        assert re.search(r"runs dir [\d.]+ [KMG]?i?B of 18\.6 GiB \(\d+%\)", text(app, "#prefix-text")), \
+            text(app, "#prefix-text")
 
 
 @async_test

@@ -15,6 +15,7 @@ import pytest
 import pytest_textual_snapshot
 
 from ds4f.console.app import Ds4fConsole
+from ds4f.console.controller import Controller
 from ds4f.console.screens import DiffScreen
 
 from test_console_data import MODEL, builtin_config, fixed_diff, fixed_history, fixed_snapshot
@@ -36,6 +37,9 @@ def _snapshot_dir_and_clock(monkeypatch):
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
     monkeypatch.delenv("NO_COLOR", raising=False)
+    # the runs directory's figures, fixed (the real one is this test session's data directory)
+    monkeypatch.setattr(Controller, "runs_dir_figures", lambda self: {"used_bytes": 3_250_000_000,
+                                                                      "budget_bytes": 20 * 10**9, "removed": 2})
     yield
     time.tzset()
 

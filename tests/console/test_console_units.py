@@ -273,3 +273,22 @@ def test_run_panel_lines_fit_the_panel():
     assert F.clip_text("a b c d e f", 5, 2) == ["a b c", "d e f"], "what fits is not cut"
     assert F.pack_lines([["a"], ["b"], ["c"]], 5, 2) == ["a · b", "c"], "as tight as the width allows"
     assert F.pack_lines([["a"], ["b"], ["c"]], 5, 3) == ["a", "b", "c"]
+
+
+def test_the_runs_directory_against_its_budget_as_the_history_screen_says_it(tmp_path, monkeypatch):
+    """Controller.runs_dir_figures reads the real runs directory (its files on disk and the
+    history) against [runs] budget; runs_dir_text says it in one line."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    config = dataclasses.replace(builtin_config(), runs_budget=4 * 10**6)
+    c = Controller(config, History(tmp_path / "h.db"), model="/m")
+    run_dir = tmp_path / "xdg" / "ds4f" / "runs" / "19990101-000000-abcd"
+    run_dir.mkdir(parents=True)
+    (run_dir / "state.bin").write_bytes(b"s" * 1_500_000)
+    fig = c.runs_dir_figures()
+    assert fig["budget_bytes"] == 4 * 10**6 and 1_500_000 < fig["used_bytes"] < 2_000_000, fig
+    assert fig["dir"] == str(run_dir.parent) and fig["runs"] == 1 and fig["removed"] == 0
+    line = F.runs_dir_text(fig)
+    assert line.startswith("runs dir 1.") and "MiB of 3.8 MiB (" in line and "removed" not in line, line
+    assert F.runs_dir_text({**fig, "removed": 3, "history_rows_removed": 1}).endswith(
+        " · 3 old runs' files removed · 1 old record removed")
+    assert F.runs_dir_text(None) == "" and Controller(config, None, model="/m").runs_dir_figures() is None
