@@ -4,9 +4,10 @@ In order: the bearer token (when one is set; Anthropic's clients send it as `x-a
 too); the Host header (a loopback server answers only to loopback names, so DNS rebinding cannot
 reach it); requests a browser marks as cross-site (Sec-Fetch-Site); for a request that starts
 or cancels a run (any method but GET and HEAD, and the GET /run alias) an Origin or Referer
-naming another site; a cap on the requests in progress from one client address (its fair
-share); and the body, read whole within a size limit and a deadline for all of it (408), so a
-client trickling its body cannot hold a request open. It adds Cache-Control: no-store, counts
+naming another site; the body, read whole within a size limit and a deadline for all of it
+(408), so a client trickling its body cannot hold a request open; and a cap on the requests in
+progress from one client address (its fair share), counted once a request's body has come (a
+connection still sending one is a waiting one, ds4f.server.protocol). It adds Cache-Control: no-store, counts
 every answer for /metrics, writes the access log: one line per request on stderr, with a
 timestamp, and tells the watchers of /events of every refusal (a 4xx or a 503, and why).
 The operator's endpoints (/operator/...) check the operator's token themselves, in place of the
@@ -112,15 +113,17 @@ class Guard:
         counted = False
         try:
             self._check(scope)
-            if self.in_progress[client] >= self.options.max_client_requests:
-                self.metrics.rejections.labels("client_requests").inc()
-                raise HttpError(429, f"too many requests in progress from your address (at most "
-                                     f"{self.options.max_client_requests} at a time)", code="too_many_requests",
-                                headers={"Retry-After": "1"})
-            self.in_progress[client] += 1
-            counted = True
+            # the body first: a request whose body is still coming holds no place of the requests in
+            # progress (its connection is a waiting one, closed first when another needs room)
             body = await self._read_body(scope, receive)
             if body is not None:   # None: the client left before its body came
+                if self.in_progress[client] >= self.options.max_client_requests:
+                    self.metrics.rejections.labels("client_requests").inc()
+                    raise HttpError(429, f"too many requests in progress from your address (at most "
+                                         f"{self.options.max_client_requests} at a time)", code="too_many_requests",
+                                    headers={"Retry-After": "1"})
+                self.in_progress[client] += 1
+                counted = True
                 await self.app(scope, _replay(body, receive), send_and_note)
         except HttpError as exc:
             if sent["status"] is None:

@@ -7,11 +7,12 @@ from the connection's start or the previous answer: a whole-request deadline, no
 (The body's deadline is the Guard's, see ds4f.server.guard.)
 
 One address may hold only so many open connections, and the server so many in all; but a
-connection that is only waiting (it has not sent a whole request head, or is idle between
-requests) never holds a place a complete request needs: when a new connection would pass a
-bound, the oldest waiting one (of that address, or of any) is closed to make room, and only when
-every connection is serving a request is the new one refused (503). So half-open sockets, all
-from 127.0.0.1 as every local client is, cannot shut the well-behaved clients out.
+connection that is only waiting (it has not sent a whole request head, its body is still coming,
+or it is idle between requests) never holds a place a complete request needs: when a new
+connection would pass a bound, the oldest waiting one (of that address, or of any) is closed to
+make room (a 408 when part of a request came), and only when every connection is serving a
+request is the new one refused (503). So half-open sockets or trickled bodies, from 127.0.0.1 as
+every local client is or from many loopback addresses, cannot shut the well-behaved clients out.
 
 A request's scope["state"] holds ABORT_KEY: a callable that cuts its connection at once, its
 unsent bytes dropped (what /events does to a watcher that stopped reading: a graceful close
@@ -65,8 +66,14 @@ class DeadlineProtocol(H11Protocol):
         self._arm()
 
     def _waiting(self) -> bool:
-        """Not serving a request: no request head yet, or idle after an answer."""
-        return self.cycle is None or self.cycle.response_complete
+        """Not serving a request: no request head yet, its body still coming (nothing answered
+        yet: the Guard reads a body whole before an endpoint sees it), or idle after an answer."""
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started)
+
+    def _body_coming(self) -> bool:
+        cycle = self.cycle
+        return cycle is not None and cycle.more_body and not cycle.response_started
 
     def _make_room(self, whose) -> bool:
         """Close the oldest waiting connection `whose` accepts (never this one); whether one was."""
@@ -82,13 +89,17 @@ class DeadlineProtocol(H11Protocol):
         self.transport.close()
 
     def _drop(self) -> None:
-        """Close a waiting connection to make room: a 408 when part of a request head came."""
+        """Close a waiting connection to make room: a 408 when part of a request (its head, or
+        a head and part of its body) came."""
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
         self._uncount()
         if not self.transport.is_closing():
-            if self.conn.trailing_data[0]:
+            if self._body_coming():
+                self.transport.write(_raw_answer("408 Request Timeout", "body: the request body did not arrive"
+                                                 " before the server needed the connection"))
+            elif self.conn.trailing_data[0]:
                 self.transport.write(_raw_answer("408 Request Timeout", "the request line and headers did not"
                                                  " arrive before the server needed the connection"))
             self.transport.close()

@@ -636,10 +636,9 @@ def test_slow_clients_do_not_lock_out_a_normal_one_and_are_cut_off_at_their_dead
 def test_each_client_address_gets_a_fair_share(start):
     srv = start(max_client_requests=2, max_client_connections=4, body_timeout_s=20)
     hogs = []
-    for _ in range(2):                                   # two requests in progress from 127.0.0.3
+    for _ in range(2):                                   # two requests in progress from 127.0.0.3 (watchers)
         s = connect_from("127.0.0.3", srv.port)
-        s.sendall(b"POST /runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 50\r\n\r\n{")
+        s.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         hogs.append(s)
     guard = srv.server.app
     deadline = time.monotonic() + 10
@@ -661,13 +660,13 @@ def test_each_client_address_gets_a_fair_share(start):
     for s in hogs + idle + [third, extra]:
         s.close()
     assert srv.service.runs_started == 0
-    # with every place of an address serving a request, a connection more is refused
+    # with every place of an address serving a request (a watcher's stream of /events each), a
+    # connection more is refused (a body still coming is not served yet: it would be closed instead)
     tight = start(max_client_requests=2, max_client_connections=2, body_timeout_s=20)
     busy = []
     for _ in range(2):
         s = connect_from("127.0.0.6", tight.port)
-        s.sendall(b"POST /runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 50\r\n\r\n{")
+        s.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         busy.append(s)
     deadline = time.monotonic() + 10
     while tight.server.app.in_progress.get("127.0.0.6", 0) < 2:
