@@ -221,6 +221,8 @@ class Engine:
         span = block_tokens(g.to_config().get("compress_ratios", ())[:g.n_layers], block or BLOCK_TARGET)
         asked = (ram_bytes, str(disk_dir), disk_bytes, span, write_budget)
         with self._prefix_lock:      # the first runs of a batch ask at once: one cache for all of them
+            if "fingerprint" not in self.__dict__:     # the first ask: a long first hash is said in its log
+                self.__dict__["fingerprint"] = checkpoint_fingerprint(self.ckpt.path, log=log)
             pc = self.prefix_cache
             if pc is None or (pc.ram_bytes, str(pc.dir_asked), pc.disk_bytes, pc.span, pc.stats.write_budget) != asked:
                 self.prefix_cache = PrefixCache(self.fingerprint, g.to_config(), ram_bytes, disk_dir, disk_bytes, log,

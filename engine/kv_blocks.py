@@ -180,11 +180,48 @@ def save_block(block: Block, path: str | os.PathLike, checkpoint: str, backend: 
     return write_arrays(path, BLOCK_MAGIC, header, sorted(block.arrays.items()), what="kept-state block")
 
 
-def load_block(path: str | os.PathLike, key: str, checkpoint: str) -> Block:
-    """The block of `key` from its file, checked whole and against its key and checkpoint."""
-    head, arrays = read_arrays(path, BLOCK_MAGIC, "ds4f.kvblock", what="kept-state block")
+def load_block(path: str | os.PathLike, key: str, checkpoint: str, max_bytes: int | None = None) -> Block:
+    """The block of `key` from its file, checked whole (session_state.read_arrays: a regular file of
+    at most `max_bytes`, every array's dtype, shape and offset) and against its key and checkpoint;
+    its rows fp32, 2-D and finite."""
+    head, arrays = read_arrays(path, BLOCK_MAGIC, "ds4f.kvblock", what="kept-state block", max_bytes=max_bytes)
     if head.get("key") != key:
         raise Ds4fError(f"{path}: a kept-state block of another key", path=str(path))
     if head.get("checkpoint") != checkpoint:
         raise Ds4fError(f"{path}: a kept-state block of another checkpoint", path=str(path))
-    return Block(key, int(head["start"]), int(head["span"]), arrays)
+    start, span = head.get("start"), head.get("span")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, span)) or start < 0 or span < 1:
+        raise Ds4fError(f"{path}: a damaged kept-state block (start {str(start)[:20]}, span {str(span)[:20]})",
+                        path=str(path))
+    for name, a in arrays.items():
+        if name.startswith("attached."):
+            continue
+        if not name.endswith(".rows") or a.dtype != np.float32 or a.ndim != 2:
+            raise Ds4fError(f"{path}: a damaged kept-state block: {name} is {a.dtype} of {a.ndim} dimensions",
+                            path=str(path))
+        if not np.isfinite(a).all():
+            raise Ds4fError(f"{path}: a damaged kept-state block: {name} holds NaN or infinite values", path=str(path))
+    return Block(key, start, span, arrays)
+
+
+def check_blocks(head: Head, blocks: list[Block]) -> None:
+    """The blocks are the head's: in its order, each of its span, each with the rows of every
+    compressor the head has (span / ratio rows of its width) and the span's rows of every per-token
+    attachment. A Ds4fError naming the first block that is not (join would give a wrong state)."""
+    ratios = _ratios(head.state)
+    tails = {(i, part): c.rows for i, part, c in _compressors(head.state)}
+    for b, block in enumerate(blocks):
+        where = f"block {b + 1} of {len(blocks)} ({block.key[:12]}…)"
+        if block.key != head.keys[b] or block.start != b * head.span or block.span != head.span:
+            raise Ds4fError(f"{where}: not the head's block {b + 1} (start {block.start}, span {block.span})")
+        want = {f"{i}.{part}.rows" for i, part in tails} | {f"attached.{name}" for name in head.per_token}
+        if set(block.arrays) != want:
+            raise Ds4fError(f"{where}: arrays {sorted(block.arrays)[:4]}…, the head needs {sorted(want)[:4]}…")
+        for (i, part), tail in tails.items():
+            rows = block.arrays[f"{i}.{part}.rows"]
+            if not ratios[i] or rows.shape != (head.span // ratios[i], tail.shape[1]):
+                raise Ds4fError(f"{where}: layer {i} {part} rows of shape {list(rows.shape)}")
+        for name in head.per_token:
+            a, tail = block.arrays[f"attached.{name}"], head.state.attached.get(name)
+            if tail is None or a.shape[1:] != tail.shape[1:] or a.dtype != tail.dtype or len(a) != head.span:
+                raise Ds4fError(f"{where}: attachment {name} of shape {list(a.shape)}")

@@ -11,34 +11,49 @@ per-token records, each keyed by the token prefix it ends. States that share a p
 of one conversation, conversations with one system prompt, an agent and its subagents) share its
 blocks, in RAM and on disk: a new turn writes its new blocks and one head, never the rows before.
 
-RAM holds at most `ram_bytes` of heads and blocks; the directory (if any) at most `disk_bytes`
-(heads `<key>.kv`, blocks `blocks/<key>.kvb`, each written whole or not at all). When a tier is
-over its bound, the state of least value goes first, with the blocks no other state of that tier
-uses: value = (hits + 1) x tokens / bytes, the newest state last. A state's bytes are its head's
-and its blocks' shares (a block shared by n states counts 1/n for each), so the states of several
-live conversations cost their distinct bytes, not their sum. A file that is truncated, damaged or
-of another checkpoint, geometry or version is logged and removed, never used (with the states
-whose blocks it held); a directory that cannot be written is logged and the RAM tier goes on
-alone. Several processes may share one directory: each writes under a name of its own first, and
-a file another removed is a miss. `write_budget` bounds the bytes written to the directory per
-day: past it states are kept in RAM only, said once in the log; a request never fails for it.
+RAM holds at most `ram_bytes` of heads and blocks: over it, the state of least value goes first,
+with the blocks no other RAM state uses: value = (hits + 1) x tokens / bytes, the newest state
+last. A state's bytes are its head's and its blocks' shares (a block shared by n states counts 1/n
+for each), so the states of several live conversations cost their distinct bytes, not their sum.
+
+The directory (if any; heads `<key>.kv`, the key a hash of the checkpoint's fingerprint, the
+backend and the tokens, blocks `blocks/<key>.kvb`, each written whole or not at all) holds at most
+`disk_bytes`, counted on disk: every head and block there, whichever process or checkpoint wrote
+it, so several servers sharing one directory stay within the budget together. Past it the least
+recently used heads go first (a head's mtime: when it was written or last read, by any process),
+with the blocks no head left uses; the count and the removals are done under the directory's lock
+(flock on its `.lock`). A file that is not a regular one is left alone and never opened; a file
+that is truncated, damaged (a header field missing or of the wrong type, an array of the wrong
+dtype, shape or offset, a NaN or an infinity in what the model computed) or of another version is
+logged and removed, never used, and the prompt is computed (a file of another checkpoint or
+geometry is left for its own engine); a `.partial` whose writer is gone (no flock held on it) is
+removed when a cache opens the directory; a directory that cannot be written is logged and the RAM
+tier goes on alone. A file another process removed is a miss. `write_budget` bounds the bytes
+written to the directory per day: past it states are kept in RAM only, said once in the log; a
+request never fails for it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4f.engine.kv_blocks import (BLOCK_SUFFIX, Block, Head, block_path, block_tokens, join, load_block, save_block,
-                                   split)
-from ds4f.engine.session_state import SessionState, canonical, load_head, read_header, save_state
+from ds4f.engine.kv_blocks import (BLOCK_SUFFIX, Block, Head, block_path, block_tokens, check_blocks, join, load_block,
+                                   save_block, split)
+from ds4f.engine.session_state import (SessionState, canonical, check_state, load_head, read_header, save_state,
+                                       sweep_partials)
 from ds4f.errors import Ds4fError
+from ds4f.safe_read import not_regular
 
 SUFFIX = ".kv"
 BLOCKS = "blocks"          # the directory's subdirectory of blocks
+LOCK_NAME = ".lock"        # flock'd while the directory's usage is counted and files removed
+LOCK_WAIT_S = 30.0         # past this the budget is checked at the next write (said in the log)
 ORPHAN_AGE_S = 600.0       # a block file no head uses is removed once this old (its head may still be coming)
 
 
@@ -65,7 +80,7 @@ class CacheStats:
     evictions: int = 0           # states dropped for a tier's bound
     rejected_files: int = 0      # disk files refused (damaged, foreign, missing blocks) and removed
     ram_bytes: int = 0           # heads and blocks in RAM
-    disk_bytes: int = 0          # head and block files
+    disk_bytes: int = 0          # head and block files in the directory (every process's), at the last count
     states: int = 0              # kept states (RAM or disk)
     blocks_ram: int = 0
     blocks_disk: int = 0
@@ -75,6 +90,7 @@ class CacheStats:
     heads_saved: int = 0         # files written: heads
     blocks_saved: int = 0        # and blocks
     write_budget: int = 0        # bytes a day; 0: none
+    disk_budget: int = 0         # the directory's bound (bytes)
 
 
 def _key(checkpoint: str, backend: str, tokens: tuple[int, ...]) -> str:
@@ -82,13 +98,32 @@ def _key(checkpoint: str, backend: str, tokens: tuple[int, ...]) -> str:
     return hashlib.sha256(f"{checkpoint}:{backend}:{','.join(map(str, tokens))}".encode()).hexdigest()
 
 
-def _headers(directory: Path):
-    """(path, header) of each state file in the directory; the Ds4fError for an unreadable one."""
+def _regular(path: Path) -> os.stat_result | None:
+    """The file's lstat when it is a regular file (not a link, a FIFO, a device), else None."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _headers(directory: Path, others: list | None = None):
+    """(path, stat, header) of each state file in the directory; the Ds4fError for an unreadable
+    one in the header's place. What is not a regular file is never opened: (path, what it is) goes
+    to `others` when given."""
     for path in sorted(directory.glob(f"*{SUFFIX}")):
+        st = _regular(path)
+        if st is None:
+            if others is not None:
+                try:
+                    others.append((path, not_regular(path.lstat().st_mode) if not path.is_symlink() else "a link"))
+                except OSError:
+                    pass
+            continue
         try:
-            yield path, read_header(path)
+            yield path, st, read_header(path)
         except Ds4fError as exc:
-            yield path, exc
+            yield path, st, exc
 
 
 def kept_tokens_on_disk(directory: str | os.PathLike, fingerprint: str, geometry: dict) -> list[tuple[int, ...]]:
@@ -98,9 +133,24 @@ def kept_tokens_on_disk(directory: str | os.PathLike, fingerprint: str, geometry
     directory, geometry = Path(directory), canonical(geometry)
     if not directory.is_dir():
         return []
-    tokens = {tuple(head["tokens"]) for _, head in _headers(directory)
+    tokens = {tuple(head["tokens"]) for _, _, head in _headers(directory)
               if not isinstance(head, Ds4fError) and head["checkpoint"] == fingerprint and head["geometry"] == geometry}
     return sorted(tokens, key=len, reverse=True)
+
+
+def directory_usage(directory: str | os.PathLike) -> int:
+    """The bytes a kv directory's finished head and block files hold (what its budget counts); 0
+    when there is none."""
+    directory = Path(directory)
+    total = 0
+    for pattern, where in ((f"*{SUFFIX}", directory), (f"*{BLOCK_SUFFIX}", directory / BLOCKS)):
+        try:
+            for p in where.glob(pattern):
+                st = _regular(p)
+                total += st.st_size if st is not None else 0
+        except OSError:
+            pass
+    return total
 
 
 class PrefixCache:
@@ -111,14 +161,18 @@ class PrefixCache:
         self.log = log or (lambda _line: None)
         n = self.geometry["num_hidden_layers"]
         self.span = span or block_tokens(self.geometry.get("compress_ratios", [0] * n)[:n])
-        self.stats = CacheStats(write_budget=max(0, int(write_budget)))
+        self.stats = CacheStats(write_budget=max(0, int(write_budget)), disk_budget=self.disk_bytes)
         self._day = time.strftime("%Y-%m-%d")
         self._budget_said = False
         self._lock = threading.Lock()
         self._ram: dict[str, Entry] = {}           # state key -> entry whose head is in RAM
         self._disk: dict[str, Entry] = {}          # state key -> entry whose head is on disk
         self._ram_blocks: dict[str, Block] = {}    # block key -> block (held by the RAM entries)
-        self._disk_blocks: dict[str, int] = {}     # block key -> its file's bytes
+        self._disk_blocks: dict[str, int] = {}     # block key -> its file's bytes (this cache's states')
+        self._head_blocks: dict[tuple, tuple | None] = {}   # (name, inode, size) -> a head file's block keys
+        self._dir_used = 0                         # the directory's bytes at the last count
+        self._counted_at = 0.0
+        self._lock_said = False
         self.dir_asked = disk_dir            # what it was given (the directory may turn out unwritable)
         self.dir = Path(disk_dir) if disk_dir is not None and self.disk_bytes > 0 else None
         if self.dir is not None:
@@ -138,27 +192,36 @@ class PrefixCache:
                 if entry is None:
                     self.stats.misses += 1
                     return None
-                if entry.head is not None:
+                in_ram = entry.head is not None
+                if in_ram:
                     self._hit(entry)
-                    head, blocks = entry.head, [self._ram_blocks[k] for k in entry.keys]
-                    return join(head, blocks)
+                    head, blocks, path = entry.head, [self._ram_blocks[k] for k in entry.keys], entry.path
+            if in_ram:
+                _touch(path)
+                return join(head, blocks)
             got = self._read(entry)            # outside the lock: file reads
             if got is None:
                 continue                       # refused and forgotten: the next longest
-            head, blocks = got
+            head, blocks, state = got
             with self._lock:
                 self._hit(entry)
                 self._to_ram(entry, head, blocks)
-            return join(head, blocks)
+            _touch(entry.path)
+            return state
 
     def keep(self, state: SessionState, disk: bool = True) -> None:
         """Keep `state` (a copy the caller no longer changes) in RAM and, with a directory and
         `disk`, on disk (its blocks the directory lacks, and its head); evicting what the bounds
-        need. A state of another checkpoint or model is refused."""
+        need. A state of another checkpoint or model, or one that is not whole and finite
+        (session_state.check_state), is refused."""
         if state.checkpoint != self.fingerprint or state.geometry != self.geometry:
             raise Ds4fError("the session state belongs to another checkpoint or model", param="state")
         if not state.tokens:
             return
+        try:
+            check_state(state)
+        except Ds4fError as exc:
+            raise Ds4fError(f"a state of {state.position} tokens is not kept: {exc}") from None
         key = _key(self.fingerprint, state.backend, state.tokens)
         head, blocks = split(state, self.span)
         with self._lock:
@@ -175,6 +238,27 @@ class PrefixCache:
         if self.dir is not None and disk and not on_disk:
             self._write(key, entry, head, blocks)
 
+    def discard(self, tokens, backend: str, why: str) -> None:
+        """A kept state found unusable after it was given out (the session refused it): forgotten in
+        RAM, its head file removed, logged naming the file; the next lookup computes its prompt."""
+        key = _key(self.fingerprint, backend, tuple(int(t) for t in tokens))
+        with self._lock:
+            entry = self._ram.pop(key, None)
+            disk = self._disk.pop(key, None)
+            entry = entry or disk
+            if entry is not None:
+                left = self._block_users(self._ram)
+                for k in entry.keys:
+                    if k not in left:
+                        self._ram_blocks.pop(k, None)
+            self._count()
+        path = entry.path if entry is not None else None
+        if path is not None:
+            self._reject(path, f"{path}: a kept state that cannot be used ({why})")
+            self._enforce(drop_blocks=set(entry.keys))
+        else:
+            self.log(f"prefix cache: a kept state of {len(tokens)} tokens cannot be used ({why}); dropped")
+
     def __len__(self) -> int:
         with self._lock:
             return len(set(self._ram) | set(self._disk))
@@ -186,7 +270,14 @@ class PrefixCache:
         return sorted(tokens, key=len, reverse=True)
 
     def figures(self) -> CacheStats:
-        """The stats with today's write count (a new day starts the budget afresh)."""
+        """The stats with today's write count (a new day starts the budget afresh) and the
+        directory's bytes counted again when the last count is older than a few seconds (other
+        processes write there too)."""
+        if self.dir is not None and time.monotonic() - self._counted_at > 5.0:
+            used = directory_usage(self.dir)
+            with self._lock:
+                self._dir_used, self._counted_at = used, time.monotonic()
+                self._count()
         with self._lock:
             self._new_day()
             return CacheStats(**vars(self.stats))
@@ -257,7 +348,7 @@ class PrefixCache:
         """(lock held) The stats' byte and state counts from the tiers."""
         s = self.stats
         s.ram_bytes = self._ram_used()
-        s.disk_bytes = self._disk_used()
+        s.disk_bytes = self._dir_used if self.dir is not None else 0
         s.states = len(set(self._ram) | set(self._disk))
         s.blocks_ram, s.blocks_disk = len(self._ram_blocks), len(self._disk_blocks)
 
@@ -272,67 +363,189 @@ class PrefixCache:
             probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}"   # a name no other cache uses
             probe.write_bytes(b"")
             probe.unlink()
-        except OSError as exc:
-            self.log(f"prefix cache: {self.dir}: cannot write there ({exc.strerror or exc}); states kept in RAM only")
+        except (OSError, ValueError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            self.log(f"prefix cache: {self.dir}: cannot write there ({why}); states kept in RAM only")
             self.dir = None
             return
-        heads, others = [], set()         # this cache's readable heads; the blocks of the others'
-        for path, head in _headers(self.dir):
+        sweep_partials(self.dir, self.log)
+        sweep_partials(self._blocks_dir, self.log)
+        heads, strange = [], []          # this cache's readable heads; what is not a regular file
+        for path, st, head in _headers(self.dir, strange):
             if isinstance(head, Ds4fError):
                 self._reject(path, str(head))
-            elif head["checkpoint"] != self.fingerprint or head["geometry"] != self.geometry:
-                others.update(head.get("blocks", ()))   # another checkpoint's: left for its own engine, blocks too
-            else:
-                heads.append((path, head))
-        mine = {k for _, head in heads for k in head.get("blocks", ())}
-        for path in sorted(self._blocks_dir.glob(f"*{BLOCK_SUFFIX}")):
-            try:
-                key, st = path.name[:-len(BLOCK_SUFFIX)], path.stat()
-            except OSError:
                 continue
-            if key in mine:
-                self._disk_blocks[key] = st.st_size
-            elif key not in others and time.time() - st.st_mtime > ORPHAN_AGE_S:   # no head uses it (a young
-                path.unlink(missing_ok=True)                                      # one's head may follow)
-        for path, head in heads:
+            self._head_blocks[path.name, st.st_ino, st.st_size] = tuple(head.get("blocks", ()))
+            if head["checkpoint"] == self.fingerprint and head["geometry"] == self.geometry:
+                heads.append((path, st, head))         # another checkpoint's: left for its own engine
+        for path, what in strange:
+            self.log(f"prefix cache: {path}: {what}, not a kept state; left alone and never opened")
+        on_disk, refused = {}, set()
+        for path in self._blocks_dir.glob(f"*{BLOCK_SUFFIX}"):
+            st = _regular(path)
+            if st is not None:
+                on_disk[path.name[:-len(BLOCK_SUFFIX)]] = st.st_size
+        for path, st, head in heads:
             tokens = tuple(head["tokens"])
             keys = tuple(head.get("blocks", ()))
             attached = frozenset(a["name"].split(".", 1)[1] for a in head["arrays"] if a["name"].startswith("attached."))
-            missing = [k for k in keys if k not in self._disk_blocks]
+            missing = [k for k in keys if k not in on_disk]
             if head.get("block_tokens", self.span) != self.span or missing:
                 why = f"{len(missing)} of its blocks are missing" if missing else \
                     f"blocks of {head.get('block_tokens')} positions, this cache's are {self.span}"
                 self._reject(path, f"{path}: a kept state whose {why}")
+                refused.update(keys)
                 continue
-            size = path.stat().st_size
+            for k in keys:
+                self._disk_blocks[k] = on_disk[k]
             self._disk[_key(self.fingerprint, head["backend"], tokens)] = Entry(
-                tokens, head["backend"], keys, size, path=path, file_nbytes=size, attached=attached)
-        self._sweep_blocks(others)             # what rejected heads held
-        self._count()
+                tokens, head["backend"], keys, st.st_size, path=path, file_nbytes=st.st_size, attached=attached)
+        self._enforce(drop_blocks=refused, sweep=True)   # within the budget; the blocks no head uses
 
-    def _sweep_blocks(self, others: set | None = None) -> None:
-        """(lock held or not yet shared) Remove the block files this cache wrote or took up that no
-        state uses: none of its own, and none of `others` (the blocks of the heads it does not keep;
-        None: every head the directory holds now, read again: another process's, another
-        checkpoint's)."""
-        used = set(self._block_users(self._disk))
-        if others is None:
-            others = {k for _, head in _headers(self.dir) if not isinstance(head, Ds4fError)
-                      for k in head.get("blocks", ())}
-        used |= others
-        for k in [k for k in self._disk_blocks if k not in used]:
-            block_path(self._blocks_dir, k).unlink(missing_ok=True)
-            self._disk_blocks.pop(k, None)
+    @contextlib.contextmanager
+    def _dir_lock(self):
+        """The directory's lock (flock on its .lock, held by one process at a time while it counts
+        and removes): yields True when held, False when it could not be had within LOCK_WAIT_S or
+        the lock file is not a regular file (then nothing is removed this time; said once)."""
+        import fcntl
 
-    def _read(self, entry: Entry) -> tuple[Head, list[Block]] | None:
-        """A disk entry's head and blocks (blocks RAM holds taken from there), checked whole; None
-        (the entry forgotten, its damaged files removed) when one is missing or refused."""
+        path = self.dir / LOCK_NAME
+        fd, held = None, False
         try:
-            state, header = load_head(entry.path, self.geometry, self.fingerprint)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                deadline = time.monotonic() + LOCK_WAIT_S
+                while not held:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        held = True
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.01)
+        except OSError:
+            held = False
+        if not held and not self._lock_said:
+            self._lock_said = True
+            self.log(f"prefix cache: {path}: the directory's lock could not be had; its budget is checked at the"
+                     f" next write")
+        try:
+            yield held
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _blocks_of(self, path: Path, st: os.stat_result) -> tuple | None:
+        """A head file's block keys from its header (kept by name, inode and size: a head file never
+        changes once written); None when its header is unreadable."""
+        ident = (path.name, st.st_ino, st.st_size)
+        if ident not in self._head_blocks:
+            try:
+                self._head_blocks[ident] = tuple(read_header(path).get("blocks", ()))
+            except Ds4fError:
+                self._head_blocks[ident] = None
+        return self._head_blocks[ident]
+
+    def _enforce(self, keep: Path | None = None, drop_blocks: set | frozenset = frozenset(),
+                 sweep: bool = False) -> None:
+        """The directory within `disk_bytes`, counted on disk under its lock, every process's and
+        checkpoint's files included: past the budget, heads whose header cannot be read, then block
+        files no head uses (older than ORPHAN_AGE_S), then the least recently used heads (mtime)
+        with the blocks no head left uses; `keep` (the head just written) last, so it goes only when
+        it alone is over the budget. drop_blocks: blocks to remove now if no head uses them (a
+        write that failed, a refused head's); sweep: the old blocks no head uses in any case."""
+        with self._dir_lock() as held:
+            if held:
+                self._enforce_locked(keep, drop_blocks, sweep)
+
+    def _enforce_locked(self, keep: Path | None = None, drop_blocks: set | frozenset = frozenset(),
+                        sweep: bool = False) -> None:
+        """(the directory's lock held) _enforce's count and removals."""
+        removed_heads, removed_blocks = set(), set()
+        heads, blocks, used = [], {}, 0
+        seen = set()
+        for path in self.dir.glob(f"*{SUFFIX}"):
+            st = _regular(path)
+            if st is None:
+                continue
+            seen.add((path.name, st.st_ino, st.st_size))
+            heads.append((st.st_mtime_ns, path.name, path, st.st_size, self._blocks_of(path, st)))
+            used += st.st_size
+        for ident in [i for i in self._head_blocks if i not in seen]:
+            del self._head_blocks[ident]
+        for path in self._blocks_dir.glob(f"*{BLOCK_SUFFIX}"):
+            st = _regular(path)
+            if st is not None:
+                blocks[path.name[:-len(BLOCK_SUFFIX)]] = (st.st_size, st.st_mtime)
+                used += st.st_size
+        users: dict[str, int] = {}
+        for *_, keys in heads:
+            for k in keys or ():
+                users[k] = users.get(k, 0) + 1
+        now = time.time()
+
+        def drop_block(k):
+            nonlocal used
+            try:
+                block_path(self._blocks_dir, k).unlink()
+            except OSError:
+                return
+            used -= blocks.pop(k)[0]
+            removed_blocks.add(k)
+
+        def drop_head(item):
+            nonlocal used
+            _, _, path, size, keys = item
+            try:
+                path.unlink()
+            except OSError:
+                return
+            used -= size
+            removed_heads.add(path)
+            for k in keys or ():
+                users[k] -= 1
+                if users[k] == 0 and k in blocks:
+                    drop_block(k)
+
+        for k in [k for k in blocks if not users.get(k) and (k in drop_blocks or (
+                (sweep or used > self.disk_bytes) and now - blocks[k][1] > ORPHAN_AGE_S))]:
+            drop_block(k)
+        order = sorted(heads, key=lambda h: (h[4] is not None, h[2] == keep, h[0], h[1]))
+        for item in order:
+            if used <= self.disk_bytes:
+                break
+            if item[4] is None:
+                self.log(f"prefix cache: {item[2]}: its header cannot be read; the file is removed and not used")
+                with self._lock:
+                    self.stats.rejected_files += 1
+            drop_head(item)
+        self._dir_used = max(used, 0)
+        self._counted_at = time.monotonic()
+        with self._lock:
+            for key in [k for k, e in self._disk.items() if e.path in removed_heads]:
+                entry = self._disk.pop(key)
+                entry.path, entry.file_nbytes = None, 0
+                self.stats.evictions += 1
+            left = self._block_users(self._disk)
+            for k in [k for k in self._disk_blocks if k not in left or k not in blocks]:
+                self._disk_blocks.pop(k, None)     # gone, or no state of this cache uses it (another's may)
+            self._count()
+
+    def _read(self, entry: Entry) -> tuple[Head, list[Block], SessionState] | None:
+        """A disk entry's head, blocks (blocks RAM holds taken from there) and whole state, checked
+        whole: each file, the blocks against the head, the joined state against itself and its
+        geometry (finite included). None (the entry forgotten, its damaged files removed) when one
+        is missing or refused."""
+        bad_block = None
+        try:
+            state, header = load_head(entry.path, self.geometry, self.fingerprint, max_bytes=self.disk_bytes)
             if state.tokens != entry.tokens or state.backend != entry.backend:
                 raise Ds4fError(f"{entry.path}: its tokens or backend are not those its header named")
             head = Head(state, tuple(header.get("blocks", ())), int(header.get("block_tokens", self.span)),
                         tuple(header.get("per_token", ())))
+            if head.keys != entry.keys:
+                raise Ds4fError(f"{entry.path}: its blocks are not those its header named")
             blocks = []
             for k in head.keys:
                 with self._lock:
@@ -344,22 +557,29 @@ class PrefixCache:
                 if not path.exists():
                     raise Ds4fError(f"{entry.path}: its block {path.name} is gone", path=str(path))
                 try:
-                    blocks.append(load_block(path, k, self.fingerprint))
+                    blocks.append(load_block(path, k, self.fingerprint, max_bytes=self.disk_bytes))
                 except Ds4fError:
-                    with self._lock:
-                        self._disk_blocks.pop(k, None)
-                    path.unlink(missing_ok=True)
+                    bad_block = path
                     raise
-            return head, blocks
+            try:
+                check_blocks(head, blocks)
+                whole = join(head, blocks)
+                check_state(whole)
+            except Ds4fError as exc:
+                raise Ds4fError(f"{entry.path}: a damaged kept state: {exc}", path=str(entry.path)) from None
+            return head, blocks, whole
         except Ds4fError as exc:
             missing = not entry.path.exists()
             with self._lock:
                 self._disk.pop(_key(self.fingerprint, entry.backend, entry.tokens), None)
                 self._count()
+            if bad_block is not None:
+                self._reject(bad_block, str(exc))
             if missing:
                 self.log(f"prefix cache: {entry.path}: gone (another process evicted it)")
             else:
                 self._reject(entry.path, str(exc))
+            self._enforce(drop_blocks=set(entry.keys))
             return None
 
     def _new_day(self) -> None:
@@ -381,68 +601,71 @@ class PrefixCache:
         return False
 
     def _write(self, key: str, entry: Entry, head: Head, blocks: list[Block]) -> None:
-        """The blocks the directory lacks, then the head; then the tier within its bound."""
+        """The blocks the directory lacks, then, under the directory's lock (no eviction between the
+        two), any of them another process removed since and the head; then the directory within its
+        bound."""
         with self._lock:
             new = [b for b in blocks if b.key not in self._disk_blocks]
             if not self._within_budget(head.nbytes + sum(b.nbytes for b in new)):
                 return
         path = self.dir / f"{key}{SUFFIX}"
-        written_blocks = 0
-        try:
-            for b in new:
-                size = save_block(b, block_path(self._blocks_dir, b.key), self.fingerprint, entry.backend)
+        written_blocks, written, sizes = 0, set(), {}
+
+        def lacking(bs):
+            nonlocal written_blocks
+            for b in bs:
+                bpath = block_path(self._blocks_dir, b.key)
+                st = _regular(bpath)
+                if st is not None:              # there (this process's or another's: the same bytes, same key)
+                    sizes[b.key] = st.st_size
+                    continue
+                sizes[b.key] = size = save_block(b, bpath, self.fingerprint, entry.backend)
                 written_blocks += size
+                written.add(b.key)
+
+        try:
+            lacking(blocks)
+            with self._dir_lock() as held:
+                lacking(blocks)                  # an eviction since may have removed one no head used
+                save_state(head.state, path, extra=head.header())
+                _touch(path)
+                size = path.stat().st_size
                 with self._lock:
-                    self._disk_blocks[b.key] = size
-                    self.stats.blocks_saved += 1
-            save_state(head.state, path, extra=head.header())
-        except Ds4fError as exc:
+                    self.stats.written_blocks += written_blocks
+                    self.stats.written_heads += size
+                    self.stats.heads_saved += 1
+                    self.stats.blocks_saved += len(written)
+                    self.stats.written_today += written_blocks + size
+                    self._disk_blocks.update(sizes)
+                    entry.path, entry.file_nbytes = path, size
+                    self._disk[key] = entry
+                if held:
+                    self._enforce_locked(keep=path)
+        except (Ds4fError, OSError) as exc:
             self.log(f"prefix cache: not saved: {exc}")
             with self._lock:
                 self.stats.written_blocks += written_blocks
+                self.stats.blocks_saved += len(written)
                 self.stats.written_today += written_blocks
-                self._sweep_blocks()           # the blocks of a head that never landed
-                self._count()
-            return
-        size = path.stat().st_size
-        with self._lock:
-            self.stats.written_blocks += written_blocks
-            self.stats.written_heads += size
-            self.stats.heads_saved += 1
-            self.stats.written_today += written_blocks + size
-            entry.path, entry.file_nbytes = path, size
-            self._disk[key] = entry
-            self._trim_disk(keep=key)
-            if key in self._disk and self._disk_used() > self.disk_bytes:   # larger than the whole budget
-                self._drop_disk(key)
-            self._count()
-
-    def _disk_used(self) -> int:
-        return sum(e.file_nbytes for e in self._disk.values()) + sum(self._disk_blocks.values())
-
-    def _trim_disk(self, keep: str) -> None:
-        """(lock held) Drop the least valuable disk states (and the blocks left unused) until the
-        directory fits its bound; the newest stays."""
-        while self._disk_used() > self.disk_bytes and len(self._disk) > 1:
-            users = self._block_users(self._disk)
-            sizes = lambda k: self._disk_blocks.get(k, 0)     # noqa: E731
-            key = min((k for k in self._disk if k != keep),
-                      key=lambda k: (self._value(self._disk[k], users, sizes), self._disk[k].used))
-            self._drop_disk(key)
-
-    def _drop_disk(self, key: str) -> None:
-        """(lock held) A state off the disk, with the blocks no other disk state uses."""
-        entry = self._disk.pop(key)
-        if entry.path is not None:
-            entry.path.unlink(missing_ok=True)
-            entry.path, entry.file_nbytes = None, 0
-        self.stats.evictions += 1
-        self._sweep_blocks()
+            self._enforce(drop_blocks=written)        # the blocks of a head that never landed
 
     def _reject(self, path: Path, why: str) -> None:
-        self.stats.rejected_files += 1
+        with self._lock:
+            self.stats.rejected_files += 1
         self.log(f"prefix cache: {why}; the file is removed and not used")
         try:
             path.unlink()
         except OSError:
             pass
+
+
+def _touch(path: Path | None) -> None:
+    """A head file's mtime set to now: it was used (the directory's budget removes the least
+    recently used first, whichever process used it)."""
+    if path is None:
+        return
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass

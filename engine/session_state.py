@@ -141,7 +141,72 @@ def put_layers(layers: tuple[LayerSnapshot, ...], kv) -> None:
         c.tokens = snap.tokens
 
 
+# ---- what a state holds, checked --------------------------------------------------------------------
+def _model_arrays(state: SessionState):
+    """(name, array) of what the model computed (the logits, each layer's window and compressors),
+    the keeper's attachments aside."""
+    return [(name, a) for name, a in _arrays(state) if not name.startswith("attached.")]
+
+
+def non_finite(state: SessionState) -> str | None:
+    """The first of the state's computed arrays holding a NaN or an infinity ('2.window'), None when
+    all are finite. A compressor's overlap gate starts at -inf (no group closed yet): there only NaN
+    and +inf count."""
+    for name, a in _model_arrays(state):
+        if name.endswith(".prev_gate"):
+            if np.isnan(a).any() or np.isposinf(a).any():
+                return name
+        elif not np.isfinite(a).all():
+            return name
+    return None
+
+
+def check_state(state: SessionState) -> None:
+    """A whole state against itself and its geometry: every computed array fp32 and finite, every
+    layer at the state's position, the window and logits of the geometry's shapes, each compressor's
+    arrays of one ratio and width and with a row per closed group (tokens // ratio). A Ds4fError
+    (no path: the caller names the file) for the first that is not."""
+    g = state.geometry if isinstance(state.geometry, dict) else {}
+    n = g.get("num_hidden_layers")
+    if isinstance(n, int) and len(state.layers) != n:
+        raise Ds4fError(f"{len(state.layers)} layers, its geometry has {n}")
+    for name, a in _model_arrays(state):
+        if a.dtype != np.float32:
+            raise Ds4fError(f"{name} is {a.dtype}, not float32")
+    if state.logits is not None and state.logits.shape != (g.get("vocab_size", len(state.logits)),):
+        raise Ds4fError(f"logits of shape {list(state.logits.shape)}, the vocabulary is {g.get('vocab_size')}")
+    ratios = g.get("compress_ratios") or []
+    window = (g.get("sliding_window"), g.get("head_dim"))
+    for i, layer in enumerate(state.layers):
+        if layer.tokens != state.position:
+            raise Ds4fError(f"layer {i} at position {layer.tokens}, the state at {state.position}")
+        if None not in window and layer.window.shape != window:
+            raise Ds4fError(f"layer {i} window of shape {list(layer.window.shape)}, the geometry's is {list(window)}")
+        ratio = ratios[i] if i < len(ratios) and isinstance(ratios[i], int) else None
+        for part, dim in (("compressor", g.get("head_dim")), ("indexer", g.get("index_head_dim"))):
+            c = getattr(layer, part)
+            if c is None:
+                continue
+            if not ratio:
+                raise Ds4fError(f"layer {i} has a {part}, its geometry compresses nothing there")
+            dim = dim if isinstance(dim, int) else c.prev_kv.shape[-1]
+            if c.kv.shape != c.gate.shape or c.prev_kv.shape != c.prev_gate.shape or c.kv.ndim != 2 \
+                    or c.prev_kv.shape != (ratio, dim) or c.kv.shape[0] != ratio or c.kv.shape[1] not in (dim, 2 * dim):
+                raise Ds4fError(f"layer {i} {part}: its open group's arrays are not of ratio {ratio} and width {dim}")
+            if c.rows.shape != (state.position // ratio, dim):
+                raise Ds4fError(f"layer {i} {part}: {list(c.rows.shape)} compressed rows, {state.position // ratio}"
+                                f" of {dim} at position {state.position}")
+    bad = non_finite(state)
+    if bad is not None:
+        raise Ds4fError(f"{bad} holds NaN or infinite values")
+
+
 # ---- the file -------------------------------------------------------------------------------------
+MAX_HEADER_BYTES = 64 << 20      # a header's JSON: the tokens of a 1M-token state are ~7 MB of it
+DTYPES = frozenset(np.dtype(t).str for t in ("f4", "f2", "f8", "u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "?"))
+_MAX_DIMS = 8
+
+
 def _arrays(state: SessionState) -> list[tuple[str, np.ndarray]]:
     out = [] if state.logits is None else [("logits", state.logits)]
     out += [(f"attached.{name}", a) for name, a in sorted(state.attached.items())]
@@ -158,9 +223,12 @@ def write_arrays(path: str | os.PathLike, magic: bytes, header: dict, arrays: li
                  what: str = "session state") -> int:
     """The container both kept states and their blocks are written in: magic, version, a JSON header
     (`header` with every array's name, dtype, shape and offset), the arrays, and a sha256 of all of
-    it. Written to a `.partial` beside `path` (named for this process and thread), flushed to disk,
-    then renamed: a file under the final name is always whole. A write error is a Ds4fError naming
-    the file; no .partial stays. Returns the file's size."""
+    it. Written to a `.partial` beside `path` (named for this process and thread, locked with flock
+    while it is written: a .partial nobody holds is a dead writer's, see sweep_partials), flushed to
+    disk, then renamed: a file under the final name is always whole. A write error is a Ds4fError
+    naming the file; no .partial stays. Returns the file's size."""
+    import fcntl
+
     path = Path(path)
     offset, entries = 0, []
     for name, a in arrays:
@@ -168,11 +236,16 @@ def write_arrays(path: str | os.PathLike, magic: bytes, header: dict, arrays: li
         offset += a.nbytes
     raw = json.dumps({**header, "version": VERSION, "arrays": entries, "payload_nbytes": offset},
                      separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise Ds4fError(f"{path}: the {what}'s header would be {len(raw)} bytes, more than the {MAX_HEADER_BYTES}"
+                        f" a reader takes", path=str(path))
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     sha = hashlib.sha256()
     size = 0
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with open(fd, "wb") as f:
+            fcntl.flock(fd, fcntl.LOCK_EX)        # held until closed: this writer is alive
             for chunk in (_HEAD.pack(magic, VERSION, len(raw)), raw,
                           *(np.ascontiguousarray(a).tobytes() for _, a in arrays)):
                 sha.update(chunk)
@@ -181,40 +254,171 @@ def write_arrays(path: str | os.PathLike, magic: bytes, header: dict, arrays: li
             f.write(sha.digest())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise Ds4fError(f"{path}: cannot save the {what}: {exc.strerror or exc}", path=str(path)) from None
     return size + _SHA
 
 
-def read_arrays(path: str | os.PathLike, magic: bytes, fmt: str, what: str = "session state"
-                ) -> tuple[dict, dict[str, np.ndarray]]:
-    """A file write_arrays wrote, checked whole: (its header, its arrays by name). Refused with a
-    Ds4fError naming the file and the problem: not of this kind, another version, truncated or
-    altered (the sha256), a header that does not describe its payload."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise Ds4fError(f"{path}: cannot read the {what}: {exc.strerror or exc}", path=str(path)) from None
-    if len(data) < _HEAD.size + _SHA or data[:8] != magic:
+def sweep_partials(directory: str | os.PathLike, log=None) -> int:
+    """Remove the `.partial` files of writers that are gone (killed while writing): a live writer
+    holds its file's flock, a dead one's is free. Files of any other kind are left alone. How many
+    were removed."""
+    import fcntl
+
+    from ds4f.safe_read import not_regular
+
+    removed = 0
+    for p in Path(directory).glob("*.partial"):
+        try:
+            if not_regular(p.lstat().st_mode) is not None:
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)              # a live writer's
+            continue
+        try:
+            p.unlink()
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed and log is not None:
+        log(f"prefix cache: {directory}: {removed} unfinished files of writers that are gone removed")
+    return removed
+
+
+def _is_int(v, low: int = 0, high: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
+
+
+def _check_entries(head: dict, payload_nbytes: int) -> None:
+    """The header's `arrays` describe the payload exactly: each a name of its own, a known dtype, a
+    shape of non-negative ints, at the offset where the one before it ends; together all of it."""
+    entries = head.get("arrays")
+    if not isinstance(entries, list):
+        raise ValueError("no list of arrays")
+    at, names = 0, set()
+    for e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or e["name"] in names:
+            raise ValueError(f"an array entry without a name of its own: {str(e)[:80]}")
+        names.add(e["name"])
+        shape = e.get("shape")
+        if e.get("dtype") not in DTYPES or not isinstance(shape, list) or len(shape) > _MAX_DIMS \
+                or not all(_is_int(d) for d in shape):
+            raise ValueError(f"array {e['name'][:80]}: dtype {str(e.get('dtype'))[:20]} or shape {str(shape)[:80]}"
+                             f" is not one ds4f writes")
+        if e.get("offset") != at or not _is_int(e.get("offset")):
+            raise ValueError(f"array {e['name'][:80]} at offset {str(e.get('offset'))[:20]}, the array before it"
+                             f" ends at {at}")
+        at += int(np.dtype(e["dtype"]).itemsize) * int(np.prod(shape, dtype=object))
+        if at > payload_nbytes:
+            raise ValueError(f"array {e['name'][:80]} ends past the payload's {payload_nbytes} bytes")
+    if at != payload_nbytes:
+        raise ValueError(f"its arrays hold {at} bytes, its payload {payload_nbytes}")
+
+
+def _read_head(f, path: Path, size: int, magic: bytes, what: str) -> tuple[bytes, int]:
+    """(the first bytes, the header's length) of an open file of `size` bytes: the magic, the
+    version, a header length within MAX_HEADER_BYTES and the file, all checked before the header is
+    read."""
+    first = f.read(_HEAD.size)
+    if len(first) < _HEAD.size or first[:8] != magic or size < _HEAD.size + _SHA:
         raise Ds4fError(f"{path}: not a ds4f {what}", path=str(path))
-    _, version, hlen = _HEAD.unpack_from(data)
+    _, version, hlen = _HEAD.unpack(first)
     if version != VERSION:
         raise Ds4fError(f"{path}: {what} version {version}; this ds4f reads version {VERSION}", path=str(path))
-    if hashlib.sha256(data[:-_SHA]).digest() != data[-_SHA:]:
+    if hlen > MAX_HEADER_BYTES or _HEAD.size + hlen + _SHA > size:
+        raise Ds4fError(f"{path}: the {what}'s header length {hlen} is more than its file ({size} bytes) or"
+                        f" {MAX_HEADER_BYTES} bytes could hold: damaged", path=str(path))
+    return first, hlen
+
+
+def read_arrays(path: str | os.PathLike, magic: bytes, fmt: str, what: str = "session state",
+                max_bytes: int | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """A file write_arrays wrote, checked whole: (its header, its arrays by name). Refused with a
+    Ds4fError naming the file and the problem: not a regular file, larger than `max_bytes`, not of
+    this kind, another version, a header length past the file, truncated or altered (the sha256), a
+    header that does not describe its payload (every array's dtype, shape and offset)."""
+    from ds4f.safe_read import open_regular
+
+    path = Path(path)
+    with open_regular(path, what) as (f, st):
+        size = st.st_size
+        if max_bytes is not None and size > max_bytes:
+            raise Ds4fError(f"{path}: {size} bytes, more than the {max_bytes} a {what} here may be", path=str(path))
+        try:
+            first, hlen = _read_head(f, path, size, magic, what)
+            data = bytearray(size)
+            data[:_HEAD.size] = first
+            mv, got = memoryview(data), _HEAD.size
+            while got < size:
+                n = f.readinto(mv[got:])
+                if not n:
+                    break
+                got += n
+        except OSError as exc:
+            raise Ds4fError(f"{path}: cannot read the {what}: {exc.strerror or exc}", path=str(path)) from None
+    if got != size:
+        raise Ds4fError(f"{path}: the {what} changed while it was read", path=str(path))
+    if hashlib.sha256(mv[:-_SHA]).digest() != bytes(mv[-_SHA:]):
         raise Ds4fError(f"{path}: the {what} is truncated or damaged (its sha256 does not match)", path=str(path))
     try:
-        head = json.loads(data[_HEAD.size:_HEAD.size + hlen])
-        payload = data[_HEAD.size + hlen:-_SHA]
-        if head.get("format") != fmt or len(payload) != head["payload_nbytes"]:
+        head = json.loads(bytes(mv[_HEAD.size:_HEAD.size + hlen]))
+        payload = mv[_HEAD.size + hlen:-_SHA]
+        if not isinstance(head, dict) or head.get("format") != fmt or head.get("payload_nbytes") != len(payload):
             raise ValueError("its header does not describe its payload")
+        _check_entries(head, len(payload))
         arrays = {e["name"]: np.frombuffer(payload, np.dtype(e["dtype"]), int(np.prod(e["shape"], dtype=np.int64)),
                                            e["offset"]).reshape(e["shape"]).copy() for e in head["arrays"]}
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: not a readable {what} ({exc})", path=str(path)) from None
+    except RecursionError:
+        raise Ds4fError(f"{path}: not a readable {what} (its header is nested too deeply)", path=str(path)) from None
     return head, arrays
+
+
+def check_header(doc) -> dict:
+    """A session state's header with every field a reader uses of the type it takes (format,
+    version, geometry, checkpoint, backend, tokens, layers, arrays, payload_nbytes, and a kept
+    state's blocks, block_tokens and per_token); the doc, `backend` defaulted. ValueError naming the
+    first field that is missing or wrong."""
+    if not isinstance(doc, dict) or doc.get("format") != "ds4f.session":
+        raise ValueError("not a session state's header")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"version {str(doc.get('version'))[:20]}")
+    fields = {
+        "geometry": lambda v: isinstance(v, dict) and _is_int(v.get("num_hidden_layers")),
+        "checkpoint": lambda v: isinstance(v, str) and 0 < len(v) <= 256,
+        "backend": lambda v: isinstance(v, str) and len(v) <= 64,
+        "tokens": lambda v: isinstance(v, list) and all(_is_int(t, 0, (1 << 31) - 1) for t in v),
+        "layers": lambda v: isinstance(v, list) and all(isinstance(x, dict) and _is_int(x.get("tokens")) for x in v),
+        "payload_nbytes": _is_int,
+        "arrays": lambda v: isinstance(v, list),
+        "blocks": lambda v: isinstance(v, list) and all(isinstance(k, str) and len(k) == 64 and
+                                                        all(c in "0123456789abcdef" for c in k) for k in v),
+        "block_tokens": lambda v: _is_int(v, 1),
+        "per_token": lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+    }
+    doc.setdefault("backend", "")
+    for name, ok in fields.items():
+        if name not in doc:
+            if name in ("blocks", "block_tokens", "per_token"):
+                continue
+            raise ValueError(f"no {name!r}")
+        if not ok(doc[name]):
+            raise ValueError(f"its {name!r} is not what a session state holds")
+    if len(doc["layers"]) != doc["geometry"]["num_hidden_layers"]:
+        raise ValueError(f"{len(doc['layers'])} layers, its geometry has {doc['geometry']['num_hidden_layers']}")
+    if doc.get("blocks") and "block_tokens" not in doc:
+        raise ValueError("blocks without 'block_tokens'")
+    return doc
 
 
 def save_state(state: SessionState, path: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -229,37 +433,43 @@ def save_state(state: SessionState, path: str | os.PathLike, extra: dict | None 
 
 def read_header(path: str | os.PathLike) -> dict:
     """A state file's header alone (cheap: its first bytes), unchecked by the sha256 (load_state
-    checks the whole file before a state is used): format, version, geometry, checkpoint,
-    backend, tokens. A Ds4fError when it is not a readable session state."""
+    checks the whole file before a state is used) but every field checked (check_header) and the
+    file's size against it: format, version, geometry, checkpoint, backend, tokens, layers, arrays,
+    blocks. A Ds4fError when it is not a readable session state (a FIFO or a device under the name
+    is refused without a read; a header length past the file or MAX_HEADER_BYTES before one)."""
+    from ds4f.safe_read import open_regular
+
     path = Path(path)
+    with open_regular(path, "session state") as (f, st):
+        try:
+            _, hlen = _read_head(f, path, st.st_size, MAGIC, "session state")
+            raw = f.read(hlen)
+        except OSError as exc:
+            raise Ds4fError(f"{path}: cannot read the session state: {exc.strerror or exc}", path=str(path)) from None
     try:
-        with open(path, "rb") as f:
-            head = f.read(_HEAD.size)
-            if len(head) < _HEAD.size or head[:8] != MAGIC:
-                raise Ds4fError(f"{path}: not a ds4f session state", path=str(path))
-            _, version, hlen = _HEAD.unpack(head)
-            if version != VERSION:
-                raise Ds4fError(f"{path}: session state version {version}; this ds4f reads version {VERSION}",
-                                path=str(path))
-            doc = json.loads(f.read(hlen))
-        if not isinstance(doc, dict) or doc.get("format") != "ds4f.session" or not isinstance(doc.get("tokens"), list):
-            raise ValueError("not a session state's header")
-        doc.setdefault("backend", "")
+        if len(raw) != hlen:
+            raise ValueError("truncated header")
+        doc = check_header(json.loads(raw))
+        _check_entries(doc, doc["payload_nbytes"])
+        described = _HEAD.size + hlen + doc["payload_nbytes"] + _SHA
+        if described != st.st_size:
+            raise ValueError(f"{st.st_size} bytes, its header describes {described}")
         return doc
-    except OSError as exc:
-        raise Ds4fError(f"{path}: cannot read the session state: {exc.strerror or exc}", path=str(path)) from None
     except (ValueError, RecursionError) as exc:
-        raise Ds4fError(f"{path}: not a readable session state ({exc or 'nested too deeply'})", path=str(path)) from None
+        raise Ds4fError(f"{path}: not a readable session state ({exc or 'nested too deeply'})",
+                        path=str(path)) from None
 
 
-def load_head(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None
-              ) -> tuple[SessionState, dict]:
+def load_head(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None,
+              max_bytes: int | None = None) -> tuple[SessionState, dict]:
     """A state file as written, with its header: a kept state's head holds only the rows past its
-    blocks (the header's `blocks`; engine.kv_blocks joins them). Refused as load_state refuses."""
+    blocks (the header's `blocks`; engine.kv_blocks joins them). Refused as load_state refuses;
+    its computed arrays fp32 and finite (check_state checks the joined state's shapes)."""
     path = Path(path)
-    head, arrays = read_arrays(path, MAGIC, "ds4f.session")
+    head, arrays = read_arrays(path, MAGIC, "ds4f.session", max_bytes=max_bytes)
     try:
-        tokens = tuple(int(t) for t in head["tokens"])
+        check_header(head)
+        tokens = tuple(head["tokens"])
         layers = tuple(_layer(i, layer["tokens"], arrays) for i, layer in enumerate(head["layers"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise Ds4fError(f"{path}: not a readable session state ({exc})", path=str(path)) from None
@@ -270,19 +480,31 @@ def load_head(path: str | os.PathLike, geometry: dict | None = None, checkpoint:
                         f" {str(head['checkpoint'])[:12]}…, this one {checkpoint[:12]}…)", path=str(path))
     attached = {k[len("attached."):]: a for k, a in arrays.items() if k.startswith("attached.")}
     state = SessionState(tokens, arrays.get("logits"), layers, head["geometry"], head["checkpoint"],
-                         str(head.get("backend", "")), attached)
+                         head["backend"], attached)
+    for name, a in _model_arrays(state):
+        if a.dtype != np.float32 or a.ndim != (1 if name == "logits" else 2):
+            raise Ds4fError(f"{path}: a damaged session state: {name} is {a.dtype} of {a.ndim} dimensions, not"
+                            f" float32 of {1 if name == 'logits' else 2}", path=str(path))
+    bad = non_finite(state)
+    if bad is not None:
+        raise Ds4fError(f"{path}: a damaged session state: {bad} holds NaN or infinite values", path=str(path))
     return state, head
 
 
 def load_state(path: str | os.PathLike, geometry: dict | None = None, checkpoint: str | None = None) -> SessionState:
     """Read a state saved by save_state. Refused with a Ds4fError naming the file and the problem:
-    not a session state, another version, truncated or altered (the sha256), or, when `geometry`
-    and `checkpoint` are given, saved for another model or checkpoint; a kept state's head whose
-    rows are in blocks (the prefix cache reads those)."""
+    not a session state, another version, truncated or altered (the sha256), arrays of the wrong
+    dtype, shape or values (check_state), or, when `geometry` and `checkpoint` are given, saved for
+    another model or checkpoint; a kept state's head whose rows are in blocks (the prefix cache
+    reads those)."""
     state, head = load_head(path, geometry, checkpoint)
     if head.get("blocks"):
         raise Ds4fError(f"{path}: a kept state whose compressed rows are in {len(head['blocks'])} blocks beside it;"
                         f" the prefix cache reads it", path=str(path))
+    try:
+        check_state(state)
+    except Ds4fError as exc:
+        raise Ds4fError(f"{path}: a damaged session state: {exc}", path=str(path)) from None
     return state
 
 

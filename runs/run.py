@@ -723,7 +723,8 @@ class Run:
             return 0
         try:
             session.restore(state)
-        except Ds4fError as exc:
+        except Ds4fError as exc:     # not this model's state after all: dropped, the prompt computed
+            cache.discard(state.tokens, state.backend, str(exc))
             self._log(f"prefix cache: not used: {exc}")
             return 0
         # the greedy pick after each reused token is in its record; without records it is not known (-1)

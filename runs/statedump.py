@@ -46,7 +46,6 @@ import errno
 import hashlib
 import json
 import os
-import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -662,33 +661,60 @@ def _parse_header(path: Path, head: bytes, raw: bytes) -> tuple[dict, np.dtype]:
         raise Ds4fError(f"{path}: corrupt state dump header (JSON nested too deeply to read)") from None
 
 
+MAX_HEADER_BYTES = 64 << 20   # a dump's JSON header: its geometry, prompt and settings (KBs; a long prompt MBs)
+
+
+def _read_header(f, path: Path, size: int) -> tuple[bytes, bytes, dict, np.dtype]:
+    """(first 16 bytes, header bytes, header, record dtype) of an open dump of `size` bytes, the
+    header's length checked against MAX_HEADER_BYTES and the file before it is read."""
+    head = f.read(16)
+    hlen = _header_length(path, head)
+    if hlen > MAX_HEADER_BYTES or 16 + hlen > size:
+        raise Ds4fError(f"{path}: truncated or damaged state dump: its header says {hlen} bytes, the file has"
+                        f" {max(size - 16, 0)}" + (f" (at most {MAX_HEADER_BYTES} are read)" if hlen > MAX_HEADER_BYTES
+                                                  else ""))
+    raw = f.read(hlen)
+    header, dtype = _parse_header(path, head, raw)
+    return head, raw, header, dtype
+
+
+def _n_tokens(path: Path, header: dict, dtype: np.dtype, room: int) -> int:
+    """The header's n_tokens, checked to be a count whose records fit in the `room` bytes the file
+    has after its header."""
+    n = header.get("n_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
+    if n * dtype.itemsize > room:
+        raise Ds4fError(f"{path}: truncated state dump: its header says {n} records of {dtype.itemsize} bytes,"
+                        f" the file holds {room} bytes of them")
+    return n
+
+
+def _open_dump(path: Path):
+    """open_regular for a dump: its errors as a dump reader words them."""
+    from ds4f.safe_read import open_regular
+
+    try:
+        return open_regular(path, "state dump")
+    except Ds4fError as exc:
+        if exc.kind == "not_found":
+            raise Ds4fError(f"{path}: state dump not found", path=str(path)) from None
+        raise
+
+
 def read_state(path: str | os.PathLike, check_report: bool = True) -> State:
     """The dump at `path`. check_report: refuse a dump whose run's report (next to it, see
     pair_problem) names another sha256: a run interrupted while committing, not a finished one."""
     path = Path(path)
     try:   # the header first, and the size it implies against the file's, before reading the records
-        if path.exists() and not path.is_file():    # a FIFO would block the open itself
-            raise Ds4fError(f"{path}: not a regular file, so not a state dump")
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise Ds4fError(f"{path}: not a regular file, so not a state dump")
-            head = f.read(16)
-            hlen = _header_length(path, head)
-            if 16 + hlen > st.st_size:
-                raise Ds4fError(f"{path}: truncated state dump: its header says {hlen} bytes, the file has"
-                                f" {st.st_size - 16}")
-            raw = f.read(hlen)
-            header, dtype = _parse_header(path, head, raw)
-            n = header.get("n_tokens")
-            if not isinstance(n, int) or n < 0:
-                raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
+        with _open_dump(path) as (f, st):
+            head, raw, header, dtype = _read_header(f, path, st.st_size)
+            hlen = len(raw)
+            n = _n_tokens(path, header, dtype, st.st_size - 16 - hlen)
             if st.st_size - 16 - hlen != n * dtype.itemsize:
                 raise Ds4fError(f"{path}: truncated or padded state dump: {st.st_size - 16 - hlen} bytes of records,"
                                 f" expected {n} x {dtype.itemsize}")
             body = f.read(n * dtype.itemsize)
-    except FileNotFoundError:
-        raise Ds4fError(f"{path}: state dump not found") from None
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
     if len(body) != n * dtype.itemsize:
@@ -710,11 +736,12 @@ def read_records(path: str | os.PathLike, start: int, stop: int) -> np.ndarray:
     dump), with the record dtype of its header."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-            hlen = _header_length(path, head)
-            _, dtype = _parse_header(path, head, f.read(hlen))
-            f.seek(16 + hlen + start * dtype.itemsize)
+        with _open_dump(path) as (f, st):
+            _, raw, _, dtype = _read_header(f, path, st.st_size)
+            room = st.st_size - 16 - len(raw)
+            if not 0 <= start <= stop or stop * dtype.itemsize > room:
+                raise Ds4fError(f"{path}: fewer than {stop} records")
+            f.seek(16 + len(raw) + start * dtype.itemsize)
             data = f.read((stop - start) * dtype.itemsize)
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
@@ -728,12 +755,10 @@ def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray
     time: memory for the ids, not for the hidden states (read_state holds the whole file)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-            header, dtype = _parse_header(path, head, f.read(_header_length(path, head)))
-            g, n = header["geometry"], header.get("n_tokens")
-            if not isinstance(n, int) or n < 0:
-                raise Ds4fError(f"{path}: corrupt state dump header (n_tokens {n!r})")
+        with _open_dump(path) as (f, st):
+            _, raw, header, dtype = _read_header(f, path, st.st_size)
+            g = header["geometry"]
+            n = _n_tokens(path, header, dtype, st.st_size - 16 - len(raw))   # before the ids are allocated
             ids = np.empty((n, g["num_hidden_layers"], g["num_experts_per_tok"]), np.int32)
             for start in range(0, n, chunk_tokens):
                 count = min(chunk_tokens, n - start)
@@ -742,8 +767,6 @@ def read_routing(path: str | os.PathLike, chunk_tokens: int = 256) -> np.ndarray
                     raise Ds4fError(f"{path}: truncated state dump: record {start + len(data) // dtype.itemsize}"
                                     f" of {n} is missing")
                 ids[start:start + count] = np.frombuffer(data, dtype=dtype)["ids"]   # (int16 in a compact dump)
-    except FileNotFoundError:
-        raise Ds4fError(f"{path}: state dump not found") from None
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror}") from None
     return ids

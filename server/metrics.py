@@ -178,7 +178,9 @@ class LiveGauges:
         if pc is not None:
             for name, what, value in (
                     ("ram_bytes", "Bytes of session states the prefix cache holds in RAM.", pc.ram_bytes),
-                    ("disk_bytes", "Bytes of session states the prefix cache holds on disk.", pc.disk_bytes),
+                    ("disk_bytes", "Bytes of kept states in the prefix cache's directory (every process's).",
+                     pc.disk_bytes),
+                    ("disk_budget_bytes", "The directory's bound ([kv] budget).", pc.disk_budget),
                     ("hits", "Prompts that found a kept prefix, since the engine loaded.", pc.hits),
                     ("misses", "Prompts that found none, since the engine loaded.", pc.misses),
                     ("evictions", "States the prefix cache dropped for its bounds, since the engine loaded.",

@@ -1,46 +1,179 @@
 """A checkpoint's fingerprint: a sha256 that changes with its weights, so a saved session state is
 used only with the checkpoint it was computed on (a copy of the directory keeps it; another
-checkpoint of the same geometry, another seed of a synthetic one, does not).
+checkpoint of the same geometry, another seed of a synthetic one, a byte changed in place anywhere
+does not).
 
-Every regular file of the checkpoint's directory counts (hidden ones aside): by name and size, and
-its content, whole up to WHOLE_BYTES, else three SLICE_BYTES slices (start, middle, end). The ds4f
-layout's JSON files carry every record's and region's crc32, so its fingerprint covers all its
-bytes; official shards are sampled (the first slice holds a shard's safetensors header)."""
+Every regular file of the checkpoint's directory counts (hidden ones aside), by name and size, and
+every byte of its content counts, in one of two ways:
+
+- the ds4f layout's two data files (pool-mxfp4.bin, trunk.bin) through the crc32 of every expert
+  record and trunk region that its JSON files carry (hashed whole): the engine checks every record
+  and region it reads against them, so a byte changed there either changes the JSON or is refused
+  as corrupt when read; nothing of these files is read for the fingerprint;
+- every other file (an official release's safetensors shards, config.json, tokenizer.json, ...)
+  by the sha256 of all its bytes.
+
+Hashing a large file is paid once: its sha256 is kept in the user's cache directory
+(`fingerprints.json`) under its identity, (device, inode, size, mtime_ns, ctime_ns); a file
+written in place changes its ctime even when its mtime is put back, so a kept sum is never used
+for changed content. The cost, once per shard: the official DeepSeek-V4-Flash release (156 GB) is
+read whole at the disk's speed (52-78 s at 2-3 GB/s; the sums run in several threads, so the
+sha256 at ~1-2 GB/s a core is not the bound); its ds4f layout (the 147 GB pool) reads only its JSON
+files (a few MB), as before."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-WHOLE_BYTES = 16 << 20
-SLICE_BYTES = 1 << 20
+from ds4f.engine.checkpoint.base import POOL_BIN, POOL_JSON, TRUNK_BIN, TRUNK_JSON
+
+FORMAT = b"ds4f.checkpoint/2"
+KEPT_BYTES = 16 << 20        # files larger than this have their sum kept in the store
+CHUNK = 8 << 20
+STORE_NAME = "fingerprints.json"
+STORE_MAX_BYTES = 8 << 20    # a store larger than this (not ds4f's) is ignored and rewritten
+STORE_MAX_ENTRIES = 4096     # the oldest go past this
+THREADS = 4
+
+_known: dict[tuple, str] = {}    # (path, each file's identity) -> fingerprint, this process's
+_lock = threading.Lock()
 
 
-_known: dict[tuple, str] = {}    # (path, each file's name, size and mtime) -> fingerprint, this process's
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """The fingerprint; computed once per process for files that have not changed since (the
-    run's prompt and the engine both ask for it, and it reads megabytes of every shard)."""
+def _files(path: Path) -> list[tuple[Path, os.stat_result]]:
+    if not path.is_dir():
+        return [(path, path.stat())]
+    out = []
+    for p in sorted(path.iterdir()):
+        if p.name.startswith("."):
+            continue
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if os.path.isfile(p):          # regular files only (a FIFO or a device is no part of it)
+            out.append((p, st))
+    return out
+
+
+def crc_checked(files: list[tuple[Path, os.stat_result]]) -> set[str]:
+    """The names of the files whose every byte the engine checks against crc32s its JSON files
+    carry (the ds4f layout's data files, when its JSON files are there)."""
+    names = {p.name for p, _ in files}
+    return {POOL_BIN, TRUNK_BIN} & names if {POOL_JSON, TRUNK_JSON} <= names else set()
+
+
+def checkpoint_fingerprint(path: str | Path, log=None, store: str | Path | None = None) -> str:
+    """The fingerprint (computed once per process for files whose identity has not changed since).
+    log: told, before a long hash, how many bytes are read and why; store: the file the sums of
+    large files are kept in (default: the user's cache directory)."""
     path = Path(path)
-    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
-        else [path]
-    stamps = tuple((f.name, st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
-    key = (str(path.resolve()), stamps)
-    if key not in _known:
-        _known[key] = _compute(files)
-    return _known[key]
+    files = _files(path)
+    key = (str(path.resolve()), tuple((p.name, *_identity(st)) for p, st in files))
+    with _lock:
+        if key in _known:
+            return _known[key]
+    fp = _compute(files, log, Path(store) if store is not None else _default_store())
+    with _lock:
+        _known[key] = fp
+    return fp
 
 
-def _compute(files: list[Path]) -> str:
-    h = hashlib.sha256(b"ds4f.checkpoint/1")
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            if size <= WHOLE_BYTES:
-                h.update(fh.read())
-                continue
-            for at in (0, (size - SLICE_BYTES) // 2, size - SLICE_BYTES):
-                fh.seek(at)
-                h.update(fh.read(SLICE_BYTES))
+def _default_store() -> Path:
+    from ds4f.paths import user_cache_dir
+
+    return user_cache_dir() / STORE_NAME
+
+
+def _compute(files: list[tuple[Path, os.stat_result]], log, store: Path) -> str:
+    checked = crc_checked(files)
+    kept = _load_store(store)
+    sums: dict[str, str] = {}
+    todo = []
+    for p, st in files:
+        if p.name in checked:
+            continue
+        entry = kept.get(str(p.resolve())) if st.st_size > KEPT_BYTES else None
+        if isinstance(entry, dict) and entry.get("identity") == _identity(st) and isinstance(entry.get("sha256"), str):
+            sums[p.name] = entry["sha256"]
+        else:
+            todo.append((p, st))
+    big = [(p, st) for p, st in todo if st.st_size > KEPT_BYTES]
+    if big and log is not None:
+        total = sum(st.st_size for _, st in big)
+        log(f"fingerprint: reading {total / 1e9:.1f} GB of {len(big)} files of {big[0][0].parent} once, to know"
+            f" its weights by every byte (kept in {store} for the next start)")
+    with ThreadPoolExecutor(max_workers=max(1, min(THREADS, len(todo)))) as pool:
+        for (p, st), digest in zip(todo, pool.map(lambda f: _sha256(f[0]), todo)):
+            sums[p.name] = digest
+    if big:
+        now = time.time()
+        for p, st in big:
+            kept[str(p.resolve())] = {"identity": _identity(st), "sha256": sums[p.name], "at": now}
+        _save_store(store, kept)
+    h = hashlib.sha256(FORMAT)
+    for p, st in files:
+        h.update(f"{p.name}\0{st.st_size}\0".encode())
+        h.update(b"crc32-checked" if p.name in checked else bytes.fromhex(sums[p.name]))
     return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    """The sha256 of every byte of a file, read in chunks (dropped from the page cache behind)."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(mv[:n])
+            done += n
+            if done >= 256 << 20:
+                _dontneed(f.fileno())
+                done = 0
+        _dontneed(f.fileno())
+    return h.hexdigest()
+
+
+def _dontneed(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+def _load_store(store: Path) -> dict:
+    from ds4f.errors import Ds4fError
+    from ds4f.safe_read import read_regular
+
+    try:
+        data = json.loads(read_regular(store, "fingerprint store", STORE_MAX_BYTES))
+    except (Ds4fError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_store(store: Path, kept: dict) -> None:
+    """The sums, the newest STORE_MAX_ENTRIES, written whole (a name of this process first); a
+    store that cannot be written only costs the next start the hash again."""
+    entries = sorted(((k, v) for k, v in kept.items() if isinstance(v, dict)),
+                     key=lambda kv: kv[1].get("at", 0) if isinstance(kv[1].get("at", 0), (int, float)) else 0)
+    doc = dict(entries[-STORE_MAX_ENTRIES:])
+    tmp = store.with_name(f"{store.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, indent=0))
+        os.replace(tmp, store)
+    except OSError:
+        tmp.unlink(missing_ok=True)

@@ -173,20 +173,25 @@ def test_an_older_ds4fs_state_file_is_refused_file_by_file(engine, states, tmp_p
 def test_a_cache_evicting_keeps_the_blocks_another_process_uses(engine, states, tmp_path):
     """Two caches (two processes) on one directory: one evicts a state whose blocks a state the other
     kept shares; the blocks stay, and the other's state is still whole on disk."""
-    probe = _cache(engine, tmp_path / "probe")
-    probe.keep(states[40])
-    one = probe.figures().disk_bytes
-    a = _cache(engine, tmp_path, disk=one + one // 2)
-    b = _cache(engine, tmp_path)
-    a.keep(states[40])
-    b.keep(states[77])                      # shares the first two blocks with a's state
     session = engine.new_session()
     for t in TOKENS[:40]:
         session.eval(t + 1)
-    a.keep(session.snapshot())              # another conversation: a evicts its 40
-    assert a.figures().evictions >= 1
+    another = session.snapshot()             # another conversation: no block in common
+    probe = _cache(engine, tmp_path / "probe")
+    probe.keep(states[77])
+    probe.keep(another)
+    room = probe.figures().disk_bytes        # the 77 and the other conversation, not a's first 40 too
+    probe40 = _cache(engine, tmp_path / "probe40")
+    probe40.keep(states[40])
+    a = _cache(engine, tmp_path, disk=room + probe40.figures().disk_bytes // 4)
+    b = _cache(engine, tmp_path)
+    a.keep(states[40])
+    b.keep(states[77])                      # shares the first two blocks with a's state
+    a.keep(another)                         # over a's budget, the directory counted whole: a's 40 goes
+    assert a.figures().evictions == 1 and a.figures().disk_bytes <= room + probe40.figures().disk_bytes // 4
     fresh = _cache(engine, tmp_path)
     assert _same(fresh.lookup(TOKENS, "scalar", at_most=80), states[77])
+    assert fresh.lookup(TOKENS, "scalar", at_most=50) is None and fresh.figures().states == 2   # the 40 went
 
 
 def test_two_checkpoints_sharing_a_directory_keep_their_blocks_apart(engine, states, tmp_path):
