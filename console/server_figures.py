@@ -181,6 +181,16 @@ def runs_dir_line(status: dict | None) -> str:
     return runs_dir_text((status or {}).get("runs_dir")) or "runs dir —"
 
 
+def kv_dir_line(status: dict | None) -> str:
+    """The prefix cache's directory against [kv] budget (GET /status kv): 'kv dir 1.2 GiB of 20 GiB
+    (6%)'; '' when it is off or not known."""
+    kv = (status or {}).get("kv")
+    if not isinstance(kv, dict) or not isinstance(kv.get("budget_bytes"), (int, float)) or not kv["budget_bytes"]:
+        return ""
+    used = kv.get("used_bytes") if isinstance(kv.get("used_bytes"), (int, float)) else 0
+    return f"kv dir {fmt_size(used)} of {fmt_size(kv['budget_bytes'])} ({used / kv['budget_bytes']:.0%})"
+
+
 def server_title(view) -> str:
     """'host:port · model · ds4f 0.1.0' for the status line."""
     hello = view.hello or {}

@@ -839,6 +839,7 @@ class Service:
             "dump": self.options.dump or self.cfg.dump.server,
             "prefix_cache": self._prefix_cache_view(),
             "runs_dir": self._runs_dir_view(),
+            "kv": self._kv_view(),
             "operator": self.operator.view(),
             "events": self.events.view(),
         }
@@ -852,6 +853,20 @@ class Service:
                                    self.cfg.source).figures()
         except (OSError, Ds4fError):
             return None
+
+    def _kv_view(self) -> dict | None:
+        """The prefix cache's directory against [kv] budget: the bytes its head and block files hold
+        on disk (every process's sharing it, counted at most a few seconds ago) and the budget; None
+        with the cache or its disk tier off."""
+        from ds4f.engine.prefix_cache import directory_usage
+
+        kv = self.cfg.kv
+        if kv is None or kv.disk_bytes <= 0:
+            return None
+        where = str(self.options.kv_dir or kv.dir)
+        stats = self.engines.prefix_cache_stats()
+        used = stats.disk_bytes if stats is not None and stats.disk_budget else directory_usage(where)
+        return {"dir": where, "used_bytes": used, "budget_bytes": kv.disk_bytes}
 
     def _prefix_cache_view(self) -> dict | None:
         """The kept states' figures: bytes in RAM and on disk, what was written (today against the

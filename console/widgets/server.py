@@ -155,6 +155,8 @@ class PrefixCachePanel(ServerPanel):
         cache = (view.status or {}).get("prefix_cache")
         text = Text("\n".join(S.prefix_lines(cache)), style="" if cache else "dim", no_wrap=True, overflow="ellipsis")
         text.append("\n" + S.runs_dir_line(view.status), style="")     # and the runs directory's budget
+        if S.kv_dir_line(view.status):
+            text.append("\n" + S.kv_dir_line(view.status), style="")  # and the kv directory's
         self.put("#prefix-text", text)
 
 

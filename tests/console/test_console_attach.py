@@ -193,6 +193,9 @@ async def test_hello_and_snapshots_reach_the_panels(serve, tiny_model):
         # the server's runs directory against [runs] budget (20 GB by default), beside the prefix cache
         assert re.search(r"runs dir [\d.]+ [KMG]?i?B of 18\.6 GiB \(\d+%\)", text(app, "#prefix-text")), \
             text(app, "#prefix-text")
+        # and the kv directory against [kv] budget (20 GB by default)
+        assert re.search(r"kv dir [\d.]+ [KMG]?i?B of 18\.6 GiB \(\d+%\)", text(app, "#prefix-text")), \
+            text(app, "#prefix-text")
 
 
 @async_test
