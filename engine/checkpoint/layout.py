@@ -451,11 +451,15 @@ def _overlaps(where: Path, what: str, spans: list[tuple[int, int, str]], limit: 
 
 
 def read_trunk_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    from ds4f.safe_read import read_regular
+
     try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise Ds4fError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = read_regular(path, "trunk offsets table", 64 << 20).decode().splitlines()
+    except Ds4fError as exc:
+        if exc.kind == "not_found":
+            raise Ds4fError(f"{path}: missing", path=str(path)) from None
+        raise
+    except UnicodeDecodeError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc}") from None
     if not lines or lines[0].strip() != OFFSETS_HEADER:
         raise Ds4fError(f"{path}: not a trunk offsets table (first line should be {OFFSETS_HEADER!r})")

@@ -31,12 +31,21 @@ class TensorInfo:
     nbytes: int
 
 
+MAX_JSON = 256 << 20   # a checkpoint's JSON file (the index, pool.json, trunk.json: MBs on the real model)
+
+
 def read_json(path: Path, what: str = "JSON") -> object:
+    """A checkpoint's JSON file: a regular file (a FIFO or a device under its name is refused, never
+    opened for a read that would block) of at most MAX_JSON bytes, parsed."""
+    from ds4f.safe_read import read_regular
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise Ds4fError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_regular(path, what, MAX_JSON).decode("utf-8")
+    except Ds4fError as exc:
+        if exc.kind == "not_found":
+            raise Ds4fError(f"{path}: missing", path=str(path)) from None
+        raise
+    except UnicodeDecodeError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc}") from None
     try:
         return json.loads(text)
@@ -48,10 +57,12 @@ def read_json(path: Path, what: str = "JSON") -> object:
 
 def read_shard_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one shard's header: every tensor inside the file, sizes consistent."""
+    from ds4f.safe_read import open_regular
+
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, "safetensors shard") as (f, st):
+            size = st.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise Ds4fError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
@@ -59,6 +70,10 @@ def read_shard_header(path: Path) -> dict[str, TensorInfo]:
             if n > MAX_HEADER or 8 + n > size:
                 raise Ds4fError(f"{path}: truncated or not safetensors: header length {n} but file has {size} bytes")
             raw = f.read(n)
+    except Ds4fError as exc:
+        if exc.kind == "not_found":
+            raise Ds4fError(f"{path}: missing shard", path=str(path)) from None
+        raise
     except FileNotFoundError:
         raise Ds4fError(f"{path}: missing shard") from None
     except IsADirectoryError:

@@ -60,11 +60,14 @@ def byte_level(data: bytes) -> str:
     return "".join(enc[b] for b in data)
 
 
+MAX_TOKENIZER_BYTES = 256 << 20    # tokenizer.json (~8 MB on the real model) and its config files
+
+
 def _read_json(path: Path, what: str) -> dict:
+    from ds4f.safe_read import read_regular
+
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise Ds4fError(f"{path}: cannot read the {what}: {exc.strerror or exc}", path=path) from None
+        obj = json.loads(read_regular(path, what, MAX_TOKENIZER_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise Ds4fError(f"{path}: not a valid {what} (corrupt JSON: {exc})", path=path) from None
     except RecursionError:
@@ -130,9 +133,9 @@ class Tokenizer:
             raise Ds4fError(f"{file}: missing: the checkpoint has no tokenizer.json, so it runs on token ids only",
                             path=file)
         try:
-            text = file.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise Ds4fError(f"{file}: cannot read the tokenizer: {exc.strerror or exc}", path=file) from None
+            from ds4f.safe_read import read_regular
+
+            text = read_regular(file, "tokenizer", MAX_TOKENIZER_BYTES).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise Ds4fError(f"{file}: not a valid tokenizer (not UTF-8: {exc})", path=file) from None
         try:
