@@ -43,10 +43,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ds4f.engine.kv_blocks import (BLOCK_SUFFIX, Block, Head, block_path, block_tokens, check_blocks, join, load_block,
                                    save_block, split)
-from ds4f.engine.session_state import (SessionState, canonical, check_state, load_head, read_header, save_state,
-                                       sweep_partials)
+from ds4f.engine.session_state import (SessionState, canonical, check_state, load_head, non_finite, read_header,
+                                       save_state, sweep_partials)
 from ds4f.errors import Ds4fError
 from ds4f.safe_read import not_regular
 
@@ -218,12 +220,19 @@ class PrefixCache:
             raise Ds4fError("the session state belongs to another checkpoint or model", param="state")
         if not state.tokens:
             return
-        try:
-            check_state(state)
-        except Ds4fError as exc:
-            raise Ds4fError(f"a state of {state.position} tokens is not kept: {exc}") from None
         key = _key(self.fingerprint, state.backend, state.tokens)
         head, blocks = split(state, self.span)
+        try:      # finite: the head and the blocks RAM does not hold (those it holds were checked)
+            check_state(state, finite=False)
+            with self._lock:
+                new = [b for b in blocks if b.key not in self._ram_blocks]
+            bad = non_finite(head.state) or next((f"block {b.start // self.span + 1} {name}" for b in new
+                                                  for name, a in b.arrays.items() if not name.startswith("attached.")
+                                                  and not np.isfinite(a).all()), None)
+            if bad is not None:
+                raise Ds4fError(f"{bad} holds NaN or infinite values")
+        except Ds4fError as exc:
+            raise Ds4fError(f"a state of {state.position} tokens is not kept: {exc}") from None
         with self._lock:
             entry = self._ram.get(key) or self._disk.get(key)
             if entry is not None and not entry.attached <= set(state.attached):
@@ -564,7 +573,7 @@ class PrefixCache:
             try:
                 check_blocks(head, blocks)
                 whole = join(head, blocks)
-                check_state(whole)
+                check_state(whole, finite=False)     # (the head and each block were checked finite)
             except Ds4fError as exc:
                 raise Ds4fError(f"{entry.path}: a damaged kept state: {exc}", path=str(entry.path)) from None
             return head, blocks, whole

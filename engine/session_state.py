@@ -161,11 +161,11 @@ def non_finite(state: SessionState) -> str | None:
     return None
 
 
-def check_state(state: SessionState) -> None:
-    """A whole state against itself and its geometry: every computed array fp32 and finite, every
-    layer at the state's position, the window and logits of the geometry's shapes, each compressor's
-    arrays of one ratio and width and with a row per closed group (tokens // ratio). A Ds4fError
-    (no path: the caller names the file) for the first that is not."""
+def check_state(state: SessionState, finite: bool = True) -> None:
+    """A whole state against itself and its geometry: every computed array fp32 and (finite) finite,
+    every layer at the state's position, the window and logits of the geometry's shapes, each
+    compressor's arrays of one ratio and width and with a row per closed group (tokens // ratio). A
+    Ds4fError (no path: the caller names the file) for the first that is not."""
     g = state.geometry if isinstance(state.geometry, dict) else {}
     n = g.get("num_hidden_layers")
     if isinstance(n, int) and len(state.layers) != n:
@@ -196,7 +196,7 @@ def check_state(state: SessionState) -> None:
             if c.rows.shape != (state.position // ratio, dim):
                 raise Ds4fError(f"layer {i} {part}: {list(c.rows.shape)} compressed rows, {state.position // ratio}"
                                 f" of {dim} at position {state.position}")
-    bad = non_finite(state)
+    bad = non_finite(state) if finite else None
     if bad is not None:
         raise Ds4fError(f"{bad} holds NaN or infinite values")
 

@@ -522,3 +522,31 @@ def test_a_run_whose_kept_states_hold_nan_computes_its_prompt_and_writes_a_cold_
     assert open(second.dump_path, "rb").read() == open(cold.dump_path, "rb").read()
     after = [*turn, second.assistant_message, {"role": "user", "content": "Thanks"}]
     assert run("third", after).prompt_tokens_reused >= second.prompt_tokens     # the state the second turn kept
+
+
+def test_a_nan_in_a_blocks_rows_makes_its_states_misses(engine, tmp_path):
+    """A block file (blocks of 16 positions) whose rows hold a NaN, its sum made to match: the
+    state that needs it is refused when read, the block and the head removed, each named once in
+    the log; a state the NaN is handed to in RAM is refused before it is kept."""
+    kv = tmp_path / "kv"
+    tokens = tuple((5 * i + 11) % 250 + 2 for i in range(40))
+    state = _state(engine, 40, tokens)
+    PrefixCache(engine.fingerprint, engine.geometry.to_config(), 0, kv, 1 << 30, span=16).keep(state)
+    block = sorted((kv / "blocks").glob("*.kvb"))[0]
+
+    def poison(head, body):
+        e = next(e for e in head["arrays"] if e["name"].endswith(".rows"))
+        body[e["offset"]:e["offset"] + 4] = np.float32(np.nan).tobytes()
+
+    _rewrite(block, payload=poison)
+    lines = []
+    cache = PrefixCache(engine.fingerprint, engine.geometry.to_config(), 0, kv, 1 << 30, log=lines.append, span=16)
+    assert cache.lookup(tokens, engine.backend) is None
+    assert not block.exists() and not list(kv.glob("*.kv"))
+    assert sum(str(block) in line and "NaN" in line for line in lines) >= 1, lines
+    rows = state.layers[1].compressor.rows.copy()
+    rows[0, 0] = np.nan
+    bad = dataclasses.replace(state, layers=(state.layers[0], dataclasses.replace(
+        state.layers[1], compressor=dataclasses.replace(state.layers[1].compressor, rows=rows)), *state.layers[2:]))
+    with pytest.raises(Ds4fError, match="block 1 1.compressor.rows holds NaN"):
+        PrefixCache(engine.fingerprint, engine.geometry.to_config(), 1 << 30, kv, 1 << 30, span=16).keep(bad)
