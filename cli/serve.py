@@ -57,7 +57,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no access log lines on stderr")
     parser.add_argument("--spec", default="off", metavar="auto|off|K",
                         help="speculative decoding of every run with the MTP layer: off (default), auto, or K"
-                             " drafts per round; auto steps plainly while sequences step together")
+                             " drafts per round; auto steps plainly while sequences step together, K needs an MTP"
+                             " layer and one sequence at a time (--parallel 1, the default with K)")
     add_kv_options(parser)
     add_dump_option(parser, "server")
     parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
@@ -107,7 +108,8 @@ def run(args) -> int:
         auth = "bearer token required" if token else "no token (loopback only)"
         names = ", ".join(map(repr, service.model_names))
         _say(f"model {service.model} ({service.checkpoint_kind}) as {names}, preset {service.preset}, "
-             f"kernels {service.best_backend}, {service.parallel} sequences at once, queue {options.queue_size}, history {service.history.path}, {auth}")
+             f"kernels {service.best_backend}, {service.parallel} sequences at once"
+             f"{f' ({service.parallel_why})' if service.parallel_why else ''}, queue {options.queue_size}, history {service.history.path}, {auth}")
         operator = service.operator
         where = (f"token in {operator.token_file}" if operator.token_file else "token from --operator-token"
                  if args.operator_token else "token from ds4f.toml [server] operator_token")

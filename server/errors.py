@@ -81,7 +81,13 @@ def json_safe(value):
 
 
 def json_bytes(obj) -> bytes:
-    return json.dumps(json_safe(obj), allow_nan=False, ensure_ascii=False).encode() + b"\n"
+    """The JSON of an answer, UTF-8; a string that is not text (a lone surrogate a client sent in a
+    field the answer echoes, such as metadata) is written as its escape, as the client sent it."""
+    safe = json_safe(obj)
+    try:
+        return json.dumps(safe, allow_nan=False, ensure_ascii=False).encode() + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(safe, allow_nan=False).encode() + b"\n"
 
 
 def json_response(status: int, obj, headers: dict | None = None) -> Response:

@@ -41,7 +41,7 @@ from ds4f.api import BACKEND_NAMES, MAX_THREADS, Ds4fError
 
 from .errors import HttpError, bad, json_response
 from .options import is_loopback
-from .routes import json_body, refused, whole_number
+from .routes import checked_run_id, json_body, refused, whole_number
 
 LABEL = "operator"           # the token's label in `who`
 HEADER = "x-ds4f-operator-token"
@@ -173,7 +173,7 @@ async def act(request: Request) -> Response:
         name = _string(raw, "preset", "a preset's name")
         applied, lands = svc.change_preset(name, who)
     elif action == "cancel":
-        run_id = _string(raw, "run_id", "a run's id")
+        run_id = checked_run_id(_string(raw, "run_id", "a run's id"))
         try:
             applied, lands = await run_in_threadpool(svc.operator_cancel, run_id, who)
         except Ds4fError as exc:

@@ -14,10 +14,12 @@
                   (xhigh asks for the release's maximum effort); summary is accepted
     max_output_tokens (left out: what the context leaves after the prompt), temperature, top_p,
     stream; text {"format": ...}: text, json_object or json_schema {name, schema, strict} (the answer
-    held to it: server.structured); include, truncation "disabled" are accepted, and so
-    are the parameters that do not change the answer (server.openai.IGNORED: store, metadata, user,
-    prompt_cache_key, safety_identifier, service_tier...). Nothing is stored: no GET
-    /v1/responses/{id}, previous_response_id is refused.
+    held to it: server.structured); include (reasoning.encrypted_content; what concerns built-in
+    tools and images, which this server never answers with, is taken; output logprobs are refused),
+    truncation "disabled" or "auto", background false and top_logprobs 0 are accepted (background
+    true, other values: 400 naming them), and so are the parameters that do not change the answer
+    (server.openai.IGNORED: store, metadata, user, prompt_cache_key, safety_identifier,
+    service_tier...). Nothing is stored: no GET /v1/responses/{id}, previous_response_id is refused.
 
 The answer's output items, in order: reasoning (thinking mode, when the model reasoned: the text
 as its content and as its summary, the part most clients show), the message (its output_text),
@@ -50,9 +52,16 @@ from .openai import (EFFORTS, IGNORED, _text_parts, _whole, check_model, check_n
                      parse_tool_choice, parse_tools)
 
 PARAMS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
-          "max_output_tokens", "temperature", "top_p", "stream", "include", "text", "truncation", "background",
-          "previous_response_id", "top_logprobs", *IGNORED)
+          "max_output_tokens", "temperature", "top_p", "stream", "include", "text", "previous_response_id", *IGNORED)
+# taken when they ask for what this server does anyway, else a 400 naming them: an answer in the
+# background (then polled for) is not done here, nor logprobs; truncation "auto" changes nothing
+# for a conversation that fits, and one that does not is refused either way
 DEFAULT_ONLY = {"truncation": ("disabled", "auto"), "background": (False,), "top_logprobs": (0,)}
+# include: the encrypted reasoning is given; what concerns items this server never makes (built-in
+# tools, images) changes nothing; output logprobs are not computed
+INCLUDES = ("reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+            "web_search_call.action.sources", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+            "message.input_image.image_url")
 ENCRYPTED = "ds4f:"        # the prefix of the reasoning this server hands out as encrypted_content (not encrypted)
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -168,6 +177,7 @@ def parse_ask(raw: dict, svc) -> Ask:
     stream_ = raw.get("stream")
     if stream_ is not None and not isinstance(stream_, bool):
         raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
+    _check_include(raw.get("include"))
     gen = _whole(raw, "max_output_tokens", 1, MAX_GEN)     # None: what the context leaves after the prompt
     reasoning = raw.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
@@ -188,6 +198,19 @@ def parse_ask(raw: dict, svc) -> Ask:
     return Ask("chat", fields, gen, "max_output_tokens", sampling, bool(stream_), thinking=thinking, tools=tools,
                tool_choice=choice, parallel_calls=parallel is not False, endpoint="responses",
                names={"gen": "max_output_tokens", "text": "input", "prompt": "input", "sampling": "temperature"})
+
+
+def _check_include(value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad("include", f"expected a list of what to include ({', '.join(INCLUDES)})")
+    for v in value:
+        if v == "message.output_text.logprobs":
+            raise bad("include", "message.output_text.logprobs: this server computes no logprobs",
+                      code="unsupported_value")
+        if v not in INCLUDES:
+            raise bad("include", f"{json.dumps(v)} is not one of {', '.join(INCLUDES)}")
 
 
 # -- the response ---------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backe
 SWITCH_PARAMS = ("backend", "threads", "kernel_threads", "io_threads")
 MAX_LIST_LIMIT = 200
 DEFAULT_LIST_LIMIT = 20
+MAX_BODY_DEPTH = 100      # levels of arrays and objects a JSON body may nest (what reads it recurses once a level)
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _INT_RE = re.compile(r"^[0-9]{1,9}$")
 
@@ -154,7 +155,7 @@ def parse_json_object(body: bytes, what: str = "run parameters") -> dict:
     if not body.strip():
         return {}
     try:
-        value = parse_json(body, "body")
+        value = parse_json(body, "body", max_depth=MAX_BODY_DEPTH)
     except Ds4fError as exc:
         raise bad("body", exc.message.removeprefix("body: ")) from None
     if not isinstance(value, dict):
@@ -192,11 +193,15 @@ def _query(request: Request) -> str:
     return request.scope.get("query_string", b"").decode("latin-1")
 
 
-def _run_id(request: Request) -> str:
-    run_id = request.path_params["id"]
+def checked_run_id(run_id: str) -> str:
+    """A run id as runs are named (letters, digits, - _ .); else 404 before anything looks it up."""
     if not _RUN_ID_RE.match(run_id):
-        raise HttpError(404, f"no run {run_id!r}", code="not_found")
+        raise HttpError(404, f"no run {run_id[:80]!r}", code="not_found")
     return run_id
+
+
+def _run_id(request: Request) -> str:
+    return checked_run_id(request.path_params["id"])
 
 
 def _client(request: Request) -> str:

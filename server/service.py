@@ -41,6 +41,7 @@ from ds4f.api import (DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
                       load_config, report_file, runs_budget_for, user_data_dir)
 from ds4f.api import start_run as api_start_run
+from ds4f.api import parse_spec
 
 from .errors import HttpError, bad
 from .events import (EVENTS_VERSION, EventHub, Timing, client_label, endpoint_of, kept_state_refusal, log_line,
@@ -187,7 +188,23 @@ class Service:
         prefix_ram = self.cfg.kv.ram_bytes if self.cfg.kv is not None else 0
         with open_checkpoint(self.model) as ck:
             g = ck.geometry
+            mtp, mtp_problem = bool(ck.mtp_layers), ck.mtp_problem
         self._geometry = g
+        spec = parse_spec(self.options.spec)
+        self.parallel_why = ""     # why the parallel is what it is, when the operator did not say it
+        if isinstance(spec, int):  # a fixed number of drafts: one sequence's; checked now, not on every request
+            if not mtp:
+                raise Ds4fError(f"--spec {spec}: {mtp_problem or f'{self.model} has no MTP layer (mtp.0.*) to draft with'}"
+                                f"; every request would be refused (--spec auto runs plainly where there is none)",
+                                param="spec")
+            if asked and asked > 1:
+                where = "--parallel" if self.options.parallel else f"{self.cfg.source}: server.parallel"
+                raise Ds4fError(f"--spec {spec} with {where} {asked}: a fixed number of drafts speculates for one "
+                                f"sequence at a time, not for sequences stepping together; give --parallel 1, or "
+                                f"--spec auto (it steps plainly while sequences step together)", param="spec")
+            if not asked:
+                self.parallel_why = f"--spec {spec} drafts for one sequence at a time"
+                return 1
         if not asked:
             return fit_parallel(g, preset, ram, prefix_ram, DEFAULT_PARALLEL)
         if asked > 1:

@@ -58,7 +58,7 @@ from typing import Mapping, Sequence
 
 from ds4f.errors import Ds4fError
 from ds4f.engine.text.dsml import (CALLS_START, DSML, REASONING_EFFORT_MAX, TOOL_RESULT, check_call,
-                                   check_tools, pieces_text, render_calls, render_tools)
+                                   check_text, check_tools, pieces_text, render_calls, render_tools)
 from ds4f.engine.text.reply import parse_reply
 from ds4f.engine.text.tokenizer import ASSISTANT, BOS, END_THINK, EOS, THINK, USER
 
@@ -90,12 +90,15 @@ def _check(messages: Sequence[Mapping]) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise _fail(f"messages[{i}]: content must be a string")
+        check_text(content, f"messages[{i}].content", "messages")
         if role == "developer" and not content:
             raise _fail(f"messages[{i}]: a developer message needs content")
         msg = {"role": role, "content": content}
         reasoning = m.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, str):
             raise _fail(f"messages[{i}]: reasoning must be a string")
+        if reasoning:
+            check_text(reasoning, f"messages[{i}].reasoning", "messages")
         if reasoning:
             msg["reasoning"] = reasoning
         tokens = m.get("tokens")

@@ -88,7 +88,7 @@ class ResponseFormat:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise Ds4fError(f"{PARAM}: the schema is not JSON: {exc}", param=PARAM) from None
         if not isinstance(schema, dict):
             raise Ds4fError(f"{PARAM}: the schema must be a JSON Schema object, got {type(schema).__name__}",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Mapping, Sequence
 
-from ds4f.errors import Ds4fError
+from ds4f.errors import Ds4fError, parse_json
 
 DSML = "｜DSML｜"
 CALLS_OPEN = f"<{DSML}tool_calls>"
@@ -37,6 +37,8 @@ INVOKE_CLOSE = f"</{DSML}invoke>"
 PARAM_OPEN = f"<{DSML}parameter"
 PARAM_CLOSE = f"</{DSML}parameter>"
 TOOL_RESULT = ("<tool_result>", "</tool_result>")
+MAX_ARGUMENTS_DEPTH = 100    # levels of arrays and objects an earlier call's arguments may nest (the prompt's
+                             # JSON of them and the checks recurse once a level)
 
 TOOLS_TEMPLATE = """## Tools
 
@@ -79,6 +81,9 @@ REASONING_EFFORT_MAX = (
 JSON_TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool, "array": list,
               "object": dict, "null": type(None)}
 MAX_TOOLS = 256
+
+MAX_ARGUMENTS_DEPTH = 100   # levels of arrays and objects a call's arguments may nest (the prompt's JSON of them
+                            # and the checks recurse once a level)
 
 
 def to_json(value) -> str:
@@ -149,6 +154,18 @@ def check_tools(tools, param: str = "tools") -> tuple[dict, ...]:
     return tuple(out)
 
 
+def check_text(value, where: str, param: str) -> None:
+    """Text the prompt reads is text: encodable as UTF-8 (a lone surrogate, which a JSON escape of
+    half a character gives, is not); a value that is not a string is checked as its JSON."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        of = "" if isinstance(value, str) else " of its JSON"
+        raise Ds4fError(f"{where}: not valid text: {text[exc.start]!r} at character {exc.start}{of} is a lone"
+                        f" surrogate (invalid UTF-8 in the input?)", param=param) from None
+
+
 def check_function(fn, where: str, param: str) -> dict:
     """One function schema: a name, an optional description, parameters as a JSON Schema object."""
     if not isinstance(fn, Mapping):
@@ -165,7 +182,10 @@ def check_function(fn, where: str, param: str) -> dict:
         if schema.get("type", "object") != "object":
             raise Ds4fError(f"{where}.parameters: a function's parameters are a JSON Schema of type \"object\"",
                             param=param)
-    return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+    out = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+    for key, value in out.items():
+        check_text(value, f"{where}.{key}", param)
+    return out
 
 
 def check_schema(schema, where: str, param: str, depth: int = 0) -> None:
@@ -204,12 +224,17 @@ def check_call(call, where: str, param: str) -> dict:
     if cid is not None and not isinstance(cid, str):
         raise Ds4fError(f"{where}.id: expected a string", param=param)
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as exc:
-            raise Ds4fError(f"{where}.arguments: not valid JSON ({exc})", param=param) from None
+        if args.strip():
+            try:
+                args = parse_json(args, f"{where}.arguments", max_depth=MAX_ARGUMENTS_DEPTH, param=param)
+            except Ds4fError as exc:
+                raise Ds4fError(exc.message.replace(": malformed JSON: ", ": not valid JSON: "), param=param) from None
+        else:
+            args = {}
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
         raise Ds4fError(f"{where}.arguments: expected a JSON object of the call's arguments", param=param)
+    check_text(name, f"{where}.name", param)
+    check_text(dict(args), f"{where}.arguments", param)
     return {"id": cid or "", "name": name, "arguments": dict(args)}

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ds4f.engine.text.dsml import (CALLS_CLOSE, CALLS_OPEN, CALLS_START, DSML, INVOKE_CLOSE, INVOKE_OPEN, JSON_TYPES,
-                                   PARAM_CLOSE, PARAM_OPEN, to_json)
+                                   MAX_ARGUMENTS_DEPTH, PARAM_CLOSE, PARAM_OPEN, to_json)
+from ds4f.errors import Ds4fError, parse_json
 from ds4f.engine.text.output import THINK_END
 
 # the DSML marker as models misspell it -> as the format spells it
@@ -305,7 +306,7 @@ class ReplyParser:
             if not kinds or "string" in kinds:
                 return raw
             try:
-                value = json.loads(raw)
+                value = _loads(raw)
             except ValueError:
                 raise ValueError(f"{name}: parameter {key!r} is {' or '.join(kinds)} in the schema, got the"
                                  f" text {raw[:40]!r}") from None
@@ -315,7 +316,7 @@ class ReplyParser:
             self.result.repairs.append("value_type")
             return value
         try:
-            value = json.loads(raw)
+            value = _loads(raw)
         except ValueError:
             if kinds and "string" in kinds:
                 self.result.repairs.append("value_type")
@@ -335,6 +336,15 @@ class ReplyParser:
 
 
 _WRONG = object()
+
+
+def _loads(raw: str):
+    """A parameter's JSON as the model wrote it; ValueError when it is not JSON, or nests deeper than
+    an argument may (what reads it next recurses once a level)."""
+    try:
+        return parse_json(raw, "value", max_depth=MAX_ARGUMENTS_DEPTH)
+    except Ds4fError as exc:
+        raise ValueError(exc.message) from None
 
 
 def _kinds(schema) -> list[str]:
