@@ -14,15 +14,29 @@ which also says the bytes it plans to write: it is charged that much (or what it
 and it is never removed; a directory whose `reserved.partial` nobody holds was left by a killed
 run and goes first among the candidates of its age. A history row whose files were removed
 stays: the server answers 410 (gone) for its state dump.
+
+Measured without walking every run's directory each time: a finished run's directory does not
+change (its files are committed by renames; nothing here rewrites them in place), so its bytes
+and newest mtime are kept, keyed by the directory's own (st_dev, st_ino, st_mtime_ns,
+st_ctime_ns). A scan is one scandir of the runs directory and one lstat per run's directory; it
+walks only the directories that are new or whose key changed (a file added, removed or renamed
+into place there, by any process or by hand), those of runs in progress or killed, and
+REWALK_PER_SCAN of the longest-unwalked ones (a file rewritten in place leaves its directory's key
+as it was: it is counted when its turn comes). A directory changed within RACY_NS of a walk is not
+kept (timestamps have a tick: a change in the same tick could leave the key as it was). The kept
+measurements are saved beside the lock (LEDGER_NAME, written under it, checked by the same keys),
+so a new process walks only what changed since.
 """
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ds4f.engine.config import format_bytes
@@ -39,6 +53,12 @@ RESERVATION = "reserved" + PARTIAL      # a run's planned bytes, locked while it
 LEFTOVER_AGE_S = 60.0        # an unlocked state.bin.partial untouched this long is a killed run's (sweep_run_dirs)
 FIGURES_MAX_AGE_S = 1.0      # /status and the console read a measurement at most this old
 HISTORY_SUFFIXES = ("", "-wal", "-shm", "-journal")
+LEDGER_NAME = ".runs.budget.ledger"     # beside the lock: the finished runs' directories measured, by key
+LEDGER_FORMAT, LEDGER_VERSION = "ds4f.runs-budget-ledger", 1
+LEDGER_EVERY = 64            # directories measured anew before the ledger is written again
+LEDGER_MAX_BYTES = 64 << 20  # about 500,000 run directories; a larger ledger is neither written nor read
+REWALK_PER_SCAN = 8          # kept measurements walked again each scan, the longest-unwalked first
+RACY_NS = 2_000_000_000      # a directory changed this close to a walk is walked again (timestamps' granularity)
 # what a run's report.json takes, bounding it from above: the summary, layers and events, then per
 # step a token's record (about 470 bytes of JSON), per prompt token its id twice, and the text
 REPORT_BASE = 64 * 1024
@@ -83,19 +103,37 @@ def disk_usage(path: str | os.PathLike, seen: set | None = None) -> int:
     return total
 
 
-def _newest_mtime(d: Path) -> float:
-    newest = 0.0
-    try:
-        newest = d.lstat().st_mtime
-        with os.scandir(d) as it:
-            for e in it:
-                try:
-                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-                except OSError:
-                    pass
-    except OSError:
-        pass
-    return newest
+def _walk(path: str, st: os.stat_result) -> tuple[int, dict, float, list[str], bool]:
+    """A run directory's measurement, `st` its lstat: (bytes of the inodes with one link, the
+    directory included; {(st_dev, st_ino): bytes} of the files with more, to be counted once across
+    the runs directory; the newest mtime of the directory and what is directly in it; the names
+    directly in it; whether it holds a directory of its own, walked whole)."""
+    own, shared, newest, names, below = st.st_blocks * 512, {}, st.st_mtime, [], []
+    stack, top = [path], True
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                children = list(it)
+        except OSError:
+            children = []
+        for c in children:
+            try:
+                cst = c.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if top:
+                names.append(c.name)
+                newest = max(newest, cst.st_mtime)
+            if stat.S_ISDIR(cst.st_mode):       # not a run's layout: counted whole, never kept
+                own += cst.st_blocks * 512
+                stack.append(c.path)
+                below.append(c.path)
+            elif cst.st_nlink > 1:
+                shared[(cst.st_dev, cst.st_ino)] = cst.st_blocks * 512
+            else:
+                own += cst.st_blocks * 512
+        top = False
+    return own, shared, newest, names, bool(below)
 
 
 def _held(path: Path) -> bool | None:
@@ -134,6 +172,16 @@ class _Entry:
     removable: bool
     mtime: float
     in_progress: bool = False
+
+
+@dataclass
+class _Known:
+    """A finished run directory's measurement, valid while `key` is the directory's."""
+    key: tuple               # (st_dev, st_ino, st_mtime_ns, st_ctime_ns) of the directory
+    entry: _Entry            # nbytes: `own` and every shared file's bytes; removable, not in progress
+    own: int
+    shared: dict             # {(st_dev, st_ino): bytes} of files with other links
+    seen: int = 0            # the scan that last listed it
 
 
 class Reservation:
@@ -178,6 +226,15 @@ class RunsBudget:
         self.removed_runs = self.removed_bytes = self.removed_rows = 0
         self._figures: dict | None = None
         self._measured_at = 0.0
+        # the finished runs' directories measured, by name, the longest-unwalked first (_Known)
+        self._scan_lock = threading.Lock()
+        self._known: dict[str, _Known] = {}
+        self._shared_keys: set = set()          # (st_dev, st_ino) of every file with other links walked since
+        self._ledger_read = False
+        self._unsaved = 0                       # directories measured anew since the ledger was read or written
+        self._runs_dir_id: list | None = None   # (st_dev, st_ino) of the runs directory at the last scan
+        self._leftovers: list[Path] | None = None
+        self.scans = self.walked = 0            # scans made, run directories walked (measured) in them
 
     @property
     def setting(self) -> str:
@@ -194,35 +251,201 @@ class RunsBudget:
         return sum(disk_usage(f"{self.history_path}{s}", seen) for s in HISTORY_SUFFIXES)
 
     def _scan(self, keep: Path | None) -> tuple[int, list[_Entry]]:
-        """(bytes not in a run's directory, the runs' directories); under the lock."""
-        loose, entries, seen = 0, [], set()
+        """(bytes not in a run's directory, the runs' directories); under the lock, or a read. Walks
+        only the directories whose key changed (see the module's docstring)."""
+        with self._scan_lock:
+            if not self._ledger_read:
+                self._ledger_read = True
+                self._read_ledger()
+            result = self._scan_once(keep, everything=False)
+            if result is None:     # a file newly linked from elsewhere: a kept directory may count it as its own
+                self._known.clear()
+                self._shared_keys = set()
+                result = self._scan_once(keep, everything=True)
+            return result
+
+    def _scan_once(self, keep: Path | None, everything: bool) -> tuple[int, list[_Entry]] | None:
+        self.scans += 1
+        scan, known = self.scans, self._known
+        loose, entries, counted = 0, [], set()      # counted: the (st_dev, st_ino) of shared files counted
+        self._leftovers = []
         try:
-            loose += disk_usage_self(self.runs_dir, seen)
-            it = list(os.scandir(self.runs_dir))
+            rst = os.lstat(self.runs_dir)
+            listing = os.scandir(self.runs_dir)
         except OSError:
-            return loose, entries
-        now = time.time()
-        for e in it:
-            p = Path(e.path)
-            if not e.is_dir(follow_symlinks=False):
-                loose += disk_usage(p, seen)
-                continue
-            nbytes = disk_usage(p, seen)
-            mtime = _newest_mtime(p)
-            reserved_file = p / RESERVATION
-            held = _held(reserved_file)
-            charge, removable, live = nbytes, True, False
-            if held:
-                charge, removable, live = max(nbytes, _reserved(reserved_file)), False, True
-            elif held is None and (p / (RUN_STATE + PARTIAL)).exists():
-                # a writer without a reservation: running, or just starting (its lock not yet
-                # taken: never touched then), or killed (unlocked and old: sweep_run_dirs's rule)
-                if now - mtime < LEFTOVER_AGE_S or _held(p / (RUN_STATE + PARTIAL)):
-                    removable, live = False, True
-            if keep is not None and p == keep:
-                removable = False
-            entries.append(_Entry(p, nbytes, charge, removable, mtime, live))
+            known.clear()
+            return 0, entries
+        loose += rst.st_blocks * 512
+        self._runs_dir_id = [rst.st_dev, rst.st_ino]
+        try:
+            loose += os.lstat(self.runs_dir.parent / LEDGER_NAME).st_blocks * 512
+        except OSError:
+            pass
+        started = time.time_ns()
+        now = started / 1e9
+        again = set() if everything else set(itertools.islice(known, REWALK_PER_SCAN))
+        keep_name = keep.name if keep is not None and os.path.dirname(os.path.abspath(keep)) == \
+            os.path.abspath(self.runs_dir) else None
+        new_shared, listed, hits = False, 0, 0
+        with listing as it:
+            for e in it:
+                name = e.name
+                try:
+                    is_dir = e.is_dir(follow_symlinks=False)
+                    st = os.lstat(e.path)
+                except OSError:
+                    continue
+                if not is_dir or not stat.S_ISDIR(st.st_mode):
+                    if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                        f = (st.st_dev, st.st_ino)
+                        new_shared |= f not in self._shared_keys
+                        self._shared_keys.add(f)
+                        loose += _claim(0, {f: st.st_blocks * 512}, counted)
+                    else:
+                        loose += st.st_blocks * 512
+                    continue
+                key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+                k = known.get(name)
+                if k is not None and k.key == key and name not in again:
+                    k.seen = scan
+                    listed += 1
+                    hits += 1
+                    ent = k.entry
+                    if k.shared:
+                        n = _claim(k.own, k.shared, counted)
+                        if n != ent.nbytes:
+                            ent = replace(ent, nbytes=n, charge=n)
+                    if name == keep_name:
+                        ent = replace(ent, removable=False)
+                    entries.append(ent)
+                    continue
+                # new, changed, or its turn to be walked again
+                own, shared, newest, names, nested = _walk(e.path, st)
+                self.walked += 1
+                if shared and not self._shared_keys.issuperset(shared):
+                    new_shared = True
+                    self._shared_keys.update(shared)
+                p = Path(e.path)
+                partial = any(n.endswith(PARTIAL) for n in names)
+                if not partial and not nested and max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_NS:
+                    old = known.pop(name, None)
+                    total = own + sum(shared.values())
+                    k = known[name] = _Known(key, _Entry(p, total, total, True, newest), own, shared, scan)
+                    listed += 1
+                    if old is None or (old.key, old.own, old.shared, old.entry.mtime) != (key, own, shared, newest):
+                        self._unsaved += 1
+                    n = _claim(own, shared, counted)
+                    ent = k.entry if n == total else replace(k.entry, nbytes=n, charge=n)
+                    entries.append(replace(ent, removable=False) if name == keep_name else ent)
+                    continue
+                known.pop(name, None)      # (a kept one that changed: not kept while it changes)
+                nbytes = _claim(own, shared, counted)
+                reserved_file = p / RESERVATION
+                held = _held(reserved_file) if RESERVATION in names else None
+                charge, removable, live = nbytes, True, False
+                if held:
+                    charge, removable, live = max(nbytes, _reserved(reserved_file)), False, True
+                elif held is None and RUN_STATE + PARTIAL in names:
+                    # a writer without a reservation: running, or just starting (its lock not yet
+                    # taken: never touched then), or killed (unlocked and old: sweep_run_dirs's rule)
+                    if now - newest < LEFTOVER_AGE_S or _held(p / (RUN_STATE + PARTIAL)):
+                        removable, live = False, True
+                if not held and RUN_STATE + PARTIAL in names:     # sweep_run_dirs decides (age, its lock)
+                    self._leftovers.append(p)
+                if name == keep_name:
+                    removable = False
+                entries.append(_Entry(p, nbytes, charge, removable, newest, live))
+        if new_shared and hits and not everything:     # what was kept before counted a file now shared?
+            return None
+        if listed < len(known):         # removed (by another process, by hand) since: forgotten
+            for name in [n for n, k in known.items() if k.seen != scan]:
+                del known[name]
         return loose, entries
+
+    def leftover_dirs(self) -> list[Path] | None:
+        """The run directories the last scan found holding a state.bin.partial without a run's
+        reservation held (what a killed run may have left: statedump.sweep_run_dirs's candidates,
+        which it checks for their age and lock); None before the first scan."""
+        with self._scan_lock:
+            return None if self._leftovers is None else list(self._leftovers)
+
+    def _forget(self, name: str) -> None:
+        with self._scan_lock:
+            self._known.pop(name, None)
+
+    # -- the ledger: the kept measurements, for the next process -----------------------------------
+    @property
+    def ledger_path(self) -> Path:
+        return self.runs_dir.parent / LEDGER_NAME
+
+    def _read_ledger(self) -> None:
+        """The measurements another process (or this one, earlier) kept; anything unreadable, of
+        another runs directory or not what the writer writes is ignored whole (every directory is
+        then walked once). Each is used only while its directory's key is the one it names."""
+        try:
+            fd = os.open(self.ledger_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > LEDGER_MAX_BYTES:
+                return
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(LEDGER_MAX_BYTES + 1)
+            rst = os.lstat(self.runs_dir)
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("format") != LEDGER_FORMAT or \
+                    doc.get("version") != LEDGER_VERSION or doc.get("runs_dir") != [rst.st_dev, rst.st_ino]:
+                return
+            known = {}
+            for row in doc["dirs"]:
+                name, dev, ino, mtime_ns, ctime_ns, own, newest, shared = row
+                if not (type(name) is str and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+                        and all(type(v) is int for v in (dev, ino, mtime_ns, ctime_ns, own)) and own >= 0
+                        and type(newest) in (int, float) and isinstance(shared, list)):
+                    return
+                sh = {}
+                for d, i, b in shared:
+                    if not (type(d) is int and type(i) is int and type(b) is int and b >= 0):
+                        return
+                    sh[(d, i)] = b
+                total = own + sum(sh.values())
+                known[name] = _Known((dev, ino, mtime_ns, ctime_ns),
+                                     _Entry(self.runs_dir / name, total, total, True, float(newest)), own, sh)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return
+        finally:
+            os.close(fd)
+        self._known = known
+        self._shared_keys = {f for k in known.values() if k.shared for f in k.shared}
+
+    def _write_ledger(self) -> None:
+        """The kept measurements beside the lock (written whole, then renamed: a reader sees the
+        old one or the new one), once LEDGER_EVERY directories were measured anew; under the lock.
+        Not written is no error: a process without it walks the directories once."""
+        with self._scan_lock:
+            if self._unsaved < LEDGER_EVERY or self._runs_dir_id is None:
+                return
+            rows = [[n, *k.key, k.own, k.entry.mtime, [[d, i, b] for (d, i), b in k.shared.items()]]
+                    for n, k in self._known.items()]
+            text = json.dumps({"format": LEDGER_FORMAT, "version": LEDGER_VERSION, "runs_dir": self._runs_dir_id,
+                               "dirs": rows}, separators=(",", ":"))
+            self._unsaved = 0
+        if len(text) > LEDGER_MAX_BYTES:
+            return
+        tmp = self.ledger_path.with_name(LEDGER_NAME + PARTIAL)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.ledger_path)
+        except OSError:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
     def _measure(self, keep: Path | None = None) -> tuple[int, int, list[_Entry]]:
         loose, entries = self._scan(keep)
@@ -235,10 +458,13 @@ class RunsBudget:
         runs, hist, entries = self._measure(keep)
         notes: list[str] = []
         gone, gone_bytes = [], 0
-        for e in sorted((e for e in entries if e.removable), key=lambda e: (e.mtime, e.path.name)):
+        doomed = sorted((e for e in entries if e.removable), key=lambda e: (e.mtime, e.path.name)) \
+            if runs + hist + need > self.budget else ()
+        for e in doomed:
             if runs + hist + need <= self.budget:
                 break
             shutil.rmtree(e.path, ignore_errors=True)
+            self._forget(e.path.name)
             left = disk_usage(e.path) if e.path.exists() else 0
             freed = e.charge - left
             runs -= freed
@@ -258,6 +484,7 @@ class RunsBudget:
                 notes.append(f"run history: removed its {rows} oldest record{'s' if rows != 1 else ''} to stay"
                              f" within the {self.setting} ({history.path} is {format_bytes(hist)} now)")
         self._remember(runs, hist, entries)
+        self._write_ledger()
         return runs + hist, notes
 
     def _trim_history(self, history, excess: int) -> int:
@@ -336,14 +563,13 @@ class RunsBudget:
             return dict(self._figures)
 
 
-def disk_usage_self(path: Path, seen: set) -> int:
-    """The bytes of a directory entry itself (not what is under it)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0
-    seen.add((st.st_dev, st.st_ino))
-    return st.st_blocks * 512
+def _claim(own: int, shared: dict, counted: set) -> int:
+    """`own` and the bytes of the `shared` files not `counted` yet (then counted)."""
+    for key, nbytes in shared.items():
+        if key not in counted:
+            counted.add(key)
+            own += nbytes
+    return own
 
 
 class _DirLock:

@@ -582,7 +582,9 @@ class Run:
                              response_format=fmt.to_dict() if (fmt := self.config.response_format) is not None else None)
         notes = writer.notes
         if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
-            notes += sweep_run_dirs(self.dump_path.parent.parent, keep=self.dump_path.parent)
+            # those the budget's scan before the run found (not every run's directory walked again)
+            leftovers = self._budget.leftover_dirs() if self._budget is not None else None
+            notes += sweep_run_dirs(self.dump_path.parent.parent, keep=self.dump_path.parent, candidates=leftovers)
         for note in notes:
             self._log(note)
         return writer

@@ -546,17 +546,22 @@ def clean_leftovers(state_path: str | os.PathLike, report_path: str | os.PathLik
 
 
 def sweep_run_dirs(runs_dir: str | os.PathLike, keep: str | os.PathLike | None = None,
-                   min_age_s: float = 60.0) -> list[str]:
+                   min_age_s: float = 60.0, candidates: list | None = None) -> list[str]:
     """Remove what killed runs left in the per-run directories under `runs_dir` (a run's default
     place, one directory per run, never reused): the `.partial` files, a report.json whose
     state.bin never landed, and then the directory if nothing else is in it. A directory whose
     state.bin.partial a live writer holds locked, or was touched in the last min_age_s, is left
-    alone, as is `keep`. What was removed, as notes."""
+    alone, as is `keep`. `candidates`: the directories to look at (those the runs budget's last
+    scan found holding a `.partial` no live run writes: budget.RunsBudget.leftover_dirs), not
+    every run's directory; None: every one. What was removed, as notes."""
     notes = []
-    try:
-        dirs = [d for d in Path(runs_dir).iterdir() if d.is_dir()]
-    except OSError:
-        return notes
+    if candidates is not None:
+        dirs = [Path(d) for d in candidates]
+    else:
+        try:
+            dirs = [d for d in Path(runs_dir).iterdir() if d.is_dir()]
+        except OSError:
+            return notes
     for d in dirs:
         if keep is not None and d == Path(keep):
             continue

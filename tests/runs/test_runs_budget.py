@@ -4,10 +4,12 @@ across processes; a run whose own files would pass it is refused before it start
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,239 @@ def test_the_floor_cache_keeps_no_stale_measurements(tiny_model, tmp_path, monke
     assert any(k.endswith("|qd1") for k in kept)           # the one just measured
     assert "/recent/pool-0.bin:1:0|qd4" in kept and f"/recent/pool-{FLOOR_ENTRIES + 9}.bin:1:{FLOOR_ENTRIES + 9}|qd4" \
         not in kept
+
+
+# -- measured without walking every run's directory each time ---------------------------------------
+
+def _runs_du(runs: Path) -> int:
+    """What du would say of the runs directory and the budget's ledger beside it."""
+    from ds4f.runs.budget import LEDGER_NAME
+
+    seen: set = set()
+    return disk_usage(runs, seen) + disk_usage(runs.parent / LEDGER_NAME, seen)
+
+
+def _measured(budget) -> dict:
+    """What settle() (a run's check after it) measured: figures of that measurement, no other scan."""
+    budget.settle()
+    return budget.figures(max_age_s=3600)
+
+
+@pytest.fixture()
+def quick(monkeypatch):
+    """A directory changed 50 ms before a scan may be kept (the real margin is 2 s, for coarse
+    file systems' timestamps); the kept measurements walked again only where a test says so."""
+    import ds4f.runs.budget as budget_mod
+
+    monkeypatch.setattr(budget_mod, "RACY_NS", 50_000_000)
+    monkeypatch.setattr(budget_mod, "REWALK_PER_SCAN", 0)
+    return budget_mod
+
+
+def _settled_dirs(runs: Path, n: int, nbytes: int = 20_000) -> list[Path]:
+    dirs = [_finished_run(runs, f"2001{i:04d}-000000-ab", nbytes, 978_307_200 + i * 60) for i in range(n)]
+    time.sleep(0.1)      # past the (shortened) margin: their directories may be kept
+    return dirs
+
+
+ADDER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from ds4f.runs.budget import runs_budget_for
+    b = runs_budget_for(sys.argv[1], int(sys.argv[2]))
+    d = Path(sys.argv[3])
+    r = b.reserve(d, 500_000)
+    with open(d / "state.bin.partial", "wb") as f:      # as a run commits: written, then renamed
+        f.write(os.urandom(300_000))
+    os.replace(d / "state.bin.partial", d / "state.bin")
+    (d / "report.json").write_text('{"state_nbytes": 300000}')
+    b.settle(r, keep=d)
+    print(b.figures(max_age_s=3600)["runs"], flush=True)
+""")
+
+
+def test_a_run_directory_another_process_adds_between_two_runs_is_counted(tmp_path, quick):
+    runs = tmp_path / "data" / "runs"
+    _settled_dirs(runs, 30)
+    budget = runs_budget_for(runs, 100 * MB)
+    first = _measured(budget)
+    assert first["runs"] == 30 and first["used_bytes"] == _runs_du(runs)
+    walked = budget.walked
+    assert _measured(budget)["used_bytes"] == first["used_bytes"] and budget.walked == walked   # nothing walked
+    out = subprocess.run([sys.executable, "-c", ADDER, str(runs), str(100 * MB), str(runs / "other")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "31", out.stderr
+    after = _measured(budget)
+    assert after["runs"] == 31 and after["used_bytes"] == _runs_du(runs) >= first["used_bytes"] + 300_000
+    assert budget.walked == walked + 1            # the new directory alone
+
+
+def test_a_run_directory_removed_by_hand_drops_out_and_a_file_removed_is_counted(tmp_path, quick):
+    runs = tmp_path / "data" / "runs"
+    dirs = _settled_dirs(runs, 30)
+    budget = runs_budget_for(runs, 100 * MB)
+    first = _measured(budget)
+    walked = budget.walked
+    shutil.rmtree(dirs[3])                  # by hand: a whole run
+    (dirs[7] / "state.bin").unlink()        # and one file of another
+    after = _measured(budget)
+    assert after["runs"] == 29 and after["used_bytes"] == _runs_du(runs) < first["used_bytes"] - 2 * 20_000
+    assert budget.walked == walked + 1      # dirs[7] only: dirs[3] is gone, the others unchanged
+    # over the budget, the one removed by hand is not among what goes (it is not there), the oldest left is
+    budget.budget = after["used_bytes"] - 1
+    notes = budget.settle()
+    assert not dirs[0].exists() and dirs[1].exists() and any(dirs[0].name in n for n in notes), notes
+    assert _measured(budget)["used_bytes"] == _runs_du(runs)
+
+
+def test_a_finished_run_whose_file_changed_is_measured_again(tmp_path, quick):
+    runs = tmp_path / "data" / "runs"
+    dirs = _settled_dirs(runs, 30)
+    budget = runs_budget_for(runs, 100 * MB)
+    first = _measured(budget)
+    walked = budget.walked
+    # a report rewritten the way every writer here does it (a new file renamed into place)
+    tmp = dirs[5] / "report.json.new"
+    tmp.write_text("x" * 200_000)
+    os.replace(tmp, dirs[5] / "report.json")
+    after = _measured(budget)
+    assert after["used_bytes"] == _runs_du(runs) > first["used_bytes"] + 150_000
+    assert budget.walked == walked + 1
+    time.sleep(0.1)
+    _measured(budget)                           # dirs[5] kept again
+    # a state dump grown in place leaves its directory's key as it was: counted when its turn comes
+    quick.REWALK_PER_SCAN = 8
+    with open(dirs[20] / "state.bin", "ab") as f:
+        f.write(os.urandom(500_000))
+    truth, scans, walked = _runs_du(runs), 1, budget.walked
+    while _measured(budget)["used_bytes"] != truth:
+        scans += 1
+        assert scans <= 30 // 8 + 1, "the grown file was never measured again"
+    assert budget.walked - walked == 8 * scans      # a few directories a scan, not all of them
+
+
+def test_a_file_linked_into_another_run_directory_is_counted_once(tmp_path, quick):
+    runs = tmp_path / "data" / "runs"
+    dirs = _settled_dirs(runs, 12, nbytes=400_000)
+    budget = runs_budget_for(runs, 100 * MB)
+    first = _measured(budget)
+    os.link(dirs[2] / "state.bin", dirs[9] / "copy.bin")       # dirs[2] is kept, counting it as its own
+    after = _measured(budget)
+    assert after["used_bytes"] == _runs_du(runs) < first["used_bytes"] + 400_000
+
+
+FRESH = textwrap.dedent("""
+    import sys
+    import ds4f.runs.budget as budget
+    budget.REWALK_PER_SCAN = 0          # what changed alone walked
+    b = budget.RunsBudget(sys.argv[1], 10**12)
+    f = b.figures(max_age_s=0)
+    print(b.walked, f["runs"], f["used_bytes"], flush=True)
+""")
+
+
+def _fresh_process(runs: Path) -> tuple[int, int, int]:
+    """(directories walked, runs, bytes) of a new process's first measurement."""
+    out = subprocess.run([sys.executable, "-c", FRESH, str(runs)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    walked, n, used = map(int, out.stdout.split())
+    return walked, n, used
+
+
+def test_a_new_process_walks_only_what_changed_since_the_ledger(tmp_path, quick):
+    from ds4f.runs.budget import LEDGER_EVERY, LEDGER_NAME
+
+    runs = tmp_path / "data" / "runs"
+    dirs = _settled_dirs(runs, LEDGER_EVERY + 6)
+    budget = runs_budget_for(runs, 100 * MB)
+    _measured(budget)                           # every directory walked: the ledger written
+    ledger = runs.parent / LEDGER_NAME
+    assert ledger.is_file()
+    walked, n, used = _fresh_process(runs)
+    assert (walked, n, used) == (0, LEDGER_EVERY + 6, _runs_du(runs))
+    # by hand since: a run's directory removed, one added, a file replaced in a third
+    shutil.rmtree(dirs[0])
+    _finished_run(runs, "20990101-000000-new", 70_000, 978_307_200)
+    (dirs[9] / "report.json").unlink()
+    walked, n, used = _fresh_process(runs)
+    assert (walked, n, used) == (2, LEDGER_EVERY + 6, _runs_du(runs))
+
+
+@pytest.mark.parametrize("bad", ["garbage", "wrong keys", "another runs directory", "deep", "fifo", "symlink"])
+def test_a_ledger_that_is_not_the_budget_s_own_is_ignored(tmp_path, quick, bad):
+    """Whatever sits in the ledger's place that the budget did not write: every directory walked,
+    the figure exact, nothing blocks (a FIFO is not opened for reading until a writer comes)."""
+    import json
+
+    from ds4f.runs.budget import LEDGER_EVERY, LEDGER_NAME
+
+    runs = tmp_path / "data" / "runs"
+    dirs = _settled_dirs(runs, LEDGER_EVERY + 1)
+    _measured(runs_budget_for(runs, 100 * MB))
+    ledger = runs.parent / LEDGER_NAME
+    doc = json.loads(ledger.read_text())
+    ledger.unlink()
+    if bad == "garbage":
+        ledger.write_bytes(b"\x00{not json" * 100)
+    elif bad == "wrong keys":    # rows of the right shape that lie: a size for a key no directory has
+        doc["dirs"] = [[r[0], r[1], r[2], r[3] + 1, r[4], 1, r[6], []] for r in doc["dirs"]]
+        ledger.write_text(json.dumps(doc))
+    elif bad == "another runs directory":
+        doc["runs_dir"] = [doc["runs_dir"][0], doc["runs_dir"][1] + 1]
+        ledger.write_text(json.dumps(doc))
+    elif bad == "deep":
+        ledger.write_text("[" * 100_000 + "]" * 100_000)
+    elif bad == "fifo":
+        os.mkfifo(ledger)
+    else:
+        (tmp_path / "elsewhere.json").write_text(json.dumps(doc))
+        ledger.symlink_to(tmp_path / "elsewhere.json")
+    walked, n, used = _fresh_process(runs)
+    assert n == len(dirs) and walked == len(dirs) and used == _runs_du(runs)
+
+
+def test_a_killed_run_s_leftover_is_swept_from_what_the_budget_found(tmp_path, quick):
+    from ds4f.runs.statedump import sweep_run_dirs
+
+    runs = tmp_path / "data" / "runs"
+    _settled_dirs(runs, 20)
+    killed = runs / "20010101-000000-killed"
+    killed.mkdir()
+    (killed / "state.bin.partial").write_bytes(b"s" * 1000)
+    (killed / "report.json").write_text("{}")
+    for p in (killed / "state.bin.partial", killed / "report.json", killed):
+        os.utime(p, (978_307_200, 978_307_200))
+    budget = runs_budget_for(runs, 100 * MB)
+    assert budget.leftover_dirs() is None             # no scan yet: the sweep looks at every directory
+    _measured(budget)
+    assert budget.leftover_dirs() == [killed]
+    assert sweep_run_dirs(runs, candidates=[]) == [] and killed.exists()      # only the candidates looked at
+    notes = sweep_run_dirs(runs, candidates=budget.leftover_dirs())
+    assert not killed.exists() and notes == [f"removed {killed}, what a killed run left"]
+
+
+def test_a_directory_changed_just_before_a_scan_is_walked_again_at_the_next(tmp_path, quick):
+    """Timestamps have a tick: a change in the tick of a walk could leave a directory's key as it
+    was, so one changed within RACY_NS of a scan is never kept (here: every one, a minute's margin)."""
+    runs = tmp_path / "data" / "runs"
+    _settled_dirs(runs, 10)
+    quick.RACY_NS = 60_000_000_000
+    budget = runs_budget_for(runs, 100 * MB)
+    for scan in range(3):
+        walked = budget.walked
+        assert _measured(budget)["used_bytes"] == _runs_du(runs)
+        assert budget.walked - walked == 10, scan
+
+
+def test_a_directory_within_a_run_s_directory_is_walked_every_time(tmp_path, quick):
+    """A run writes no directory of its own; one made there by hand changes without its run's
+    directory changing (a file added below it), so such a run's directory is never kept."""
+    runs = tmp_path / "data" / "runs"
+    dirs = _settled_dirs(runs, 10)
+    (dirs[4] / "notes").mkdir()
+    time.sleep(0.1)
+    budget = runs_budget_for(runs, 100 * MB)
+    first = _measured(budget)
+    (dirs[4] / "notes" / "big.bin").write_bytes(os.urandom(300_000))
+    after = _measured(budget)
+    assert after["used_bytes"] == _runs_du(runs) > first["used_bytes"] + 250_000
