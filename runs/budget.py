@@ -164,17 +164,22 @@ def _reserved(path: Path) -> int:
         return 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
-    path: Path
+    parent: Path             # the runs directory (one object for all)
+    name: str
     nbytes: int              # on disk now
     charge: int              # what it counts for: an in-progress run's reservation, if more
     removable: bool
     mtime: float
     in_progress: bool = False
 
+    @property
+    def path(self) -> Path:
+        return self.parent / self.name
 
-@dataclass
+
+@dataclass(slots=True)
 class _Known:
     """A finished run directory's measurement, valid while `key` is the directory's."""
     key: tuple               # (st_dev, st_ino, st_mtime_ns, st_ctime_ns) of the directory
@@ -330,7 +335,7 @@ class RunsBudget:
                 if not partial and not nested and max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_NS:
                     old = known.pop(name, None)
                     total = own + sum(shared.values())
-                    k = known[name] = _Known(key, _Entry(p, total, total, True, newest), own, shared, scan)
+                    k = known[name] = _Known(key, _Entry(self.runs_dir, name, total, total, True, newest), own, shared, scan)
                     listed += 1
                     if old is None or (old.key, old.own, old.shared, old.entry.mtime) != (key, own, shared, newest):
                         self._unsaved += 1
@@ -354,7 +359,7 @@ class RunsBudget:
                     self._leftovers.append(p)
                 if name == keep_name:
                     removable = False
-                entries.append(_Entry(p, nbytes, charge, removable, newest, live))
+                entries.append(_Entry(self.runs_dir, name, nbytes, charge, removable, newest, live))
         if new_shared and hits and not everything:     # what was kept before counted a file now shared?
             return None
         if listed < len(known):         # removed (by another process, by hand) since: forgotten
@@ -412,7 +417,7 @@ class RunsBudget:
                     sh[(d, i)] = b
                 total = own + sum(sh.values())
                 known[name] = _Known((dev, ino, mtime_ns, ctime_ns),
-                                     _Entry(self.runs_dir / name, total, total, True, float(newest)), own, sh)
+                                     _Entry(self.runs_dir, name, total, total, True, float(newest)), own, sh)
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return
         finally:
@@ -458,17 +463,17 @@ class RunsBudget:
         runs, hist, entries = self._measure(keep)
         notes: list[str] = []
         gone, gone_bytes = [], 0
-        doomed = sorted((e for e in entries if e.removable), key=lambda e: (e.mtime, e.path.name)) \
+        doomed = sorted((e for e in entries if e.removable), key=lambda e: (e.mtime, e.name)) \
             if runs + hist + need > self.budget else ()
         for e in doomed:
             if runs + hist + need <= self.budget:
                 break
             shutil.rmtree(e.path, ignore_errors=True)
-            self._forget(e.path.name)
+            self._forget(e.name)
             left = disk_usage(e.path) if e.path.exists() else 0
             freed = e.charge - left
             runs -= freed
-            gone.append(e.path.name)
+            gone.append(e.name)
             gone_bytes += freed
         if gone:
             with self._lock:
