@@ -134,6 +134,11 @@ def _dontneed(fd: int, offset: int, length: int) -> None:
         pass
 
 
+
+def expert_name(n_layers: int, layer: int, expert: int) -> str:
+    """"layer 3, expert 5", or "the MTP layer, expert 5" for the record index n_layers."""
+    return f"the MTP layer, expert {expert}" if layer == n_layers else f"layer {layer}, expert {expert}"
+
 class Checkpoint:
     """Common interface; see OfficialCheckpoint and Ds4fCheckpoint."""
 
@@ -161,6 +166,11 @@ class Checkpoint:
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.geometry.n_layers:
             raise IndexError(f"layer {layer} out of range 0..{self.geometry.n_layers - 1}")
+
+    def expert_name(self, layer: int, expert: int) -> str:
+        """How messages name a routed expert: "layer 3, expert 5"; the MTP layer's records (layer
+        n_layers) as "the MTP layer, expert 5", not as a layer the model does not have."""
+        return expert_name(self.geometry.n_layers, layer, expert)
 
     def _check_expert(self, layer: int, expert: int) -> None:
         if not (self.mtp_layers and isinstance(layer, (int, np.integer)) and layer == self.geometry.n_layers):

@@ -104,7 +104,7 @@ class Ds4fCheckpoint(Checkpoint):
         mv = _check_buffer(buf, self.record_nbytes, "read_expert")[: self.record_nbytes]
         off = int(self.record_offsets[layer * self.geometry.n_experts + expert])
         n = self._direct_read(self._pool_fd, self.io_mode, self._pool_buffered, self.pool_path, mv, off,
-                              f"(layer {layer}, expert {expert})")
+                              f"({self.expert_name(layer, expert)})")
         if check:
             self.check_expert(layer, expert, buf)
         return n
@@ -118,8 +118,8 @@ class Ds4fCheckpoint(Checkpoint):
         mv = _check_buffer(buf, self.expert_nbytes, "check_expert")
         crc = crc32(mv[: self.expert_nbytes])
         if crc != int(self.record_crc32[index]):
-            raise Ds4fError(f"{self.pool_path}: the record of layer {layer}, expert {expert} (at byte"
-                            f" {int(self.record_offsets[index])}) is corrupt: crc32 {crc:08x}, {POOL_JSON} says"
+            raise Ds4fError(f"{self.pool_path}: the record of {self.expert_name(layer, expert)} (record {index},"
+                            f" at byte {int(self.record_offsets[index])}) is corrupt: crc32 {crc:08x}, {POOL_JSON} says"
                             f" {int(self.record_crc32[index]):08x}; `ds4f verify {self.path}` lists every bad record",
                             path=str(self.pool_path))
         return True

@@ -84,11 +84,11 @@ class OfficialCheckpoint(Checkpoint):
             try:
                 got = os.preadv(fd, views, off)
             except OSError as exc:
-                raise Ds4fError(f"{f}: read of (layer {layer}, expert {expert}) failed: {exc.strerror}") from None
+                raise Ds4fError(f"{f}: read of ({self.expert_name(layer, expert)}) failed: {exc.strerror}") from None
             if got < n:  # redo piecewise: a second short read means the shard is truncated
                 pos = off
                 for v in views:
-                    pread_exact(fd, v, pos, f, f"(layer {layer}, expert {expert})")
+                    pread_exact(fd, v, pos, f, f"({self.expert_name(layer, expert)})")
                     pos += len(v)
             _dontneed(fd, off, n)
             total += n

@@ -28,7 +28,7 @@ import numpy as np
 
 from ds4f.engine.checkpoint import detect_kind
 from ds4f.engine.checkpoint.checksum import crc32
-from ds4f.engine.checkpoint.base import _views, aligned_buffer
+from ds4f.engine.checkpoint.base import _views, aligned_buffer, expert_name
 from ds4f.engine.checkpoint.layout import load_ds4f_layout
 from ds4f.engine.checkpoint.official import NO_MTP, check_mtp_tensors, check_official_tensors
 from ds4f.engine.checkpoint.tensors import layer_prefix
@@ -129,14 +129,15 @@ def _pool_record_problems(layout, g: Geometry, progress: ProgressArg, info: dict
                     checked += 1
                     crc = crc32(memoryview(buf)[: g.expert_nbytes])
                     if crc != int(crcs[i]):
-                        bad_crc.append(f"{pool_path}: record (layer {L}, expert {e}) at offset {off}: crc32"
+                        bad_crc.append(f"{pool_path}: record {i} ({expert_name(g.n_layers, L, e)}) at offset {off}:"
+                                       f" crc32"
                                        f" {crc:08x}, pool-mxfp4.json says {int(crcs[i]):08x}")
                     nan = int(np.count_nonzero(buf[scale_lo: g.expert_nbytes] == E8M0_NAN))
                     if nan:
                         nan_total += nan
                         nan_records.append((L, e, nan))
                     if buf[g.expert_nbytes:].any():
-                        bad_pad.append(f"{pool_path}: record (layer {L}, expert {e}): nonzero padding")
+                        bad_pad.append(f"{pool_path}: record {i} ({expert_name(g.n_layers, L, e)}): nonzero padding")
                     bar.advance(rec_n, f"layer {L}")
         finally:
             os.close(fd)
@@ -145,7 +146,7 @@ def _pool_record_problems(layout, g: Geometry, progress: ProgressArg, info: dict
     if skipped and not any("truncated" in p for p in earlier + problems):
         problems.append(f"{pool_path}: {skipped} records could not be read in full")
     if nan_total:
-        where = ", ".join(f"(layer {L}, expert {e}): {n}" for L, e, n in nan_records[:10])
+        where = ", ".join(f"({expert_name(g.n_layers, L, e)}): {n}" for L, e, n in nan_records[:10])
         problems.append(f"{pool_path}: {nan_total} NaN scale bytes (0xFF) in {len(nan_records)} records: {where}"
                         + (" ..." if len(nan_records) > 10 else ""))
     return problems

@@ -113,7 +113,7 @@ def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
         for rank, w in batch:
             if rank == SHARED:
                 shared_expert(w, x, buf.moe)
-    check_finite(buf.moe.ys, buf.moe.shared_out, layer, ids, token_id)
+    check_finite(buf.moe.ys, buf.moe.shared_out, layer, ids, token_id, source)
     return ids, weights, combine(buf.moe)
 
 
@@ -127,13 +127,28 @@ def moe_route(source: WeightSource, layer: int, h: np.ndarray, token_id: int, x_
     return x, ids, weights
 
 
-def check_finite(ys: np.ndarray, shared_out: np.ndarray, layer: int, ids: np.ndarray, token_id: int) -> None:
-    """A NaN or Inf in an expert's output poisons everything after it: stop, naming the expert."""
+def layer_label(source, layer: int) -> str:
+    """How errors name the source's `layer`: "layer 3", or what the source says (the MTP block,
+    a one-layer source, is not the main model's layer 0)."""
+    label = getattr(source, "layer_label", None)
+    return label(layer) if label is not None else f"layer {layer}"
+
+
+def expert_label(source, layer: int, expert: int) -> str:
+    """How errors name a routed expert: "layer 3: expert 5", or what the source says (with the file)."""
+    label = getattr(source, "expert_label", None)
+    return label(layer, expert) if label is not None else f"layer {layer}: expert {expert}"
+
+
+def check_finite(ys: np.ndarray, shared_out: np.ndarray, layer: int, ids: np.ndarray, token_id: int,
+                 source=None) -> None:
+    """A NaN or Inf in an expert's output poisons everything after it: stop, naming the expert
+    (as `source` names it, with its file where the source knows it)."""
     if np.isfinite(ys).all() and np.isfinite(shared_out).all():
         return
     bad = [r for r in range(len(ys)) if not np.isfinite(ys[r]).all()]
-    who = f"expert {int(ids[bad[0]])}" if bad else "the shared expert"
-    raise Ds4fError(f"layer {layer}: {who} gives a non-finite output (NaN or Inf) for token {token_id}:"
+    who = expert_label(source, layer, int(ids[bad[0]])) if bad else f"{layer_label(source, layer)}: the shared expert"
+    raise Ds4fError(f"{who} gives a non-finite output (NaN or Inf) for token {token_id}:"
                     f" its weights are corrupt (an MXFP4 scale byte of 0xFF is NaN)", kind="data")
 
 
@@ -170,7 +185,7 @@ def check_logits(logits: np.ndarray, token_id: int) -> np.ndarray:
 
 
 def attention_sublayer(la: LayerAttention, X: np.ndarray, parts: list, g: Geometry, layer: int, token_ids,
-                       h64: np.ndarray, beside=None, on_bad=None) -> np.ndarray:
+                       h64: np.ndarray, beside=None, on_bad=None, name: str | None = None) -> np.ndarray:
     """The attention sublayer with its hyper-connections for a step's n rows: X (their streams,
     [n, N, hidden]) updated in place; parts: (layer cache, pos0, count) of each sequence's run of
     consecutive rows, its cache updated (token after token); returns the attention's outputs Y
@@ -185,7 +200,8 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, parts: list, g: Geomet
     if not np.isfinite(Y).all():
         positions = [pos0 + i for _, pos0, count in parts for i in range(count)]
         for c in np.flatnonzero(~np.isfinite(Y).all(axis=1)):
-            err = Ds4fError(f"layer {layer}: the attention gives a non-finite output (NaN or Inf) for token"
+            err = Ds4fError(f"{name or f'layer {layer}'}: the attention gives a non-finite output (NaN or Inf) for"
+                            f" token"
                             f" {token_ids[c]} at position {positions[c]}: its weights are corrupt", kind="data")
             if on_bad is None:
                 raise err

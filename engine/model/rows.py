@@ -37,7 +37,7 @@ from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.engine.model.attention import RMS_BLOCK
 from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSource, attention_sublayer,
-                                       check_finite, check_logits)
+                                       check_finite, check_logits, layer_label)
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
 from ds4f.engine.model.moe import MoeBuffers, sum_outputs
@@ -177,7 +177,8 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
             la = source.attention(layer)
             parts = [(s.kv.layers[layer], s.pos0, len(s.token_ids)) for s in segments]
             buf.attn[:n, layer] = attention_sublayer(la, X, parts, g, layer, token_ids, buf.h64, beside,
-                                                     lambda c, err: bad(c, err) if _live(segments, owner, c) else None)
+                                                     lambda c, err: bad(c, err) if _live(segments, owner, c) else None,
+                                                     name=layer_label(source, layer))
         t1 = perf_counter()
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
@@ -185,7 +186,7 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
         _route_rows(source, layer, H, token_ids, buf)
         # the next layer's likely experts are read while this one computes
         _experts(source, layer, buf, n, bad if isolate else None, lambda: source.guess_rows(layer + 1, H))
-        _check_finite_rows(buf, layer, token_ids, segments, owner, bad)
+        _check_finite_rows(buf, layer, token_ids, segments, owner, bad, source)
         Y = sum_outputs(buf.ys[:n], buf.shared_out[:n], buf.moe_out[:n])
         if att is not None:
             hc_post_rows(X, Y, post, comb, beside)
@@ -216,7 +217,8 @@ def _live(segments: list[Segment], owner: np.ndarray, c: int) -> bool:
     return segments[owner[c]].error is None
 
 
-def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int], segments, owner, bad) -> None:
+def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int], segments, owner, bad,
+                       source=None) -> None:
     """forward.check_finite for the step's rows: one pass over all outputs, each bad row of a
     live segment reported (the first raises without isolate)."""
     n = len(token_ids)
@@ -225,7 +227,7 @@ def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int], segm
     for c in range(n):
         if _live(segments, owner, c):
             try:
-                check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c])
+                check_finite(buf.ys[c], buf.shared_out[c], layer, buf.ids[c, layer], token_ids[c], source)
             except Ds4fError as err:
                 bad(c, err)
 

@@ -60,6 +60,24 @@ class MtpSource:
     def nbytes(self) -> int:
         return self.capacity * self.slot_nbytes
 
+    # -- how errors name the MTP layer (not the main model's layer 0, nor its record index n_layers)
+    def layer_label(self, layer: int) -> str:
+        return "the MTP layer"
+
+    def expert_label(self, layer: int, expert: int) -> str:
+        """"the MTP layer's expert 3 (record 67 of /m/pool-mxfp4.bin)", or the release's shards."""
+        ck = self.checkpoint
+        pool = getattr(ck, "pool_path", None)
+        if pool is not None:
+            where = f"record {self.layer * ck.geometry.n_experts + expert} of {pool}"
+        else:
+            try:
+                files = dict.fromkeys(f for f, _off, _n in ck.expert_extents(self.layer, expert))
+                where = f"mtp.0.ffn.experts.{expert}.* in {', '.join(files)}"
+            except (Ds4fError, AttributeError, IndexError, KeyError):
+                where = f"in {ck.path}"
+        return f"the MTP layer's expert {expert} ({where})"
+
     # -- WeightSource
     def router(self, layer: int) -> RouterWeights:
         return self.weights.moe.router
@@ -102,8 +120,9 @@ class MtpSource:
             slot = self._slots.pop(old)
         try:
             n = self.checkpoint.read_expert(self.layer, e, slot, check=True)
-        except Ds4fError as exc:
-            raise Ds4fError(f"the MTP layer's expert {e}: {exc}", kind="data") from None
+        except Ds4fError as exc:        # the checkpoint's message names the file and the MTP layer
+            raise Ds4fError(exc.message if "MTP layer" in exc.message else f"the MTP layer's expert {e}: {exc}",
+                            path=exc.path, kind="data") from None
         self.costs.bytes_read += n
         self.costs.reads += 1
         return slot
