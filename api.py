@@ -15,7 +15,8 @@ Errors are Ds4fError: `message`, and the `param`, `path` and `kind` it concerns.
 from __future__ import annotations
 
 from ds4f.errors import Ds4fError, parse_json
-from ds4f.paths import user_cache_dir, user_config_path, user_data_dir
+from ds4f.paths import (check_path_value, open_user_file, read_user_file, read_user_json, read_user_text,
+                        user_cache_dir, user_config_path, user_data_dir)
 from ds4f.native.kernels import BACKENDS, available_backends, best_backend
 # the engine: checkpoints, config, geometry, text, the disk floor
 from ds4f.engine.checkpoint import detect_kind, open_checkpoint
@@ -60,6 +61,8 @@ __all__ = [
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
     "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
     "user_config_path", "user_data_dir",
+    # files the user names: a regular file only, read within a bound
+    "read_user_file", "read_user_text", "read_user_json", "open_user_file", "check_path_value",
     # checkpoints, the cache lab, the disk floor
     "convert_checkpoint", "synth_checkpoint", "verify_checkpoint", "ensure_demo_model", "ensure_synthetic",
     "GEOMETRIES", "CONFIG_KEYS", "Geometry", "get_geometry",

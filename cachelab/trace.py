@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.paths import open_user_file
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.runtime.cache_book import PAGE
 from ds4f.engine.runtime.schedule import chunk_layer_keys, token_request_order
@@ -60,11 +61,15 @@ class Trace:
         return np.concatenate(parts)
 
 
-def read_trace_file(path: str | os.PathLike) -> Trace:
-    """A trace exported by write_trace_file (.npz); a run's state dump is read by ds4f.runs.traces."""
+def read_trace_file(path: str | os.PathLike, file=None) -> Trace:
+    """A trace exported by write_trace_file (.npz); a run's state dump is read by ds4f.runs.traces.
+    file: the trace already open (a regular file); else it is opened here, as a regular file only."""
     path = Path(path)
+    if file is None:
+        with open_user_file(path, "trace") as f:
+            return read_trace_file(path, f)
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(file, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             if meta.get("format") != TRACE_FORMAT:
                 raise ValueError("not a ds4f trace")

@@ -13,11 +13,10 @@ the order they were made); the last one sends the results to the model.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams, check_tools
+from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams, check_tools, read_user_json
 
 MODES = ("chat", "think", "text")
 MODE_NAMES = {"chat": "chat", "think": "chat, thinking", "text": "plain completion"}
@@ -137,18 +136,15 @@ class Chat:
             self.tools = ()
             return 0
         file = Path(path).expanduser()
-        try:
-            if file.stat().st_size > MAX_TOOLS_FILE:
-                raise Ds4fError(f"{file}: not a tools file (larger than {MAX_TOOLS_FILE >> 20} MiB)", path=file)
-            tools = json.loads(file.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise Ds4fError(f"{file}: cannot read the tools: {exc.strerror or exc}", path=file) from None
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise Ds4fError(f"{file}: not a tools file (corrupt JSON: {exc})", path=file) from None
+        # a regular file only (a FIFO or /dev/zero is refused without blocking the interface), at
+        # most MAX_TOOLS_FILE bytes read whatever st_size says, nested within the JSON bound
+        tools = read_user_json(file, "/tools", MAX_TOOLS_FILE)
         try:
             self.tools = check_tools(tools)
         except Ds4fError as exc:
-            raise Ds4fError(f"{file}: {exc.message}", path=file) from None
+            raise Ds4fError(f"/tools {file}: {exc.message}", path=file) from None
+        except RecursionError:     # a schema nested within the file's bound, still too deep to check
+            raise Ds4fError(f"/tools {file}: the schemas nest too deeply to check", path=file) from None
         return len(self.tools)
 
     def answered(self, request: dict, message: dict | None) -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from ds4f.api import Ds4fError, Snapshot, TokenRecord
+from ds4f.api import Ds4fError, Snapshot, TokenRecord, read_user_file
 
 DEFAULT_PORT = 8734          # ds4f serve's
 EVENTS_VERSION = 1           # the event stream's version this console reads
@@ -855,10 +855,10 @@ class ServerLink:
             path = self._token_file()
             status = self._status or {}
         if path is not None:
-            try:
-                token = Path(path).read_text(encoding="ascii").strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise Ds4fError(f"cannot read the operator token in {path}: {getattr(exc, 'strerror', None) or exc}"
+            try:   # the server's file, but a path from the network: a regular file within a bound only
+                token = read_user_file(path, "the operator token file", 64 << 10).decode("ascii").strip()
+            except (Ds4fError, UnicodeDecodeError) as exc:
+                raise Ds4fError(f"cannot read the operator token in {path}: {getattr(exc, 'message', None) or exc}"
                                 f" (give --operator-token)") from None
             if token:
                 return token

@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from ds4f.errors import Ds4fError
 from ds4f.native.kernels import BACKENDS, available_backends
-from ds4f.paths import user_cache_dir, user_config_path, user_data_dir
+from ds4f.paths import check_path_value, read_user_text, user_cache_dir, user_config_path, user_data_dir
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
@@ -223,12 +223,12 @@ def builtin_config_text() -> str:
 def find_config(explicit: str | os.PathLike | None = None) -> Path | None:
     """The config file in force: explicit, ./ds4f.toml, the user's, else None (built-in)."""
     if explicit:
-        path = Path(explicit)
-        if not path.is_file():
-            raise Ds4fError(f"{path}: config file not found")
-        return path
+        path = Path(check_path_value(os.fspath(explicit), "--config", param="config")).expanduser()
+        if not (path.exists() or path.is_symlink()):
+            raise Ds4fError(f"{path}: config file not found", path=path)
+        return path   # a FIFO, device or directory there is refused when it is read, naming what it is
     for candidate in (Path.cwd() / "ds4f.toml", user_config_path()):
-        if candidate.is_file():
+        if candidate.exists() and not candidate.is_dir():
             return candidate
     return None
 
@@ -238,6 +238,8 @@ def _parse_toml(text: str, source: str) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise Ds4fError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:     # arrays or inline tables inside one another past the parser's depth
+        raise Ds4fError(f"{source}: not valid TOML: arrays or tables nested too deeply") from None
 
 
 _SCHEMA = {
@@ -251,6 +253,8 @@ _SCHEMA = {
     "dump": {"runs": str, "text": str, "server": str, "full_limit": (str, int)},
     "runs": {"budget": (str, int)},
 }
+PATH_KEYS = (("model", "path"), ("history", "path"), ("kv", "dir"))   # checked at load: no NUL byte, not too long
+MAX_CONFIG_BYTES = 1 << 20     # a config file larger than this is refused unread
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
                 "cache_limit": (str, int), "prefill_chunk": int}
@@ -330,13 +334,14 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
     source = "built-in ds4f.toml"
     if path is not None:
         source = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise Ds4fError(f"{path}: not UTF-8 text (byte {exc.start}); a TOML file is UTF-8", path=path) from None
-        except OSError as exc:
-            raise Ds4fError(f"{path}: cannot read: {exc.strerror}", path=path) from None
+        # a regular file of at most MAX_CONFIG_BYTES, whatever st_size says (a FIFO would block, a
+        # device never end); not UTF-8 is refused naming the byte
+        text = read_user_text(path, "config file", MAX_CONFIG_BYTES)
         raw = _merge(raw, _parse_toml(text, source), source)
+    for section, key in PATH_KEYS:
+        value = raw.get(section, {}).get(key)
+        if value:
+            check_path_value(value, f"{source}: {section}.{key}", param=f"{section}.{key}")
     eng, con = raw["engine"], raw["console"]
     presets = {name: _preset(name, body, source) for name, body in raw.get("presets", {}).items()}
     if not presets:

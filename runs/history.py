@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ds4f.errors import Ds4fError
+from ds4f.safe_read import not_regular
 from ds4f.native.kernels import SIMD_BACKENDS
 from ds4f.runs.statedump import report_path_for
 
@@ -190,6 +191,12 @@ class History:
             raise Ds4fError(f"{self.path.parent}: cannot create the history directory: {exc.strerror}") from None
         if self.path.is_dir():
             raise Ds4fError(f"{self.path}: is a directory, not a run-history file")
+        try:
+            kind = not_regular(os.stat(self.path).st_mode)
+        except OSError:
+            kind = None             # not there yet: SQLite makes it
+        if kind is not None:        # SQLite would block on a FIFO or read a device as a disk error
+            raise Ds4fError(f"{self.path}: {kind}, not a regular file, so not a run history", path=self.path)
         self._lock = _lock_for(str(self.path.resolve()))
         self._migrate()
 

@@ -10,18 +10,20 @@ import numpy as np
 from ds4f.cachelab.trace import Trace, read_trace_file, write_trace_file
 from ds4f.engine.model.geometry import Geometry
 from ds4f.errors import Ds4fError
+from ds4f.paths import open_user_file
 from ds4f.runs.statedump import MAGIC, read_state
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
     """A trace from a state dump (state.bin) or an exported trace (.npz)."""
     path = Path(path)
-    if not path.exists():
+    if not (path.exists() or path.is_symlink()):
         raise Ds4fError(f"{path}: trace not found")
-    with open(path, "rb") as f:
+    with open_user_file(path, "trace") as f:    # a FIFO or a device is refused, never waited on
         magic = f.read(len(MAGIC))
-    if magic != MAGIC:
-        return read_trace_file(path)
+        if magic != MAGIC:
+            f.seek(0)
+            return read_trace_file(path, f)
     state = read_state(path)
     geometry = Geometry.from_config(state.header["geometry"], str(path))
     return Trace(geometry, np.array(state.records["ids"], dtype=np.int32),

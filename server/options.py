@@ -6,9 +6,8 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from ds4f.api import MAX_GEN, MAX_PARALLEL, Ds4fError, parse_spec
+from ds4f.api import MAX_GEN, MAX_PARALLEL, Ds4fError, parse_spec, read_user_file
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8734
@@ -111,15 +110,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+MAX_TOKEN_FILE = 64 << 10     # a token file larger than this is refused unread
+
+
 def read_token_file(path: str | os.PathLike) -> str:
     """The bearer token in `path` (surrounding whitespace stripped); Ds4fError if unusable."""
     where = f"--token-file {path}"
+    # a regular file of at most MAX_TOKEN_FILE bytes (a FIFO would block the start, a device never end)
+    data = read_user_file(path, "--token-file", MAX_TOKEN_FILE)
     try:
-        text = Path(path).read_text(encoding="ascii")
+        text = data.decode("ascii")
     except UnicodeDecodeError:
         raise Ds4fError(f"{where}: the token must be ASCII") from None
-    except OSError as exc:
-        raise Ds4fError(f"{where}: cannot read: {exc.strerror or exc}") from None
     token = text.strip()
     if not token:
         raise Ds4fError(f"{where}: the file is empty")

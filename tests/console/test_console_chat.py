@@ -464,13 +464,13 @@ def test_tools_system_prompt_and_results_in_the_chat(tmp_path):
     assert chat.pending_calls() == []
     with pytest.raises(Ds4fError, match="no tool call waits"):
         chat.result("again")
-    for body, what in (("{not json", "corrupt JSON"), ('[{"type": "function", "function": {"name": "a b"}}]',
+    for body, what in (("{not json", "malformed JSON"), ('[{"type": "function", "function": {"name": "a b"}}]',
                                                          "function name")):
         tools.write_text(body)
         with pytest.raises(Ds4fError, match=what) as e:
             chat.load_tools(str(tools))
         assert str(tools) in str(e.value)
-    with pytest.raises(Ds4fError, match="cannot read"):
+    with pytest.raises(Ds4fError, match="no such file"):
         chat.load_tools(str(tmp_path / "absent.json"))
     assert chat.load_tools("") == 0 and chat.tools == ()
     assert parse_command("/tools x.json").arg == "x.json" and parse_command("/system").arg == ""
