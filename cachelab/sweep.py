@@ -2,7 +2,10 @@
 (rows: budgets; columns: policies; cells: hit rate, with bytes read) and as a plot."""
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from ds4f.cachelab.replay import replay
 from ds4f.cachelab.trace import Trace
@@ -83,5 +86,14 @@ def plot_sweep(results, budgets, policies, path: str, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")   # whole or not at all
+    try:
+        fig.savefig(tmp, format=out.suffix.lstrip(".").lower() or None)
+        os.replace(tmp, out)
+    except OSError as exc:   # a read-only filesystem, a directory gone, a full disk: said, nothing left
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise Ds4fError(f"{path}: cannot write the plot: {exc.strerror or exc}", path=str(path)) from None
+    finally:
+        plt.close(fig)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import Column, Table, add_output_option, check_output, human_stream, print_tables
+from ds4f.cli.output import (Column, Table, add_output_option, check_output, command_inputs, human_stream,
+                             print_tables)
 
 DEFAULT_SWEEP = "5%,10%,15%,20%,25%,30%,40%,50%,60%,75%"
 
@@ -22,21 +23,24 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                             help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP.replace('%', '%%')})")
         parser.add_argument("--plot", metavar="PNG", help="with --sweep: save hit rate against budget to this .png,"
                             " .svg or .pdf (needs matplotlib)")
-        parser.add_argument("--force", action="store_true", help="overwrite the --plot file if it exists")
+        parser.add_argument("--force", action="store_true",
+                            help="overwrite the --plot file if it exists (never a file the command reads)")
         add_output_option(parser)
     elif name == "trace":
         sub = parser.add_subparsers(dest="action", required=True)
         export = sub.add_parser("export", help="write a run's routing trace compactly (.npz)")
         export.add_argument("state", help="the run's state dump (state.bin)")
         export.add_argument("out", help="output file (.npz)")
-        export.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+        export.add_argument("--force", action="store_true",
+                            help="overwrite OUT if it exists (never a file the command reads)")
 
 
 def run(args) -> int:
     if args.command == "trace":
         from ds4f.api import export_trace, load_trace
 
-        check_output(args.out, "OUT", args.force, inputs=(args.state,), suffixes=(".npz",))
+        check_output(args.out, "OUT", args.force, inputs=command_inputs(extra=[("the state dump", args.state)]),
+                     suffixes=(".npz",))
         out = export_trace(args.state, args.out)
         t = load_trace(out)
         print(f"{out}: {len(t.ids)} tokens x {t.geometry.n_layers} layers x top-{t.geometry.top_k} "
@@ -67,7 +71,8 @@ def _replay(args) -> int:
     from ds4f.api import format_table, load_trace, plot_sweep, sweep
 
     if args.plot:
-        check_output(args.plot, "--plot", args.force, inputs=(args.trace,), suffixes=(".png", ".svg", ".pdf"))
+        check_output(args.plot, "--plot", args.force, inputs=command_inputs(extra=[("the trace", args.trace)]),
+                     suffixes=(".png", ".svg", ".pdf"))
     trace = load_trace(args.trace)
     policies = _policies(args.policy)
     budgets = [b.strip() for b in (args.sweep or args.cache).split(",") if b.strip()]

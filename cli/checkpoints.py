@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import disk_size
+from ds4f.cli.output import check_output_dir, command_inputs, disk_size
 
 
 def _mib(n: float) -> str:
@@ -65,6 +65,7 @@ def _synth(args) -> int:
         raise Ds4fError(f"--geometry {args.geometry} with overrides: {str(exc).removeprefix('geometry: ')}") from None
     if args.shard_mib <= 0:
         raise Ds4fError(f"--shard-mib must be positive, got {args.shard_mib}")
+    check_output_dir(args.out, "OUT", command_inputs(known_checkpoints=False))
     if args.force:
         _check_replaceable(args.out)
     t0 = time.perf_counter()
@@ -97,9 +98,13 @@ def _check_replaceable(out: Path) -> None:
 def _convert(args) -> int:
     from ds4f.api import convert_checkpoint
 
+    src = args.src if args.src.is_dir() else args.src.parent   # SRC may name a file of the checkpoint
+    # DST is never the source, inside it, nor a directory holding it or another input (the config
+    # in use, the run history, the prefix cache's directory), even with --force
+    check_output_dir(args.dst, "DST", command_inputs(known_checkpoints=False,
+                                                     extra=[("the source checkpoint", src)]))
     t0 = time.perf_counter()
     out = convert_checkpoint(args.src, args.dst, progress=True, force=args.force)
-    src = args.src if args.src.is_dir() else args.src.parent   # SRC may name a file of the checkpoint
     dt = time.perf_counter() - t0
     print(f"wrote {out} (ds4f layout): {disk_size(_dir_size(out))} from {disk_size(_dir_size(src))} of "
           f"official shards in {dt:.1f} s")

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError, ensure_demo_model, format_bytes
-from ds4f.cli.output import (Cell, Column, Label, Table, add_dump_option, add_json_option, add_output_option,
-                             check_output, check_streams, human_stream, print_tables, write_json)
+from ds4f.cli.output import (Cell, Column, Inputs, Label, Table, add_dump_option, add_json_option,
+                             add_output_option, check_output, check_streams, command_inputs, human_stream, print_tables,
+                             write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", metavar="PATH",
                             help="write the JSON report here ('-': to stdout, the other output then goes to stderr)")
         parser.add_argument("--force", action="store_true",
-                            help="overwrite an existing state dump or report (without it, ds4f run refuses)")
+                            help="overwrite an existing state dump or report (without it, ds4f run refuses); never a"
+                                 " file the run reads: the checkpoint, the config, the history, the caches")
         parser.add_argument("--history", action="store_true", help="record the run in the history database")
         add_dump_option(parser, "runs")
     elif name == "diff":
@@ -174,9 +176,10 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def _output_paths(dump: str | None, report: str | None, force: bool) -> tuple[str | None, str | None]:
+def _output_paths(dump: str | None, report: str | None, force: bool, inputs=()) -> tuple[str | None, str | None]:
     """The state dump and report paths, absolute (so the history records where they are),
-    refused before the run if they are one file, a directory, or exist without `force`."""
+    refused before the run if they are one file, a directory, one of the run's `inputs` (even
+    with `force`), or exist without `force`."""
     if dump is None and report is None:
         return None, None   # a new directory under the data directory
     dump_p = Path(dump).expanduser().absolute() if dump else None
@@ -188,19 +191,23 @@ def _output_paths(dump: str | None, report: str | None, force: bool) -> tuple[st
                         f"the state dump; give them different paths")
     for option, path in named.items():
         if path is not None:
-            check_output(path, option, force)
+            check_output(path, option, force, inputs=inputs, makes_dirs=True)   # the dump makes its directories
     return (str(dump_p) if dump_p else None), (str(report_p) if report_p else None)
 
 
 def _run(args) -> int:
     from ds4f.api import History, RunConfig, load_config, start_run
 
-    check_streams(args)
     cfg = load_config(args.config)
+    # what the run reads, which no output may replace, even with --force: the checkpoint (the demo
+    # model's directory when none is named), the config, the history, the caches
+    writes = args.dump_state or args.json not in (None, "-")
+    inputs = command_inputs(args.config, _model_arg(args)) if writes else Inputs()
+    check_streams(args, inputs)
     to_stdout = args.json == "-"
     if args.dump == "off" and args.dump_state:
         raise Ds4fError(f"--dump-state {args.dump_state} with --dump off: give one or the other")
-    dump, report = _output_paths(args.dump_state, None if to_stdout else args.json, args.force)
+    dump, report = _output_paths(args.dump_state, None if to_stdout else args.json, args.force, inputs)
     model = _default_model(args, args.config)
     history = History(cfg.history_path) if args.history else None
     config = RunConfig(model=model, preset=args.preset or cfg.preset,
@@ -361,7 +368,7 @@ def _probe(args) -> int:
 
 
 def _bench(args) -> int:
-    check_streams(args)
+    check_streams(args, command_inputs(args.config, _model_arg(args)) if args.json not in (None, "-") else Inputs())
     if args.what == "console":
         return _bench_console(args)
     args.preset = args.preset or "laptop"

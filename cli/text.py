@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import add_dump_option, add_kv_options, check_output, write_json
-from ds4f.cli.runs import _default_model, _model_options, _per_second, add_spec_option
+from ds4f.cli.output import add_dump_option, add_kv_options, check_output, command_inputs, write_json
+from ds4f.cli.runs import _default_model, _model_arg, _model_options, _per_second, add_spec_option
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -36,7 +36,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                             help="without --chat: special-token strings in the prompt (<｜User｜>, </think>, ...) are"
                                  " their control tokens (default: plain text)")
         parser.add_argument("--json", metavar="PATH", help="write the run's report (JSON) to PATH")
-        parser.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
+        parser.add_argument("--force", action="store_true",
+                            help="overwrite the --json file if it exists (never a file the command reads)")
     parser.add_argument("--system", default=None, help="chat: a system prompt")
     parser.add_argument("--think", action="store_true", help="chat: thinking mode (the model reasons first)")
     parser.add_argument("-n", "--max-tokens", "--gen", dest="gen", type=int, default=None,
@@ -191,8 +192,9 @@ def _summary(run, session: _Session) -> str:
 
 
 def _generate(args) -> int:
-    if args.json and args.json != "-":
-        check_output(args.json, "--json", args.force)
+    if args.json and args.json != "-":   # never one of what the run reads, even with --force
+        check_output(args.json, "--json", args.force,
+                     inputs=command_inputs(args.config, _model_arg(args) or None, kv_dir=args.kv_dir))
     if args.json == "-":
         raise Ds4fError("--json -: stdout carries the generated text; give --json a file")
     if args.chat and args.special_tokens:

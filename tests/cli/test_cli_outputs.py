@@ -44,7 +44,7 @@ def test_trace_export_refuses_its_input_an_existing_file_and_a_name_it_would_ext
     refused(ds4f("trace", "export", dump, dump, "--force"), "must end in .npz")
     same = tmp_path / "t.npz"
     assert ds4f("trace", "export", dump, same).returncode == 0
-    refused(ds4f("trace", "export", same, same, "--force"), "this command's input")
+    refused(ds4f("trace", "export", same, same, "--force"), "which this command reads")
     refused(ds4f("trace", "export", dump, same), "already exists", "--force")
     assert ds4f("trace", "export", dump, same, "--force").returncode == 0
     refused(ds4f("trace", "export", dump, tmp_path / "t"), "must end in .npz")
