@@ -55,6 +55,12 @@ class Generation:
         self.counted = counted or (lambda res: None)            # each forward pass's result (its batch share)
         self.marked: list = []                          # the states kept at the marks so far
 
+    def release(self) -> None:
+        """The loop's end: the states it marked (copies of the KV cache, kept by then or not at
+        all) and its session let go."""
+        self.marked = []
+        self.session = None
+
     def run(self, start: int = 0) -> None:
         """The prompt from `start` and the generated tokens (see the module docstring)."""
         session, prompt = self.session, self.prompt

@@ -35,6 +35,7 @@ from ds4f.engine.batch import batched_chunk
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
+from ds4f.engine.runtime.memory import release_freed_memory
 from ds4f.engine.speculative import MtpDrafter, SpecController
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.constraint import Constraint, prepare
@@ -685,6 +686,13 @@ class Run:
             if not self._hosted:
                 self._engine.close()
             self._engine = None
+        # the run's record stays (status, reports) but not what it computed with: its session's
+        # buffers and KV cache, and the states it marked for the prefix cache, go now
+        if self._session is not None:
+            self._session.close()
+        if self._generation is not None:
+            self._generation.release()
+        release_freed_memory()
         if not self._hosted:
             self.checkpoint.close()
         self._done.set()

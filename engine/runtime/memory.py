@@ -47,6 +47,23 @@ def keep_freed_memory() -> bool:
                ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
 
 
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the kernel (glibc's malloc_trim, every arena), as a run
+    ends: keep_freed_memory keeps a layer's freed temporaries for the next layer, which is right
+    within a run, but after it they would stay in the process's RSS with nothing in the plan to
+    count them (a run thread's arena, a batch's). A few milliseconds; the next run's first layer
+    faults its temporaries in again. False (nothing done) where the C library is not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def thp_mode() -> str | None:
     """The kernel's transparent-huge-page setting ("always", "madvise" or "never"), or None
     where there is none to read (not Linux, or THP compiled out)."""
