@@ -28,6 +28,7 @@ from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MA
                                 format_bytes, load_config, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
+from ds4f.engine.prefix_cache import directory_usage as kv_directory_usage
 from ds4f.engine.runtime.policies import DEFAULT_POLICY, ONLINE_POLICIES
 from ds4f.engine.speculative import MAX_DRAFTS, parse_spec
 from ds4f.engine.text import (GenerationDefaults, Sampler, SamplingParams, TextStream, Tokenizer, chat_prompt_ids,
@@ -59,7 +60,7 @@ __all__ = [
     "MAX_THREADS", "Budget", "Config", "Ds4fError", "parse_json", "EngineHost", "History", "Preset", "Run", "RunConfig",
     "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "active_runs", "available_backends", "best_backend",
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
-    "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
+    "kv_directory_usage", "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
     "user_config_path", "user_data_dir",
     # files the user names: a regular file only, read within a bound
     "read_user_file", "read_user_text", "read_user_json", "open_user_file", "check_path_value",

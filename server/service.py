@@ -36,7 +36,7 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from ds4f import __version__
-from ds4f.api import (DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
+from ds4f.api import (kv_directory_usage, DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
                       open_checkpoint, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
                       load_config, report_file, runs_budget_for, user_data_dir)
@@ -875,14 +875,12 @@ class Service:
         """The prefix cache's directory against [kv] budget: the bytes its head and block files hold
         on disk (every process's sharing it, counted at most a few seconds ago) and the budget; None
         with the cache or its disk tier off."""
-        from ds4f.engine.prefix_cache import directory_usage
-
         kv = self.cfg.kv
         if kv is None or kv.disk_bytes <= 0:
             return None
         where = str(self.options.kv_dir or kv.dir)
         stats = self.engines.prefix_cache_stats()
-        used = stats.disk_bytes if stats is not None and stats.disk_budget else directory_usage(where)
+        used = stats.disk_bytes if stats is not None and stats.disk_budget else kv_directory_usage(where)
         return {"dir": where, "used_bytes": used, "budget_bytes": kv.disk_bytes}
 
     def _prefix_cache_view(self) -> dict | None:
