@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from ds4f.errors import Ds4fError
 from ds4f.native.kernels import BACKENDS, available_backends
+from ds4f.units import format_bytes
 from ds4f.paths import check_path_value, read_user_text, user_cache_dir, user_config_path, user_data_dir
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
@@ -104,13 +105,6 @@ def parse_budget(value, where: str) -> Budget:
                 raise Ds4fError(f"{where}: {value!r} is no room at all")
             return Budget(nbytes=nbytes)
     raise Ds4fError(f"{where}: expected a size like '4 GiB' or a fraction like '25%', got {value!r}")
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
