@@ -15,6 +15,7 @@ Errors are Ds4fError: `message`, and the `param`, `path` and `kind` it concerns.
 from __future__ import annotations
 
 from ds4f.errors import Ds4fError, parse_json
+from ds4f.units import format_bytes
 from ds4f.paths import (check_path_value, open_user_file, read_user_file, read_user_json, read_user_text,
                         user_cache_dir, user_config_path, user_data_dir)
 from ds4f.native.kernels import BACKENDS, available_backends, best_backend
@@ -25,7 +26,7 @@ from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MAX_PARALLEL, MAX_GEN, MAX_THREADS, Budget, Config, Preset,
-                                format_bytes, load_config, parse_budget)
+                                load_config, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
 from ds4f.engine.prefix_cache import directory_usage as kv_directory_usage

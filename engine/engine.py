@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds4f.native import kernels
-from ds4f.engine.config import Preset, format_bytes
+from ds4f.engine.config import Preset
 from ds4f.errors import Ds4fError
+from ds4f.units import format_bytes
 from ds4f.engine.model.ops import pin_numpy_blas
 from ds4f.engine.model.weights import GlobalWeights, MoeWeights, RouterWeights
 from ds4f.engine.resident import load_attention

@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ds4f.engine.config import format_bytes
 from ds4f.errors import Ds4fError
+from ds4f.units import format_bytes
 from ds4f.runs.statedump import PARTIAL, RUN_STATE, record_nbytes
 
 try:

@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import Preset, format_bytes, load_config
+from ds4f.engine.config import Preset, load_config
 from ds4f.engine.batch import batched_chunk
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
@@ -43,6 +43,7 @@ from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import USER
 from ds4f.errors import Ds4fError
+from ds4f.units import format_bytes
 from ds4f.native import kernels
 from ds4f.paths import user_data_dir
 from ds4f.runs.budget import Reservation, planned_bytes, runs_budget_for

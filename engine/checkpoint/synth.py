@@ -61,8 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4f.engine.config import format_bytes
 from ds4f.errors import Ds4fError
+from ds4f.units import format_bytes
 from ds4f.engine.checkpoint.formats import BF16, E2M1_VALUES, E8M0, ST_DTYPES, quantize_fp8
 from ds4f.engine.checkpoint.tensors import MTP_PREFIX, TensorPlan, attention_tensors, mtp_tensors, official_tensors
 from ds4f.engine.model.geometry import MX_BLOCK, Geometry, get_geometry
