@@ -32,8 +32,7 @@ import numpy as np
 
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.kv_journal import KVJournal
-
-MAX_DRAFTS = 3
+from ds4f.engine.model.mtp import MAX_DRAFTS
 
 
 def parse_spec(value) -> str | int:

@@ -32,6 +32,8 @@ from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
 from ds4f.engine.model.weights import Fp8Matrix, GlobalWeights, LayerAttention, MoeWeights, nbytes_of
 
+MAX_DRAFTS = 3          # the most drafts a round chains (--spec K: 0..MAX_DRAFTS)
+
 
 @dataclass
 class MtpWeights:
