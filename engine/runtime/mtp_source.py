@@ -11,7 +11,7 @@ from ds4f.errors import Ds4fError
 from ds4f.engine.checkpoint.base import aligned_buffer
 from ds4f.engine.model.attention import new_layer_cache
 from ds4f.engine.model.forward import SHARED
-from ds4f.engine.model.mtp import MtpState, MtpWeights, block_rows, mtp_geometry, push_keys
+from ds4f.engine.model.mtp import MAX_DRAFTS, MtpState, MtpWeights, block_rows, mtp_geometry, push_keys
 from ds4f.engine.model.rows import ChunkBuffers
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights, expert_weights
 
@@ -31,8 +31,6 @@ class MtpCosts:
 
 def round_slots(top_k: int) -> int:
     """The expert slots an MTP layer keeps: a round's drafts' experts ((MAX_DRAFTS + 1) x top-k)."""
-    from ds4f.engine.speculative import MAX_DRAFTS
-
     return (MAX_DRAFTS + 1) * top_k
 
 
