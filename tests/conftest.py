@@ -71,3 +71,70 @@ def release():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+# ---- the `slow` marker -------------------------------------------------------------------------
+# `pytest -m "not slow"` is the one-minute loop; CI runs everything. A test is slow when the
+# longest prefix of its node id (relative to tests/) in this table says so: a directory, a module,
+# or a test (with the start of its parameters). A new module under a slow directory is slow until
+# it is listed as fast here. A prefix whose file is gone stops the run (a rename would otherwise
+# move tests in or out of the loop unseen).
+SPEED = {
+    # CLI subprocesses, a wheel build, every command's --help, the benchmarks, the agent clients
+    "bench/": "slow", "cachelab/": "slow", "cli/": "slow", "clients/": "slow",
+    "test_package.py": "slow", "test_wheel.py": "slow", "test_marker_text.py": "slow",
+    # Textual apps, pseudo-terminals and real servers; the console's units and its client are fast
+    "console/": "slow",
+    "console/test_console_units.py": "fast", "console/test_console_data.py": "fast",
+    "console/test_console_remote.py": "fast",
+    # `ds4f serve` on loopback: every API's tests are slow; a few small ones stay in the loop
+    "server/": "slow",
+    "server/test_operator.py": "fast", "server/test_keepalive.py": "fast",
+    "server/test_slow_bodies.py": "fast", "server/test_forced_choice.py": "fast",
+    # runs: real runs with dumps, figures and histories
+    "runs/": "slow",
+    "runs/test_state_hash.py": "fast", "runs/test_statedump_bounds.py": "fast",
+    # the engine's whole-model, speculative and long-prompt runs; checkpoints made per test
+    "engine/test_engine.py": "slow", "engine/test_kept_states_hostile.py": "slow",
+    "engine/test_mtp_trained.py": "slow", "engine/test_prefill.py": "slow",
+    "engine/test_session_state.py": "slow", "engine/test_speculative.py": "slow",
+    "engine/test_whole_engine.py": "slow",
+    "engine/checkpoint/test_checkpoints.py": "slow", "engine/checkpoint/test_verify.py": "slow",
+    # kernels: NEON under qemu, the real DeepSeek-V4-Flash shapes, the benchmark's CLI
+    "native/test_neon.py": "slow",
+    "native/test_kernels.py::test_experts_forward_real_shape": "slow",
+    "native/test_kernels.py::test_bench_kernels_cli_writes_json": "slow",
+    "native/test_multitoken_kernels.py::test_experts_forward_tokens_real_shape": "slow",
+    "native/test_multitoken_kernels.py::test_mxfp4_matmul[130-4096": "slow",
+    "native/test_multitoken_kernels.py::test_bf16_matmul[uint16-130-4096": "slow",
+    "native/test_multitoken_kernels.py::test_bf16_matmul[bfloat16-130-4096": "slow",
+}
+
+
+def speed_of(rel_id: str, table: dict = SPEED) -> str:
+    """"slow" or "fast": what the longest prefix of rel_id (a node id relative to tests/) in the
+    table says; "fast" when none is there."""
+    best = max((p for p in table if rel_id.startswith(p)), key=len, default=None)
+    return table[best] if best else "fast"
+
+
+def missing_paths(root, table: dict = SPEED) -> list[str]:
+    """The table's prefixes whose file or directory is not under root."""
+    return sorted(p for p in table if not (root / p.split("::")[0]).exists())
+
+
+def pytest_collection_modifyitems(config, items):
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    gone = missing_paths(here)
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py: SPEED names what tests/ no longer holds: {', '.join(gone)}")
+    for item in items:
+        try:
+            rel = Path(item.path).resolve().relative_to(here).as_posix()
+        except ValueError:
+            continue
+        name = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else ""
+        if speed_of(f"{rel}::{name}" if name else rel) == "slow":
+            item.add_marker(pytest.mark.slow)
