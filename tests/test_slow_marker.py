@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SPEED, missing_paths, speed_of
+from conftest import SPEED, missing_paths, speed_of, wholly_slow
 
 TESTS = Path(__file__).resolve().parent
 
@@ -46,3 +46,27 @@ def test_the_marker_reaches_the_collected_tests():
     assert any("301-512" in line for line in kept)
     assert "deselected" in out.stdout
     assert set(SPEED.values()) == {"slow", "fast"}
+
+
+@pytest.mark.parametrize("rel, whole", [
+    ("cli/", True), ("cli/test_cli.py", True),
+    ("server/", False),                                          # it holds fast modules
+    ("server/test_server.py", True), ("server/test_operator.py", False),
+    ("native/test_multitoken_kernels.py", False),                # only some of its tests are slow
+    ("engine/runtime/", False),
+])
+def test_only_what_is_wholly_slow_is_left_uncollected(rel, whole):
+    assert wholly_slow(rel) is whole
+
+
+def test_skipping_wholly_slow_modules_selects_the_same_tests():
+    # `-m "(not slow)"` is the same selection over a full collection (every module imported)
+    def collect(expr):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", expr,
+                              "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=TESTS.parent, timeout=600)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return [line for line in out.stdout.splitlines() if "::" in line]
+
+    loop, full = collect("not slow"), collect("(not slow)")
+    assert loop and loop == full
+    assert not any(speed_of(line.split("/", 1)[1]) == "slow" for line in loop)
