@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ds4f.errors import Ds4fError, parse_json
 from ds4f.units import format_bytes
-from ds4f.paths import (check_path_value, open_user_file, read_user_file, read_user_json, read_user_text,
-                        user_cache_dir, user_config_path, user_data_dir)
+from ds4f.paths import check_path_value, directory_problem, user_cache_dir, user_config_path, user_data_dir
+from ds4f.safe_read import open_regular, read_regular, read_regular_json, read_regular_text
 from ds4f.native.kernels import BACKENDS, available_backends, best_backend
 # the engine: checkpoints, config, geometry, text, the disk floor
 from ds4f.engine.checkpoint import detect_kind, open_checkpoint
@@ -26,7 +26,7 @@ from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MAX_PARALLEL, MAX_GEN, MAX_THREADS, Budget, Config, Preset,
-                                load_config, parse_budget)
+                                check_kv_dir, load_config, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
 from ds4f.engine.prefix_cache import directory_usage as kv_directory_usage
@@ -63,8 +63,9 @@ __all__ = [
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
     "kv_directory_usage", "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
     "user_config_path", "user_data_dir",
-    # files the user names: a regular file only, read within a bound
-    "read_user_file", "read_user_text", "read_user_json", "open_user_file", "check_path_value",
+    # files the user names: a regular file only, read within a bound; the paths the user gives
+    "read_regular", "read_regular_text", "read_regular_json", "open_regular", "check_path_value",
+    "directory_problem", "check_kv_dir",
     # checkpoints, the cache lab, the disk floor
     "convert_checkpoint", "synth_checkpoint", "verify_checkpoint", "ensure_demo_model", "ensure_synthetic",
     "GEOMETRIES", "CONFIG_KEYS", "Geometry", "get_geometry",
@@ -98,10 +99,10 @@ def checkpoint_summary(path: str) -> dict:
 
 def _is_synthetic(path) -> bool:
     """A checkpoint `ds4f synth` made (random weights: its text is noise): config.json says so."""
-    import json
     from pathlib import Path
 
-    try:
-        return "ds4f_synthetic" in json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
+    try:   # a regular file within a bound (a FIFO under its name would block the caller)
+        config = read_regular_json(Path(path) / "config.json", "config.json", 16 << 20)
+    except Ds4fError:
         return False
+    return isinstance(config, dict) and "ds4f_synthetic" in config

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4f.errors import Ds4fError
-from ds4f.paths import open_user_file
+from ds4f.safe_read import open_regular
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.runtime.cache_book import PAGE
 from ds4f.engine.runtime.schedule import chunk_layer_keys, token_request_order
@@ -66,7 +66,7 @@ def read_trace_file(path: str | os.PathLike, file=None) -> Trace:
     file: the trace already open (a regular file); else it is opened here, as a regular file only."""
     path = Path(path)
     if file is None:
-        with open_user_file(path, "trace") as f:
+        with open_regular(path, "trace") as (f, _st):
             return read_trace_file(path, f)
     try:
         with np.load(file, allow_pickle=False) as z:

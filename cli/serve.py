@@ -70,6 +70,24 @@ def _say(message: str) -> None:
     print(f"ds4f serve: {message}", file=sys.stderr, flush=True)
 
 
+def _prefix_cache_line(cfg, options) -> str:
+    """The startup line on the prefix cache: off, or its RAM tier and its directory; a directory
+    that a file has taken the place of since the config was read is said here (RAM only)."""
+    from ds4f.api import directory_problem, format_bytes
+
+    kv = cfg.kv
+    if kv is None or not options.reuse_prefix:
+        return "prefix cache: off" + ("" if kv is None else " (--no-kv)")
+    ram = f"{format_bytes(kv.ram_bytes)} of kept states in RAM"
+    where = (options.kv_dir or kv.dir) if kv.disk_bytes else None
+    if where is None:
+        return f"prefix cache: {ram}, none on disk (kv.budget 0)"
+    problem = directory_problem(where)
+    if problem is not None:
+        return f"prefix cache: {ram} only: {problem}"
+    return f"prefix cache: {ram}, {format_bytes(kv.disk_bytes)} in {where}"
+
+
 def run(args) -> int:
     from ds4f.server.app import Server, ServerOptions, read_token_file
 
@@ -115,6 +133,7 @@ def run(args) -> int:
                  if args.operator_token else "token from ds4f.toml [server] operator_token")
         _say(f"operator endpoints (POST /operator/...): {where}, "
              + ("any peer" if operator.remote else "loopback peers only"))
+        _say(_prefix_cache_line(service.cfg, options))
         print(f"ds4f serve: listening on {server.url}", flush=True)
         while not stop.wait(0.5):
             if not server.serving:

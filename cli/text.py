@@ -75,6 +75,8 @@ class _Session:
 
         self.args = args
         self.cfg = load_config(args.config)
+        if not args.no_kv:
+            self.cfg.kv_directory(args.kv_dir)     # a --kv-dir that is a file refused now, not said later
         self.model = _default_model(args, args.config)
         defaults = GenerationDefaults.load(self.model) if Path(self.model).is_dir() else GenerationDefaults()
         self.seed = args.seed if args.seed is not None else secrets.randbelow(2**31)

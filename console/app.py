@@ -26,7 +26,7 @@ from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
 from ds4f.api import (DEFAULT_GEN, MAX_PARALLEL, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
-                      ensure_demo_model, load_config, read_user_file)
+                      ensure_demo_model, load_config, read_regular)
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
 from .bindings import APP_BINDINGS
@@ -659,7 +659,7 @@ class Ds4fConsole(App):
 def read_token(path: str) -> str:
     """A bearer token from a file (surrounding whitespace stripped); Ds4fError naming the file."""
     try:   # a regular file within a bound: a FIFO or a device is refused, never read without end
-        token = read_user_file(path, "--token-file", 64 << 10).decode("ascii").strip()
+        token = read_regular(path, "--token-file", 64 << 10).decode("ascii").strip()
     except UnicodeDecodeError:
         raise Ds4fError(f"--token-file {path}: the token must be ASCII") from None
     if not token or any(c.isspace() for c in token):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams, check_tools, read_user_json
+from ds4f.api import Ds4fError, GenerationDefaults, SamplingParams, check_tools, read_regular_json
 
 MODES = ("chat", "think", "text")
 MODE_NAMES = {"chat": "chat", "think": "chat, thinking", "text": "plain completion"}
@@ -138,7 +138,7 @@ class Chat:
         file = Path(path).expanduser()
         # a regular file only (a FIFO or /dev/zero is refused without blocking the interface), at
         # most MAX_TOOLS_FILE bytes read whatever st_size says, nested within the JSON bound
-        tools = read_user_json(file, "/tools", MAX_TOOLS_FILE)
+        tools = read_regular_json(file, "/tools", MAX_TOOLS_FILE)
         try:
             self.tools = check_tools(tools)
         except Ds4fError as exc:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from ds4f.api import Ds4fError, Snapshot, TokenRecord, read_user_file
+from ds4f.api import Ds4fError, Snapshot, TokenRecord, read_regular
 
 DEFAULT_PORT = 8734          # ds4f serve's
 EVENTS_VERSION = 1           # the event stream's version this console reads
@@ -856,7 +856,7 @@ class ServerLink:
             status = self._status or {}
         if path is not None:
             try:   # the server's file, but a path from the network: a regular file within a bound only
-                token = read_user_file(path, "the operator token file", 64 << 10).decode("ascii").strip()
+                token = read_regular(path, "the operator token file", 64 << 10).decode("ascii").strip()
             except (Ds4fError, UnicodeDecodeError) as exc:
                 raise Ds4fError(f"cannot read the operator token in {path}: {getattr(exc, 'message', None) or exc}"
                                 f" (give --operator-token)") from None

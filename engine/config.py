@@ -21,7 +21,8 @@ except ModuleNotFoundError:  # Python 3.10
 from ds4f.errors import Ds4fError
 from ds4f.native.kernels import BACKENDS, available_backends
 from ds4f.units import format_bytes
-from ds4f.paths import check_path_value, read_user_text, user_cache_dir, user_config_path, user_data_dir
+from ds4f.paths import check_path_value, directory_problem, user_cache_dir, user_config_path, user_data_dir
+from ds4f.safe_read import read_regular_text
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
 
@@ -209,6 +210,13 @@ class Config:
     def effective_io_threads(self, preset: Preset | None = None) -> int:
         return (preset.io_threads if preset and preset.io_threads else None) or self.io_threads
 
+    def kv_directory(self, option: str | None = None) -> str | None:
+        """The prefix cache's directory a run keeps states in: --kv-dir (`option`, refused as [kv] dir
+        is at load when it is a file) or [kv] dir; None when none is kept on disk ([kv] off, budget 0)."""
+        if self.kv is None or not self.kv.disk_bytes:
+            return None
+        return check_kv_dir(option, "--kv-dir", "kv_dir") if option else self.kv.dir
+
 
 def builtin_config_text() -> str:
     return resources.files("ds4f").joinpath("ds4f.toml").read_text()
@@ -321,8 +329,11 @@ def _preset(name: str, body: dict, source: str) -> Preset:
                   context=context, cache_limit=limit, prefill_chunk=chunk)
 
 
-def load_config(explicit: str | os.PathLike | None = None) -> Config:
-    """Read the config in force (see the module docstring); raise Ds4fError naming file and key."""
+def load_config(explicit: str | os.PathLike | None = None, *, check_dirs: bool = True) -> Config:
+    """Read the config in force (see the module docstring); raise Ds4fError naming file and key.
+    check_dirs=False: a [kv] dir that is a file is not refused (a run's own load: the command or
+    server that started it refused one at its start; a file put there since is said in the run's
+    log, and its states are kept in RAM only)."""
     raw = _merge({}, _parse_toml(builtin_config_text(), "built-in ds4f.toml"), "built-in ds4f.toml")
     path = find_config(explicit)
     source = "built-in ds4f.toml"
@@ -330,7 +341,7 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
         source = str(path)
         # a regular file of at most MAX_CONFIG_BYTES, whatever st_size says (a FIFO would block, a
         # device never end); not UTF-8 is refused naming the byte
-        text = read_user_text(path, "config file", MAX_CONFIG_BYTES)
+        text = read_regular_text(path, "config file", MAX_CONFIG_BYTES)
         raw = _merge(raw, _parse_toml(text, source), source)
     for section, key in PATH_KEYS:
         value = raw.get(section, {}).get(key)
@@ -355,7 +366,7 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
     if model_path and path is not None and not os.path.isabs(os.path.expanduser(model_path)):
         model_path = str((path.parent / model_path))  # relative to the config file
     history = raw["history"]["path"] or str(user_data_dir() / "history.sqlite3")
-    kv = _kv_settings(raw["kv"], source, path)
+    kv = _kv_settings(raw["kv"], source, path, check_dirs)
     parallel = raw["server"]["parallel"]
     if not 0 <= parallel <= MAX_PARALLEL:
         raise Ds4fError(f"{source}: server.parallel: must be between 0 (as many as the memory plan fits, at most"
@@ -398,7 +409,19 @@ def _dump_settings(dump: dict, source: str) -> DumpSettings:
     return DumpSettings(**{k: dump[k] for k in DUMP_KINDS}, full_limit=limit.nbytes)
 
 
-def _kv_settings(kv: dict, source: str, path: Path | None) -> KvSettings | None:
+def check_kv_dir(where: str, source: str, param: str) -> str:
+    """The prefix cache's directory ([kv] dir, --kv-dir) when one can be made there: refused, naming
+    `source` and the file in the way, when it is a file (or a part of its path is) rather than a
+    directory; a directory that becomes a file later is said in the run's log (states kept in RAM)."""
+    check_path_value(where, source, param=param)
+    problem = directory_problem(where)
+    if problem is not None:
+        raise Ds4fError(f"{source}: {problem}; the prefix cache keeps its states in a directory: give one"
+                        f" (or kv.budget = 0 to keep them in RAM only)", param=param, path=where)
+    return where
+
+
+def _kv_settings(kv: dict, source: str, path: Path | None, check_dirs: bool = True) -> KvSettings | None:
     if not kv["enabled"]:
         return None
     sizes = {}
@@ -415,5 +438,7 @@ def _kv_settings(kv: dict, source: str, path: Path | None) -> KvSettings | None:
         where = str(path.parent / where)   # relative to the config file
     if not 1 <= kv["block"] <= 1 << 16:
         raise Ds4fError(f"{source}: kv.block: positions a block of kept rows spans, from 1 to 65536, got {kv['block']}")
+    if sizes["budget"] and check_dirs:
+        check_kv_dir(where, f"{source}: kv.dir", "kv.dir")
     return KvSettings(ram_bytes=sizes["ram"], dir=where, disk_bytes=sizes["budget"], block=kv["block"],
                       write_budget=sizes["write_budget"])

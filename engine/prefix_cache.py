@@ -48,8 +48,10 @@ import numpy as np
 from ds4f.engine.kv_blocks import (BLOCK_SUFFIX, Block, Head, block_path, block_tokens, check_blocks, join, load_block,
                                    save_block, split)
 from ds4f.engine.session_state import (SessionState, canonical, check_state, load_head, non_finite, read_header,
-                                       save_state, sweep_partials)
+                                       save_state)
 from ds4f.errors import Ds4fError
+from ds4f.partials import sweep_partials
+from ds4f.paths import directory_problem
 from ds4f.safe_read import not_regular
 
 SUFFIX = ".kv"
@@ -176,6 +178,7 @@ class PrefixCache:
         self._counted_at = 0.0
         self._lock_said = False
         self.dir_asked = disk_dir            # what it was given (the directory may turn out unwritable)
+        self._dir_said = None                # (log, problem): a file where the directory was, said once a run
         self.dir = Path(disk_dir) if disk_dir is not None and self.disk_bytes > 0 else None
         if self.dir is not None:
             self._open_dir()
@@ -372,8 +375,8 @@ class PrefixCache:
             probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}"   # a name no other cache uses
             probe.write_bytes(b"")
             probe.unlink()
-        except (OSError, ValueError) as exc:
-            why = getattr(exc, "strerror", None) or exc
+        except (OSError, ValueError) as exc:    # a file put where the directory was since the config was read
+            why = directory_problem(self.dir) or getattr(exc, "strerror", None) or exc
             self.log(f"prefix cache: {self.dir}: cannot write there ({why}); states kept in RAM only")
             self.dir = None
             return
@@ -435,7 +438,7 @@ class PrefixCache:
                         time.sleep(0.01)
         except OSError:
             held = False
-        if not held and not self._lock_said:
+        if not held and not self._lock_said and directory_problem(self.dir) is None:   # else a write says that
             self._lock_said = True
             self.log(f"prefix cache: {path}: the directory's lock could not be had; its budget is checked at the"
                      f" next write")
@@ -651,7 +654,12 @@ class PrefixCache:
                 if held:
                     self._enforce_locked(keep=path)
         except (Ds4fError, OSError) as exc:
-            self.log(f"prefix cache: not saved: {exc}")
+            problem = directory_problem(self.dir)     # a file put where the directory was
+            if problem is None:
+                self.log(f"prefix cache: not saved: {exc}")
+            elif self._dir_said != (self.log, problem):
+                self._dir_said = (self.log, problem)
+                self.log(f"prefix cache: {self.dir}: cannot write there ({problem}); states kept in RAM only")
             with self._lock:
                 self.stats.written_blocks += written_blocks
                 self.stats.blocks_saved += len(written)

@@ -20,13 +20,14 @@ import hashlib
 import json
 import os
 import struct
-import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.partials import written_whole
+from ds4f.safe_read import open_regular
 
 MAGIC = b"DS4FKVST"
 VERSION = 2      # 1: kept states that carried full state-dump records (refused: their prompts are computed)
@@ -223,12 +224,9 @@ def write_arrays(path: str | os.PathLike, magic: bytes, header: dict, arrays: li
                  what: str = "session state") -> int:
     """The container both kept states and their blocks are written in: magic, version, a JSON header
     (`header` with every array's name, dtype, shape and offset), the arrays, and a sha256 of all of
-    it. Written to a `.partial` beside `path` (named for this process and thread, locked with flock
-    while it is written: a .partial nobody holds is a dead writer's, see sweep_partials), flushed to
-    disk, then renamed: a file under the final name is always whole. A write error is a Ds4fError
-    naming the file; no .partial stays. Returns the file's size."""
-    import fcntl
-
+    it. Written whole or not at all (ds4f.partials: a `.partial` locked while it is written, one
+    nobody holds is a dead writer's), so a file under the final name is always whole. A write error
+    is a Ds4fError naming the file; no .partial stays. Returns the file's size."""
     path = Path(path)
     offset, entries = 0, []
     for name, a in arrays:
@@ -239,59 +237,19 @@ def write_arrays(path: str | os.PathLike, magic: bytes, header: dict, arrays: li
     if len(raw) > MAX_HEADER_BYTES:
         raise Ds4fError(f"{path}: the {what}'s header would be {len(raw)} bytes, more than the {MAX_HEADER_BYTES}"
                         f" a reader takes", path=str(path))
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     sha = hashlib.sha256()
     size = 0
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        with open(fd, "wb") as f:
-            fcntl.flock(fd, fcntl.LOCK_EX)        # held until closed: this writer is alive
+        with written_whole(path) as f:
             for chunk in (_HEAD.pack(magic, VERSION, len(raw)), raw,
                           *(np.ascontiguousarray(a).tobytes() for _, a in arrays)):
                 sha.update(chunk)
                 f.write(chunk)
                 size += len(chunk)
             f.write(sha.digest())
-            f.flush()
-            os.fsync(f.fileno())
-            os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise Ds4fError(f"{path}: cannot save the {what}: {exc.strerror or exc}", path=str(path)) from None
     return size + _SHA
-
-
-def sweep_partials(directory: str | os.PathLike, log=None) -> int:
-    """Remove the `.partial` files of writers that are gone (killed while writing): a live writer
-    holds its file's flock, a dead one's is free. Files of any other kind are left alone. How many
-    were removed."""
-    import fcntl
-
-    from ds4f.safe_read import not_regular
-
-    removed = 0
-    for p in Path(directory).glob("*.partial"):
-        try:
-            if not_regular(p.lstat().st_mode) is not None:
-                continue
-            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)              # a live writer's
-            continue
-        try:
-            p.unlink()
-            removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    if removed and log is not None:
-        log(f"prefix cache: {directory}: {removed} unfinished files of writers that are gone removed")
-    return removed
 
 
 def _is_int(v, low: int = 0, high: int | None = None) -> bool:
@@ -346,8 +304,6 @@ def read_arrays(path: str | os.PathLike, magic: bytes, fmt: str, what: str = "se
     Ds4fError naming the file and the problem: not a regular file, larger than `max_bytes`, not of
     this kind, another version, a header length past the file, truncated or altered (the sha256), a
     header that does not describe its payload (every array's dtype, shape and offset)."""
-    from ds4f.safe_read import open_regular
-
     path = Path(path)
     with open_regular(path, what) as (f, st):
         size = st.st_size
@@ -437,8 +393,6 @@ def read_header(path: str | os.PathLike) -> dict:
     file's size against it: format, version, geometry, checkpoint, backend, tokens, layers, arrays,
     blocks. A Ds4fError when it is not a readable session state (a FIFO or a device under the name
     is refused without a read; a header length past the file or MAX_HEADER_BYTES before one)."""
-    from ds4f.safe_read import open_regular
-
     path = Path(path)
     with open_regular(path, "session state") as (f, st):
         try:

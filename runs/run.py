@@ -91,7 +91,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
 
     engines: keep the engine loaded after the run for the next one (see EngineHost).
     on_token: called in the run's thread after each token with its TokenRecord (keep it short)."""
-    cfg = load_config(config.config_path)
+    cfg = load_config(config.config_path, check_dirs=False)   # a [kv] dir gone bad since: RAM only, logged
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
     config = checked(config, cfg)
     checkpoint = open_checkpoint(config.model)

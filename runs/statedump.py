@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.safe_read import open_regular
 from ds4f.native.kernels import BACKENDS
 
 try:
@@ -696,15 +697,8 @@ def _n_tokens(path: Path, header: dict, dtype: np.dtype, room: int) -> int:
 
 
 def _open_dump(path: Path):
-    """open_regular for a dump: its errors as a dump reader words them."""
-    from ds4f.safe_read import open_regular
-
-    try:
-        return open_regular(path, "state dump")
-    except Ds4fError as exc:
-        if exc.kind == "not_found":
-            raise Ds4fError(f"{path}: state dump not found", path=str(path)) from None
-        raise
+    """open_regular for a dump, a missing one worded as a dump reader says it."""
+    return open_regular(path, "state dump", missing=f"{path}: state dump not found")
 
 
 def read_state(path: str | os.PathLike, check_report: bool = True) -> State:

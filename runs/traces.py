@@ -10,7 +10,7 @@ import numpy as np
 from ds4f.cachelab.trace import Trace, read_trace_file, write_trace_file
 from ds4f.engine.model.geometry import Geometry
 from ds4f.errors import Ds4fError
-from ds4f.paths import open_user_file
+from ds4f.safe_read import open_regular
 from ds4f.runs.statedump import MAGIC, read_state
 
 
@@ -19,7 +19,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     path = Path(path)
     if not (path.exists() or path.is_symlink()):
         raise Ds4fError(f"{path}: trace not found")
-    with open_user_file(path, "trace") as f:    # a FIFO or a device is refused, never waited on
+    with open_regular(path, "trace") as (f, _st):    # a FIFO or a device is refused, never waited on
         magic = f.read(len(MAGIC))
         if magic != MAGIC:
             f.seek(0)

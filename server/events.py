@@ -18,7 +18,8 @@ Events, each `event: NAME` and one `data:` line of JSON:
 Log kinds: `queued` (a request waits for the engine), `request` (its run started), `done`,
 `cancelled`, `failed` (a run ended; `cancelled` also for a queued request whose client left),
 `refused` (an answer 4xx or 503: the method, path, client, status and why), `kept_state` (the
-prefix cache refused a kept-state file: damaged, foreign, gone), `operator` (an operator's action,
+prefix cache refused a kept-state file: damaged, foreign, gone; or keeps its states in RAM only:
+its directory cannot be written, the day's write budget is spent), `operator` (an operator's action,
 with `who`), `preset` (a preset change that waited for the engine to be idle took effect),
 `drain` (a drain finished: nothing runs or waits), `watcher` (a watcher dropped), `shutdown`.
 
@@ -492,8 +493,9 @@ def log_line(message: str) -> str:
 
 
 def kept_state_refusal(line: str) -> bool:
-    """A run's event line saying the prefix cache refused a kept state's file."""
-    return line.startswith("prefix cache:") and ("not used" in line or "gone (" in line)
+    """A run's event line saying the prefix cache refused a kept state's file, or keeps its states
+    in RAM only (its directory cannot be written: a file where it should be; the day's write budget)."""
+    return line.startswith("prefix cache:") and ("not used" in line or "gone (" in line or "in RAM only" in line)
 
 
 def error_of(body: bytes) -> tuple[str | None, str | None]:

@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ds4f.api import MAX_GEN, MAX_PARALLEL, Ds4fError, parse_spec, read_user_file
+from ds4f.api import MAX_GEN, MAX_PARALLEL, Ds4fError, parse_spec, read_regular
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8734
@@ -117,7 +117,7 @@ def read_token_file(path: str | os.PathLike) -> str:
     """The bearer token in `path` (surrounding whitespace stripped); Ds4fError if unusable."""
     where = f"--token-file {path}"
     # a regular file of at most MAX_TOKEN_FILE bytes (a FIFO would block the start, a device never end)
-    data = read_user_file(path, "--token-file", MAX_TOKEN_FILE)
+    data = read_regular(path, "--token-file", MAX_TOKEN_FILE)
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError:

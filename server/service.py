@@ -126,6 +126,8 @@ class Service:
     def __init__(self, options: ServerOptions, start_run=None):
         self.options = options
         self.cfg = load_config(options.config_path)
+        if options.reuse_prefix:
+            self.cfg.kv_directory(options.kv_dir)  # a --kv-dir that is a file refused at start
         self.preset = self.cfg.get_preset(options.preset).name
         self.model = resolve_model(options.model, self.cfg)
         summary = checkpoint_summary(self.model)

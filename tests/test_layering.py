@@ -222,7 +222,7 @@ def test_no_package_level_cycles():
 # The layers, lowest first: a module may import its own layer and the layers below it, never one
 # above. Each layer is a set of packages (or root modules).
 LAYERS = (
-    ("base", ("ds4f.errors", "ds4f.paths", "ds4f.safe_read", "ds4f.units", "ds4f.themes")),
+    ("base", ("ds4f.errors", "ds4f.paths", "ds4f.safe_read", "ds4f.partials", "ds4f.units", "ds4f.themes")),
     ("native", ("ds4f.native",)),
     ("engine", ("ds4f.engine",)),          # inference: weights in, logits out
     ("cachelab", ("ds4f.cachelab",)),      # traces, policies' replay, Belady

@@ -26,6 +26,7 @@ from typing import Callable
 from ds4f.engine.checkpoint.base import LAYOUT_VERSION
 from ds4f.paths import user_cache_dir
 from ds4f.errors import Ds4fError
+from ds4f.safe_read import read_regular_json
 
 DEMO_DIRNAME = "demo-ds4f"
 DEMO_GEOMETRY = "demo"
@@ -47,9 +48,9 @@ def _marker(geometry: str, seed: int) -> dict:
 
 def is_complete(path: Path, geometry: str = DEMO_GEOMETRY, seed: int = DEMO_SEED) -> bool:
     """A finished demo conversion of this version (marker present and matching, layout files there)."""
-    try:
-        marker = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
+    try:   # a regular file of a few bytes: a FIFO or a device under its name is no marker
+        marker = read_regular_json(path / MARKER, "demo marker", 64 << 10)
+    except Ds4fError:
         return False
     if marker != _marker(geometry, seed):
         return False

@@ -31,6 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ds4f.engine.checkpoint.base import POOL_BIN, POOL_JSON, TRUNK_BIN, TRUNK_JSON
+from ds4f.errors import Ds4fError
+from ds4f.partials import sweep_partials, written_whole
+from ds4f.paths import user_cache_dir
+from ds4f.safe_read import read_regular_json
 
 FORMAT = b"ds4f.checkpoint/2"
 KEPT_BYTES = 16 << 20        # files larger than this have their sum kept in the store
@@ -88,8 +92,6 @@ def checkpoint_fingerprint(path: str | Path, log=None, store: str | Path | None 
 
 
 def _default_store() -> Path:
-    from ds4f.paths import user_cache_dir
-
     return user_cache_dir() / STORE_NAME
 
 
@@ -118,7 +120,7 @@ def _compute(files: list[tuple[Path, os.stat_result]], log, store: Path) -> str:
         now = time.time()
         for p, st in big:
             kept[str(p.resolve())] = {"identity": _identity(st), "sha256": sums[p.name], "at": now}
-        _save_store(store, kept)
+        _save_store(store, kept, log)
     h = hashlib.sha256(FORMAT)
     for p, st in files:
         h.update(f"{p.name}\0{st.st_size}\0".encode())
@@ -154,26 +156,25 @@ def _dontneed(fd: int) -> None:
 
 
 def _load_store(store: Path) -> dict:
-    from ds4f.errors import Ds4fError
-    from ds4f.safe_read import read_regular
-
     try:
-        data = json.loads(read_regular(store, "fingerprint store", STORE_MAX_BYTES))
-    except (Ds4fError, ValueError, RecursionError):
+        data = read_regular_json(store, "fingerprint store", STORE_MAX_BYTES)
+    except Ds4fError:
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _save_store(store: Path, kept: dict) -> None:
-    """The sums, the newest STORE_MAX_ENTRIES, written whole (a name of this process first); a
-    store that cannot be written only costs the next start the hash again."""
+def _save_store(store: Path, kept: dict, log=None) -> None:
+    """The sums, the newest STORE_MAX_ENTRIES, written whole (ds4f.partials: a `.partial` of this
+    process and thread, locked while it is written); the `.partial` files of earlier writers that
+    were killed (nobody holds their lock) are removed first. A store that cannot be written only
+    costs the next start the hash again."""
     entries = sorted(((k, v) for k, v in kept.items() if isinstance(v, dict)),
                      key=lambda kv: kv[1].get("at", 0) if isinstance(kv[1].get("at", 0), (int, float)) else 0)
     doc = dict(entries[-STORE_MAX_ENTRIES:])
-    tmp = store.with_name(f"{store.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc, indent=0))
-        os.replace(tmp, store)
+        sweep_partials(store.parent, log, pattern=f"{store.name}.*.partial", label="fingerprint store")
+        with written_whole(store) as f:
+            f.write(json.dumps(doc, indent=0).encode())
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass

@@ -42,6 +42,7 @@ from ds4f.engine.checkpoint.formats import st_itemsize, st_numpy_dtype
 from ds4f.engine.checkpoint.safetensors_index import pread_exact, read_json
 from ds4f.engine.checkpoint.tensors import attention_tensors, global_tensors, mtp_tensors
 from ds4f.errors import Ds4fError
+from ds4f.safe_read import read_regular
 from ds4f.engine.model.geometry import Geometry
 
 class Ds4fCheckpoint(Checkpoint):
@@ -451,14 +452,8 @@ def _overlaps(where: Path, what: str, spans: list[tuple[int, int, str]], limit: 
 
 
 def read_trunk_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    from ds4f.safe_read import read_regular
-
     try:
-        lines = read_regular(path, "trunk offsets table", 64 << 20).decode().splitlines()
-    except Ds4fError as exc:
-        if exc.kind == "not_found":
-            raise Ds4fError(f"{path}: missing", path=str(path)) from None
-        raise
+        lines = read_regular(path, "trunk offsets table", 64 << 20, missing=f"{path}: missing").decode().splitlines()
     except UnicodeDecodeError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc}") from None
     if not lines or lines[0].strip() != OFFSETS_HEADER:

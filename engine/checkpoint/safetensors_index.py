@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds4f.errors import Ds4fError, parse_json
+from ds4f.safe_read import open_regular, read_regular
 from ds4f.engine.checkpoint.formats import ST_DTYPES, st_itemsize
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -37,14 +38,8 @@ MAX_JSON = 256 << 20   # a checkpoint's JSON file (the index, pool.json, trunk.j
 def read_json(path: Path, what: str = "JSON") -> object:
     """A checkpoint's JSON file: a regular file (a FIFO or a device under its name is refused, never
     opened for a read that would block) of at most MAX_JSON bytes, parsed."""
-    from ds4f.safe_read import read_regular
-
     try:
-        text = read_regular(path, what, MAX_JSON).decode("utf-8")
-    except Ds4fError as exc:
-        if exc.kind == "not_found":
-            raise Ds4fError(f"{path}: missing", path=str(path)) from None
-        raise
+        text = read_regular(path, what, MAX_JSON, missing=f"{path}: missing").decode("utf-8")
     except UnicodeDecodeError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc}") from None
     try:
@@ -57,11 +52,9 @@ def read_json(path: Path, what: str = "JSON") -> object:
 
 def read_shard_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one shard's header: every tensor inside the file, sizes consistent."""
-    from ds4f.safe_read import open_regular
-
     path = Path(path)
     try:
-        with open_regular(path, "safetensors shard") as (f, st):
+        with open_regular(path, "safetensors shard", missing=f"{path}: missing shard") as (f, st):
             size = st.st_size
             head = f.read(8)
             if len(head) < 8:
@@ -70,14 +63,6 @@ def read_shard_header(path: Path) -> dict[str, TensorInfo]:
             if n > MAX_HEADER or 8 + n > size:
                 raise Ds4fError(f"{path}: truncated or not safetensors: header length {n} but file has {size} bytes")
             raw = f.read(n)
-    except Ds4fError as exc:
-        if exc.kind == "not_found":
-            raise Ds4fError(f"{path}: missing shard", path=str(path)) from None
-        raise
-    except FileNotFoundError:
-        raise Ds4fError(f"{path}: missing shard") from None
-    except IsADirectoryError:
-        raise Ds4fError(f"{path}: is a directory, expected a safetensors shard") from None
     except OSError as exc:
         raise Ds4fError(f"{path}: cannot read: {exc.strerror or exc}") from None
     header = parse_json(raw, f"{path}: bad safetensors header")

@@ -16,7 +16,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ds4f.errors import Ds4fError
+from ds4f.partials import sweep_partials, written_whole
 from ds4f.paths import user_cache_dir
+from ds4f.safe_read import read_regular_json
 from ds4f.engine.runtime.memory import warm_buffer
 
 
@@ -83,16 +86,24 @@ def _cache_key(checkpoint, io_threads: int) -> str:
 
 FLOOR_MAX_AGE_S = 900.0  # a shared or thermally throttled disk drifts: re-measure after this
 FLOOR_ENTRIES = 64       # floor.json keeps at most this many (checkpoint, queue depth) measurements, none stale
+FLOOR_STORE_BYTES = 1 << 20   # a floor.json larger than this is not ds4f's: measured again and rewritten
+
+
+def _load_floors(store) -> dict:
+    """floor.json's measurements; {} for none, or for a file that is not ds4f's (not a regular file,
+    larger than FLOOR_STORE_BYTES, not a JSON object)."""
+    try:
+        known = read_regular_json(store, "disk floor store", FLOOR_STORE_BYTES)
+    except Ds4fError:
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def cached_floor(checkpoint, io_threads: int, seconds: float = 2.0, max_age_s: float = FLOOR_MAX_AGE_S) -> FloorResult:
     """The floor for this checkpoint's pool at this queue depth, remembered for max_age_s."""
     store = user_cache_dir() / "floor.json"
     key = _cache_key(checkpoint, io_threads)
-    try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = _load_floors(store)
     entry = known.get(key)
     if isinstance(entry, dict) and time.time() - entry.get("measured_at", 0) < max_age_s:
         try:
@@ -107,10 +118,7 @@ def refresh_floor(checkpoint, io_threads: int, seconds: float = 2.0, known: dict
     store = user_cache_dir() / "floor.json"
     key = _cache_key(checkpoint, io_threads)
     if known is None:
-        try:
-            known = json.loads(store.read_text())
-        except (OSError, ValueError):
-            known = {}
+        known = _load_floors(store)
     result = probe_floor(checkpoint, io_threads, seconds)
     known[key] = {"measured_at": result.measured_at, "result": asdict(result)}
     # only what cached_floor may still use: a checkpoint's entry stays behind when it changes or goes
@@ -119,9 +127,9 @@ def refresh_floor(checkpoint, io_threads: int, seconds: float = 2.0, known: dict
                     and result.measured_at - v.get("measured_at", 0) < FLOOR_MAX_AGE_S), reverse=True)
     known = {k: known[k] for _, k in fresh[:FLOOR_ENTRIES]}
     store.parent.mkdir(parents=True, exist_ok=True)
-    tmp = store.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, store)
+    sweep_partials(store.parent, pattern=f"{store.name}.*.partial")   # of writers killed before
+    with written_whole(store) as f:    # two processes measuring at once each write a whole file
+        f.write(json.dumps(known, indent=1).encode())
     return result
 
 

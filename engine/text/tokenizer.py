@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ds4f.errors import Ds4fError
+from ds4f.safe_read import read_regular
 
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
@@ -64,8 +65,6 @@ MAX_TOKENIZER_BYTES = 256 << 20    # tokenizer.json (~8 MB on the real model) an
 
 
 def _read_json(path: Path, what: str) -> dict:
-    from ds4f.safe_read import read_regular
-
     try:
         obj = json.loads(read_regular(path, what, MAX_TOKENIZER_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -133,8 +132,6 @@ class Tokenizer:
             raise Ds4fError(f"{file}: missing: the checkpoint has no tokenizer.json, so it runs on token ids only",
                             path=file)
         try:
-            from ds4f.safe_read import read_regular
-
             text = read_regular(file, "tokenizer", MAX_TOKENIZER_BYTES).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise Ds4fError(f"{file}: not a valid tokenizer (not UTF-8: {exc})", path=file) from None

@@ -90,3 +90,30 @@ def test_a_history_that_is_a_fifo_or_a_device(tmp_path, fifo):
         cfg = tmp_path / "ds4f.toml"
         cfg.write_text(f'[history]\npath = "{target}"\n')
         refused(ds4f("history", "--config", cfg, "list"), target, why, "not a run history")
+
+
+def test_a_kv_dir_that_is_a_file_is_refused_naming_the_key_and_the_file(tiny_model, tmp_path, fifo):
+    """[kv] dir (or --kv-dir) naming a regular file, a FIFO, or a path under a regular file: the
+    command stops before any run, naming the key and the file in the way (the prefix cache would
+    otherwise keep nothing on disk without a word)."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("a file where the prefix cache's directory should be\n")
+    for where, says in ((taken, f"{taken} is a regular file, not a directory"),
+                        (taken / "kv", f"{taken} is a regular file, so {taken / 'kv'} cannot be a directory"),
+                        (fifo, f"{fifo} is a FIFO, not a directory")):
+        cfg = tmp_path / "ds4f.toml"
+        cfg.write_text(f'[engine]\nprobe_floor = false\n[kv]\ndir = "{where}"\n')
+        for command in (("run", tiny_model, "-n", "1"), ("generate", tiny_model, "-p", "hi", "-n", "1")):
+            refused(ds4f(*command, "--config", cfg), cfg, "kv.dir", says)
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[engine]\nprobe_floor = false\n')
+    refused(ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--config", plain, "--kv-dir", taken),
+            "--kv-dir", f"{taken} is a regular file, not a directory")
+    refused(ds4f("serve", "-m", tiny_model, "--port", "0", "--config", plain, "--kv-dir", taken / "kv"),
+            "--kv-dir", f"{taken} is a regular file, so {taken / 'kv'} cannot be a directory")
+    # no directory kept on disk (kv.budget = 0), or --no-kv: nothing to refuse
+    cfg.write_text(f'[engine]\nprobe_floor = false\n[kv]\ndir = "{taken}"\nbudget = 0\n')
+    assert ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--config", cfg).returncode == 0
+    out = ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--config", plain, "--kv-dir", taken, "--no-kv")
+    assert out.returncode == 0, out.stderr
+    assert taken.read_text().startswith("a file where")           # never written into or replaced

@@ -135,6 +135,24 @@ def test_an_unwritable_directory_is_logged_and_ram_goes_on(engine, tmp_path):
     assert cache.lookup(PROMPT, engine.backend).position == 9
 
 
+def test_a_file_put_where_the_directory_was_is_said_once_per_log_and_ram_goes_on(engine, tmp_path):
+    """The directory opened, then replaced by a regular file (another program, a mistaken `mv`):
+    the next states are kept in RAM, and each log (a run's) is told once, naming the file."""
+    kv = tmp_path / "kv"
+    first, second = [], []
+    cache = _cache(engine, ram=1 << 30, disk_dir=kv, disk=1 << 30, lines=first)
+    shutil.rmtree(kv)
+    kv.write_text("a file now")
+    for n in (5, 9):
+        cache.keep(_state(engine, n))
+    said = f"prefix cache: {kv}: cannot write there ({kv} is a regular file, not a directory); states kept in RAM only"
+    assert first == [said]
+    cache.log = second.append               # the next run's log
+    cache.keep(_state(engine, 13))
+    assert second == [said] and first == [said]
+    assert cache.lookup(PROMPT, engine.backend).position == 13 and kv.read_text() == "a file now"
+
+
 def test_two_caches_share_one_directory(engine, tmp_path):
     lines = []
     a = _cache(engine, ram=0, disk_dir=tmp_path, disk=1 << 30, lines=lines)
