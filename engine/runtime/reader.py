@@ -128,9 +128,8 @@ class Occupancy:
     time integral of the number in flight (depth_s; depth_s / wall = mean queue depth).
     Prefetch can only use the time the disk is idle or shallow, so these bound its gain."""
 
-    def __init__(self, on_end=None) -> None:
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.on_end = on_end  # called (outside the lock) whenever a read ends
         self.in_flight = 0
         self.busy_s = 0.0
         self.depth_s = 0.0
@@ -152,8 +151,6 @@ class Occupancy:
         with self.lock:
             self._advance(time.perf_counter())
             self.in_flight -= 1
-        if self.on_end is not None:
-            self.on_end()
 
     def totals(self) -> tuple[float, float]:
         """(busy_s, depth_s) up to now."""
@@ -189,7 +186,7 @@ class Reader:
         self._guesses: collections.deque = collections.deque()
         self._lane_cv = threading.Condition()
         self._closing = False
-        self.occupancy = Occupancy(on_end=self._wake_lane)
+        self.occupancy = Occupancy()
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._workers: list[threading.Thread] = []
@@ -244,11 +241,12 @@ class Reader:
                         return
                     while self._guesses and (self._guesses[0].started or self._guesses[0].cancelled):
                         self._guesses.popleft()  # promoted and read by a worker, or cancelled
+                    # unfinished_tasks, not empty(): a read a worker has taken but not begun counts
                     if (self._guesses and self.occupancy.in_flight < self.PREFETCH_GATE
-                            and self._queue.empty()):
+                            and self._queue.unfinished_tasks == 0):
                         job = self._guesses.popleft()
                         break
-                    self._lane_cv.wait(0.05)  # woken when a read ends or a guess arrives; the timeout is a safety net
+                    self._lane_cv.wait(0.05)  # woken when a worker's read is done or a guess arrives; the timeout is a safety net
             job()
 
     @property
@@ -271,9 +269,13 @@ class Reader:
     def _work(self) -> None:
         while True:
             _prio, _seq, job = self._queue.get()
-            if job is None:
-                return
-            job()
+            try:
+                if job is None:
+                    return
+                job()
+            finally:
+                self._queue.task_done()
+            self._wake_lane()
 
     def resize(self, threads: int) -> None:
         """Change the number of I/O threads; queued reads finish first."""
