@@ -29,11 +29,11 @@ from ds4f.api import (DEFAULT_GEN, MAX_PARALLEL, Config, Ds4fError, EngineHost, 
                       ensure_demo_model, load_config, read_regular)
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
-from .bindings import APP_BINDINGS
-from .chat import MODE_NAMES, PROMPT_KINDS, Command, TextSupport, parse_command
+from .core.bindings import APP_BINDINGS
+from .core.chat import MODE_NAMES, PROMPT_KINDS, Command, TextSupport, parse_command
 from .commands import ActionCommands, open_palette
-from .controller import Controller, default_start_run, demo_dir, next_refresh, probe_text, simd_scalar_pair
-from .figures import ENDINGS, fmt_s_per_token, model_name, sampling_text
+from .core.controller import Controller, default_start_run, demo_dir, next_refresh, probe_text, simd_scalar_pair
+from .core.figures import ENDINGS, fmt_s_per_token, model_name, sampling_text
 from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen
 
 NO_PAIR = ("Needs a finished SIMD run and a scalar run of the same model and length: "
@@ -474,7 +474,7 @@ class Ds4fConsole(App):
         self._show_prompt()
 
     def _tool_command(self, command: Command) -> None:
-        """/system, /tools, /result (see console.chat)."""
+        """/system, /tools, /result (see console.core.chat)."""
         ctl, transcript = self.controller, self.dashboard.chat.transcript
         try:
             if command.name == "system":

@@ -1,6 +1,6 @@
 """ds4f-console --attach URL [URL ...]: the console on running `ds4f serve`s, over HTTP.
 
-One ServerLink per URL (console.remote: the event stream read in a thread, reconnecting) and one
+One ServerLink per URL (console.core.remote: the event stream read in a thread, reconnecting) and one
 tab per server (no tab bar for one). The app's timer reads each link's latest ServerView, as the
 local console polls Run.snapshot(): a busy server costs the terminal one screen diff per refresh
 period and the keys stay responsive. The keys become operator calls (POST /operator/...), each
@@ -19,10 +19,10 @@ from textual.css.query import NoMatches
 from ds4f.api import Ds4fError, History, load_config
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEMES, next_theme, stylesheet_path
 
-from .bindings import APP_BINDINGS, ATTACH_SCREENS_FOR_HELP
+from .core.bindings import APP_BINDINGS, ATTACH_SCREENS_FOR_HELP
 from .commands import ActionCommands, open_palette
-from .controller import next_refresh
-from .remote import ServerLink, ServerView, backend_toggle, next_preset, parse_address, threads_step
+from .core.controller import next_refresh
+from .core.remote import ServerLink, ServerView, backend_toggle, next_preset, parse_address, threads_step
 from .screens import HelpScreen
 from .screens.attached import AttachedScreen, AttachErrorScreen
 

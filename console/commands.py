@@ -13,7 +13,7 @@ from textual import work
 from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider
 from textual.css.query import NoMatches
 
-from .bindings import OWN_KEYS, TITLES, keys_of
+from .core.bindings import OWN_KEYS, TITLES, keys_of
 
 SKIP_ACTIONS = {"command_palette"}
 

@@ -1,7 +1,7 @@
 """The console's colour themes, as Textual Theme objects.
 
 Besides Textual's own variables ($primary, $success, ...), each theme sets the colours of
-the four threshold levels every dashboard panel uses (see ds4f.console.thresholds) and of
+the four threshold levels every dashboard panel uses (see ds4f.console.core.thresholds) and of
 the plots. Keep these names in step with LEVEL_VARIABLE_DEFAULTS below and console.tcss.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The console's screens. Each renders what the app hands it (a Snapshot, RunRecords, a
 StateDiff) and turns keys into messages the app acts on; none holds engine state.
 
-    dashboard.py  the live panels over the current run (the panels are in ../panels.py)
+    dashboard.py  the live panels over the current run (the panels are in ../widgets/panels.py)
     history.py    every recorded run, with marks for a diff
     diff.py       two runs' state dumps compared
     modals.py     help, token count, error and first-launch setup

@@ -13,8 +13,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Static, TabbedContent, TabPane
 
-from ..bindings import ATTACH_BINDINGS, ATTACH_ERROR_BINDINGS
-from ..remote import Connection
+from ..core.bindings import ATTACH_BINDINGS, ATTACH_ERROR_BINDINGS
+from ..core.remote import Connection
 from ..widgets.common import KeyBar, SizeNotice
 from ..widgets.server import ServerPane
 

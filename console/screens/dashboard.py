@@ -18,8 +18,8 @@ from textual.widgets import Input
 
 from ds4f.api import Snapshot
 
-from ..bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS
-from ..controller import NextRun
+from ..core.bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS
+from ..core.controller import NextRun
 from ..widgets.panels import (DashboardPanel, EventsPanel, HitRatePanel, KernelsPanel, MemoryPanel, ProgressPanel,
                       ReadRatePanel, SpeedPanel, StatusLine)
 from ..widgets.chat import ChatPanel, PromptInput, Transcript

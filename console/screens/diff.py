@@ -15,8 +15,8 @@ from textual.widgets import Static
 
 from ds4f.api import LOW_BIT_TOLERANCE, Ds4fError, RunRecord, StateDiff
 
-from .. import figures as F
-from ..bindings import DIFF_BINDINGS
+from ..core import figures as F
+from ..core.bindings import DIFF_BINDINGS
 from ..widgets.common import KeyBar, Panel, Plot, SizeNotice
 
 VERDICT = {

@@ -12,8 +12,8 @@ from textual.widgets import DataTable, Static
 
 from ds4f.api import Ds4fError, RunRecord, hash_groups
 
-from .. import figures as F
-from ..bindings import HISTORY_BINDINGS
+from ..core import figures as F
+from ..core.bindings import HISTORY_BINDINGS
 from ..widgets.common import KeyBar, SizeNotice
 
 

@@ -12,7 +12,7 @@ from textual.widgets import Input, Label, ProgressBar, Static
 
 from ds4f.api import MAX_GEN
 
-from ..bindings import SCREENS_FOR_HELP, by_action
+from ..core.bindings import SCREENS_FOR_HELP, by_action
 
 
 class HelpScreen(ModalScreen[None]):

@@ -13,9 +13,9 @@ from textual.widgets import Input, Static
 
 from ds4f.api import ReplyParser, parse_reply
 
-from ..bindings import PROMPT_BINDINGS
-from ..chat import CHECKING, COMMANDS_HELP, MODE_NAMES
-from ..figures import printable
+from ..core.bindings import PROMPT_BINDINGS
+from ..core.chat import CHECKING, COMMANDS_HELP, MODE_NAMES
+from ..core.figures import printable
 from .common import Panel
 
 

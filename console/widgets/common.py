@@ -14,8 +14,8 @@ from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import Input, RichLog
 
-from ..bindings import OWN_KEYS, typed
-from ..thresholds import LEVELS
+from ..core.bindings import OWN_KEYS, typed
+from ..core.thresholds import LEVELS
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 

@@ -15,9 +15,9 @@ from textual.widgets import Digits, Static
 
 from ds4f.api import LIVE_STATES, Snapshot
 
-from .. import figures as F
-from ..controller import NextRun
-from ..thresholds import (FINE, HIT_RATE, WARNING, hit_rate_level, io_efficiency_level, ram_level, rss_level,
+from ..core import figures as F
+from ..core.controller import NextRun
+from ..core.thresholds import (FINE, HIT_RATE, WARNING, hit_rate_level, io_efficiency_level, ram_level, rss_level,
                          state_level, worst)
 from .common import EventLog, LayerStrip, Meter, Panel, Plot
 

@@ -2,7 +2,7 @@
 live sequences and queue, latency, prefix cache, event log, a status line) beside the run
 panels of panels.py, which draw the followed run's Snapshot as they do a local run's.
 
-Each draws from a ServerView (console.remote) that the app hands it at each refresh; nothing
+Each draws from a ServerView (console.core.remote) that the app hands it at each refresh; nothing
 here talks to the server.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from textual.widgets import Static
 
 from ds4f.api import Snapshot
 
-from .. import server_figures as S
-from ..controller import NextRun
-from ..remote import LIVE, LOST, LogEntry, ServerView, server_settings
-from ..thresholds import CAREFUL, WARNING
+from ..core import server_figures as S
+from ..core.controller import NextRun
+from ..core.remote import LIVE, LOST, LogEntry, ServerView, server_settings
+from ..core.thresholds import CAREFUL, WARNING
 from .common import EventLog
 from .panels import (DashboardPanel, HitRatePanel, KernelsPanel, MemoryPanel, ProgressPanel, ReadRatePanel,
                      SpeedPanel)

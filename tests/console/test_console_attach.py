@@ -22,7 +22,7 @@ from textual.widgets import Static
 
 from ds4f.api import Run, best_backend
 from ds4f.console.attach import AttachConsole
-from ds4f.console.remote import LIVE, LOST
+from ds4f.console.core.remote import LIVE, LOST
 from ds4f.console.screens.attached import AttachedScreen, AttachErrorScreen
 from ds4f.console.widgets.common import EventLog
 from ds4f.native import kernels

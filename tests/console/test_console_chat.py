@@ -18,10 +18,10 @@ from textual.command import CommandPalette
 from textual.widgets import Static
 
 from ds4f.api import parse_reply
-from ds4f.console import figures as F
+from ds4f.console.core import figures as F
 from ds4f.console.app import Ds4fConsole
-from ds4f.console.bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS, PROMPT_BINDINGS, typed
-from ds4f.console.chat import CHECKING, Chat, parse_command
+from ds4f.console.core.bindings import CHAT_BINDINGS, DASHBOARD_BINDINGS, PROMPT_BINDINGS, typed
+from ds4f.console.core.chat import CHECKING, Chat, parse_command
 from ds4f.console.screens import DashboardScreen, DiffScreen, HelpScreen, HistoryScreen
 from ds4f.console.widgets.chat import PromptInput, Transcript
 from ds4f.console.widgets.common import KeyBar

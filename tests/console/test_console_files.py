@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from ds4f.console.chat import CHECKING, MAX_TOOLS_FILE, Chat
+from ds4f.console.core.chat import CHECKING, MAX_TOOLS_FILE, Chat
 from ds4f.console.widgets.chat import PromptInput, Transcript
 from ds4f.errors import Ds4fError
 
@@ -94,7 +94,7 @@ def test_load_tools_reads_no_more_of_dev_zero_than_its_bound(tmp_path):
     code = textwrap.dedent(f"""
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))
-        from ds4f.console.chat import Chat
+        from ds4f.console.core.chat import Chat
         from ds4f.errors import Ds4fError
         try:
             Chat().load_tools("/dev/zero")

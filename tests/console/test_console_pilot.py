@@ -13,10 +13,10 @@ import shutil
 import pytest
 from textual.widgets import DataTable, Input, Static
 
-from ds4f.console import figures as F
-from ds4f.console import thresholds as T
+from ds4f.console.core import figures as F
+from ds4f.console.core import thresholds as T
 from ds4f.console.app import Ds4fConsole
-from ds4f.console.bindings import APP_BINDINGS, DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS
+from ds4f.console.core.bindings import APP_BINDINGS, DASHBOARD_BINDINGS, DIFF_BINDINGS, HISTORY_BINDINGS
 from ds4f.console.screens import (DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen,
                                   SetupScreen, TokenCountScreen)
 from ds4f.console.widgets.common import EventLog, KeyBar, Meter, Panel, SizeNotice

@@ -1,4 +1,4 @@
-"""The console's client of a running server (console.remote), without Textual: the addresses it
+"""The console's client of a running server (console.core.remote), without Textual: the addresses it
 takes, the Snapshot it rebuilds from a live view, the event stream it reads, what it says of a
 server it cannot use, its reconnections and its operator calls. The server here is a stand-in
 (http.server in a thread) that speaks the event stream's contract, so each case is exact and
@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from ds4f.api import Ds4fError
-from ds4f.console import remote as R
-from ds4f.console import server_figures as S
+from ds4f.console.core import remote as R
+from ds4f.console.core import server_figures as S
 
 from test_console_data import fixed_snapshot
 

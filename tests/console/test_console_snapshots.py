@@ -15,7 +15,7 @@ import pytest
 import pytest_textual_snapshot
 
 from ds4f.console.app import Ds4fConsole
-from ds4f.console.controller import Controller
+from ds4f.console.core.controller import Controller
 from ds4f.console.screens import DiffScreen
 
 from test_console_data import MODEL, builtin_config, fixed_diff, fixed_history, fixed_snapshot

@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from ds4f.console import figures as F
-from ds4f.console import thresholds as T
-from ds4f.console.controller import REFRESH_STEPS, Controller, next_refresh, simd_scalar_pair
+from ds4f.console.core import figures as F
+from ds4f.console.core import thresholds as T
+from ds4f.console.core.controller import REFRESH_STEPS, Controller, next_refresh, simd_scalar_pair
 from ds4f.errors import Ds4fError
 from ds4f.runs.history import History
 from ds4f.themes import THEME_NAMES, THEMES, next_theme, stylesheet_text
