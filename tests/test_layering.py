@@ -195,8 +195,9 @@ def test_no_import_cycles():
 
 
 def unit_of(module: str) -> str:
-    """The unit a package-level cycle is counted between: a module's package, except that each
-    module of the root package is its own unit (errors and paths are below everything, api above)."""
+    """The unit a package-level cycle is counted between: a package, its __init__ and its plain
+    modules together; a subpackage is a unit of its own. Each module of the root package is its
+    own unit (errors and paths are below everything, api above)."""
     path = _MODULES[module]
     if path.name == "__init__.py":
         return module
@@ -204,20 +205,58 @@ def unit_of(module: str) -> str:
     return module if package == PACKAGE else package
 
 
-def test_no_package_level_cycles():
-    """No cycle between packages either (ds4f.engine's own modules, engine.py, session.py,
-    config.py..., are one unit, above the engine's subpackages and never imported by them)."""
+def _package_graph(modules: dict[str, dict[str, Import]]) -> dict[str, dict[str, Import]]:
+    """The module graph between units: every package and subpackage a node, an edge wherever one
+    of a unit's modules imports one of another's, a subpackage importing its parent included (the
+    parent importing its subpackage is an edge the other way, so the two make a cycle)."""
     graph: dict[str, dict[str, Import]] = {}
-    for a, targets in _internal_graph().items():
+    for a, targets in modules.items():
+        ua = unit_of(a)
+        graph.setdefault(ua, {})
         for b, imp in targets.items():
-            ua, ub = unit_of(a), unit_of(b)
-            graph.setdefault(ua, {})
+            ub = unit_of(b)
             graph.setdefault(ub, {})
-            if ua != ub and not _within(ua, ub):    # a package's __init__ may import its own modules
+            if ua != ub:
                 graph[ua].setdefault(ub, imp)
-    problems = _cycles(graph, "packages")
+    return graph
+
+
+def test_the_package_graph_sees_a_subpackage_importing_its_parent():
+    def imp(a, b):
+        return Import(a, b, 1)
+
+    modules = {"ds4f.engine.engine": {"ds4f.engine.checkpoint.fingerprint":
+                                      imp("ds4f.engine.engine", "ds4f.engine.checkpoint.fingerprint")},
+               "ds4f.engine.checkpoint.synth": {"ds4f.engine.config":
+                                                imp("ds4f.engine.checkpoint.synth", "ds4f.engine.config")},
+               "ds4f.console.widgets.common": {"ds4f.console.widgets": imp("ds4f.console.widgets.common",
+                                                                           "ds4f.console.widgets")}}
+    graph = _package_graph(modules)
+    assert set(graph["ds4f.engine.checkpoint"]) == {"ds4f.engine"}       # up to its parent
+    assert set(graph["ds4f.engine"]) == {"ds4f.engine.checkpoint"}
+    assert graph["ds4f.console.widgets"] == {}                              # a package's own __init__
+    assert _strongly_connected(graph) == [["ds4f.engine", "ds4f.engine.checkpoint"]]
+
+
+def test_no_package_level_cycles():
+    """No cycle between packages either: every package and subpackage is a node, and a subpackage
+    imports nothing of its parent that imports it (ds4f.engine's own modules, engine.py,
+    session.py, config.py..., are above the engine's subpackages and never imported by them)."""
+    problems = _cycles(_package_graph(_internal_graph()), "packages")
     assert not problems, "\n".join(problems)
 
+
+
+def test_the_consoles_core_draws_nothing():
+    """ds4f.console.core is below the console's app, screens and widgets, which import it: it
+    imports none of them, and nothing of Textual but the Binding records of its key tables."""
+    assert "ds4f.console.core.chat" in _MODULES and "ds4f.console.core.bindings" in _MODULES
+    bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in _all_imports()
+           if _within(imp.importer, "ds4f.console.core")
+           and ((_within(imp.target, "ds4f.console") and not _within(imp.target, "ds4f.console.core"))
+                or (_within(imp.target, "textual")
+                    and (imp.importer, imp.target) != ("ds4f.console.core.bindings", "textual.binding")))]
+    assert not bad, "ds4f.console.core imports the console's app, screens, widgets or Textual:\n" + "\n".join(bad)
 
 # The layers, lowest first: a module may import its own layer and the layers below it, never one
 # above. Each layer is a set of packages (or root modules).
