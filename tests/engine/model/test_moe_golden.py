@@ -1,7 +1,7 @@
 """The engine's MoE block against golden fixtures from HF transformers' deepseek_v4 code.
 
 tests/fixtures/golden_moe.npz was written by tools/make_golden_moe.py (run by hand with torch
-and transformers; see README "Golden fixtures"): DeepseekV4SparseMoeBlock in float64 on the
+and transformers; see docs/testing.md, "Golden fixtures"): DeepseekV4SparseMoeBlock in float64 on the
 exactly dequantized weights of the tiny synthetic checkpoint, shared expert's clamp lifted
 (official semantics). This test needs neither torch nor transformers.
 
@@ -62,7 +62,7 @@ def golden_checkpoint(golden, tiny_official, tiny_model):
             "the synthetic checkpoint generator changed since tests/fixtures/golden_moe.npz was made "
             f"(fingerprint {fp[:16]}... != fixtures' {meta['fingerprint'][:16]}...): the fixtures are stale, "
             "not necessarily the engine wrong. Regenerate them with tools/make_golden_moe.py "
-            "(README, 'Golden fixtures') and commit them.", pytrace=False)
+            "(docs/testing.md, 'Golden fixtures') and commit them.", pytrace=False)
     return tiny_model
 
 

@@ -4,8 +4,8 @@ well-formed answers: the same reasoning, content and calls.
 References: parse_message_from_completion_text of the release's encoding file
 (tests/reference/deepseek_v4_encoding.py, from vLLM 0.20.0) and deepseek-recipe 0.2.0's stream
 processor fed the answer in pieces, as a server would (its chat completions response, accumulated).
-Where ds4f reads more (misspelt markers, an unclosed </think>, values of the wrong type), the
-README's tool-call section says so; those cases are in test_text_tools.py.
+Where ds4f reads more (misspelt markers, an unclosed </think>, values of the wrong type),
+docs/tools.md says so; those cases are in test_text_tools.py.
 """
 import json
 
