@@ -59,7 +59,7 @@ def setup(tiny_model, tmp_path):
             "before": _digests(*roots), "roots": roots}
 
 
-def _refused(capsys, argv, *words) -> str:
+def assert_refused(capsys, argv, *words) -> str:
     rc = main([str(a) for a in argv])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and "internal error" not in err, err
@@ -69,7 +69,7 @@ def _refused(capsys, argv, *words) -> str:
     return err
 
 
-def _unchanged(setup) -> None:
+def assert_unchanged(setup) -> None:
     assert _digests(*setup["roots"]) == setup["before"]
     assert not [p for p in setup["model"].iterdir() if p.name.endswith((".partial", ".report.json"))]
 
@@ -86,16 +86,16 @@ def test_run_never_replaces_what_it_reads(setup, capsys, option):
                 cfg, setup["history"], setup["tmp"] / "hist.db-wal", setup["kv"] / "state.kv",
                 setup["kv"] / "new.json", setup["floor"]]
     for target in targets:
-        _refused(capsys, [*run, option, target], option, target)
-    _unchanged(setup)
+        assert_refused(capsys, [*run, option, target], option, target)
+    assert_unchanged(setup)
 
 
 def test_the_report_next_to_a_dump_is_held_to_the_same_rule(setup, capsys):
     m = setup["model"]
     (setup["tmp"] / "config.report.json").symlink_to(m / "config.json")
-    _refused(capsys, ["run", m, "-n", "1", "--config", setup["config"], "--force",
+    assert_refused(capsys, ["run", m, "-n", "1", "--config", setup["config"], "--force",
                       "--dump-state", setup["tmp"] / "config.bin"], "the report", "config.report.json")
-    _unchanged(setup)
+    assert_unchanged(setup)
 
 
 def test_generate_and_bench_json_never_replace_what_they_read(setup, capsys):
@@ -103,14 +103,14 @@ def test_generate_and_bench_json_never_replace_what_they_read(setup, capsys):
     elsewhere = setup["tmp"] / "elsewhere-kv"
     elsewhere.mkdir()
     (elsewhere / "x.kv").write_bytes(b"kept")
-    _refused(capsys, ["generate", m, "-p", "hi", "--config", cfg, "--json", m / "tokenizer.json", "--force"],
+    assert_refused(capsys, ["generate", m, "-p", "hi", "--config", cfg, "--json", m / "tokenizer.json", "--force"],
              "tokenizer.json")
-    _refused(capsys, ["generate", m, "-p", "hi", "--config", cfg, "--kv-dir", elsewhere, "--json",
+    assert_refused(capsys, ["generate", m, "-p", "hi", "--config", cfg, "--kv-dir", elsewhere, "--json",
                       elsewhere / "x.kv", "--force"], "x.kv")
-    _refused(capsys, ["bench", "engine", m, "--config", cfg, "--json", m / "config.json", "--force"], "config.json")
-    _refused(capsys, ["bench", "cache", "--config", cfg, "--json", setup["history"], "--force"], "the run history")
+    assert_refused(capsys, ["bench", "engine", m, "--config", cfg, "--json", m / "config.json", "--force"], "config.json")
+    assert_refused(capsys, ["bench", "cache", "--config", cfg, "--json", setup["history"], "--force"], "the run history")
     assert (elsewhere / "x.kv").read_bytes() == b"kept"
-    _unchanged(setup)
+    assert_unchanged(setup)
 
 
 def test_bench_kernels_never_replaces_the_config_it_finds(setup):
@@ -118,7 +118,7 @@ def test_bench_kernels_never_replaces_the_config_it_finds(setup):
     cwd = setup["tmp"]
     out = ds4f("bench-kernels", "--json", "ds4f.toml", "--force", cwd=cwd)
     assert out.returncode == 2 and "the config file in use" in out.stderr and "Traceback" not in out.stderr, out.stderr
-    _unchanged(setup)
+    assert_unchanged(setup)
 
 
 def test_replay_plot_and_trace_export_never_replace_what_they_read(setup, capsys, monkeypatch):
@@ -130,11 +130,11 @@ def test_replay_plot_and_trace_export_never_replace_what_they_read(setup, capsys
                  "--dump-state", str(dump)]) == 0
     capsys.readouterr()
     (tmp / "plot.png").symlink_to(setup["config"])
-    _refused(capsys, ["replay", dump, "--sweep", "--plot", tmp / "plot.png", "--force"], "the config file in use")
+    assert_refused(capsys, ["replay", dump, "--sweep", "--plot", tmp / "plot.png", "--force"], "the config file in use")
     os.link(setup["history"], tmp / "hist.npz")
-    _refused(capsys, ["trace", "export", dump, tmp / "hist.npz", "--force"], "the run history")
-    _refused(capsys, ["trace", "export", dump, setup["model"] / "t.npz"], "the checkpoint directory")
-    _unchanged(setup)
+    assert_refused(capsys, ["trace", "export", dump, tmp / "hist.npz", "--force"], "the run history")
+    assert_refused(capsys, ["trace", "export", dump, setup["model"] / "t.npz"], "the checkpoint directory")
+    assert_unchanged(setup)
 
 
 def test_convert_and_synth_never_replace_a_directory_holding_an_input(setup, capsys, tiny_official, tmp_path,
@@ -142,7 +142,7 @@ def test_convert_and_synth_never_replace_a_directory_holding_an_input(setup, cap
     src = tmp_path / "official"
     shutil.copytree(tiny_official, src)
     before = _digests(src)
-    _refused(capsys, ["convert", src, src / "inside"], "the source checkpoint")
+    assert_refused(capsys, ["convert", src, src / "inside"], "the source checkpoint")
     layout = tmp_path / "layout"
     shutil.copytree(setup["model"], layout)         # a ds4f layout, which --force would replace...
     History(layout / "hist.db")                      # ...holding the run history of the config in use
@@ -150,11 +150,11 @@ def test_convert_and_synth_never_replace_a_directory_holding_an_input(setup, cap
     cfg.parent.mkdir()
     cfg.write_text(f'[history]\npath = "{layout / "hist.db"}"\n')
     monkeypatch.chdir(cfg.parent)                    # ./ds4f.toml: the config in use
-    _refused(capsys, ["convert", src, layout, "--force"], "holding the run history")
-    _refused(capsys, ["synth", layout, "--force"], "holding the run history")
+    assert_refused(capsys, ["convert", src, layout, "--force"], "holding the run history")
+    assert_refused(capsys, ["synth", layout, "--force"], "holding the run history")
     assert (layout / "hist.db").is_file() and (layout / "pool-mxfp4.json").is_file()
     assert _digests(src) == before
-    _unchanged(setup)
+    assert_unchanged(setup)
 
 
 def test_a_real_run_refuses_the_history_it_records_to(setup):
@@ -162,4 +162,4 @@ def test_a_real_run_refuses_the_history_it_records_to(setup):
     out = ds4f("run", setup["model"], "-n", "1", "--config", setup["config"], "--history", "--json",
                setup["history"], "--force")
     assert out.returncode == 2 and "the run history" in out.stderr and "Traceback" not in out.stderr, out.stderr
-    _unchanged(setup)
+    assert_unchanged(setup)

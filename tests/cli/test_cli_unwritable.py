@@ -15,7 +15,7 @@ def ds4f(*args, timeout=300):
                           timeout=timeout)
 
 
-def refused(out, *words):
+def assert_refused(out, *words):
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr, out.stderr
     for w in words:
@@ -53,28 +53,28 @@ def read_only(tmp_path):
 
 def test_outputs_on_a_read_only_directory_are_refused_before_any_work(dump, tiny_model, read_only):
     d, why = read_only
-    refused(ds4f("replay", dump, "--sweep", "--plot", d / "p.png"), "--plot", d / "p.png", why, "nothing was done")
-    refused(ds4f("trace", "export", dump, d / "t.npz"), "OUT", d / "t.npz", why)
-    refused(ds4f("run", tiny_model, "-n", "1", "--no-probe", "--dump-state", d / "sub" / "a.bin"),
+    assert_refused(ds4f("replay", dump, "--sweep", "--plot", d / "p.png"), "--plot", d / "p.png", why, "nothing was done")
+    assert_refused(ds4f("trace", "export", dump, d / "t.npz"), "OUT", d / "t.npz", why)
+    assert_refused(ds4f("run", tiny_model, "-n", "1", "--no-probe", "--dump-state", d / "sub" / "a.bin"),
             "--dump-state", why)
-    refused(ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--json", d / "r.json"), "--json", why)
+    assert_refused(ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--json", d / "r.json"), "--json", why)
     assert os.listdir(d) == []
 
 
 def test_a_missing_directory_is_named(dump, tmp_path):
     target = tmp_path / "absent" / "p.png"
-    refused(ds4f("replay", dump, "--sweep", "--plot", target), "no directory", tmp_path / "absent")
+    assert_refused(ds4f("replay", dump, "--sweep", "--plot", target), "no directory", tmp_path / "absent")
 
 
 @pytest.mark.parametrize("target", ["/proc/ds4f-plot.png", "/proc/version.png", "/sys/ds4f-plot.png"])
 def test_a_plot_under_proc_or_sys_is_a_clear_error(dump, target):
     """/proc and /sys take no new files, even from root: known only when the plot is written, the
     error still names the path and leaves nothing."""
-    refused(ds4f("replay", dump, "--sweep", "--plot", target), target)
+    assert_refused(ds4f("replay", dump, "--sweep", "--plot", target), target)
     assert not os.path.exists(target)
 
 
 def test_a_report_that_cannot_be_written_after_the_run_is_a_clear_error(tiny_model):
     """generate --json /proc/...: nothing says so before the run, the write fails after it; one line."""
-    refused(ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--no-kv", "--json", "/proc/ds4f-report.json"),
+    assert_refused(ds4f("generate", tiny_model, "-p", "hi", "-n", "1", "--no-kv", "--json", "/proc/ds4f-report.json"),
             "/proc/ds4f-report.json", "cannot write")
