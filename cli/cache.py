@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import (Column, Table, add_output_option, check_output, command_inputs, human_stream,
-                             print_tables)
+from ds4f.cli.output import Column, Table, check_output, command_inputs, human_stream, print_tables
+from ds4f.cli.options import add_output_option
 
 DEFAULT_SWEEP = "5%,10%,15%,20%,25%,30%,40%,50%,60%,75%"
 

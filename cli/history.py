@@ -12,7 +12,8 @@ import datetime
 import sys
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import Column, Table, add_output_option, disk_size, print_tables, write_json
+from ds4f.cli.output import Column, Table, disk_size, print_tables, write_json
+from ds4f.cli.options import add_output_option
 
 DEFAULT_LIMIT = 20
 

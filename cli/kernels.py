@@ -7,8 +7,8 @@ import os
 import sys
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import (Column, Table, add_json_option, add_output_option, check_streams, human_stream,
-                             print_tables, write_json)
+from ds4f.cli.output import Column, Table, check_streams, human_stream, print_tables, write_json
+from ds4f.cli.options import add_json_option, add_output_option
 
 CASES = ("hot", "cold", "all")
 PAGES = ("huge", "normal", "both")

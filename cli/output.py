@@ -14,7 +14,6 @@ bytes), Markdown and text format them (percentages, fixed decimals).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import io
@@ -39,34 +38,6 @@ def disk_size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
-
-
-def add_output_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", choices=FORMATS, default="text",
-                        help="format of the tables on stdout: text (default), md, csv or json; "
-                             "with md, csv and json stdout holds only the tables")
-
-
-def add_dump_option(parser: argparse.ArgumentParser, kind: str) -> None:
-    """--dump full|compact|off: the state dump the run writes (default: ds4f.toml's [dump] `kind`)."""
-    parser.add_argument("--dump", choices=("full", "compact", "off"), default=None,
-                        help="the state dump to write: full (every float of every layer: for short experiments),"
-                             " compact (ids, routing, top logits, per-layer digests and sketches: a few KB a"
-                             f" token) or off (default: ds4f.toml's [dump] {kind})")
-
-
-def add_kv_options(parser) -> None:
-    """The prefix cache's options of the text commands and the server."""
-    parser.add_argument("--kv-dir", metavar="DIR", default=None,
-                        help="where the prefix cache keeps session states on disk (default: ds4f.toml's [kv] dir)")
-    parser.add_argument("--no-kv", action="store_true", help="reuse no kept prefix: compute every prompt whole")
-
-
-def add_json_option(parser: argparse.ArgumentParser, what: str = "the results") -> None:
-    parser.add_argument("--json", metavar="PATH",
-                        help=f"write {what} as JSON to PATH ('-': stdout, the other output then goes to stderr)")
-    parser.add_argument("--force", action="store_true",
-                        help="overwrite the --json file if it exists (never a file the command reads)")
 
 
 def check_streams(args, inputs: "Inputs | None" = None) -> None:

@@ -7,7 +7,8 @@ import argparse
 
 from ds4f.api import (CONVERSATION_TOKENS, GEOMETRIES, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry,
                       load_config, memory_plan, parse_budget)
-from ds4f.cli.output import Column, Table, add_output_option, print_tables
+from ds4f.cli.output import Column, Table, print_tables
+from ds4f.cli.options import add_output_option
 
 HIT_RATES = (0.0, 0.5, 0.75)   # what a token reads from disk at these expert-cache hit rates
 

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError, ensure_demo_model, format_bytes
-from ds4f.cli.output import (Cell, Column, Inputs, Label, Table, add_dump_option, add_json_option,
-                             add_output_option, check_output, check_streams, command_inputs, human_stream, print_tables,
-                             write_json)
+from ds4f.cli.options import (_announce, _default_model, _model_arg, _model_options, add_dump_option, add_json_option,
+                              add_output_option, add_spec_option)
+from ds4f.cli.output import (Cell, Column, Inputs, Label, Table, check_output, check_streams, command_inputs, human_stream,
+                             print_tables, write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -96,35 +97,6 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                                  "scalar shows what prefetch does when the disk has idle time")
 
 
-def _model_options(parser: argparse.ArgumentParser, help_text: str) -> None:
-    parser.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
-    parser.add_argument("-m", "--model", dest="model_option", metavar="MODEL", help="the same as the MODEL argument")
-
-
-def _model_arg(args) -> str | None:
-    """MODEL, given as the argument or with -m; None when neither is."""
-    if args.model and args.model_option and args.model != args.model_option:
-        raise Ds4fError(f"-m {args.model_option} and MODEL {args.model}: give the model once")
-    return args.model or args.model_option
-
-
-def _default_model(args, config_path: str | None) -> str:
-    """MODEL, else ds4f.toml's [model] path, else the demo model (made on first use, with bars)."""
-    from ds4f.api import ensure_demo_model, load_config
-
-    model = _model_arg(args)
-    if model:
-        return model
-    cfg = load_config(config_path)
-    if cfg.model_path:
-        return cfg.model_path
-    return str(ensure_demo_model(progress=True, announce=_announce))
-
-
-def _announce(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="preset from ds4f.toml (default: engine.preset)")
     parser.add_argument("-n", "--gen", type=int, default=None, help=f"tokens to generate (default {DEFAULT_GEN})")
@@ -140,14 +112,6 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
                         help="allow a checkpoint without attention: run the MoE half alone (the cache lab)")
     add_spec_option(parser)
     parser.add_argument("--config", help="ds4f.toml to use")
-
-
-SPEC_HELP = ("speculative decoding with the checkpoint's MTP layer: off (default) | auto (drafts per round"
-             " where they pay, measured) | 1..3 drafts per round; the output is the same tokens")
-
-
-def add_spec_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--spec", default="off", metavar="auto|off|K", help=SPEC_HELP)
 
 
 def run(args) -> int:

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ds4f.api import Ds4fError
-from ds4f.cli.output import add_dump_option, add_kv_options
+from ds4f.cli.options import add_dump_option, add_kv_options
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:

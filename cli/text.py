@@ -21,8 +21,10 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.output import add_dump_option, add_kv_options, check_output, command_inputs, write_json
-from ds4f.cli.runs import _default_model, _model_arg, _model_options, _per_second, add_spec_option
+from ds4f.cli.options import (_default_model, _model_arg, _model_options, add_dump_option, add_kv_options,
+                              add_spec_option)
+from ds4f.cli.output import check_output, command_inputs, write_json
+from ds4f.cli.runs import _per_second
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
