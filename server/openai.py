@@ -48,29 +48,22 @@ token, or leaves the queue.
 from __future__ import annotations
 
 import json
-import secrets
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4f import __version__
-from ds4f.api import MAX_GEN, Ds4fError, SamplingParams, check_call, check_choice, check_tools
+from ds4f.api import MAX_GEN, Ds4fError, check_call
 
-from .conversation import chat_fields, from_ds4f, function_schema
+from .conversation import chat_fields, from_ds4f
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly as ended_badly_of, reply_of, respond
+from .request import (EFFORTS, IGNORED, _text_parts, _whole, check_model, check_names, parse_sampling, parse_stop,
+                      parse_tool_choice, parse_tools)
 from .structured import response_format_of
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TOOL_CALL_ERROR = "tool_call_error"    # the finish reason of an answer whose calls were refused
-MAX_STOP = 4               # as OpenAI
-
-# OpenAI parameters that say how OpenAI's service keeps, bills or schedules a request, never what
-# the model reads: taken (checked for their type) and ignored by chat completions, completions and
-# the Responses API alike. Nothing is stored here (`store`), no tier is faster than another.
-IGNORED = {"store": bool, "metadata": dict, "user": str, "prompt_cache_key": str, "prompt_cache_retention": str,
-           "safety_identifier": str, "service_tier": ("auto", "default", "flex", "scale", "priority"),
-           "verbosity": ("low", "medium", "high")}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
           "stream_options", *IGNORED)
 THINKING_PARAMS = ("thinking", "reasoning_effort", "reasoning", "chat_template_kwargs")
@@ -82,67 +75,13 @@ DEFAULT_ONLY = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "lo
                 "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,), "suffix": ("",), "best_of": (1,),
                 "response_format": ({"type": "text"},), "modalities": (["text"],)}
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
-EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
 
 
 # -- parameters ----------------------------------------------------------------------------------
-def _number(raw: dict, name: str, lo: float, hi: float):
-    v = raw.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not lo <= v <= hi:
-        raise bad(name, f"must be a number from {lo:g} to {hi:g}, got {json.dumps(v)}")
-    return v
 
 
-def _whole(raw: dict, name: str, lo: int, hi: int):
-    v = raw.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise bad(name, f"must be a whole number from {lo} to {hi}, got {json.dumps(v)}")
-    return v
 
-
-def check_names(raw: dict, known: tuple, default_only: dict = DEFAULT_ONLY) -> None:
-    """Every parameter known (the IGNORED ones of the right type), or one of default_only asking
-    for the default; else a 400 naming it."""
-    for key, value in raw.items():
-        if value is None:
-            continue
-        if key in IGNORED and key in known:
-            _check_ignored(key, value)
-            continue
-        if key in known:
-            continue
-        if key in default_only:
-            if value not in default_only[key]:
-                raise bad(key, f"not supported by this server (only {json.dumps(default_only[key][0])})",
-                          code="unsupported_parameter")
-            continue
-        raise bad(key, f"unknown parameter (known: {', '.join(known)})", code="unknown_parameter")
-
-
-def _check_ignored(key: str, value) -> None:
-    kind = IGNORED[key]
-    if isinstance(kind, tuple):
-        if value not in kind:
-            raise bad(key, f"expected one of {', '.join(kind)}, got {json.dumps(value)}")
-    elif not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        what = {bool: "true or false", dict: "an object", str: "a string"}[kind]
-        raise bad(key, f"expected {what}, got {json.dumps(value)}")
-
-
-def _text_parts(value, where: str, kinds: tuple = ("text",)) -> str:
-    """A message's content: a string, or a list of text parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") in kinds
-                                       and isinstance(p.get("text"), str) for p in value):
-        return "\n".join(p["text"] for p in value)
-    raise bad(where, "expected text: a string, or a list of {\"type\": \"text\", \"text\": ...} parts")
-
-
+# -- parameters ----------------------------------------------------------------------------------
 def thinking_of(raw: dict, default: bool = False) -> tuple[bool, str | None]:
     """(thinking mode, reasoning effort) from the shapes clients ask with; an explicit on/off
     (`thinking`, `chat_template_kwargs`) wins over what an effort implies."""
@@ -184,34 +123,6 @@ def thinking_of(raw: dict, default: bool = False) -> tuple[bool, str | None]:
         explicit = value
     thinking = default if explicit is None else explicit
     return thinking, effort if thinking else None
-
-
-def parse_tool_choice(value, tools: tuple, param: str = "tool_choice"):
-    """OpenAI's tool_choice -> none | auto | required | a function's name."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        fn = value.get("function") if isinstance(value.get("function"), dict) else value
-        if value.get("type") not in ("function", None) or not isinstance(fn.get("name"), str):
-            raise bad(param, "expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
-        value = fn["name"]
-    elif value not in ("none", "auto", "required"):
-        raise bad(param, f"expected none, auto, required or a function object, got {json.dumps(value)}")
-    try:
-        return check_choice(value, tools)
-    except Ds4fError as exc:
-        raise bad(param, exc.message.split(": ", 1)[-1]) from None
-
-
-def parse_tools(value, param: str = "tools") -> tuple:
-    """OpenAI's tools ({"type": "function", "function": {...}}, or the bare function) as the function
-    schemas the prompt shows: name, description and parameters (`strict` and the like left out)."""
-    if value is None:
-        return ()
-    try:
-        return tuple(function_schema(fn) for fn in check_tools(value, param))
-    except Ds4fError as exc:
-        raise HttpError(400, exc.message, param=param, code="invalid_value") from None
 
 
 def _reasoning_field(m: dict, where: str) -> str | None:
@@ -280,29 +191,8 @@ def parse_prompt(value) -> dict:
     raise bad("prompt", "expected a string, or a list of token ids (one prompt per request)")
 
 
-def check_model(raw: dict, svc) -> None:
-    """`model`, when given, names the served model: one of its names (--served-model-name) or its
-    checkpoint directory's; else a 404."""
-    model = raw.get("model")
-    if model is not None and not svc.serves(model):
-        if not isinstance(model, str):
-            raise bad("model", f"expected a model name, got {json.dumps(model)}")
-        raise HttpError(404, f"model: no model {model!r} here; this server serves {svc.model_id!r} "
-                             f"(GET /v1/models)", param="model", code="model_not_found")
-
-
-def parse_stop(stop, param: str = "stop") -> tuple:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
-        return tuple(stop)
-    raise bad(param, f"expected a string or a list of at most {MAX_STOP} strings")
-
-
 def parse_ask(raw: dict, kind: str, svc) -> Ask:
-    check_names(raw, CHAT_PARAMS if kind == "chat" else COMPLETION_PARAMS)
+    check_names(raw, CHAT_PARAMS if kind == "chat" else COMPLETION_PARAMS, DEFAULT_ONLY)
     check_model(raw, svc)
     n = raw.get("n")
     if n is not None and n != 1:
@@ -353,24 +243,6 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
     return Ask(kind, fields, gen, gen_param, parse_sampling(raw, svc), bool(stream_), include_usage, thinking,
                tools, choice, parallel, names={"gen": gen_param, "text": "prompt", "sampling": "temperature",
                                                   "prompt": "messages" if kind == "chat" else "prompt"})
-
-
-def parse_sampling(raw: dict, svc, names: dict | None = None) -> SamplingParams:
-    """The request's sampling settings over the checkpoint's defaults; seed: random unless given.
-    names: what the request calls them, where it is not OpenAI's name."""
-    d = svc.generation_defaults
-    names = names or {}
-    given = {k: (_number if k != "top_k" else _whole)(raw, names.get(k, k), *rng)
-             for k, rng in (("temperature", (0, 2)), ("top_p", (0, 1)), ("top_k", (0, 1 << 31)), ("min_p", (0, 1)))}
-    seed = _whole(raw, "seed", 0, (1 << 63) - 1)
-    settings = {"temperature": d.temperature if d.do_sample else 0.0, "top_p": d.top_p, "top_k": d.top_k,
-                "min_p": d.min_p}
-    settings.update({k: v for k, v in given.items() if v is not None})
-    settings["seed"] = seed if seed is not None else secrets.randbelow(1 << 31)
-    try:
-        return SamplingParams(**settings)
-    except Ds4fError as exc:
-        raise bad(exc.param or "sampling", exc.message.split(": ", 1)[-1]) from None
 
 
 # -- answers -------------------------------------------------------------------------------------

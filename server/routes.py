@@ -27,30 +27,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import sys
-from urllib.parse import parse_qs
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ds4f import __version__
-from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, Ds4fError, RunConfig, parse_json, parse_spec
+from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, Ds4fError, RunConfig, parse_spec
 
 from .errors import HttpError, bad, json_response
 from .queue import Ticket, product_token
+from .request import _INT_RE, checked_run_id, json_body, parse_query, refused, whole_number
 
 RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt", "spec")
 SWITCH_PARAMS = ("backend", "threads", "kernel_threads", "io_threads")
 MAX_LIST_LIMIT = 200
 DEFAULT_LIST_LIMIT = 20
-MAX_BODY_DEPTH = 100      # levels of arrays and objects a JSON body may nest (what reads it recurses once a level)
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_INT_RE = re.compile(r"^[0-9]{1,9}$")
-
-# The status of a run the run API refused, by the Ds4fError's kind.
-STATUS_BY_KIND = {"invalid": 400, "busy": 429, "not_found": 404, "data": 400, "internal": 500}
 
 
 class AbortBody(Exception):
@@ -58,17 +51,6 @@ class AbortBody(Exception):
 
 
 # -- parameters ----------------------------------------------------------------------------------
-def whole_number(name: str, value, from_query: bool) -> int:
-    """A whole number: digits in a query string, an integer (not a bool) in JSON."""
-    if from_query:
-        if not isinstance(value, str) or not _INT_RE.match(value):
-            raise bad(name, f"expected a whole number, got {value!r}")
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(name, f"expected a whole number, got {json.dumps(value)}")
-    return value
-
-
 def _threads(raw: dict, from_query: bool) -> dict:
     """kernel_threads / io_threads / backend of a request (`threads` is kernel_threads)."""
     out: dict = {}
@@ -128,76 +110,8 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> dict:
     return out
 
 
-def refused(exc: Ds4fError, raw: dict, names: dict | None = None) -> HttpError:
-    """The answer to something the run API refused. A parameter is named as the request spelled
-    it (`names` maps the run API's names to the request's: gen -> max_tokens; `threads` is
-    kernel_threads); `model` is the server's own checkpoint, so a problem with it is the server's."""
-    if exc.param == "model":
-        return HttpError(500, exc.message, param="model", code="model_error")
-    name = exc.param
-    if names and name in names:
-        name = names[name]
-    elif name == "kernel_threads" and "threads" in raw:
-        name = "threads"
-    if exc.kind == "invalid" and name:
-        message = exc.message
-        if name != exc.param and message.startswith(f"{exc.param}:"):
-            message = name + message[len(exc.param):]
-        elif not message.startswith(f"{name}:"):
-            message = f"{name}: {message}"
-        return HttpError(400, message, param=name, code="invalid_value")
-    if exc.kind == "busy":
-        return HttpError(429, f"busy: {exc.message}", code="busy", headers={"Retry-After": "1"})
-    return HttpError(STATUS_BY_KIND.get(exc.kind, 500), exc.message, code=exc.kind)
-
-
-def parse_json_object(body: bytes, what: str = "run parameters") -> dict:
-    if not body.strip():
-        return {}
-    try:
-        value = parse_json(body, "body", max_depth=MAX_BODY_DEPTH)
-    except Ds4fError as exc:
-        raise bad("body", exc.message.removeprefix("body: ")) from None
-    if not isinstance(value, dict):
-        raise bad("body", f"expected a JSON object of {what}, got {type(value).__name__}")
-    return value
-
-
-async def json_body(request: Request, what: str = "run parameters") -> dict:
-    """The request's JSON object; 415 for a body that is not application/json (a browser can send
-    a form or text/plain to another site without asking, but not JSON)."""
-    body = await request.body()
-    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-    if body.strip() and ctype != "application/json":
-        raise HttpError(415, f"Content-Type: send the body as application/json, got {ctype or 'none'!r} "
-                             f"(curl: -H 'Content-Type: application/json')", param="Content-Type",
-                        code="unsupported_media_type")
-    return parse_json_object(body, what)
-
-
-def parse_query(query: str) -> dict:
-    try:
-        pairs = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=32,
-                         errors="strict")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad("query", f"malformed query string: {exc}") from None
-    out = {}
-    for key, values in pairs.items():
-        if len(values) != 1:
-            raise bad(key, "given more than once")
-        out[key] = values[0]
-    return out
-
-
 def _query(request: Request) -> str:
     return request.scope.get("query_string", b"").decode("latin-1")
-
-
-def checked_run_id(run_id: str) -> str:
-    """A run id as runs are named (letters, digits, - _ .); else 404 before anything looks it up."""
-    if not _RUN_ID_RE.match(run_id):
-        raise HttpError(404, f"no run {run_id[:80]!r}", code="not_found")
-    return run_id
 
 
 def _run_id(request: Request) -> str:
