@@ -53,11 +53,10 @@ from ds4f.runs.host import EngineHost
 from ds4f.runs.prefix import RECORDS, attach_records, kept_on_disk, kept_tokens_for, marks, reusable_records
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
                               replay_last_reads, summary, time_split, write_report)
-from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, bound_of
+from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, snapshot_of
 from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, report_path_for, sweep_run_dirs
 
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
-SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
 END_STATES = ("done", "cancelled", "failed")
 _active_lock = threading.Lock()
@@ -331,101 +330,6 @@ class Run:
         with _active_lock:
             return [r.id for r in _active if r is not self and r.engines is self.engines and not r.finished]
 
-    def snapshot(self) -> Snapshot:
-        """The run's live figures: cheap, from any thread, at any time (the token log's read
-        under the lock, the cache's from the engine or, once it is released, its last ones)."""
-        t = self._token_figures()
-        layer_prefetched, fig = self._engine_figures()
-        return Snapshot(run_id=self.id, state=t["state"], error=t["error"], model=str(self.config.model),
-                        preset=self.preset.name, steps=self.n_steps, tokens_done=t["done"], backend=t["backend"],
-                        kernel_threads=t["kernel_threads"], io_threads=t["io_threads"],
-                        io_mode=self.checkpoint.io_mode, policy=self.preset.policy, tokens=t["tokens"],
-                        events=t["events"], switches=t["switches"], elapsed_s=t["elapsed_s"], eta_s=t["eta_s"],
-                        **self._speed_fields(t), **self._cache_fields(t, fig, layer_prefetched),
-                        **self._memory_fields(fig), **self._text_fields(t), **self._batch_fields(),
-                        **self._spec_fields())
-
-    def _token_figures(self) -> dict:
-        """What the snapshot takes from the token log and the run's state, read under the lock."""
-        log = self._log_tokens
-        with self._lock:
-            t = {"tokens": tuple(log.recent), "events": tuple(self._events)[-SNAPSHOT_EVENTS:],
-                 "state": self._state, "error": self._error, "backend": self._backend,
-                 "kernel_threads": self.kernel_threads, "io_threads": self.io_threads, "done": log.count,
-                 "first": log.first, "gb_tok": log.warm_gb_per_token(), "hits": log.hits, "misses": log.misses,
-                 "stall": log.stall_s, "prefetched": log.prefetch_hits, "s_tok": log.median_seconds(),
-                 "occupancy": log.occupancy(), "switches": tuple(log.switches),
-                 "prefill": (log.prefill_tokens, log.prefill_s, log.prefill_bytes)}
-        elapsed = (self.finished_at or time.time()) - self.started_at
-        s_tok, remaining = t["s_tok"], self.n_steps - t["done"]
-        t.update(elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and t["state"] == "running" else None)
-        return t
-
-    def _engine_figures(self) -> tuple[tuple[int, ...], "EngineFigures | None"]:
-        """(each layer's hits on prefetched experts, the engine's figures), live or the last ones."""
-        eng = self._engine
-        if eng is None:
-            return self._final_layer_prefetch_hits, self._final_figures
-        # read before the cache's figures: a hit is counted by the cache before the streamer says
-        # it was on a prefetched expert, so these never exceed the layer hits read after
-        layer_prefetched = tuple(eng.streamer.prefetch_layer_hits)
-        return layer_prefetched, eng.figures(self._session_nbytes, self._session)
-
-    def _speed_fields(self, t: dict) -> dict:
-        """s/token, GB/token and the read rate against the disk's floor."""
-        s_tok, gb_tok, (disk_busy, read_depth) = t["s_tok"], t["gb_tok"], t["occupancy"]
-        eff = gb_tok / s_tok if gb_tok is not None and s_tok else None
-        floor = self._floor.gbps if self._floor else None
-        pre_n, pre_s, pre_b = t["prefill"]
-        return dict(s_per_token=s_tok, s_first_token=t["first"].seconds if t["first"] else None,
-                    gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
-                    io_efficiency=self._replay["efficiency"] if self._replay else None,
-                    stall_s_per_token=t["stall"] / t["done"] if t["done"] else None,
-                    disk_busy_fraction=disk_busy, mean_read_depth=read_depth, bound=bound_of(disk_busy),
-                    floor_ratio=eff / floor if eff is not None and floor else None,
-                    floor_age_s=time.time() - self._floor.measured_at if self._floor and self._floor.measured_at
-                    else None,
-                    prefill_tokens=pre_n, prefill_tokens_per_s=pre_n / pre_s if pre_s else None,
-                    prefill_gb_per_token=pre_b / 1e9 / pre_n if pre_n else None, prefill_chunk=self.prefill_chunk)
-
-    def _cache_fields(self, t: dict, fig, layer_prefetched: tuple[int, ...]) -> dict:
-        """The expert cache's hit rates: the run's, the policy's own (prefetch apart), Belady's."""
-        hits, misses, done = t["hits"], t["misses"], t["done"]
-        requests = hits + misses
-        # the tokens' own counts (hits on prefetched experts apart), so that the run's rate is the
-        # sum of its tokens' and never mixes a token in progress with the tokens done
-        own = (hits - t["prefetched"]) / requests if requests else None
-        return dict(hit_rate=hits / requests if requests else None,
-                    layer_hits=fig.layer_hits if fig else (), layer_misses=fig.layer_misses if fig else (),
-                    layer_evictions=fig.layer_evictions if fig else (),
-                    cache_bytes=fig.cache_used_bytes if fig else 0, budget_bytes=fig.cache_capacity_bytes if fig else 0,
-                    read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
-                    prefetch=fig.prefetch if fig else {}, optimum_hit_rate=self._optimum, policy_hit_rate=own,
-                    prefetch_hit_share=(hits / requests - own) if own is not None else None,
-                    regret_pp=(self._optimum - own) * 100 if own is not None and self._optimum is not None else None,
-                    check_s_per_token=fig.check_s / done if fig and done else None,
-                    layer_prefetch_hits=layer_prefetched if fig else ())
-
-    def _memory_fields(self, fig) -> dict:
-        """RSS against the plan, the machine's RAM, the KV cache."""
-        rss = self._rss_at_end if self.finished_at is not None else self._rss_now()
-        vm = psutil.virtual_memory()
-        return dict(rss_bytes=rss, rss_budget_bytes=self._baseline_rss + fig.resident_bytes + self._run_bytes if fig else 0,
-                    ram_bytes=vm.total, ram_available_bytes=vm.available,
-                    plan_bytes=fig.resident_bytes + self._run_bytes if fig else 0,
-                    kv_bytes=self._kv_bytes, context=self._context)
-
-    def _spec_fields(self) -> dict:
-        """Speculation's figures so far ({} when it is off)."""
-        spec = self._spec
-        if spec is None:
-            return {"spec_mode": str(self.config.spec)} if self.config.spec != "off" else {}
-        with self._lock:
-            st = spec.stats
-            return dict(spec_mode=str(spec.mode), spec_k=spec.last_k, spec_rounds=st.rounds,
-                        spec_acceptance=st.acceptance, spec_tokens_per_round=st.tokens_per_round,
-                        spec_draft_gb=st.draft_bytes / 1e9, spec_draft_s=st.draft_s)
-
     def _spec_summary(self) -> dict | None:
         """The report's account of speculation (None: off)."""
         if self.config.spec == "off":
@@ -435,23 +339,9 @@ class Run:
         with self._lock:
             return dict(self._spec.stats.to_dict(), mode=str(self._spec.mode), active=True)
 
-    def _batch_fields(self) -> dict:
-        """The engine's batch (engine.batch) as this run sees it; {} when it runs alone."""
-        if self.engines is None or self.engines.parallel < 2:
-            return {}
-        f = self.engines.batch_figures()
-        with self._lock:
-            own = dict(batch_steps=self._passes, batch_shared_steps=self._shared_passes)
-        if f is None:
-            return dict(own, batch_parallel=self.engines.parallel, batch_cap=self.engines.parallel)
-        return dict(own, batch_parallel=f.parallel, batch_sequences=f.members, batch_cap=f.cap,
-                    batch_cap_reason=f.cap_reason, batch_rows_per_step=f.last_rows,
-                    batch_union_per_layer=f.union_per_layer or None, batch_tokens_per_s=f.tokens_per_s)
-
-    def _text_fields(self, t: dict) -> dict:
-        return dict(phase="prefill" if t["done"] < len(self.prompt) - 1 else "decode", prompt_tokens=len(self.prompt),
-                    prompt_tokens_reused=self._log_tokens.reused_tokens,
-                    generated_tokens=self._generated, output_text=self.output_text, finish_reason=self._finish_reason)
+    def snapshot(self) -> Snapshot:
+        """The run's live figures: cheap, from any thread, at any time (runs.snapshot.snapshot_of)."""
+        return snapshot_of(self)
 
     # -- the run's thread ---------------------------------------------------------------------
     def _rss_now(self) -> int:

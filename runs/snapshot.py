@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import collections
 import sys
+import time
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+import psutil
 
 from ds4f.native.kernels import BACKENDS
+
+if TYPE_CHECKING:
+    from ds4f.engine.engine import EngineFigures
+
+SNAPSHOT_EVENTS = 200      # the lines a snapshot carries
 
 
 @dataclass(frozen=True)
@@ -278,3 +286,126 @@ class TokenLog:
         if not seconds:
             return None, None
         return float(warm["disk_busy_s"].sum()) / seconds, float(warm["disk_depth_s"].sum()) / seconds
+
+
+# -- a run's snapshot, assembled from its fields (runs.run.Run: read, never changed) ------------
+def snapshot_of(run) -> Snapshot:
+    """The run's live figures: cheap, from any thread, at any time (the token log's read
+    under the lock, the cache's from the engine or, once it is released, its last ones)."""
+    t = _token_figures(run)
+    layer_prefetched, fig = _engine_figures(run)
+    return Snapshot(run_id=run.id, state=t["state"], error=t["error"], model=str(run.config.model),
+                    preset=run.preset.name, steps=run.n_steps, tokens_done=t["done"], backend=t["backend"],
+                    kernel_threads=t["kernel_threads"], io_threads=t["io_threads"],
+                    io_mode=run.checkpoint.io_mode, policy=run.preset.policy, tokens=t["tokens"],
+                    events=t["events"], switches=t["switches"], elapsed_s=t["elapsed_s"], eta_s=t["eta_s"],
+                    **_speed_fields(run, t), **_cache_fields(run, t, fig, layer_prefetched),
+                    **_memory_fields(run, fig), **_text_fields(run, t), **_batch_fields(run),
+                    **_spec_fields(run))
+
+
+def _token_figures(run) -> dict:
+    """What the snapshot takes from the token log and the run's state, read under the lock."""
+    log = run._log_tokens
+    with run._lock:
+        t = {"tokens": tuple(log.recent), "events": tuple(run._events)[-SNAPSHOT_EVENTS:],
+             "state": run._state, "error": run._error, "backend": run._backend,
+             "kernel_threads": run.kernel_threads, "io_threads": run.io_threads, "done": log.count,
+             "first": log.first, "gb_tok": log.warm_gb_per_token(), "hits": log.hits, "misses": log.misses,
+             "stall": log.stall_s, "prefetched": log.prefetch_hits, "s_tok": log.median_seconds(),
+             "occupancy": log.occupancy(), "switches": tuple(log.switches),
+             "prefill": (log.prefill_tokens, log.prefill_s, log.prefill_bytes)}
+    elapsed = (run.finished_at or time.time()) - run.started_at
+    s_tok, remaining = t["s_tok"], run.n_steps - t["done"]
+    t.update(elapsed_s=elapsed, eta_s=s_tok * remaining if s_tok is not None and t["state"] == "running" else None)
+    return t
+
+
+def _engine_figures(run) -> tuple[tuple[int, ...], "EngineFigures | None"]:
+    """(each layer's hits on prefetched experts, the engine's figures), live or the last ones."""
+    eng = run._engine
+    if eng is None:
+        return run._final_layer_prefetch_hits, run._final_figures
+    # read before the cache's figures: a hit is counted by the cache before the streamer says
+    # it was on a prefetched expert, so these never exceed the layer hits read after
+    layer_prefetched = tuple(eng.streamer.prefetch_layer_hits)
+    return layer_prefetched, eng.figures(run._session_nbytes, run._session)
+
+
+def _speed_fields(run, t: dict) -> dict:
+    """s/token, GB/token and the read rate against the disk's floor."""
+    s_tok, gb_tok, (disk_busy, read_depth) = t["s_tok"], t["gb_tok"], t["occupancy"]
+    eff = gb_tok / s_tok if gb_tok is not None and s_tok else None
+    floor = run._floor.gbps if run._floor else None
+    pre_n, pre_s, pre_b = t["prefill"]
+    return dict(s_per_token=s_tok, s_first_token=t["first"].seconds if t["first"] else None,
+                gb_per_token=gb_tok, eff_read_gbps=eff, floor_gbps=floor,
+                io_efficiency=run._replay["efficiency"] if run._replay else None,
+                stall_s_per_token=t["stall"] / t["done"] if t["done"] else None,
+                disk_busy_fraction=disk_busy, mean_read_depth=read_depth, bound=bound_of(disk_busy),
+                floor_ratio=eff / floor if eff is not None and floor else None,
+                floor_age_s=time.time() - run._floor.measured_at if run._floor and run._floor.measured_at
+                else None,
+                prefill_tokens=pre_n, prefill_tokens_per_s=pre_n / pre_s if pre_s else None,
+                prefill_gb_per_token=pre_b / 1e9 / pre_n if pre_n else None, prefill_chunk=run.prefill_chunk)
+
+
+def _cache_fields(run, t: dict, fig, layer_prefetched: tuple[int, ...]) -> dict:
+    """The expert cache's hit rates: the run's, the policy's own (prefetch apart), Belady's."""
+    hits, misses, done = t["hits"], t["misses"], t["done"]
+    requests = hits + misses
+    # the tokens' own counts (hits on prefetched experts apart), so that the run's rate is the
+    # sum of its tokens' and never mixes a token in progress with the tokens done
+    own = (hits - t["prefetched"]) / requests if requests else None
+    return dict(hit_rate=hits / requests if requests else None,
+                layer_hits=fig.layer_hits if fig else (), layer_misses=fig.layer_misses if fig else (),
+                layer_evictions=fig.layer_evictions if fig else (),
+                cache_bytes=fig.cache_used_bytes if fig else 0, budget_bytes=fig.cache_capacity_bytes if fig else 0,
+                read_latency_ms=fig.read_latency_s / fig.expert_reads * 1e3 if fig and fig.expert_reads else None,
+                prefetch=fig.prefetch if fig else {}, optimum_hit_rate=run._optimum, policy_hit_rate=own,
+                prefetch_hit_share=(hits / requests - own) if own is not None else None,
+                regret_pp=(run._optimum - own) * 100 if own is not None and run._optimum is not None else None,
+                check_s_per_token=fig.check_s / done if fig and done else None,
+                layer_prefetch_hits=layer_prefetched if fig else ())
+
+
+def _memory_fields(run, fig) -> dict:
+    """RSS against the plan, the machine's RAM, the KV cache."""
+    rss = run._rss_at_end if run.finished_at is not None else run._rss_now()
+    vm = psutil.virtual_memory()
+    return dict(rss_bytes=rss, rss_budget_bytes=run._baseline_rss + fig.resident_bytes + run._run_bytes if fig else 0,
+                ram_bytes=vm.total, ram_available_bytes=vm.available,
+                plan_bytes=fig.resident_bytes + run._run_bytes if fig else 0,
+                kv_bytes=run._kv_bytes, context=run._context)
+
+
+def _spec_fields(run) -> dict:
+    """Speculation's figures so far ({} when it is off)."""
+    spec = run._spec
+    if spec is None:
+        return {"spec_mode": str(run.config.spec)} if run.config.spec != "off" else {}
+    with run._lock:
+        st = spec.stats
+        return dict(spec_mode=str(spec.mode), spec_k=spec.last_k, spec_rounds=st.rounds,
+                    spec_acceptance=st.acceptance, spec_tokens_per_round=st.tokens_per_round,
+                    spec_draft_gb=st.draft_bytes / 1e9, spec_draft_s=st.draft_s)
+
+
+def _batch_fields(run) -> dict:
+    """The engine's batch (engine.batch) as this run sees it; {} when it runs alone."""
+    if run.engines is None or run.engines.parallel < 2:
+        return {}
+    f = run.engines.batch_figures()
+    with run._lock:
+        own = dict(batch_steps=run._passes, batch_shared_steps=run._shared_passes)
+    if f is None:
+        return dict(own, batch_parallel=run.engines.parallel, batch_cap=run.engines.parallel)
+    return dict(own, batch_parallel=f.parallel, batch_sequences=f.members, batch_cap=f.cap,
+                batch_cap_reason=f.cap_reason, batch_rows_per_step=f.last_rows,
+                batch_union_per_layer=f.union_per_layer or None, batch_tokens_per_s=f.tokens_per_s)
+
+
+def _text_fields(run, t: dict) -> dict:
+    return dict(phase="prefill" if t["done"] < len(run.prompt) - 1 else "decode", prompt_tokens=len(run.prompt),
+                prompt_tokens_reused=run._log_tokens.reused_tokens,
+                generated_tokens=run._generated, output_text=run.output_text, finish_reason=run._finish_reason)
