@@ -22,6 +22,9 @@ import numpy as np
 from ds4f.engine.checkpoint.fingerprint import checkpoint_fingerprint
 from ds4f.engine.prefix_cache import kept_tokens_on_disk
 from ds4f.engine.session_state import SessionState, with_attached
+from ds4f.engine.text.tokenizer import USER
+from ds4f.errors import Ds4fError
+from ds4f.runs.snapshot import TokenRecord
 from ds4f.runs.statedump import compact_records, read_records
 
 RECORDS = "records"
@@ -85,3 +88,87 @@ def kept_tokens_for(config, kv, checkpoint, engines=None) -> list[tuple[int, ...
     if not directory or kv.disk_bytes <= 0:
         return []
     return kept_tokens_on_disk(directory, checkpoint_fingerprint(checkpoint.path), checkpoint.geometry.to_config())
+
+
+# -- a run's prefix reuse: its prompt's kept prefix restored, its states kept when done ----------
+def reuse_prefix(run, eng, session, writer) -> tuple[int, tuple[int, ...]]:
+    """The longest kept prefix of the run's prompt (all of it but its last token at most) put
+    into the session, its records written to the state dump and logged as reused prompt tokens:
+    (how many tokens it gave, 0: none or the prefix cache is off for this run; the prompt
+    positions after those to keep a state at)."""
+    if run._kv is None or session.kv is None or len(run.prompt) < 2:
+        return 0, ()
+    kv = run._kv
+    cache = eng.use_prefix_cache(kv.ram_bytes, run.config.kv_dir or kv.dir, kv.disk_bytes, run._log, kv.block,
+                                 kv.write_budget)
+    if run.dump_mode == "full":     # kept states carry compact records; a full dump needs every float
+        run._log("prefix cache: not used by a run that writes a full state dump (kept states carry"
+                 " compact records); its states are kept")
+        start = 0
+    else:
+        start = _restore_kept(run, cache, eng, session, writer)
+    user = run.tokenizer.special_id(USER) if run.config.messages is not None else None
+    return start, tuple(m for m in marks(run.prompt, user) if m > start)
+
+
+def _restore_kept(run, cache, eng, session, writer) -> int:
+    """reuse_prefix's restore: the longest kept prefix into the session; how many tokens it gave. A
+    run with a state dump takes only a state with records of its tokens (written as its own)."""
+    dumps = writer.dtype is not None
+    state = cache.lookup(run.prompt, session.kernels.backend, at_most=len(run.prompt) - 1,
+                         need=RECORDS if dumps else None)
+    if state is None:
+        return 0
+    records = reusable_records(state, writer.dtype) if dumps else None
+    if dumps and records is None:
+        run._log("prefix cache: a kept state without records of this run's dump: not used")
+        return 0
+    try:
+        session.restore(state)
+    except Ds4fError as exc:     # not this model's state after all: dropped, the prompt computed
+        cache.discard(state.tokens, state.backend, str(exc))
+        run._log(f"prefix cache: not used: {exc}")
+        return 0
+    # the greedy pick after each reused token is in its record; without records it is not known (-1)
+    nexts = records["next"] if dumps else np.full(state.position, -1)
+    if dumps:
+        writer.write_records(records)
+    with run._lock:
+        for i, (token, nxt) in enumerate(zip(state.tokens, nexts)):
+            run._log_tokens.add(TokenRecord(index=i, token_id=int(token), next_token_id=int(nxt),
+                                            seconds=0.0, bytes_read=0, hits=0, misses=0, stall_s=0.0,
+                                            backend=session.kernels.backend,
+                                            kernel_threads=session.kernels.threads,
+                                            io_threads=eng.io_threads, prefill=True, reused=True))
+    run._log(f"prefix cache: {state.position} prompt tokens reused, {len(run.prompt) - state.position} computed")
+    return state.position
+
+
+def keep_states(run) -> None:
+    """A done run's states into the prefix cache, with its records of their tokens: at its
+    marks (runs.prefix.marks) and at the end. Not when the kernels switched during the run (its
+    records would not be those of one backend)."""
+    eng, session = run._engine, run._session
+    if run._kv is None or eng is None or eng.prefix_cache is None or session is None:
+        return
+    if len(run._log_tokens.switches) > 1:
+        run._log("prefix cache: nothing kept: the kernels switched during the run")
+        return
+    cache = eng.prefix_cache
+    written = 0      # bytes its kept states wrote to the prefix cache's directory
+    try:
+        marked = run._generation.marked if run._generation is not None else []
+        states = [s for s in (*marked, session.snapshot()) if s.position]
+        if run.dump_path is not None:      # a run with a dump keeps its tokens' compact records with them
+            states = attach_records(states, run.dump_path, run.checkpoint.geometry.to_config())
+        before = cache.figures()
+        for state in states:
+            cache.keep(state, disk=kept_on_disk(state.position, len(run.prompt), run.config.thinking))
+        after = cache.figures()
+        written = (after.written_heads + after.written_blocks) - (before.written_heads + before.written_blocks)
+    except Ds4fError as exc:
+        run._log(f"prefix cache: not kept: {exc}")
+    except Exception as exc:   # the run is done and its files are in place: say it, never fail it
+        run._log(f"prefix cache: not kept: internal error: {type(exc).__name__}: {exc}")
+    run._log(f"prefix cache: {len(cache)} states, {cache.stats.ram_bytes / 2**20:.1f} MiB in RAM,"
+             f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk; this run wrote {written / 1e6:.1f} MB")

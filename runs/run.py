@@ -26,7 +26,6 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
@@ -41,7 +40,6 @@ from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.constraint import Constraint, prepare
 from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler, SamplingParams
-from ds4f.engine.text.tokenizer import USER
 from ds4f.errors import Ds4fError
 from ds4f.units import format_bytes
 from ds4f.native import kernels
@@ -50,7 +48,7 @@ from ds4f.runs.budget import Reservation, planned_bytes, runs_budget_for
 from ds4f.runs.config import (RunConfig, text_chars, check_backend, check_fits, check_threads, checked, fitted,
                               prompt_of)
 from ds4f.runs.host import EngineHost
-from ds4f.runs.prefix import RECORDS, attach_records, kept_on_disk, kept_tokens_for, marks, reusable_records
+from ds4f.runs.prefix import keep_states, kept_tokens_for, reuse_prefix
 from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
                               replay_last_reads, summary, time_split, write_report)
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, snapshot_of
@@ -172,7 +170,6 @@ class Run:
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
         self._generation: Generation | None = None   # the generation loop (engine.generate), once started
-        self._kept_written = 0                       # bytes its kept states wrote to the prefix cache's directory
         self._backend = config.backend if config.backend != "auto" else kernels.best_backend()
         self.started_at = time.time()
         self.finished_at: float | None = None
@@ -415,7 +412,7 @@ class Run:
             with self._lock:
                 self._state = "running"
             self._setup_spec(eng, session)
-            start = self._reuse(eng, session, writer)
+            start, self._marks = reuse_prefix(self, eng, session, writer)
             if self.engines is not None and self.engines.parallel > 1:   # from here it steps with the others
                 session.join(eng.batcher)
                 self._log(f"batch: steps shared with up to {eng.batcher.parallel - 1} other sequences;"
@@ -591,86 +588,6 @@ class Run:
             if self in _active:
                 _active.remove(self)
 
-    def _reuse(self, eng: Engine, session, writer: StateWriter) -> int:
-        """The longest kept prefix of the prompt (all of it but its last token at most) put into the
-        session, its records written to the state dump and logged as reused prompt tokens; how
-        many tokens it gave (0: none, or the prefix cache is off for this run)."""
-        if self._kv is None or session.kv is None or len(self.prompt) < 2:
-            return 0
-        kv = self._kv
-        cache = eng.use_prefix_cache(kv.ram_bytes, self.config.kv_dir or kv.dir, kv.disk_bytes, self._log, kv.block,
-                                     kv.write_budget)
-        if self.dump_mode == "full":     # kept states carry compact records; a full dump needs every float
-            self._log("prefix cache: not used by a run that writes a full state dump (kept states carry"
-                      " compact records); its states are kept")
-            start = 0
-        else:
-            start = self._restore_kept(cache, eng, session, writer)
-        user = self.tokenizer.special_id(USER) if self.config.messages is not None else None
-        self._marks = tuple(m for m in marks(self.prompt, user) if m > start)
-        return start
-
-    def _restore_kept(self, cache, eng: Engine, session, writer: StateWriter) -> int:
-        """_reuse's restore: the longest kept prefix into the session; how many tokens it gave. A
-        run with a state dump takes only a state with records of its tokens (written as its own)."""
-        dumps = writer.dtype is not None
-        state = cache.lookup(self.prompt, session.kernels.backend, at_most=len(self.prompt) - 1,
-                             need=RECORDS if dumps else None)
-        if state is None:
-            return 0
-        records = reusable_records(state, writer.dtype) if dumps else None
-        if dumps and records is None:
-            self._log("prefix cache: a kept state without records of this run's dump: not used")
-            return 0
-        try:
-            session.restore(state)
-        except Ds4fError as exc:     # not this model's state after all: dropped, the prompt computed
-            cache.discard(state.tokens, state.backend, str(exc))
-            self._log(f"prefix cache: not used: {exc}")
-            return 0
-        # the greedy pick after each reused token is in its record; without records it is not known (-1)
-        nexts = records["next"] if dumps else np.full(state.position, -1)
-        if dumps:
-            writer.write_records(records)
-        with self._lock:
-            for i, (token, nxt) in enumerate(zip(state.tokens, nexts)):
-                self._log_tokens.add(TokenRecord(index=i, token_id=int(token), next_token_id=int(nxt),
-                                                 seconds=0.0, bytes_read=0, hits=0, misses=0, stall_s=0.0,
-                                                 backend=session.kernels.backend,
-                                                 kernel_threads=session.kernels.threads,
-                                                 io_threads=eng.io_threads, prefill=True, reused=True))
-        self._log(f"prefix cache: {state.position} prompt tokens reused, {len(self.prompt) - state.position} computed")
-        return state.position
-
-    def _keep_states(self) -> None:
-        """A done run's states into the prefix cache, with its records of their tokens: at its
-        marks (runs.prefix.marks) and at the end. Not when the kernels switched during the run (its
-        records would not be those of one backend)."""
-        eng, session = self._engine, self._session
-        if self._kv is None or eng is None or eng.prefix_cache is None or session is None:
-            return
-        if len(self._log_tokens.switches) > 1:
-            self._log("prefix cache: nothing kept: the kernels switched during the run")
-            return
-        cache = eng.prefix_cache
-        try:
-            marked = self._generation.marked if self._generation is not None else []
-            states = [s for s in (*marked, session.snapshot()) if s.position]
-            if self.dump_path is not None:      # a run with a dump keeps its tokens' compact records with them
-                states = attach_records(states, self.dump_path, self.checkpoint.geometry.to_config())
-            before = cache.figures()
-            for state in states:
-                cache.keep(state, disk=kept_on_disk(state.position, len(self.prompt), self.config.thinking))
-            after = cache.figures()
-            self._kept_written = (after.written_heads + after.written_blocks) - (before.written_heads +
-                                                                                before.written_blocks)
-        except Ds4fError as exc:
-            self._log(f"prefix cache: not kept: {exc}")
-        except Exception as exc:   # the run is done and its files are in place: say it, never fail it
-            self._log(f"prefix cache: not kept: internal error: {type(exc).__name__}: {exc}")
-        self._log(f"prefix cache: {len(cache)} states, {cache.stats.ram_bytes / 2**20:.1f} MiB in RAM,"
-                  f" {cache.stats.disk_bytes / 1e6:.1f} MB on disk; this run wrote {self._kept_written / 1e6:.1f} MB")
-
     def _emit(self, eng: Engine, writer, step: int, token: int, next_token: int, rec, costs: dict, seconds: float,
               prefill: bool) -> None:
         """One step's record: into the state dump, the token log (its costs), on_token; the text
@@ -740,7 +657,7 @@ class Run:
             if writer.report_tmp is not None:
                 write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
             writer.commit()          # the last step that may fail: a run's files appear only when it is done
-            self._keep_states()      # best effort from here on: it never fails the run
+            keep_states(self)        # best effort from here on: it never fails the run
             self._log(f"done: {spt}, {hit}, " + (f"sha256 {sha[:12]}" if sha else "no state dump"))
         with self._lock:
             self._report = report
