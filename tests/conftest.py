@@ -89,7 +89,7 @@ SPEED = {
     "console/test_console_remote.py": "fast",
     # `ds4f serve` on loopback: every API's tests are slow; a few small ones stay in the loop
     "server/": "slow",
-    "server/test_operator.py": "fast", "server/test_keepalive.py": "fast",
+    "server/test_keepalive.py": "fast",
     "server/test_slow_bodies.py": "fast", "server/test_forced_choice.py": "fast",
     # runs: real runs with dumps, figures and histories
     "runs/": "slow",
@@ -100,16 +100,19 @@ SPEED = {
     "engine/test_session_state.py": "slow", "engine/test_speculative.py": "slow",
     "engine/test_whole_engine.py": "slow",
     "engine/checkpoint/test_checkpoints.py": "slow", "engine/checkpoint/test_verify.py": "slow",
+    "engine/model/test_attention_model.py::test_decode_matches_transformers[long": "slow",
     # kernels: NEON under qemu, the real DeepSeek-V4-Flash shapes, the benchmark's CLI
     "native/test_neon.py": "slow",
+    "native/test_kernels.py::test_ds4f_kernels_env_selects_initial_backend": "slow",
     "native/test_kernels.py::test_experts_forward_real_shape": "slow",
     "native/test_kernels.py::test_bench_kernels_cli_writes_json": "slow",
     "native/test_multitoken_kernels.py::test_experts_forward_tokens_real_shape": "slow",
     "native/test_multitoken_kernels.py::test_mxfp4_matmul[130-4096": "slow",
     "native/test_multitoken_kernels.py::test_bf16_matmul[uint16-130-4096": "slow",
     "native/test_multitoken_kernels.py::test_bf16_matmul[bfloat16-130-4096": "slow",
-    # two whole collections of the suite
+    # pytest in a subprocess: two whole collections of the suite, one module's
     "test_slow_marker.py::test_skipping_wholly_slow_modules_selects_the_same_tests": "slow",
+    "test_slow_marker.py::test_the_marker_reaches_the_collected_tests": "slow",
 }
 
 

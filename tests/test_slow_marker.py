@@ -15,7 +15,7 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.mark.parametrize("rel_id, speed", [
     ("server/test_server.py::test_chat", "slow"),               # under a slow directory
-    ("server/test_operator.py::test_cancel", "fast"),           # a fast module in it
+    ("server/test_keepalive.py::test_x", "fast"),               # a fast module in it
     ("cli/test_cli.py", "slow"),
     ("clients/test_agent_clients.py::test_x", "slow"),          # "cli/" is not a prefix of it
     ("engine/runtime/test_reader.py::test_x", "fast"),          # nothing says so: fast
@@ -51,7 +51,7 @@ def test_the_marker_reaches_the_collected_tests():
 @pytest.mark.parametrize("rel, whole", [
     ("cli/", True), ("cli/test_cli.py", True),
     ("server/", False),                                          # it holds fast modules
-    ("server/test_server.py", True), ("server/test_operator.py", False),
+    ("server/test_server.py", True), ("server/test_keepalive.py", False),
     ("native/test_multitoken_kernels.py", False),                # only some of its tests are slow
     ("engine/runtime/", False),
 ])
