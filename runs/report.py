@@ -1,10 +1,13 @@
 """A done run's report (report.json): its figures, the yardsticks measured once it is done
 (Belady's hit rate on its own trace, a replay of its last reads), and the file itself, written
-with every token's record before the run commits it beside its state dump."""
+with every token's record before the run commits it beside its state dump; and a run's ending
+(finish_run, fail_run): the report built and committed with its files, its history record, the
+runs directory's budget settled."""
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from ds4f.cachelab.trace import Trace
 from ds4f.engine.config import Budget
 from ds4f.engine.runtime.disk_floor import replay_reads
 from ds4f.errors import Ds4fError
+from ds4f.runs.prefix import keep_states
 from ds4f.runs.snapshot import TokenLog
 from ds4f.runs.statedump import read_routing, write_error
 
@@ -157,3 +161,150 @@ def write_report(report: dict, log: TokenLog, tmp: Path, report_path: Path) -> N
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise write_error(report_path, exc) from None
+
+
+# -- a run's ending: its report built and written with its files, its history record, the budget --
+def fail_run(run, message: str, writer) -> None:
+    """End the run as failed with `message`: its files aborted (none left), its record kept."""
+    if writer is not None:
+        writer.abort()
+    with run._lock:
+        run._error = message
+    run._log(f"error: {message}")
+    finish_run(run, "failed")
+
+
+def finish_run(run, state: str, sha: str | None = None, writer=None) -> None:
+    """End the run in `state`; a done run's report is written and committed with its state
+    dump (`writer`, closed) before the run says it is done."""
+    run._rss_at_end = run._rss_now()  # what the run held; the engine's memory goes after this
+    run.finished_at = time.time()
+    report = None
+    if state == "done":
+        run._optimum = _optimum_hit_rate(run, writer.tmp) if writer.tmp is not None else None
+        run._replay = _replay_reads(run)
+        report = build_report(run, sha)
+        report["state_nbytes"] = writer.nbytes
+        report["summary"]["batch"] = _batch_summary(run)
+        report["summary"]["spec"] = _spec_summary(run)
+        s = report["summary"]
+        spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
+        hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"
+        if writer.report_tmp is not None:
+            write_report(report, run._log_tokens, writer.report_tmp, run.report_path)
+        writer.commit()          # the last step that may fail: a run's files appear only when it is done
+        keep_states(run)        # best effort from here on: it never fails the run
+        run._log(f"done: {spt}, {hit}, " + (f"sha256 {sha[:12]}" if sha else "no state dump"))
+    with run._lock:
+        run._report = report
+        run._state = state
+    if run.history is not None:
+        try:
+            config = run.config_dict()
+            config["tokens_done"] = run._log_tokens.count   # what a cancelled or failed run got to
+            config["generated_tokens"], config["finish_reason"] = run._generated, run._finish_reason
+            config["prompt_tokens_reused"] = run._log_tokens.reused_tokens
+            if run.tokenizer is not None:
+                config["output_text"] = run.output_text
+            run.history.record(run_id=run.id, config=config, state=state, report=report,
+                                state_path=str(run.dump_path) if report and run.dump_path else None,
+                                state_sha256=sha, error=run._error,
+                                started_at=run.started_at, finished_at=run.finished_at)
+        except Exception as exc:  # the run itself succeeded; say what went wrong with the record
+            run.history_error = f"the run's history record was not written: {exc}"
+            run._log(run.history_error)
+    _settle_budget(run)
+
+
+def _settle_budget(run) -> None:
+    """After the run's files and record: what it wrote counted, older runs removed if the runs
+    directory and the history are past [runs] budget. Never fails the run."""
+    if run._budget is None:
+        return
+    try:
+        own = run.dump_path.parent if run._reservation is not None else None
+        for note in run._budget.settle(run._reservation, keep=own, history=run.history):
+            run._log(note)
+    except Exception as exc:
+        run._log(f"runs directory: not checked against its budget: {exc}")
+
+
+def _optimum_hit_rate(run, state_file: Path) -> float | None:
+    fig = run._engine.figures(run._session_nbytes, run._session) if run._engine is not None else run._final_figures
+    if fig is None:
+        return None
+    return optimum_hit_rate(run.checkpoint.geometry, state_file, run._log_tokens, run.prefill_chunk,
+                            fig.cache_capacity_bytes, run._log)
+
+
+def _replay_reads(run) -> dict | None:
+    """The I/O efficiency's replay, only when the run measures the disk (probe)."""
+    if not run.probe or run._engine is None:
+        return None
+    if run._shared_passes:
+        run._log("I/O efficiency: not measured: the run's reads were shared with other sequences")
+        return None
+    return replay_last_reads(run._engine, run._log_tokens, run._log, run._session)
+
+
+def _text_report(run) -> dict:
+    sampling = run.config.sampling
+    return {"prompt": run.config.text, "messages": list(run.config.messages) if run.config.messages else None,
+            "thinking": run.config.thinking, "tools": list(run.config.tools) if run.config.tools else None,
+            "tool_choice": run.config.tool_choice, "reasoning_effort": run.config.reasoning_effort,
+            "output": run.output_text if run.tokenizer is not None else None,
+            "sampling": sampling.to_dict() if sampling is not None else "greedy",
+            "response_format": fmt.to_dict() if (fmt := run.config.response_format) is not None else None,
+            "stop": list(run.config.stop), "stop_at_eos": run.stop_at_eos,
+            "finish_reason": run._finish_reason, "prompt_tokens": len(run.prompt),
+            "prompt_tokens_reused": run._log_tokens.reused_tokens,
+            "generated_tokens": run._generated}
+
+
+def build_report(run, sha: str | None) -> dict:
+    """A done run's report (its engine still loaded), without the fields finish_run adds."""
+    snap = run.snapshot()
+    fig = run._engine.figures(run._session_nbytes, run._session)
+    log = run._log_tokens
+    rows = log.rows[:log.count]
+    return {
+        "schema": REPORT_SCHEMA, "run_id": run.id, "state": "done",
+        "started_at": run.started_at, "finished_at": run.finished_at,
+        "model": str(run.config.model), "checkpoint_kind": run.checkpoint.kind,
+        "geometry": run.checkpoint.geometry.to_config(), "config": run.config_dict(),
+        "io_mode": run.checkpoint.io_mode, "policy": run.preset.policy,
+        "cache": {"budget_bytes": fig.cache_budget_bytes, "capacity_bytes": fig.cache_capacity_bytes,
+                  "slots": fig.slots, "slot_nbytes": fig.slot_nbytes,
+                  # cold: empty at the start (Belady's yardstick starts empty too); warm: it held
+                  # experts_at_start from the runs before on the same engine
+                  "start": "warm" if run._cache_at_start else "cold", "experts_at_start": run._cache_at_start},
+        "pinned_layers": list(fig.pinned_layers), "floor": asdict(run._floor) if run._floor else None,
+        "summary": summary(snap, log, time_split(log), prefill_report(log, run.prefill_chunk,
+                                                                       run.checkpoint.geometry), run._replay),
+        "layers": layers(snap),
+        "backend_by_token": log.backends(),
+        "prompt": list(run.prompt),
+        "generated": [int(t) for t in rows["next_token_id"][len(run.prompt) - 1:]],
+        "text": _text_report(run),
+        "events": list(run._events), "events_dropped": run._n_events - len(run._events),
+        "state_path": str(run.dump_path) if run.dump_path else None, "state_sha256": sha,
+        "dump": run.dump_mode,
+    }
+
+
+def _spec_summary(run) -> dict | None:
+    """The report's account of speculation (None: off)."""
+    if run.config.spec == "off":
+        return None
+    if run._spec is None:
+        return {"mode": str(run.config.spec), "active": False}
+    with run._lock:
+        return dict(run._spec.stats.to_dict(), mode=str(run._spec.mode), active=True)
+
+
+def _batch_summary(run) -> dict | None:
+    """How the run shared its forward passes (None: it ran alone on its engine)."""
+    if run.engines is None or run.engines.parallel < 2:
+        return None
+    with run._lock:
+        return {"parallel": run.engines.parallel, "steps": run._passes, "shared_steps": run._shared_passes}

@@ -48,9 +48,8 @@ from ds4f.runs.budget import Reservation, planned_bytes, runs_budget_for
 from ds4f.runs.config import (RunConfig, text_chars, check_backend, check_fits, check_threads, checked, fitted,
                               prompt_of)
 from ds4f.runs.host import EngineHost
-from ds4f.runs.prefix import keep_states, kept_tokens_for, reuse_prefix
-from ds4f.runs.report import (REPORT_SCHEMA, finish_bytes, layers, optimum_hit_rate, prefill_report,
-                              replay_last_reads, summary, time_split, write_report)
+from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
+from ds4f.runs.report import fail_run, finish_bytes, finish_run
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, snapshot_of
 from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, report_path_for, sweep_run_dirs
 
@@ -327,15 +326,6 @@ class Run:
         with _active_lock:
             return [r.id for r in _active if r is not self and r.engines is self.engines and not r.finished]
 
-    def _spec_summary(self) -> dict | None:
-        """The report's account of speculation (None: off)."""
-        if self.config.spec == "off":
-            return None
-        if self._spec is None:
-            return {"mode": str(self.config.spec), "active": False}
-        with self._lock:
-            return dict(self._spec.stats.to_dict(), mode=str(self._spec.mode), active=True)
-
     def snapshot(self) -> Snapshot:
         """The run's live figures: cheap, from any thread, at any time (runs.snapshot.snapshot_of)."""
         return snapshot_of(self)
@@ -421,17 +411,17 @@ class Run:
             if self._cancel.is_set():
                 writer.abort()
                 writer = None
-                self._finish("cancelled")
+                finish_run(self, "cancelled")
                 self._log(f"cancelled after {self._log_tokens.count} tokens; no files written")
                 return
             sha = writer.close()
-            self._finish("done", sha=sha, writer=writer)
+            finish_run(self, "done", sha=sha, writer=writer)
             writer = None
         except Ds4fError as exc:
-            self._fail(str(exc), writer)
+            fail_run(self, str(exc), writer)
         except Exception as exc:  # never a silently dead thread: the error is the run's
             self._log(traceback.format_exc(limit=8).rstrip())
-            self._fail(f"internal error: {type(exc).__name__}: {exc}", writer)
+            fail_run(self, f"internal error: {type(exc).__name__}: {exc}", writer)
         finally:
             self._release()
 
@@ -445,18 +435,6 @@ class Run:
         self._reservation = self._budget.reserve(self.dump_path.parent, nbytes, self.history)
         for note in self._reservation.notes:
             self._log(note)
-
-    def _settle_budget(self) -> None:
-        """After the run's files and record: what it wrote counted, older runs removed if the runs
-        directory and the history are past [runs] budget. Never fails the run."""
-        if self._budget is None:
-            return
-        try:
-            own = self.dump_path.parent if self._reservation is not None else None
-            for note in self._budget.settle(self._reservation, keep=own, history=self.history):
-                self._log(note)
-        except Exception as exc:
-            self._log(f"runs directory: not checked against its budget: {exc}")
 
     def _open_writer(self) -> "StateWriter | NoDump":
         """The state dump's writer, first, so an unwritable or busy place fails the run before the
@@ -553,13 +531,6 @@ class Run:
             self._passes += res.batch_steps
             self._shared_passes += res.batch_shared
 
-    def _batch_summary(self) -> dict | None:
-        """How the run shared its forward passes (None: it ran alone on its engine)."""
-        if self.engines is None or self.engines.parallel < 2:
-            return None
-        with self._lock:
-            return {"parallel": self.engines.parallel, "steps": self._passes, "shared_steps": self._shared_passes}
-
     def _release(self) -> None:
         """The run's end, whatever it was: the engine's last figures kept, the engine and the
         checkpoint closed unless a host keeps them, its place in the runs directory given up, and
@@ -630,120 +601,13 @@ class Run:
             self._finish_reason = reason
         return piece
 
-    def _fail(self, message: str, writer) -> None:
-        if writer is not None:
-            writer.abort()
-        with self._lock:
-            self._error = message
-        self._log(f"error: {message}")
-        self._finish("failed")
-
-    def _finish(self, state: str, sha: str | None = None, writer: StateWriter | None = None) -> None:
-        """End the run in `state`; a done run's report is written and committed with its state
-        dump (`writer`, closed) before the run says it is done."""
-        self._rss_at_end = self._rss_now()  # what the run held; the engine's memory goes after this
-        self.finished_at = time.time()
-        report = None
-        if state == "done":
-            self._optimum = self._optimum_hit_rate(writer.tmp) if writer.tmp is not None else None
-            self._replay = self._replay_reads()
-            report = self._build_report(sha)
-            report["state_nbytes"] = writer.nbytes
-            report["summary"]["batch"] = self._batch_summary()
-            report["summary"]["spec"] = self._spec_summary()
-            s = report["summary"]
-            spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
-            hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"
-            if writer.report_tmp is not None:
-                write_report(report, self._log_tokens, writer.report_tmp, self.report_path)
-            writer.commit()          # the last step that may fail: a run's files appear only when it is done
-            keep_states(self)        # best effort from here on: it never fails the run
-            self._log(f"done: {spt}, {hit}, " + (f"sha256 {sha[:12]}" if sha else "no state dump"))
-        with self._lock:
-            self._report = report
-            self._state = state
-        if self.history is not None:
-            try:
-                config = self.config_dict()
-                config["tokens_done"] = self._log_tokens.count   # what a cancelled or failed run got to
-                config["generated_tokens"], config["finish_reason"] = self._generated, self._finish_reason
-                config["prompt_tokens_reused"] = self._log_tokens.reused_tokens
-                if self.tokenizer is not None:
-                    config["output_text"] = self.output_text
-                self.history.record(run_id=self.id, config=config, state=state, report=report,
-                                    state_path=str(self.dump_path) if report and self.dump_path else None,
-                                    state_sha256=sha, error=self._error,
-                                    started_at=self.started_at, finished_at=self.finished_at)
-            except Exception as exc:  # the run itself succeeded; say what went wrong with the record
-                self.history_error = f"the run's history record was not written: {exc}"
-                self._log(self.history_error)
-        self._settle_budget()
-
-    def _optimum_hit_rate(self, state_file: Path) -> float | None:
-        fig = self._engine.figures(self._session_nbytes, self._session) if self._engine is not None else self._final_figures
-        if fig is None:
-            return None
-        return optimum_hit_rate(self.checkpoint.geometry, state_file, self._log_tokens, self.prefill_chunk,
-                                fig.cache_capacity_bytes, self._log)
-
     @property
     def _run_bytes(self) -> int:
         """The run's own memory beyond the engine: its token log and what its end needs."""
         return self._log_tokens.nbytes + self._finish_bytes
-
-    def _replay_reads(self) -> dict | None:
-        """The I/O efficiency's replay, only when the run measures the disk (probe)."""
-        if not self.probe or self._engine is None:
-            return None
-        if self._shared_passes:
-            self._log("I/O efficiency: not measured: the run's reads were shared with other sequences")
-            return None
-        return replay_last_reads(self._engine, self._log_tokens, self._log, self._session)
-
-    def _text_report(self) -> dict:
-        sampling = self.config.sampling
-        return {"prompt": self.config.text, "messages": list(self.config.messages) if self.config.messages else None,
-                "thinking": self.config.thinking, "tools": list(self.config.tools) if self.config.tools else None,
-                "tool_choice": self.config.tool_choice, "reasoning_effort": self.config.reasoning_effort,
-                "output": self.output_text if self.tokenizer is not None else None,
-                "sampling": sampling.to_dict() if sampling is not None else "greedy",
-                "response_format": fmt.to_dict() if (fmt := self.config.response_format) is not None else None,
-                "stop": list(self.config.stop), "stop_at_eos": self.stop_at_eos,
-                "finish_reason": self._finish_reason, "prompt_tokens": len(self.prompt),
-                "prompt_tokens_reused": self._log_tokens.reused_tokens,
-                "generated_tokens": self._generated}
 
     def config_dict(self) -> dict:
         d = asdict(self.config)
         d.update(preset=self.preset.name, prompt=list(self.prompt), preset_detail=self.preset.describe(),
                  io_threads=self.io_threads, kernel_threads=self.kernel_threads, backend_requested=self.config.backend)
         return d
-
-    def _build_report(self, sha: str | None) -> dict:
-        snap = self.snapshot()
-        fig = self._engine.figures(self._session_nbytes, self._session)
-        log = self._log_tokens
-        rows = log.rows[:log.count]
-        return {
-            "schema": REPORT_SCHEMA, "run_id": self.id, "state": "done",
-            "started_at": self.started_at, "finished_at": self.finished_at,
-            "model": str(self.config.model), "checkpoint_kind": self.checkpoint.kind,
-            "geometry": self.checkpoint.geometry.to_config(), "config": self.config_dict(),
-            "io_mode": self.checkpoint.io_mode, "policy": self.preset.policy,
-            "cache": {"budget_bytes": fig.cache_budget_bytes, "capacity_bytes": fig.cache_capacity_bytes,
-                      "slots": fig.slots, "slot_nbytes": fig.slot_nbytes,
-                      # cold: empty at the start (Belady's yardstick starts empty too); warm: it held
-                      # experts_at_start from the runs before on the same engine
-                      "start": "warm" if self._cache_at_start else "cold", "experts_at_start": self._cache_at_start},
-            "pinned_layers": list(fig.pinned_layers), "floor": asdict(self._floor) if self._floor else None,
-            "summary": summary(snap, log, time_split(log), prefill_report(log, self.prefill_chunk,
-                                                                           self.checkpoint.geometry), self._replay),
-            "layers": layers(snap),
-            "backend_by_token": log.backends(),
-            "prompt": list(self.prompt),
-            "generated": [int(t) for t in rows["next_token_id"][len(self.prompt) - 1:]],
-            "text": self._text_report(),
-            "events": list(self._events), "events_dropped": self._n_events - len(self._events),
-            "state_path": str(self.dump_path) if self.dump_path else None, "state_sha256": sha,
-            "dump": self.dump_mode,
-        }
