@@ -77,8 +77,7 @@ from ds4f.api import MAX_GEN, Ds4fError, Tokenizer, chat_prompt_ids, check_choic
 from .conversation import Conversation
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly, reply_of, respond
-from .openai import EFFORTS, check_model, check_names, parse_sampling
-from .routes import json_body, refused
+from .request import EFFORTS, boolean, check_model, check_names, json_body, number, parse_sampling, refused
 from .structured import text_format_of
 
 # Taken and ignored: how Anthropic's service keeps, bills or trims a conversation, never what the model
@@ -109,12 +108,6 @@ def error_response(exc: HttpError) -> Response:
 
 
 # -- parameters ----------------------------------------------------------------------------------
-def _number(raw: dict, name: str, lo: float, hi: float) -> None:
-    v = raw.get(name)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not lo <= v <= hi):
-        raise bad(name, f"must be a number from {lo:g} to {hi:g}, got {json.dumps(v)}")
-
-
 def _max_tokens(raw: dict) -> int:
     v = raw.get("max_tokens")
     if v is None:
@@ -123,12 +116,6 @@ def _max_tokens(raw: dict) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise bad("max_tokens", f"must be a whole number of at least 1, got {json.dumps(v)}")
     return min(v, MAX_GEN)      # a ceiling: the answer stops where the context ends (stop_reason max_tokens)
-
-
-def _bool(value, where: str) -> bool | None:
-    if value is not None and not isinstance(value, bool):
-        raise bad(where, f"expected true or false, got {json.dumps(value)}")
-    return value
 
 
 def _text_blocks(value, where: str, what: str) -> str:
@@ -212,7 +199,7 @@ def parse_tools(value) -> tuple:
         for key in tool:
             if key not in TOOL_KEYS:
                 raise bad(f"{where}.{key}", f"unknown field (known: {', '.join(TOOL_KEYS)})", code="unknown_parameter")
-        _bool(tool.get("strict"), f"{where}.strict")
+        boolean(tool.get("strict"), f"{where}.strict")
         if tool.get("input_schema") is None:
             raise bad(f"{where}.input_schema", "required: the JSON Schema of the tool's input",
                       code="missing_parameter")
@@ -243,7 +230,7 @@ def parse_tool_choice(value, tools: tuple) -> tuple[str | None, bool]:
         if key not in ("type", "name", "disable_parallel_tool_use", "cache_control"):
             raise bad(f"tool_choice.{key}", "unknown field (known: type, name, disable_parallel_tool_use)",
                       code="unknown_parameter")
-    single = _bool(value.get("disable_parallel_tool_use"), "tool_choice.disable_parallel_tool_use")
+    single = boolean(value.get("disable_parallel_tool_use"), "tool_choice.disable_parallel_tool_use")
     if kind == "tool":
         choice = value.get("name")
         if not isinstance(choice, str) or not choice:
@@ -280,7 +267,7 @@ def _user(conv: Conversation, blocks: list, where: str, open_calls: dict) -> Non
                                                f" it" + (" (answered twice?)" if any(r[0] == cid for r in results)
                                                          else ""))
             open_calls.pop(cid)
-            _bool(block.get("is_error"), f"{bw}.is_error")
+            boolean(block.get("is_error"), f"{bw}.is_error")
             content = block.get("content")
             text = "" if content is None else _text_blocks(content, f"{bw}.content", "the tool's result")
             results.append((cid, text, bw))
@@ -430,8 +417,8 @@ def parse_ask(raw: dict, svc) -> Ask:
     check_names(raw, CREATE_PARAMS, DEFAULT_ONLY)
     check_model(raw, svc)
     gen = _max_tokens(raw)
-    stream_ = _bool(raw.get("stream"), "stream")
-    _number(raw, "temperature", 0, 1)
+    stream_ = boolean(raw.get("stream"), "stream")
+    number(raw, "temperature", 0, 1)
     thread = raw.get("thread")
     if isinstance(thread, dict) and thread.get("type") not in (None, "create"):
         # this server keeps no threads: a client continuing one is told so, and sends the whole conversation

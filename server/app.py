@@ -52,6 +52,7 @@ from .errors import HttpError
 from .guard import Guard
 from .options import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, is_loopback, read_token_file
 from .protocol import protocol_class
+from .request import refused
 from .service import Service
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Server", "ServerOptions", "Service", "build_app", "is_loopback",
@@ -112,7 +113,7 @@ async def _starlette_error(request, exc: HTTPException):
 
 
 async def _ds4f_error(request, exc: Ds4fError):
-    return routes.refused(exc, {}).response(request.url.path)
+    return refused(exc, {}).response(request.url.path)
 
 
 def build_app(service: Service):

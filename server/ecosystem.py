@@ -41,7 +41,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from .errors import HttpError, bad, json_response
-from .routes import parse_query
+from .request import parse_query
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"

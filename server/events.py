@@ -60,7 +60,7 @@ from starlette.requests import Request
 
 from .errors import HttpError, bad, json_bytes
 from .protocol import ABORT_KEY     # scope["state"][ABORT_KEY]: cuts the connection
-from .routes import parse_query
+from .request import parse_query
 
 EVENTS_VERSION = 1
 RECENT_LOG = 200            # log events kept for a new watcher

@@ -33,7 +33,7 @@ from .errors import HttpError, json_response
 from .feed import END
 from .events import client_label, endpoint_of
 from .queue import QueueFull, Ticket, product_token
-from .routes import json_body, refused
+from .request import json_body, refused
 from .service import DEFAULTED
 
 QUEUE_LOOK_S = 1.0         # how often a queued streaming request looks at its position

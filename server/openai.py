@@ -58,8 +58,8 @@ from ds4f.api import MAX_GEN, Ds4fError, check_call
 from .conversation import chat_fields, from_ds4f
 from .errors import HttpError, bad, json_bytes, json_response
 from .generation import Ask, counted, ended_badly as ended_badly_of, reply_of, respond
-from .request import (EFFORTS, IGNORED, _text_parts, _whole, check_model, check_names, parse_sampling, parse_stop,
-                      parse_tool_choice, parse_tools)
+from .request import (EFFORTS, IGNORED, boolean, check_model, check_names, parse_sampling, parse_stop,
+                      parse_tool_choice, parse_tools, text_parts, whole)
 from .structured import response_format_of
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -129,7 +129,7 @@ def _reasoning_field(m: dict, where: str) -> str | None:
     for key in ("reasoning_content", "reasoning"):
         value = m.get(key)
         if value is not None:
-            return _text_parts(value, f"{where}.{key}") or None
+            return text_parts(value, f"{where}.{key}") or None
     return None
 
 
@@ -161,7 +161,7 @@ def parse_messages(value) -> tuple[dict, ...]:
                 except Ds4fError as exc:
                     raise from_ds4f(exc) from None
             content = m.get("content")
-            msg = {"role": role, "content": "" if content is None else _text_parts(content, f"{where}.content"),
+            msg = {"role": role, "content": "" if content is None else text_parts(content, f"{where}.content"),
                    "tool_calls": parsed}
         elif calls:
             raise bad(f"{where}.tool_calls", "on an assistant message only")
@@ -169,7 +169,7 @@ def parse_messages(value) -> tuple[dict, ...]:
             content = m.get("content")
             if content is None and role == "assistant":
                 content = ""
-            msg = {"role": role, "content": _text_parts(content, f"{where}.content")}
+            msg = {"role": role, "content": text_parts(content, f"{where}.content")}
         if role == "tool":
             msg["tool_call_id"] = m.get("tool_call_id")
         if role == "assistant":
@@ -197,9 +197,7 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
     n = raw.get("n")
     if n is not None and n != 1:
         raise bad("n", f"only 1 choice per request is supported, got {json.dumps(n)}", code="unsupported_value")
-    stream_ = raw.get("stream")
-    if stream_ is not None and not isinstance(stream_, bool):
-        raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
+    stream_ = boolean(raw.get("stream"), "stream")
     options = raw.get("stream_options")
     include_usage = False
     if options is not None:
@@ -214,7 +212,7 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
     # do; a completion gets OpenAI's 16 tokens
     gen_param, gen = "max_tokens", None if kind == "chat" else 16
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
-    given = {k: _whole(raw, k, 1, MAX_GEN) for k in names if raw.get(k) is not None}
+    given = {k: whole(raw, k, 1, MAX_GEN) for k in names if raw.get(k) is not None}
     if len(set(given.values())) > 1:
         raise bad("max_tokens", "max_tokens and max_completion_tokens differ; give one")
     if given:
@@ -228,10 +226,7 @@ def parse_ask(raw: dict, kind: str, svc) -> Ask:
             raise bad("messages", "required: the conversation to answer", code="missing_parameter")
         tools = parse_tools(raw.get("tools"))
         choice = parse_tool_choice(raw.get("tool_choice"), tools)
-        parallel = raw.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
-        parallel = parallel is not False
+        parallel = boolean(raw.get("parallel_tool_calls"), "parallel_tool_calls") is not False
         fields = chat_fields(parse_messages(raw["messages"]), tools, choice, thinking, effort)
         fields["response_format"] = response_format_of(raw.get("response_format"), tools, choice)
     else:

@@ -41,7 +41,7 @@ from ds4f.api import BACKEND_NAMES, MAX_THREADS, Ds4fError
 
 from .errors import HttpError, bad, json_response
 from .options import is_loopback
-from .routes import checked_run_id, json_body, refused, whole_number
+from .request import checked_run_id, json_body, refused, whole_number
 
 LABEL = "operator"           # the token's label in `who`
 HEADER = "x-ds4f-operator-token"

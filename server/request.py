@@ -20,7 +20,7 @@ from .errors import HttpError, bad
 
 MAX_BODY_DEPTH = 100      # levels of arrays and objects a JSON body may nest (what reads it recurses once a level)
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_INT_RE = re.compile(r"^[0-9]{1,9}$")
+WHOLE_RE = re.compile(r"^[0-9]{1,9}$")
 
 # OpenAI parameters that say how OpenAI's service keeps, bills or schedules a request, never what
 # the model reads: taken (checked for their type) and ignored by chat completions, completions and
@@ -38,7 +38,7 @@ STATUS_BY_KIND = {"invalid": 400, "busy": 429, "not_found": 404, "data": 400, "i
 def whole_number(name: str, value, from_query: bool) -> int:
     """A whole number: digits in a query string, an integer (not a bool) in JSON."""
     if from_query:
-        if not isinstance(value, str) or not _INT_RE.match(value):
+        if not isinstance(value, str) or not WHOLE_RE.match(value):
             raise bad(name, f"expected a whole number, got {value!r}")
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -70,6 +70,7 @@ def refused(exc: Ds4fError, raw: dict, names: dict | None = None) -> HttpError:
 
 
 def parse_json_object(body: bytes, what: str = "run parameters") -> dict:
+    """A body's JSON object (an empty body: {}), nested at most MAX_BODY_DEPTH levels."""
     if not body.strip():
         return {}
     try:
@@ -94,6 +95,7 @@ async def json_body(request: Request, what: str = "run parameters") -> dict:
 
 
 def parse_query(query: str) -> dict:
+    """A query string's parameters, each given once."""
     try:
         pairs = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=32,
                          errors="strict")
@@ -114,7 +116,8 @@ def checked_run_id(run_id: str) -> str:
     return run_id
 
 
-def _number(raw: dict, name: str, lo: float, hi: float):
+def number(raw: dict, name: str, lo: float, hi: float):
+    """raw[name]: a number from lo to hi, or None when left out."""
     v = raw.get(name)
     if v is None:
         return None
@@ -123,13 +126,21 @@ def _number(raw: dict, name: str, lo: float, hi: float):
     return v
 
 
-def _whole(raw: dict, name: str, lo: int, hi: int):
+def whole(raw: dict, name: str, lo: int, hi: int):
+    """raw[name]: a whole number from lo to hi, or None when left out."""
     v = raw.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise bad(name, f"must be a whole number from {lo} to {hi}, got {json.dumps(v)}")
     return v
+
+
+def boolean(value, where: str) -> bool | None:
+    """true, false or left out (None)."""
+    if value is not None and not isinstance(value, bool):
+        raise bad(where, f"expected true or false, got {json.dumps(value)}")
+    return value
 
 
 def check_names(raw: dict, known: tuple, default_only: dict) -> None:
@@ -161,7 +172,7 @@ def _check_ignored(key: str, value) -> None:
         raise bad(key, f"expected {what}, got {json.dumps(value)}")
 
 
-def _text_parts(value, where: str, kinds: tuple = ("text",)) -> str:
+def text_parts(value, where: str, kinds: tuple = ("text",)) -> str:
     """A message's content: a string, or a list of text parts."""
     if isinstance(value, str):
         return value
@@ -211,6 +222,7 @@ def check_model(raw: dict, svc) -> None:
 
 
 def parse_stop(stop, param: str = "stop") -> tuple:
+    """OpenAI's stop: a string or a list of at most MAX_STOP."""
     if stop is None:
         return ()
     if isinstance(stop, str):
@@ -225,9 +237,9 @@ def parse_sampling(raw: dict, svc, names: dict | None = None) -> SamplingParams:
     names: what the request calls them, where it is not OpenAI's name."""
     d = svc.generation_defaults
     names = names or {}
-    given = {k: (_number if k != "top_k" else _whole)(raw, names.get(k, k), *rng)
+    given = {k: (number if k != "top_k" else whole)(raw, names.get(k, k), *rng)
              for k, rng in (("temperature", (0, 2)), ("top_p", (0, 1)), ("top_k", (0, 1 << 31)), ("min_p", (0, 1)))}
-    seed = _whole(raw, "seed", 0, (1 << 63) - 1)
+    seed = whole(raw, "seed", 0, (1 << 63) - 1)
     settings = {"temperature": d.temperature if d.do_sample else 0.0, "top_p": d.top_p, "top_k": d.top_k,
                 "min_p": d.min_p}
     settings.update({k: v for k, v in given.items() if v is not None})

@@ -18,7 +18,7 @@
     tools and images, which this server never answers with, is taken; output logprobs are refused),
     truncation "disabled" or "auto", background false and top_logprobs 0 are accepted (background
     true, other values: 400 naming them), and so are the parameters that do not change the answer
-    (server.openai.IGNORED: store, metadata, user, prompt_cache_key, safety_identifier,
+    (server.request.IGNORED: store, metadata, user, prompt_cache_key, safety_identifier,
     service_tier...). Nothing is stored: no GET /v1/responses/{id}, previous_response_id is refused.
 
 The answer's output items, in order: reasoning (thinking mode, when the model reasoned: the text
@@ -47,9 +47,10 @@ from ds4f.api import MAX_GEN
 from .conversation import Conversation
 from .errors import bad, json_bytes
 from .generation import Ask, counted, ended_badly, reply_of, respond
+from .request import (EFFORTS, IGNORED, boolean, check_model, check_names, parse_sampling, parse_tool_choice,
+                      parse_tools, text_parts, whole)
 from .structured import text_format_of
-from .openai import (EFFORTS, IGNORED, _text_parts, _whole, check_model, check_names, parse_sampling,
-                     parse_tool_choice, parse_tools)
+
 
 PARAMS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning",
           "max_output_tokens", "temperature", "top_p", "stream", "include", "text", "previous_response_id", *IGNORED)
@@ -141,7 +142,7 @@ def parse_input(value, instructions) -> Conversation:
             if role not in ("system", "developer", "user", "assistant"):
                 raise bad("input", f"{where}.role: {json.dumps(role)} is not supported (system, developer, user,"
                                    f" assistant)")
-            text = _text_parts(item.get("content"), f"{where}.content", TEXT_PARTS)
+            text = text_parts(item.get("content"), f"{where}.content", TEXT_PARTS)
             if role == "assistant":
                 assistant(where)["content"] += text
             else:
@@ -158,7 +159,7 @@ def parse_input(value, instructions) -> Conversation:
         elif kind == "function_call_output":
             turn = None
             output = item.get("output")
-            output = output if isinstance(output, str) else _text_parts(output, f"{where}.output", TEXT_PARTS)
+            output = output if isinstance(output, str) else text_parts(output, f"{where}.output", TEXT_PARTS)
             conv.add({"role": "tool", "tool_call_id": item.get("call_id"), "content": output}, where)
         else:
             raise bad("input", f"{where}.type: {json.dumps(kind)} items are not supported (message, reasoning,"
@@ -174,11 +175,9 @@ def parse_ask(raw: dict, svc) -> Ask:
                   code="unsupported_parameter")
     if "input" not in raw:
         raise bad("input", "required: the conversation to answer", code="missing_parameter")
-    stream_ = raw.get("stream")
-    if stream_ is not None and not isinstance(stream_, bool):
-        raise bad("stream", f"expected true or false, got {json.dumps(stream_)}")
+    stream_ = boolean(raw.get("stream"), "stream")
     _check_include(raw.get("include"))
-    gen = _whole(raw, "max_output_tokens", 1, MAX_GEN)     # None: what the context leaves after the prompt
+    gen = whole(raw, "max_output_tokens", 1, MAX_GEN)     # None: what the context leaves after the prompt
     reasoning = raw.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad("reasoning", "expected an object: {\"effort\": ...}")
@@ -188,9 +187,7 @@ def parse_ask(raw: dict, svc) -> Ask:
     thinking = effort is not None and effort != "none"
     tools = _tools(raw.get("tools"))
     choice = _choice(raw.get("tool_choice"), tools)
-    parallel = raw.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", f"expected true or false, got {json.dumps(parallel)}")
+    parallel = boolean(raw.get("parallel_tool_calls"), "parallel_tool_calls")
     fields = parse_input(raw["input"], raw.get("instructions")).fields(tools, choice, thinking,
                                                                        EFFORTS[effort] if thinking else None)
     fields.update(stop=(), stop_at_eos=True, response_format=text_format_of(raw.get("text"), tools, choice))

@@ -38,7 +38,7 @@ from ds4f.api import BACKEND_NAMES, DEFAULT_GEN, MAX_GEN, Ds4fError, RunConfig, 
 
 from .errors import HttpError, bad, json_response
 from .queue import Ticket, product_token
-from .request import _INT_RE, checked_run_id, json_body, parse_query, refused, whole_number
+from .request import WHOLE_RE, checked_run_id, json_body, parse_query, refused, whole_number
 
 RUN_PARAMS = ("gen", "preset", "threads", "kernel_threads", "io_threads", "backend", "prompt", "spec")
 SWITCH_PARAMS = ("backend", "threads", "kernel_threads", "io_threads")
@@ -91,7 +91,7 @@ def parse_run_params(raw: dict, presets, from_query: bool) -> dict:
         prompt = raw["prompt"]
         if from_query:
             parts = prompt.split(",") if isinstance(prompt, str) else [None]
-            if not all(isinstance(p, str) and _INT_RE.match(p.strip()) for p in parts):
+            if not all(isinstance(p, str) and WHOLE_RE.match(p.strip()) for p in parts):
                 raise bad("prompt", f"expected comma-separated token ids, got {prompt!r}")
             prompt = [int(p) for p in parts]
         elif not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
