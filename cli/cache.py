@@ -5,7 +5,7 @@ import argparse
 
 from ds4f.api import Ds4fError
 from ds4f.cli.output import Column, Table, check_output, command_inputs, human_stream, print_tables
-from ds4f.cli.options import add_output_option
+from ds4f.cli.options import add_force, add_output_option
 
 DEFAULT_SWEEP = "5%,10%,15%,20%,25%,30%,40%,50%,60%,75%"
 
@@ -23,16 +23,14 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                             help=f"replay at several budgets (comma-separated; default {DEFAULT_SWEEP.replace('%', '%%')})")
         parser.add_argument("--plot", metavar="PNG", help="with --sweep: save hit rate against budget to this .png,"
                             " .svg or .pdf (needs matplotlib)")
-        parser.add_argument("--force", action="store_true",
-                            help="overwrite the --plot file if it exists (never a file the command reads)")
+        add_force(parser, "the --plot file")
         add_output_option(parser)
     elif name == "trace":
         sub = parser.add_subparsers(dest="action", required=True)
         export = sub.add_parser("export", help="write a run's routing trace compactly (.npz)")
         export.add_argument("state", help="the run's state dump (state.bin)")
         export.add_argument("out", help="output file (.npz)")
-        export.add_argument("--force", action="store_true",
-                            help="overwrite OUT if it exists (never a file the command reads)")
+        add_force(export, "OUT")
 
 
 def run(args) -> int:

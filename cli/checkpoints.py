@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ds4f.api import Ds4fError
+from ds4f.cli.options import add_force, add_geometry, add_seed, geometry_name
 from ds4f.cli.output import check_output_dir, command_inputs, disk_size
 
 
@@ -21,15 +22,13 @@ def _dir_size(p: Path) -> int:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "synth":
-        from ds4f.api import CONFIG_KEYS, GEOMETRIES, Geometry
+        from ds4f.api import CONFIG_KEYS, Geometry
 
         parser.add_argument("out", type=Path, help="output directory (created; must not exist unless --force)")
-        parser.add_argument("--geometry", default="tiny", choices=sorted(GEOMETRIES),
-                            help="named geometry (default: tiny); any field can be overridden below")
-        parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        add_geometry(parser, "tiny")
+        add_seed(parser, 0)
         parser.add_argument("--shard-mib", type=float, default=512, help="maximum shard size in MiB (default 512)")
-        parser.add_argument("--force", action="store_true",
-                            help="replace OUT if it is a checkpoint directory (either form); anything else is refused")
+        add_force(parser, "OUT", replaces="a checkpoint directory (either form)")
         parser.add_argument("--mtp", action="store_true",
                             help="also write the MTP layer (mtp.0.*), the draft of speculative decoding")
         grp = parser.add_argument_group("geometry overrides")
@@ -40,9 +39,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     elif name == "convert":
         parser.add_argument("src", type=Path, help="official checkpoint directory (safetensors shards + index)")
         parser.add_argument("dst", type=Path, help="output directory for the ds4f layout")
-        parser.add_argument("--force", action="store_true",
-                            help="replace DST if it is a ds4f layout directory (pool-mxfp4.json in it); "
-                                 "anything else, SRC and directories holding SRC are refused")
+        add_force(parser, "DST", replaces="a ds4f layout directory (pool-mxfp4.json in it) not holding SRC")
     elif name == "verify":
         parser.add_argument("path", type=Path, help="checkpoint directory (either form)")
     else:  # pragma: no cover - the registry only maps these three names here
@@ -56,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 def _synth(args) -> int:
     from ds4f.api import Geometry, get_geometry, synth_checkpoint
 
-    base = get_geometry(args.geometry)
+    base = get_geometry(geometry_name(args))
     overrides = {f.name: getattr(args, f"g_{f.name}") for f in dataclasses.fields(Geometry)
                  if getattr(args, f"g_{f.name}") is not None}
     try:

@@ -13,21 +13,20 @@ import sys
 
 from ds4f.api import Ds4fError
 from ds4f.cli.output import Column, Table, disk_size, print_tables, write_json
-from ds4f.cli.options import add_output_option
+from ds4f.cli.options import add_config, add_output_option
 
 DEFAULT_LIMIT = 20
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="ds4f.toml to use (its [history] path)")
+    add_config(parser)
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     ls = sub.add_parser("list", help="the most recent runs, newest first")
     ls.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"how many runs (default {DEFAULT_LIMIT})")
     add_output_option(ls)
     show = sub.add_parser("show", help="one run: its settings, figures and files")
     show.add_argument("run_id", metavar="RUN_ID", help="the run's id, or a prefix of it that only one run has")
-    show.add_argument("-o", "--output", choices=("text", "json"), default="text",
-                      help="text (default) or json: the whole record")
+    add_output_option(show, ("text", "json"))
     prune = sub.add_parser("prune", help="remove old runs and the files they own in the data directory",
                            description="Remove runs from the history with the state dumps and reports they own "
                                        "inside the ds4f data directory. A run goes when every rule given says so. "
@@ -38,7 +37,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     prune.add_argument("--yes", action="store_true", help="remove them (without it, prune only lists them)")
     # ds4f history --config X list: also accepted after the action
     for p in (ls, show, prune):
-        p.add_argument("--config", dest="config_after", help=argparse.SUPPRESS)
+        add_config(p, dest="config_after", hidden=True)
 
 
 def _history(args):

@@ -8,20 +8,20 @@ import sys
 
 from ds4f.api import Ds4fError
 from ds4f.cli.output import Column, Table, check_streams, human_stream, print_tables, write_json
-from ds4f.cli.options import add_json_option, add_output_option
+from ds4f.cli.options import add_json_option, add_output_option, add_repeat, add_threads
 
 CASES = ("hot", "cold", "all")
 PAGES = ("huge", "normal", "both")
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeat", type=int, default=5, help="timed calls per case, median reported (default 5)")
+    add_repeat(parser, 5, "timed calls per case, the median reported")
     add_json_option(parser, "one record per (kernel, shape, hot/cold, pages, backend, threads)")
     add_output_option(parser)
     parser.add_argument(
         "--backends", help="comma-separated subset of the available backends (scalar is always measured)"
     )
-    parser.add_argument("-t", "--threads", help="comma-separated thread counts (default: 1 and all cores)")
+    add_threads(parser, counts=True)
     parser.add_argument("--kernels", help="comma-separated subset of memory,fma,decode,matvec,bf16_matvec,experts,"
                                           "fp8_matvec,multi (memory = the RAM floor the others are divided by; "
                                           "fma = the FMA peak, the compute wall; "

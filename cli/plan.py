@@ -1,37 +1,36 @@
-"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N] [--spec]`: the memory plan of a
+"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N] [--spec [auto|off|K]]`: the memory plan of a
 model under a preset on a machine's RAM, for N sequences decoded together, without the weights (see
 ds4f.runs.plan)."""
 from __future__ import annotations
 
 import argparse
 
-from ds4f.api import (CONVERSATION_TOKENS, GEOMETRIES, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry,
-                      load_config, memory_plan, parse_budget)
+from ds4f.api import (CONVERSATION_TOKENS, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry, load_config,
+                      memory_plan, parse_budget, parse_spec)
+from ds4f.cli.options import (add_config, add_geometry, add_output_option, add_parallel, add_preset, add_spec,
+                              geometry_name)
 from ds4f.cli.output import Column, Table, print_tables
-from ds4f.cli.options import add_output_option
 
 HIT_RATES = (0.0, 0.5, 0.75)   # what a token reads from disk at these expert-cache hit rates
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--geometry", default="flash",
-                        help=f"a named geometry ({', '.join(GEOMETRIES)}; `real` = flash, the released model)")
+    add_geometry(parser, "flash")
     parser.add_argument("--ram", help="the machine's RAM, e.g. 24GiB (default: this machine's)")
-    parser.add_argument("--preset", help="a preset of ds4f.toml (default: the configured one)")
-    parser.add_argument("--parallel", type=int, default=1, metavar="N",
-                        help="sequences decoded together (ds4f serve --parallel): N KV caches and prompt chunks, "
-                             "and the batched step's buffers (default 1)")
-    parser.add_argument("--spec", action="store_true",
-                        help="with the MTP layer loaded for speculative decoding (--spec auto or K): its block, "
-                             "the slots for its experts, its buffers")
-    parser.add_argument("--config", help="ds4f.toml to use")
+    add_preset(parser)
+    add_parallel(parser, 1, note="as ds4f serve --parallel: N KV caches and prompt chunks, and the batched step's"
+                                 " buffers")
+    add_spec(parser, "the plan holds the MTP layer when it is not off: its block, the slots for its experts,"
+                     " its buffers")
+    add_config(parser)
     add_output_option(parser)
 
 
 def run(args) -> int:
     cfg = load_config(args.config)
     preset = cfg.get_preset(args.preset)
-    g = get_geometry("flash" if args.geometry == "real" else args.geometry)
+    g = get_geometry(geometry_name(args))
+    spec = parse_spec(args.spec) != "off"
     if args.ram:
         ram = parse_budget(args.ram, "--ram")
         if ram.nbytes is None:
@@ -44,9 +43,9 @@ def run(args) -> int:
     if not 1 <= args.parallel <= MAX_PARALLEL:
         raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {args.parallel}")
     plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0, args.parallel,
-                       spec=args.spec)
+                       spec=spec)
     seqs = f", {args.parallel} sequences decoded together" if args.parallel > 1 else ""
-    seqs += ", speculative decoding with the MTP layer" if args.spec else ""
+    seqs += ", speculative decoding with the MTP layer" if spec else ""
     parts = Table("resident", [Column("part", align="left"), Column("bytes", "size", align="left")],
                   title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}{seqs}")
     for name, n in plan.resident.items():

@@ -17,39 +17,37 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError, ensure_demo_model, format_bytes
-from ds4f.cli.options import (_announce, _default_model, _model_arg, _model_options, add_dump_option, add_json_option,
-                              add_output_option, add_spec_option)
+from ds4f.cli.options import (add_backend, add_config, add_dump_option, add_force, add_gen, add_history, add_io_threads,
+                              add_json, add_json_option, add_model, add_output_option, add_parallel, add_preset,
+                              add_prompt, add_repeat, add_spec, add_threads, announce, default_model, model_arg)
 from ds4f.cli.output import (Cell, Column, Inputs, Label, Table, check_output, check_streams, command_inputs, human_stream,
                              print_tables, write_json)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "run":
-        _model_options(parser, "checkpoint directory, official shards or ds4f layout "
-                               "(default: ds4f.toml's [model] path, else the demo model)")
+        add_model(parser, "checkpoint directory, official shards or ds4f layout "
+                          "(default: ds4f.toml's [model] path, else the demo model)")
         _run_options(parser)
         parser.add_argument("--dump-state", metavar="PATH",
                             help="write the state dump here (default: a new directory under the data directory); "
                                  "the report goes next to it (a.bin -> a.report.json) unless --json names a file")
-        parser.add_argument("--json", metavar="PATH",
-                            help="write the JSON report here ('-': to stdout, the other output then goes to stderr)")
-        parser.add_argument("--force", action="store_true",
-                            help="overwrite an existing state dump or report (without it, ds4f run refuses); never a"
-                                 " file the run reads: the checkpoint, the config, the history, the caches")
-        parser.add_argument("--history", action="store_true", help="record the run in the history database")
+        add_json(parser, "the run's report")
+        add_force(parser, "the state dump or the report")
+        add_history(parser)
         add_dump_option(parser, "runs")
     elif name == "diff":
         parser.add_argument("a", help="state dump A (state.bin)")
         parser.add_argument("b", help="state dump B")
-        parser.add_argument("--json", action="store_true", help="print the diff as JSON")
+        add_json(parser, "the diff", to_file=False)
         parser.epilog = ("exit codes: 0 identical, 1 low-bit, 3 routing divergence, 4 drift,"
                          " 5 same prefix with different lengths, 2 error")
     elif name == "probe-disk":
-        _model_options(parser, "checkpoint directory whose expert pool to read "
-                               "(default: ds4f.toml's [model] path, else the demo model)")
-        parser.add_argument("--io-threads", type=int, default=None, help="queue depth (default: ds4f.toml's)")
+        add_model(parser, "checkpoint directory whose expert pool to read "
+                          "(default: ds4f.toml's [model] path, else the demo model)")
+        add_io_threads(parser)
         parser.add_argument("--seconds", type=float, default=3.0, help="time bound (default 3 s)")
-        parser.add_argument("--config", help="ds4f.toml to use")
+        add_config(parser)
     elif name == "bench":
         parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec", "agent",
                                              "structured"],
@@ -62,11 +60,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                                  "agent (an agent's session against ds4f serve: reuse, times and bytes written), "
                                  "structured (a JSON Schema's token mask: its cost per token and a request's memory, "
                                  "on the demo and flash vocabularies and MODEL's tokenizer when given)")
-        _model_options(parser, "checkpoint (default: the bench geometry, made on demand)")
-        parser.add_argument("-n", "--gen", type=int, default=None,
-                            help="tokens to generate per run (default: bench engine 8, bench cache 24, bench spec 24)")
-        parser.add_argument("--preset", default=None, help="bench engine, bench cache: preset (default laptop)")
-        parser.add_argument("--config", help="ds4f.toml to use")
+        add_model(parser, "checkpoint (default: the bench geometry, made on demand)")
+        add_gen(parser, "per run: bench engine 8, bench cache 24, bench spec 24")
+        add_preset(parser, "laptop; bench engine and bench cache")
+        add_config(parser)
         add_json_option(parser)
         add_output_option(parser)
         parser.add_argument("--turns", type=int, default=None,
@@ -78,11 +75,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--sub-turns", type=int, default=2, help="bench agent: each subagent's turns (default 2)")
         parser.add_argument("--compare", type=int, default=2,
                             help="bench agent: main-thread requests sent again to a --no-kv server (default 2)")
-        parser.add_argument("--parallel", type=int, default=1,
-                            help="bench agent: the server's sequences decoded together (default 1)")
+        add_parallel(parser, 1, note="bench agent: the server's")
         add_dump_option(parser, "server")
-        parser.add_argument("--repeat", type=int, default=None, metavar="N",
-                            help="bench spec: (plain, speculative) pairs per row, each figure the faster (default 2)")
+        add_repeat(parser, None, "bench spec: (plain, speculative) pairs per row, each figure the faster", "2")
         parser.add_argument("--rows", choices=["all", "auto"], default="all",
                             help="bench spec: every row, or only spec auto's (default all)")
         parser.add_argument("--trained", action="store_true",
@@ -91,27 +86,23 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                                  "acceptance and speed, spec 1-3 and auto against off")
         parser.add_argument("--lengths", default=None,
                             help="bench prefill: prompt lengths, comma-separated (default 16,128,512,2048)")
-        parser.add_argument("--backend", default=None,
-                            help="bench cache: kernel backend of the prefetch runs (default: ds4f.toml's "
-                                 "engine.backend; with auto, DS4F_KERNELS if set); "
-                                 "scalar shows what prefetch does when the disk has idle time")
+        add_backend(parser, "bench cache: the backend of its prefetch runs (scalar shows what prefetch does when "
+                            "the disk has idle time)")
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default=None, help="preset from ds4f.toml (default: engine.preset)")
-    parser.add_argument("-n", "--gen", type=int, default=None, help=f"tokens to generate (default {DEFAULT_GEN})")
-    parser.add_argument("-p", "--prompt", default=None, help="comma-separated prompt token ids (default: bos)")
-    parser.add_argument("-t", "--threads", type=int, default=None, help="kernel threads")
-    parser.add_argument("--io-threads", type=int, default=None, help="expert-read threads")
-    parser.add_argument("--backend", default=None,
-                        help="auto | scalar | avx2 | avx512 | neon (default: ds4f.toml's engine.backend; "
-                             "with auto, DS4F_KERNELS if set)")
+    add_preset(parser)
+    add_gen(parser, str(DEFAULT_GEN))
+    add_prompt(parser, token_ids=True)
+    add_threads(parser)
+    add_io_threads(parser)
+    add_backend(parser)
     parser.add_argument("--no-simd", action="store_true", help="scalar kernels (same as --backend scalar)")
     parser.add_argument("--no-probe", action="store_true", help="skip the NVMe floor probe")
     parser.add_argument("--moe-only", action="store_true",
                         help="allow a checkpoint without attention: run the MoE half alone (the cache lab)")
-    add_spec_option(parser)
-    parser.add_argument("--config", help="ds4f.toml to use")
+    add_spec(parser)
+    add_config(parser)
 
 
 def run(args) -> int:
@@ -166,13 +157,13 @@ def _run(args) -> int:
     # what the run reads, which no output may replace, even with --force: the checkpoint (the demo
     # model's directory when none is named), the config, the history, the caches
     writes = args.dump_state or args.json not in (None, "-")
-    inputs = command_inputs(args.config, _model_arg(args)) if writes else Inputs()
+    inputs = command_inputs(args.config, model_arg(args)) if writes else Inputs()
     check_streams(args, inputs)
     to_stdout = args.json == "-"
     if args.dump == "off" and args.dump_state:
         raise Ds4fError(f"--dump-state {args.dump_state} with --dump off: give one or the other")
     dump, report = _output_paths(args.dump_state, None if to_stdout else args.json, args.force, inputs)
-    model = _default_model(args, args.config)
+    model = default_model(args, args.config)
     history = History(cfg.history_path) if args.history else None
     config = RunConfig(model=model, preset=args.preset or cfg.preset,
                        gen=DEFAULT_GEN if args.gen is None else args.gen,
@@ -324,7 +315,7 @@ def _probe(args) -> int:
     threads = args.io_threads or load_config(args.config).io_threads
     if threads < 1 or args.seconds <= 0:
         raise Ds4fError("--io-threads and --seconds must be positive")
-    with open_checkpoint(_default_model(args, args.config)) as ck:
+    with open_checkpoint(default_model(args, args.config)) as ck:
         r = probe_floor(ck, threads, args.seconds)
     print(f"NVMe floor {r.gbps:.2f} GB/s: {r.reads} random reads of {r.record_nbytes / 2**20:.2f} MiB records "
           f"in {r.seconds:.2f} s at queue depth {r.io_threads} ({r.io_mode})")
@@ -332,11 +323,11 @@ def _probe(args) -> int:
 
 
 def _bench(args) -> int:
-    check_streams(args, command_inputs(args.config, _model_arg(args)) if args.json not in (None, "-") else Inputs())
+    check_streams(args, command_inputs(args.config, model_arg(args)) if args.json not in (None, "-") else Inputs())
     if args.what == "console":
         return _bench_console(args)
     args.preset = args.preset or "laptop"
-    model = _model_arg(args)
+    model = model_arg(args)
     if args.what == "structured":
         return _bench_structured(args, model)
     if args.what == "engine":
@@ -345,7 +336,7 @@ def _bench(args) -> int:
         if args.backend is not None:
             raise Ds4fError("--backend: bench engine always compares the best SIMD backend with scalar; "
                             "--backend is for bench cache")
-        r = bench_engine(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+        r = bench_engine(model, args.preset, args.gen, args.config, log=announce, progress=True)
         _show(args, [_engine_table(r), _depth_table(r)], lambda out: _print_bench_engine(r, out), r)
         return 0
     if args.what == "prefill":
@@ -361,7 +352,7 @@ def _bench(args) -> int:
     from ds4f.bench import bench_cache
 
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
-                    log=_announce, progress=True)
+                    log=announce, progress=True)
     _show(args, _cache_tables(r), lambda out: _print_bench_cache(r, out), r)
     return 0
 
@@ -369,7 +360,7 @@ def _bench(args) -> int:
 def _bench_structured(args, model) -> int:
     from ds4f.bench import bench_structured
 
-    records = bench_structured(model, log=_announce)
+    records = bench_structured(model, log=announce)
     table = Table("structured", [Column("vocab", align="left"), Column("ids"),
                                  Column("mask_us_median", "mask µs", ".0f"), Column("mask_us_p90", "p90", ".0f"),
                                  Column("mask_us_max", "max", ".0f"), Column("wait_us_median", "waited µs", ".0f"),
@@ -402,7 +393,7 @@ def _bench_prefill(args, model) -> int:
             lengths = tuple(int(v) for v in args.lengths.split(",") if v.strip())
         except ValueError:
             raise Ds4fError(f"--lengths: expected comma-separated prompt lengths, got {args.lengths!r}") from None
-    records = bench_prefill(model, args.preset, lengths, args.gen, args.config, log=_announce, progress=True)
+    records = bench_prefill(model, args.preset, lengths, args.gen, args.config, log=announce, progress=True)
     table = _prefill_table(records)
     _show(args, [table], lambda out: _print_prefill(records, table, out), records)
     return 0
@@ -411,7 +402,7 @@ def _bench_prefill(args, model) -> int:
 def _bench_batch(args, model) -> int:
     from ds4f.bench import bench_batch
 
-    result = bench_batch(model, args.preset, args.gen, args.config, log=_announce, progress=True)
+    result = bench_batch(model, args.preset, args.gen, args.config, log=announce, progress=True)
     records, join = result["records"], result["join"]
     table = Table("batch", [Column("cache", align="left"), Column("sequences", "seqs"),
                             Column("tokens_per_s", "decode tok/s", ".2f"),
@@ -450,7 +441,7 @@ def _bench_batch(args, model) -> int:
 def _bench_spec_trained(args, model) -> int:
     from ds4f.bench import bench_spec_trained
 
-    result = bench_spec_trained(model, log=_announce)
+    result = bench_spec_trained(model, log=announce)
     records = result["records"]
     table = Table("spec_trained", [Column("spec", align="left"), Column("tokens"), Column("tokens_per_s", "tok/s", ".1f"),
                                    Column("speedup", "x off", ".2f"), Column("acceptance", "accepted", ".0%"),
@@ -480,7 +471,7 @@ def _bench_spec(args, model) -> int:
     if args.trained:
         return _bench_spec_trained(args, model)
 
-    result = bench_spec(model, args.preset, args.gen, args.config, log=_announce, progress=True,
+    result = bench_spec(model, args.preset, args.gen, args.config, log=announce, progress=True,
                         repeat=args.repeat or REPEAT, rows=args.rows)
     records = result["records"]
     table = Table("spec", [Column("cache", align="left"), Column("drafter", align="left"), Column("k", align="left"),
@@ -521,7 +512,7 @@ def _bench_spec(args, model) -> int:
 def _bench_chat(args, model) -> int:
     from ds4f.bench import bench_chat
 
-    records = bench_chat(model, args.preset, args.turns or 3, args.gen, args.config, log=_announce, progress=True)
+    records = bench_chat(model, args.preset, args.turns or 3, args.gen, args.config, log=announce, progress=True)
     table = Table("chat", [Column("turn"), Column("mode", align="left"), Column("prompt_tokens", "prompt"),
                            Column("reused"), Column("computed"), Column("seconds", "s (tokens)", ".2f"),
                            Column("wall_s", "s (run)", ".2f"), Column("gb_read", "GB read", ".3f"),
@@ -570,7 +561,7 @@ def _bench_agent(args, model) -> int:
         return server
 
     r = bench_agent(model, serve, args.prefix_tokens, (low, high), args.turns or 5, args.sub_turns, args.gen or 16,
-                    args.compare, log=_announce)
+                    args.compare, log=announce)
     table = Table("agent", [Column("thread", align="left"), Column("turn"), Column("prompt_tokens", "prompt"),
                             Column("reused"), Column("computed"), Column("ttft_s", "TTFT s", ".2f"),
                             Column("total_s", "total s", ".2f"), Column("tokens_s", "tokens s", ".2f"),
@@ -816,7 +807,7 @@ class _SweepCell:
 def _bench_model(args) -> str:
     from ds4f.api import ensure_synthetic
 
-    return _model_arg(args) or str(ensure_synthetic("bench", progress=True, announce=_announce))
+    return model_arg(args) or str(ensure_synthetic("bench", progress=True, announce=announce))
 
 
 def _bench_console(args) -> int:

@@ -15,7 +15,8 @@ import sys
 import threading
 
 from ds4f.api import Ds4fError
-from ds4f.cli.options import add_dump_option, add_kv_options
+from ds4f.cli.options import (add_config, add_dump_option, add_kv_options, add_model, add_parallel, add_preset, add_spec,
+                              model_arg)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -23,9 +24,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
     defaults = ServerOptions()
     parser.allow_abbrev = False   # `--token X` must not be taken for --token-file
-    parser.add_argument("-m", "--model", metavar="PATH",
-                        help="checkpoint (default: ds4f.toml's [model] path, else the demo model)")
-    parser.add_argument("--preset", metavar="NAME", help="preset of runs (default: ds4f.toml's engine.preset)")
+    add_model(parser, "checkpoint (default: ds4f.toml's [model] path, else the demo model)")
+    add_preset(parser)
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to bind (default {DEFAULT_HOST}; beyond loopback needs --token-file)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
@@ -39,12 +39,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--operator-remote", action="store_true", default=None,
                         help="let peers beyond loopback use the operator's endpoints (default: ds4f.toml's "
                              "[server] operator_remote, else loopback only)")
-    parser.add_argument("--config", metavar="PATH", help="ds4f.toml to use")
+    add_config(parser)
     parser.add_argument("--queue", type=int, default=defaults.queue_size, metavar="N",
                         help=f"requests that may wait for the engine; more get 429 (default {defaults.queue_size})")
-    parser.add_argument("--parallel", type=int, metavar="N",
-                        help="sequences decoded together, one forward pass over their rows (default: ds4f.toml's "
-                             "[server] parallel; 0 there: as many as the memory plan fits, at most 4)")
+    add_parallel(parser, None, "ds4f.toml's [server] parallel; 0 there: as many as the memory plan fits, at most 4")
     parser.add_argument("--max-tokens", type=int, metavar="N",
                         help="the most tokens an answer generates when the request gives no max_tokens (chat "
                              "completions, Responses; default: what the context leaves after the prompt)")
@@ -55,10 +53,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-timeout", type=float, default=60.0, metavar="S",
                         help="on SIGINT/SIGTERM, how long to wait for the active run to cancel (default 60)")
     parser.add_argument("--quiet", action="store_true", help="no access log lines on stderr")
-    parser.add_argument("--spec", default="off", metavar="auto|off|K",
-                        help="speculative decoding of every run with the MTP layer: off (default), auto, or K"
-                             " drafts per round; auto steps plainly while sequences step together, K needs an MTP"
-                             " layer and one sequence at a time (--parallel 1, the default with K)")
+    add_spec(parser, "of every run: auto steps plainly while sequences step together, K needs one sequence at"
+                     " a time (--parallel 1, the default with K)")
     add_kv_options(parser)
     add_dump_option(parser, "server")
     parser.epilog = ("endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
@@ -102,7 +98,7 @@ def run(args) -> int:
                 _say(f"warning: {args.token_file} is readable by other users; chmod 600 it")
         except OSError:
             pass
-    options = ServerOptions(model=args.model, preset=args.preset, config_path=args.config, host=args.host,
+    options = ServerOptions(model=model_arg(args), preset=args.preset, config_path=args.config, host=args.host,
                             port=args.port, token=token, queue_size=args.queue,
                             default_max_tokens=args.max_tokens, access_log=not args.quiet,
                             served_model_names=tuple(args.served_model_name or ()),

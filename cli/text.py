@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 from ds4f.api import DEFAULT_GEN, Ds4fError
-from ds4f.cli.options import (_default_model, _model_arg, _model_options, add_dump_option, add_kv_options,
-                              add_spec_option)
+from ds4f.cli.options import (add_backend, add_config, add_dump_option, add_force, add_gen, add_history, add_io_threads,
+                              add_json, add_kv_options, add_model, add_preset, add_prompt, add_seed, add_spec, add_threads,
+                              default_model, model_arg)
 from ds4f.cli.output import check_output, command_inputs, write_json
 from ds4f.cli.runs import _per_second
 
@@ -30,37 +31,35 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    _model_options(parser, "checkpoint with its tokenizer (default: ds4f.toml's [model], else the demo model)")
+    add_model(parser, "checkpoint with its tokenizer (default: ds4f.toml's [model], else the demo model)")
     if name == "generate":
-        parser.add_argument("-p", "--prompt", required=True, help="the prompt text (with --chat: the user's message)")
+        add_prompt(parser)
         parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
         parser.add_argument("--special-tokens", action="store_true",
                             help="without --chat: special-token strings in the prompt (<｜User｜>, </think>, ...) are"
                                  " their control tokens (default: plain text)")
-        parser.add_argument("--json", metavar="PATH", help="write the run's report (JSON) to PATH")
-        parser.add_argument("--force", action="store_true",
-                            help="overwrite the --json file if it exists (never a file the command reads)")
+        add_json(parser, "the run's report", stdout=False)
+        add_force(parser)
     parser.add_argument("--system", default=None, help="chat: a system prompt")
     parser.add_argument("--think", action="store_true", help="chat: thinking mode (the model reasons first)")
-    parser.add_argument("-n", "--max-tokens", "--gen", dest="gen", type=int, default=None,
-                        help=f"tokens to generate at most (default {DEFAULT_GEN})")
+    add_gen(parser, str(DEFAULT_GEN), max_tokens=True)
     parser.add_argument("--temp", type=float, default=None, help="temperature (0: greedy; default: the checkpoint's)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the checkpoint's, else 1)")
     parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
     parser.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the most likely's")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed)")
+    add_seed(parser, None)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop before this text (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sentence token")
-    parser.add_argument("--preset", default=None, help="preset from ds4f.toml (default: engine.preset)")
-    parser.add_argument("-t", "--threads", type=int, default=None, help="kernel threads")
-    parser.add_argument("--io-threads", type=int, default=None, help="expert-read threads")
-    parser.add_argument("--backend", default=None, help="auto | scalar | avx2 | avx512 | neon")
+    add_preset(parser)
+    add_threads(parser)
+    add_io_threads(parser)
+    add_backend(parser)
     parser.add_argument("--probe", action="store_true", help="measure the NVMe floor first (for the disk figures)")
-    add_spec_option(parser)
-    parser.add_argument("--history", action="store_true", help="record the runs in the history database")
+    add_spec(parser)
+    add_history(parser)
     add_dump_option(parser, "text")
-    parser.add_argument("--config", help="ds4f.toml to use")
+    add_config(parser)
     add_kv_options(parser)
 
 
@@ -79,7 +78,7 @@ class _Session:
         self.cfg = load_config(args.config)
         if not args.no_kv:
             self.cfg.kv_directory(args.kv_dir)     # a --kv-dir that is a file refused now, not said later
-        self.model = _default_model(args, args.config)
+        self.model = default_model(args, args.config)
         defaults = GenerationDefaults.load(self.model) if Path(self.model).is_dir() else GenerationDefaults()
         self.seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
         self.sampling = self._sampling(defaults)
@@ -198,7 +197,7 @@ def _summary(run, session: _Session) -> str:
 def _generate(args) -> int:
     if args.json and args.json != "-":   # never one of what the run reads, even with --force
         check_output(args.json, "--json", args.force,
-                     inputs=command_inputs(args.config, _model_arg(args) or None, kv_dir=args.kv_dir))
+                     inputs=command_inputs(args.config, model_arg(args) or None, kv_dir=args.kv_dir))
     if args.json == "-":
         raise Ds4fError("--json -: stdout carries the generated text; give --json a file")
     if args.chat and args.special_tokens:

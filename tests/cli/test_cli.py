@@ -82,7 +82,7 @@ def test_run_defaults_to_the_configured_model(tiny_model, tmp_path):
 def test_run_defaults_to_the_demo_model_announced_with_bars(tiny_official, tmp_path, monkeypatch, capsys):
     """No MODEL, no [model] path: the demo model, made with an announcement and bars (a tiny one here)."""
     from ds4f import api
-    from ds4f.cli import runs
+    from ds4f.cli import options
     from ds4f.engine.checkpoint import demo
 
     calls = []
@@ -94,13 +94,13 @@ def test_run_defaults_to_the_demo_model_announced_with_bars(tiny_official, tmp_p
     monkeypatch.setattr(api, "ensure_demo_model", small_demo)
     monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(model=None, model_option=None)
-    path = runs._default_model(args, None)
+    path = options.default_model(args, None)
     err = capsys.readouterr().err
     assert calls == [True] and Path(path) == tmp_path / "cache" / demo.DEMO_DIRNAME
     assert demo.build_message("tiny", Path(path)) in err
     assert err.index("synth shard") > err.index(demo.build_message("tiny", Path(path)))   # then the two bars
     assert "convert layer" in err and "MB" in err
-    assert runs._default_model(args, None) == path and "making" not in capsys.readouterr().err
+    assert options.default_model(args, None) == path and "making" not in capsys.readouterr().err
 
 
 # ---- DS4F_KERNELS -----------------------------------------------------------------------------------
