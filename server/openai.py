@@ -292,38 +292,66 @@ def sse(obj) -> bytes:
     return b"data: " + json_bytes(obj).rstrip(b"\n") + b"\n\n"
 
 
-async def _events(pending):
-    """The SSE body: queue comments while waiting, a chunk per piece of text (reasoning, content)
-    or call, the final chunk, [DONE]."""
-    ask, svc = pending.ask, pending.svc
-    chat = ask.kind == "chat"
-    parser = ask.parser() if chat else None
-    head, calls = None, 0
+class _Chunks:
+    """The chunks of a streamed answer, under the completion's head: a chat's opening (the role), one
+    per piece of text (reasoning, content) or per call's opening and argument fragment; a
+    completion's one per piece of text; then the finish and the usage."""
 
-    def chunk(delta, finish: str | None = None) -> bytes:
-        if chat:
+    def __init__(self, ask: Ask) -> None:
+        self.ask = ask
+        self.chat = ask.kind == "chat"
+        self.head: dict | None = None       # once the run has started
+        self.calls = 0
+
+    def chunk(self, delta, finish: str | None = None) -> bytes:
+        if self.chat:
             choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
+        return sse({**self.head, "choices": [choice]})
 
-    def deltas(events):
-        nonlocal calls
+    def start(self, run, svc) -> list[bytes]:
+        self.head = _head(self.ask, run, svc, "chat.completion.chunk" if self.chat else "text_completion")
+        if self.ask.include_usage:
+            self.head["usage"] = None
+        return [self.chunk({"role": "assistant", "content": ""})] if self.chat else []
+
+    def feed(self, events) -> list[bytes]:
+        """A chat's reply parser events, or a completion's pieces of text."""
+        out: list[bytes] = []
         for event in events:
-            if not chat:
-                yield chunk(event)
+            if not self.chat:
+                out.append(self.chunk(event))
             elif event[0] == "call":
-                if calls and not ask.parallel_calls:
+                if self.calls and not self.ask.parallel_calls:
                     continue
-                call = event[1]
-                yield chunk({"tool_calls": [{"index": calls, "id": call["id"], "type": "function",
-                                             "function": {"name": call["name"], "arguments": ""}}]})
-                for fragment in call["fragments"]:
-                    yield chunk({"tool_calls": [{"index": calls, "function": {"arguments": fragment}}]})
-                calls += 1
+                call, index = event[1], self.calls
+                out.append(self.chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                                       "function": {"name": call["name"], "arguments": ""}}]}))
+                out += [self.chunk({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+                        for fragment in call["fragments"]]
+                self.calls += 1
             else:
-                yield chunk({"reasoning_content" if event[0] == "reasoning" else "content": event[1]})
+                out.append(self.chunk({"reasoning_content" if event[0] == "reasoning" else "content": event[1]}))
+        return out
 
+    def finish(self, run, reply) -> list[bytes]:
+        """The finish (a chat's reply read whole; None for a completion), then the usage if asked for."""
+        if reply is not None and reply.error is not None:
+            out = [sse({**self.head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                  "finish_reason": TOOL_CALL_ERROR, TOOL_CALL_ERROR: reply.error}]})]
+        else:
+            out = [self.chunk(None, finish_of(run, reply))]
+        if self.ask.include_usage:
+            out.append(sse({**self.head, "choices": [], "usage": usage_of(run)}))
+        return out
+
+
+async def _events(pending):
+    """The SSE body: queue comments while waiting, the chunks (see _Chunks), [DONE]."""
+    ask, svc = pending.ask, pending.svc
+    chunks = _Chunks(ask)
+    parser = ask.parser() if chunks.chat else None
     async for event in pending.events():
         if event[0] == "queued":
             yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
@@ -334,30 +362,21 @@ async def _events(pending):
             yield b"data: [DONE]\n\n"
             return
         elif event[0] == "started":
-            head = _head(ask, event[1], svc, "chat.completion.chunk" if chat else "text_completion")
-            if ask.include_usage:
-                head["usage"] = None
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
+            for c in chunks.start(event[1], svc):
+                yield c
         elif event[0] == "piece":
-            for c in deltas(parser.push(event[1]) if chat else [event[1]]):
+            for c in chunks.feed(parser.push(event[1]) if chunks.chat else [event[1]]):
                 yield c
         else:
             run = event[1]
-            for c in deltas(parser.finish() if chat else []):
+            for c in chunks.feed(parser.finish() if chunks.chat else []):
                 yield c
             failure = ended_badly_of(run)
             if failure is not None:
                 yield sse(failure.body())
             else:
-                reply = counted(ask, parser.result, svc) if chat else None
-                if reply is not None and reply.error is not None:
-                    yield sse({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                    "finish_reason": TOOL_CALL_ERROR, TOOL_CALL_ERROR: reply.error}]})
-                else:
-                    yield chunk(None, finish_of(run, reply))
-                if ask.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage_of(run)})
+                for c in chunks.finish(run, counted(ask, parser.result, svc) if chunks.chat else None):
+                    yield c
             yield b"data: [DONE]\n\n"
 
 

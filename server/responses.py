@@ -310,92 +310,124 @@ def _event(kind: str, seq: int, **fields) -> bytes:
         .rstrip(b"\n") + b"\n\n"
 
 
+class _Items:
+    """The output items of a streamed response, from the reply parser's events: a reasoning or
+    message item opened when its first text comes, closed when another opens (or at the end); a
+    function_call sent whole when it is read. Every event is numbered (sequence_number, from 0)."""
+
+    def __init__(self, ask: Ask) -> None:
+        self.ask = ask
+        self.shape: Shape | None = None     # the response, once its run has started
+        self.seq = 0
+        self.output: list = []              # the items done
+        self.open: dict | None = None       # the item being streamed
+        self.texts = {"reasoning": "", "content": ""}
+
+    def emit(self, kind: str, **fields) -> bytes:
+        self.seq += 1
+        return _event(kind, self.seq - 1, **fields)
+
+    def start(self, shape: Shape) -> list[bytes]:
+        self.shape = shape
+        return [self.emit("response.created", response=shape.response("in_progress", [])),
+                self.emit("response.in_progress", response=shape.response("in_progress", []))]
+
+    def _begin(self, want: str) -> list[bytes]:
+        index = len(self.output)
+        if want == "reasoning":
+            self.open = self.shape.reasoning_item("", "in_progress")
+            return [self.emit("response.output_item.added", output_index=index, item=self.open),
+                    self.emit("response.reasoning_summary_part.added", item_id=self.open["id"], output_index=index,
+                              summary_index=0, part={"type": "summary_text", "text": ""})]
+        self.open = self.shape.message_item("", "in_progress")
+        return [self.emit("response.output_item.added", output_index=index, item=self.open),
+                self.emit("response.content_part.added", item_id=self.open["id"], output_index=index,
+                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        index, text = len(self.output), self.texts
+        if self.open["type"] == "reasoning":
+            item = self.shape.reasoning_item(text["reasoning"])
+            out = [self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                             text=text["reasoning"]),
+                   self.emit("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
+                             summary_index=0, text=text["reasoning"]),
+                   self.emit("response.reasoning_summary_part.done", item_id=item["id"], output_index=index,
+                             summary_index=0, part={"type": "summary_text", "text": text["reasoning"]})]
+        else:
+            item = self.shape.message_item(text["content"])
+            out = [self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                             text=text["content"], logprobs=[]),
+                   self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                             part=item["content"][0])]
+        out.append(self.emit("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        self.open = None
+        return out
+
+    def _call(self, call: dict) -> list[bytes]:
+        if any(i["type"] == "function_call" for i in self.output) and not self.ask.parallel_calls:
+            return []
+        out = self.close()
+        index = len(self.output)
+        item = self.shape.call_item(call, "in_progress")
+        out.append(self.emit("response.output_item.added", output_index=index, item=item))
+        out += [self.emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                          delta=fragment) for fragment in call["fragments"]]
+        out.append(self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                             arguments=call["arguments"]))
+        item = self.shape.call_item(call)
+        out.append(self.emit("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return out
+
+    def feed(self, events) -> list[bytes]:
+        out: list[bytes] = []
+        for kind, value in events:
+            if kind == "call":
+                out += self._call(value)
+                continue
+            want = "reasoning" if kind == "reasoning" else "message"
+            if want == "reasoning" and not self.ask.thinking:
+                continue
+            if self.open is not None and self.open["type"] != want:
+                out += self.close()
+            if self.open is None:
+                out += self._begin(want)
+            index, item_id = len(self.output), self.open["id"]
+            if want == "reasoning":
+                self.texts["reasoning"] += value
+                out += [self.emit("response.reasoning_text.delta", item_id=item_id, output_index=index,
+                                  content_index=0, delta=value),
+                        self.emit("response.reasoning_summary_text.delta", item_id=item_id, output_index=index,
+                                  summary_index=0, delta=value)]
+            else:
+                self.texts["content"] += value
+                out.append(self.emit("response.output_text.delta", item_id=item_id, output_index=index,
+                                     content_index=0, delta=value, logprobs=[]))
+        return out
+
+    def finish(self, reply) -> list[bytes]:
+        """The open item closed (an empty answer is an empty message), then the final response."""
+        out = self._begin("message") if self.open is None and not self.output and not reply.calls else []
+        out += self.close()
+        final = self.shape.finished(reply, self.output)
+        out.append(self.emit("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                             response=final))
+        return out
+
+    def failed(self, failure) -> bytes:
+        return self.emit("response.failed", response=self.shape.response(
+            "failed", self.output, error={"code": failure.code or "server_error", "message": failure.message}))
+
+
 async def _events(pending):
     """The Responses API's event stream (see the module docstring)."""
     ask, svc, raw = pending.ask, pending.svc, pending.raw
     parser = ask.parser()
-    seq = 0
-    shape: Shape | None = None
-    output: list = []          # the items done
-    open_item: dict | None = None
-    texts = {"reasoning": "", "content": ""}
-
-    def emit(kind: str, **fields) -> bytes:
-        nonlocal seq
-        seq += 1
-        return _event(kind, seq - 1, **fields)
-
-    def close_open():
-        nonlocal open_item
-        if open_item is None:
-            return
-        index = len(output)
-        if open_item["type"] == "reasoning":
-            item = shape.reasoning_item(texts["reasoning"])
-            yield emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                       text=texts["reasoning"])
-            yield emit("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
-                       summary_index=0, text=texts["reasoning"])
-            yield emit("response.reasoning_summary_part.done", item_id=item["id"], output_index=index,
-                       summary_index=0, part={"type": "summary_text", "text": texts["reasoning"]})
-        else:
-            item = shape.message_item(texts["content"])
-            part = item["content"][0]
-            yield emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                       text=texts["content"], logprobs=[])
-            yield emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                       part=part)
-        yield emit("response.output_item.done", output_index=index, item=item)
-        output.append(item)
-        open_item = None
-
-    def on(event):
-        nonlocal open_item
-        kind = event[0]
-        if kind == "call":
-            if any(i["type"] == "function_call" for i in output) and not ask.parallel_calls:
-                return
-            yield from close_open()
-            call, index = event[1], len(output)
-            item = shape.call_item(call, "in_progress")
-            yield emit("response.output_item.added", output_index=index, item=item)
-            for fragment in call["fragments"]:
-                yield emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                           delta=fragment)
-            yield emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                       arguments=call["arguments"])
-            item = shape.call_item(call)
-            yield emit("response.output_item.done", output_index=index, item=item)
-            output.append(item)
-            return
-        want = "reasoning" if kind == "reasoning" else "message"
-        if want == "reasoning" and not ask.thinking:
-            return
-        if open_item is not None and open_item["type"] != want:
-            yield from close_open()
-        index = len(output)
-        if open_item is None:
-            if want == "reasoning":
-                open_item = shape.reasoning_item("", "in_progress")
-                yield emit("response.output_item.added", output_index=index, item=open_item)
-                yield emit("response.reasoning_summary_part.added", item_id=open_item["id"], output_index=index,
-                           summary_index=0, part={"type": "summary_text", "text": ""})
-            else:
-                open_item = shape.message_item("", "in_progress")
-                yield emit("response.output_item.added", output_index=index, item=open_item)
-                yield emit("response.content_part.added", item_id=open_item["id"], output_index=index,
-                           content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-        if want == "reasoning":
-            texts["reasoning"] += event[1]
-            yield emit("response.reasoning_text.delta", item_id=open_item["id"], output_index=index, content_index=0,
-                       delta=event[1])
-            yield emit("response.reasoning_summary_text.delta", item_id=open_item["id"], output_index=index,
-                       summary_index=0, delta=event[1])
-        else:
-            texts["content"] += event[1]
-            yield emit("response.output_text.delta", item_id=open_item["id"], output_index=index, content_index=0,
-                       delta=event[1], logprobs=[])
-
+    items = _Items(ask)
     async for event in pending.events():
         if event[0] == "queued":
             yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
@@ -403,35 +435,21 @@ async def _events(pending):
             yield b": working\n\n"
         elif event[0] == "refused":
             err = event[1]
-            yield emit("error", code=err.code, message=err.message, param=err.param)
+            yield items.emit("error", code=err.code, message=err.message, param=err.param)
             return
         elif event[0] == "started":
-            shape = Shape(ask, raw, svc, event[1])
-            yield emit("response.created", response=shape.response("in_progress", []))
-            yield emit("response.in_progress", response=shape.response("in_progress", []))
+            for chunk in items.start(Shape(ask, raw, svc, event[1])):
+                yield chunk
         elif event[0] == "piece":
-            for e in parser.push(event[1]):
-                for b in on(e):
-                    yield b
+            for chunk in items.feed(parser.push(event[1])):
+                yield chunk
         else:
             run = event[1]
-            for e in parser.finish():
-                for b in on(e):
-                    yield b
+            for chunk in items.feed(parser.finish()):
+                yield chunk
             failure = ended_badly(run)
             if failure is not None:
-                yield emit("response.failed", response=shape.response(
-                    "failed", output, error={"code": failure.code or "server_error", "message": failure.message}))
+                yield items.failed(failure)
                 return
-            reply = counted(ask, parser.result, svc)
-            if open_item is None and not output and not reply.calls:   # an empty answer is an empty message
-                index = 0
-                open_item = shape.message_item("", "in_progress")
-                yield emit("response.output_item.added", output_index=index, item=open_item)
-                yield emit("response.content_part.added", item_id=open_item["id"], output_index=index,
-                           content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-            for b in close_open():
-                yield b
-            final = shape.finished(reply, output)
-            yield emit("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                       response=final)
+            for chunk in items.finish(counted(ask, parser.result, svc)):
+                yield chunk
