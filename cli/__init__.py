@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("ds4f.cli.runs", "decode tokens with the streaming engine (token ids, full figures)"),
     "diff": ("ds4f.cli.runs", "compare two state dumps"),
     "probe-disk": ("ds4f.cli.runs", "measure the NVMe floor with direct reads"),
-    "bench": ("ds4f.cli.runs", "benchmarks: `bench engine`, `bench cache`, `bench console`, `bench prefill`, `bench chat`, `bench batch`, `bench spec`"),
+    "bench": ("ds4f.cli.bench", "benchmarks: `bench engine`, `bench cache`, `bench console`, `bench prefill`, `bench chat`, `bench batch`, `bench spec`"),
     "serve": ("ds4f.cli.serve", "serve the engine over HTTP"),
     "replay": ("ds4f.cli.cache", "replay a routing trace through a cache policy"),
     "trace": ("ds4f.cli.cache", "export a run's routing trace"),

@@ -53,14 +53,14 @@ def test_run_defaults_to_the_api_token_count():
 def test_short_options_are_llama_cpps():
     import argparse
 
-    from ds4f.cli import runs
+    from ds4f.cli import bench, runs
 
     parser = argparse.ArgumentParser()
     runs.configure("run", parser)
     a = parser.parse_args(["-m", "M", "-n", "3", "-t", "2", "-p", "0,5"])
     assert (a.model_option, a.gen, a.threads, a.prompt) == ("M", 3, 2, "0,5")
     parser = argparse.ArgumentParser()
-    runs.configure("bench", parser)
+    bench.configure("bench", parser)
     b = parser.parse_args(["engine", "-m", "M", "-n", "4", "-o", "csv"])
     assert (b.model_option, b.gen, b.output) == ("M", 4, "csv")
 
