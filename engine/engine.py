@@ -155,7 +155,7 @@ class Engine:
                     + self.attention_nbytes + self.mtp_nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
                     + self.reader.trace_nbytes + BOOKKEEPING_BYTES
-                    + (self.prefix_cache.ram_bytes if self.prefix_cache is not None else 0))
+                    + (self.prefix_cache.ram_bytes + self.prefix_cache.index_nbytes if self.prefix_cache is not None else 0))
         return EngineFigures(
             layer_hits=tuple(c.hits for c in cache.layers), layer_misses=tuple(c.misses for c in cache.layers),
             layer_evictions=tuple(c.evictions for c in cache.layers), cache_used_bytes=cache.used_bytes,

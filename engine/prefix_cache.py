@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from array import array
 import os
 import stat
 import threading
@@ -63,8 +64,10 @@ ORPHAN_AGE_S = 600.0       # a block file no head uses is removed once this old 
 
 @dataclass
 class Entry:
-    """A kept state: its head (in RAM, on disk, or both) and the keys of its blocks."""
-    tokens: tuple[int, ...]
+    """A kept state: its head (in RAM, on disk, or both) and the keys of its blocks. Its token ids
+    are kept as 4-byte ints (`ids`): an entry stays for every state on disk, and a 30,000-token
+    agent prompt as a tuple of Python ints is ~1.1 MB of RAM, as 4-byte ints 117 KiB."""
+    tokens: array
     backend: str
     keys: tuple[str, ...]                  # its blocks, in order
     head_nbytes: int                       # its head's bytes in RAM
@@ -95,6 +98,14 @@ class CacheStats:
     blocks_saved: int = 0        # and blocks
     write_budget: int = 0        # bytes a day; 0: none
     disk_budget: int = 0         # the directory's bound (bytes)
+
+
+ENTRY_NBYTES = 512      # an Entry's own objects (the dataclass, its dict key, path, frozenset), about
+KEY_NBYTES = 120        # a block's key in it: a 64-character str and its tuple slot
+
+def ids(tokens) -> array:
+    """Token ids as 4-byte ints (what an Entry keeps)."""
+    return array("i", tokens)
 
 
 def _key(checkpoint: str, backend: str, tokens: tuple[int, ...]) -> str:
@@ -242,7 +253,7 @@ class PrefixCache:
                 entry.used = time.monotonic()    # the kept one holds more (records) for the same tokens
                 return
             if entry is None:
-                entry = Entry(state.tokens, state.backend, head.keys, head.nbytes)
+                entry = Entry(ids(state.tokens), state.backend, head.keys, head.nbytes)
             entry.used, entry.attached = time.monotonic(), frozenset(state.attached)
             entry.head_nbytes = head.nbytes
             self._to_ram(entry, head, blocks, key)
@@ -271,6 +282,16 @@ class PrefixCache:
         else:
             self.log(f"prefix cache: a kept state of {len(tokens)} tokens cannot be used ({why}); dropped")
 
+    @property
+    def index_nbytes(self) -> int:
+        """RAM the cache's index takes beside the states' arrays: every kept state's entry (its
+        token ids, 4 bytes each, and the keys of its blocks), in RAM or on disk alone. Bounded by
+        the directory's budget: on DeepSeek-V4-Flash a head is 32.5 MiB, so 20 GB of states are
+        at most ~590 entries, 69 MB if each held 30,000 tokens."""
+        with self._lock:
+            return sum(ENTRY_NBYTES + e.tokens.itemsize * len(e.tokens) + KEY_NBYTES * len(e.keys)
+                       for e in (*self._ram.values(), *self._disk.values()))
+
     def __len__(self) -> int:
         with self._lock:
             return len(set(self._ram) | set(self._disk))
@@ -278,7 +299,7 @@ class PrefixCache:
     def kept_tokens(self) -> list[tuple[int, ...]]:
         """The token ids of every kept state (RAM and disk, any backend), longest first."""
         with self._lock:
-            tokens = {e.tokens for e in (*self._ram.values(), *self._disk.values())}
+            tokens = {tuple(e.tokens) for e in (*self._ram.values(), *self._disk.values())}
         return sorted(tokens, key=len, reverse=True)
 
     def figures(self) -> CacheStats:
@@ -296,12 +317,12 @@ class PrefixCache:
 
     # -- inside ------------------------------------------------------------------------------
     def _longest(self, tokens: tuple[int, ...], backend: str, limit: int, need: str | None = None) -> Entry | None:
-        best = None
+        best, asked = None, memoryview(ids(tokens))
         for entry in (*self._ram.values(), *self._disk.values()):
             n = len(entry.tokens)
             if need is not None and need not in entry.attached:
                 continue
-            if entry.backend == backend and n <= limit and tokens[:n] == entry.tokens and \
+            if entry.backend == backend and n <= limit and asked[:n] == memoryview(entry.tokens) and \
                     (best is None or n > len(best.tokens) or (n == len(best.tokens) and entry.head is not None)):
                 best = entry
         return best
@@ -411,7 +432,7 @@ class PrefixCache:
             for k in keys:
                 self._disk_blocks[k] = on_disk[k]
             self._disk[_key(self.fingerprint, head["backend"], tokens)] = Entry(
-                tokens, head["backend"], keys, st.st_size, path=path, file_nbytes=st.st_size, attached=attached)
+                ids(tokens), head["backend"], keys, st.st_size, path=path, file_nbytes=st.st_size, attached=attached)
         self._enforce(drop_blocks=refused, sweep=True)   # within the budget; the blocks no head uses
 
     @contextlib.contextmanager
@@ -552,7 +573,7 @@ class PrefixCache:
         bad_block = None
         try:
             state, header = load_head(entry.path, self.geometry, self.fingerprint, max_bytes=self.disk_bytes)
-            if state.tokens != entry.tokens or state.backend != entry.backend:
+            if state.tokens != tuple(entry.tokens) or state.backend != entry.backend:
                 raise Ds4fError(f"{entry.path}: its tokens or backend are not those its header named")
             head = Head(state, tuple(header.get("blocks", ())), int(header.get("block_tokens", self.span)),
                         tuple(header.get("per_token", ())))

@@ -62,12 +62,12 @@ def test_the_states_of_a_conversation_share_their_blocks_on_disk_and_in_ram(engi
     cache.keep(states[77])
     second = cache.figures()
     assert len(_files(tmp_path, "*.kvb")) == 77 // SPAN        # the first two blocks are shared, not rewritten
-    e40 = next(e for e in cache._disk.values() if e.tokens == states[40].tokens)
+    e40 = next(e for e in cache._disk.values() if tuple(e.tokens) == states[40].tokens)
     block_bytes = {p.name[:-len(".kvb")]: p.stat().st_size for p in _files(tmp_path, "*.kvb")}
     assert second.written_blocks - first.written_blocks == sum(
         size for key, size in block_bytes.items() if key not in e40.keys)
     # what keeping the longer state wrote: its new rows' blocks and one head
-    head77 = next(e for e in cache._disk.values() if e.tokens == states[77].tokens)
+    head77 = next(e for e in cache._disk.values() if tuple(e.tokens) == states[77].tokens)
     assert second.written_heads - first.written_heads == head77.file_nbytes
     assert second.written_today == second.written_heads + second.written_blocks
     # RAM holds the shared blocks once, each its own copy (no view keeps a whole state's rows alive)
@@ -100,7 +100,7 @@ def test_a_damaged_or_missing_block_makes_its_states_misses_never_wrong(engine, 
     cache = _cache(engine, tmp_path)
     for n in (20, 40, 77):
         cache.keep(states[n])
-    e40 = next(e for e in cache._disk.values() if e.tokens == states[40].tokens)
+    e40 = next(e for e in cache._disk.values() if tuple(e.tokens) == states[40].tokens)
     victim = tmp_path / "kv" / "blocks" / f"{e40.keys[1]}.kvb"      # block 2: states 40 and 77 hold it, 20 not
     data = bytearray(victim.read_bytes())
     if how == "flip":

@@ -190,3 +190,26 @@ def test_a_full_disk_while_saving_is_logged_and_leaves_no_file(engine, tmp_path)
         assert cache.lookup(PROMPT, engine.backend).position == 13
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_the_index_of_kept_states_is_compact_and_in_the_engines_resident_bytes(engine, tmp_path):
+    """Every kept state leaves an entry in RAM, on disk alone too: its token ids as 4-byte ints (a
+    30,000-token prompt as Python ints would be ~1.1 MB an entry), counted in what the engine says
+    it holds, so a server keeping states request after request stays within its own figures."""
+    first = _cache(engine, ram=1 << 30, disk_dir=tmp_path / "kv", disk=1 << 30)
+    for n in (7, 13, 23):
+        first.keep(_state(engine, n))
+    again = _cache(engine, ram=0, disk_dir=tmp_path / "kv", disk=1 << 30)     # a restart: on disk alone
+    entries = list(again._disk.values())
+    assert sorted(len(e.tokens) for e in entries) == [7, 13, 23]
+    assert all(e.tokens.itemsize == 4 for e in entries)
+    assert again.index_nbytes >= 4 * (7 + 13 + 23)
+    before, kept = engine.prefix_cache, engine.figures().resident_bytes
+    try:
+        engine.prefix_cache = None
+        bare = engine.figures().resident_bytes
+        engine.prefix_cache = again
+        assert engine.figures().resident_bytes - bare == again.ram_bytes + again.index_nbytes
+    finally:
+        engine.prefix_cache = before
+    assert engine.figures().resident_bytes == kept
