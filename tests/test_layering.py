@@ -341,3 +341,17 @@ def test_the_model_math_has_no_threads_and_no_files():
            if _within(imp.importer, "ds4f.engine.model") and any(_within(imp.target, f) for f in forbidden)]
     assert not bad, ("ds4f.engine.model is the math: no threads, no file access, no runtime, checkpoint, "
                      "runs, bench or cache lab:\n" + "\n".join(bad))
+
+
+def test_the_servers_dialects_share_the_request_reader_not_each_other():
+    dialects = ("ds4f.server.openai", "ds4f.server.responses", "ds4f.server.anthropic", "ds4f.server.routes",
+                "ds4f.server.operator")
+    shared = ("ds4f.server.request", "ds4f.server.generation")
+    imports = _all_imports()
+    bad = [f"  {imp.where}: {imp.importer} imports {imp.target}" for imp in imports
+           if imp.importer in dialects + shared and imp.target in dialects and imp.target != imp.importer]
+    assert not bad, ("the server's dialects read a request through ds4f.server.request and generate through "
+                     "ds4f.server.generation; none imports another, nor does either shared module import one "
+                     "(ds4f.server.app routes to them all):\n" + "\n".join(bad))
+    readers = {imp.importer for imp in imports if imp.target == "ds4f.server.request"}
+    assert set(dialects) <= readers, f"not reading through ds4f.server.request: {set(dialects) - readers}"
