@@ -1,20 +1,26 @@
 """A run's settings (RunConfig) and their checks, made before the run starts: nothing a run
-refuses costs it an engine load, and every refusal names the setting (`param`) it concerns."""
+refuses costs it an engine load, and every refusal names the setting (`param`) it concerns. And
+what a run settles from them once (settle: threads, the text's end, where its files go) and its
+state dump's writer, opened first (open_writer)."""
 from __future__ import annotations
 
 import json
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DUMP_MODES, MAX_CHUNK, MAX_GEN, MAX_THREADS, Config,
                                 Preset, format_bytes)
+from ds4f.engine.batch import batched_chunk
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
 from ds4f.engine.text.constraint import check_response_format
+from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
-from ds4f.runs.budget import planned_bytes
-from ds4f.runs.statedump import record_nbytes
+from ds4f.paths import user_data_dir
+from ds4f.runs.budget import planned_bytes, runs_budget_for
+from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, record_nbytes, report_path_for, sweep_run_dirs
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 
@@ -276,3 +282,78 @@ def prompt_of(config: RunConfig, checkpoint, kept=()) -> tuple[tuple[int, ...], 
         raise Ds4fError(f"prompt: {what} {bad[:5]} outside the model's vocabulary (0..{g.vocab - 1})",
                         param="prompt")
     return prompt, tokenizer
+
+
+def kv_of(config: RunConfig, cfg):
+    """The [kv] settings a run goes by: for text (a chat's turns, repeated system prompts), when it
+    may reuse a prefix, never on a cold start; None: no prefix cache."""
+    text = config.text is not None or config.messages is not None
+    return cfg.kv if text and config.reuse_prefix and not config.cold_start else None
+
+
+# -- a run's settings and its state dump's writer (runs.run.Run: set up once, before its thread) ----
+def settle(run, cfg) -> None:
+    """The settings the run goes by: what the RunConfig leaves open, from the preset and
+    ds4f.toml (`cfg`); the text's end; where its files go."""
+    config, preset, tokenizer, prompt = run.config, run.preset, run.tokenizer, run.prompt
+    # a prompt of one token has nothing to prefill (and needs no chunk buffers)
+    chunk = preset.prefill_chunk if config.prefill_chunk is None else config.prefill_chunk
+    if chunk and run.engines is not None and run.engines.parallel > 1:
+        chunk = batched_chunk(chunk)      # a prompt in a batch goes in steps of a few rows
+    run.prefill_chunk = min(chunk, len(prompt)) if len(prompt) > 1 else 0
+    run.stop_at_eos = config.stop_at_eos if config.stop_at_eos is not None else tokenizer is not None and (
+        config.text is not None or config.messages is not None)
+    run.eos_id = tokenizer.eos_id if tokenizer is not None else run.checkpoint.geometry.eos_token_id
+    run._output = OutputText(tokenizer, tuple(config.stop)) if tokenizer is not None else None
+    run._finish_reason = None
+    run._generated = 0      # tokens picked after the prompt (an end-of-sentence one included)
+    run._generated_ids = []   # their ids
+    run.io_threads = config.io_threads or cfg.effective_io_threads(preset)
+    run.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
+    run.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
+    run._kv = kv_of(config, cfg)
+    run.dump_mode = config.dump          # full | compact | off (checked() resolved it)
+    # the runs directory's budget ([runs] budget): its files there and the history together
+    history_path = getattr(run.history, "path", None)
+    run._budget = runs_budget_for(user_data_dir() / "runs", cfg.runs_budget, history_path, cfg.source) \
+        if history_path is not None or (run.dump_mode != "off" and not config.dump_path) else None
+    run._reservation = None    # its room in the runs directory (reserve_room), once reserved
+    if run.dump_mode == "off":           # no state dump, no report file: the report is in memory and the history
+        run.dump_path = run.report_path = None
+        return
+    run.dump_path = Path(config.dump_path) if config.dump_path else user_data_dir() / "runs" / run.id / RUN_STATE
+    run.report_path = Path(config.report_path) if config.report_path else \
+        report_path_for(run.dump_path, own_dir=not config.dump_path)
+
+
+def open_writer(run) -> "StateWriter | NoDump":
+    """The state dump's writer, first, so an unwritable or busy place fails the run before the
+    engine loads; its header holds what determines the numbers: the geometry (attention
+    included), the prompt, the token count, the sampling. NoDump when the run writes none."""
+    if run.dump_mode == "off":
+        return NoDump()
+    sampling = run.config.sampling
+    writer = StateWriter(run.dump_path, run.checkpoint.geometry.to_config(), list(run.prompt), run.n_steps,
+                         report_path=run.report_path, mode=run.dump_mode,
+                         sampling=sampling.to_dict() if sampling is not None and not sampling.greedy else None,
+                         response_format=fmt.to_dict() if (fmt := run.config.response_format) is not None else None)
+    notes = writer.notes
+    if not run.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
+        # those the budget's scan before the run found (not every run's directory walked again)
+        leftovers = run._budget.leftover_dirs() if run._budget is not None else None
+        notes += sweep_run_dirs(run.dump_path.parent.parent, keep=run.dump_path.parent, candidates=leftovers)
+    for note in notes:
+        run._log(note)
+    return writer
+
+
+def reserve_room(run) -> None:
+    """Room in the runs directory for what the run writes in its own directory there (older
+    finished runs removed if need be), before its thread starts; a Ds4fError if there is none."""
+    if run._budget is None or run.dump_path is None or run.config.dump_path:
+        return
+    nbytes = planned_bytes(run.checkpoint.geometry.to_config(), run.dump_mode, len(run.prompt), run.n_steps,
+                           text_chars(run.config))
+    run._reservation = run._budget.reserve(run.dump_path.parent, nbytes, run.history)
+    for note in run._reservation.notes:
+        run._log(note)

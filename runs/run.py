@@ -24,13 +24,11 @@ import threading
 import time
 import traceback
 from dataclasses import asdict
-from pathlib import Path
 
 import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import Preset, load_config
-from ds4f.engine.batch import batched_chunk
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
@@ -38,20 +36,17 @@ from ds4f.engine.runtime.memory import release_freed_memory
 from ds4f.engine.speculative import MtpDrafter, SpecController
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.constraint import Constraint, prepare
-from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.errors import Ds4fError
 from ds4f.units import format_bytes
 from ds4f.native import kernels
-from ds4f.paths import user_data_dir
-from ds4f.runs.budget import Reservation, planned_bytes, runs_budget_for
-from ds4f.runs.config import (RunConfig, text_chars, check_backend, check_fits, check_threads, checked, fitted,
-                              prompt_of)
+from ds4f.runs.config import (RunConfig, check_backend, check_fits, check_threads, checked, fitted, kv_of,
+                              open_writer, prompt_of, reserve_room, settle)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
 from ds4f.runs.report import fail_run, finish_bytes, finish_run
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, snapshot_of
-from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, report_path_for, sweep_run_dirs
+from ds4f.runs.statedump import StateWriter
 
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
@@ -62,13 +57,6 @@ _active: "list[Run]" = []            # the runs started and not yet ended, oldes
 
 def _new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-
-
-def kv_of(config: RunConfig, cfg):
-    """The [kv] settings a run goes by: for text (a chat's turns, repeated system prompts), when it
-    may reuse a prefix, never on a cold start; None: no prefix cache."""
-    text = config.text is not None or config.messages is not None
-    return cfg.kv if text and config.reuse_prefix and not config.cold_start else None
 
 
 def active_run() -> "Run | None":
@@ -115,7 +103,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
         run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
         _active[:] = live + [run]
     try:
-        run._reserve()      # room in the runs directory for its files, or refused now
+        reserve_room(run)      # room in the runs directory for its files, or refused now
     except BaseException:
         with _active_lock:
             if run in _active:
@@ -140,7 +128,7 @@ class Run:
         self.history = history
         self.n_steps = len(prompt) - 1 + config.gen
         self.tokenizer = tokenizer
-        self._settle(cfg)
+        settle(self, cfg)
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self._done = threading.Event()
@@ -174,39 +162,6 @@ class Run:
         self.finished_at: float | None = None
         self._process = psutil.Process()
         self._thread = threading.Thread(target=self._main, name=f"ds4f-run-{self.id}", daemon=True)
-
-    def _settle(self, cfg) -> None:
-        """The settings the run goes by: what the RunConfig leaves open, from the preset and
-        ds4f.toml (`cfg`); the text's end; where its files go."""
-        config, preset, tokenizer, prompt = self.config, self.preset, self.tokenizer, self.prompt
-        # a prompt of one token has nothing to prefill (and needs no chunk buffers)
-        chunk = preset.prefill_chunk if config.prefill_chunk is None else config.prefill_chunk
-        if chunk and self.engines is not None and self.engines.parallel > 1:
-            chunk = batched_chunk(chunk)      # a prompt in a batch goes in steps of a few rows
-        self.prefill_chunk = min(chunk, len(prompt)) if len(prompt) > 1 else 0
-        self.stop_at_eos = config.stop_at_eos if config.stop_at_eos is not None else tokenizer is not None and (
-            config.text is not None or config.messages is not None)
-        self.eos_id = tokenizer.eos_id if tokenizer is not None else self.checkpoint.geometry.eos_token_id
-        self._output = OutputText(tokenizer, tuple(config.stop)) if tokenizer is not None else None
-        self._finish_reason: str | None = None
-        self._generated = 0      # tokens picked after the prompt (an end-of-sentence one included)
-        self._generated_ids: list[int] = []   # their ids
-        self.io_threads = config.io_threads or cfg.effective_io_threads(preset)
-        self.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
-        self.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor
-        self._kv = kv_of(config, cfg)
-        self.dump_mode = config.dump          # full | compact | off (checked() resolved it)
-        # the runs directory's budget ([runs] budget): its files there and the history together
-        history_path = getattr(self.history, "path", None)
-        self._budget = runs_budget_for(user_data_dir() / "runs", cfg.runs_budget, history_path, cfg.source) \
-            if history_path is not None or (self.dump_mode != "off" and not config.dump_path) else None
-        self._reservation: Reservation | None = None
-        if self.dump_mode == "off":           # no state dump, no report file: the report is in memory and the history
-            self.dump_path = self.report_path = None
-            return
-        self.dump_path = Path(config.dump_path) if config.dump_path else user_data_dir() / "runs" / self.id / RUN_STATE
-        self.report_path = Path(config.report_path) if config.report_path else \
-            report_path_for(self.dump_path, own_dir=not config.dump_path)
 
     # -- the public surface -------------------------------------------------------------------
     @property
@@ -376,7 +331,7 @@ class Run:
         writer = None
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
-            writer = self._open_writer()
+            writer = open_writer(self)
             eng = self._load_engine()
             sharing = eng.sharing
             self._cache_at_start = 0 if self.config.cold_start and not sharing else eng.cache.resident
@@ -424,37 +379,6 @@ class Run:
             fail_run(self, f"internal error: {type(exc).__name__}: {exc}", writer)
         finally:
             self._release()
-
-    def _reserve(self) -> None:
-        """Room in the runs directory for what the run writes in its own directory there (older
-        finished runs removed if need be), before its thread starts; a Ds4fError if there is none."""
-        if self._budget is None or self.dump_path is None or self.config.dump_path:
-            return
-        nbytes = planned_bytes(self.checkpoint.geometry.to_config(), self.dump_mode, len(self.prompt), self.n_steps,
-                               text_chars(self.config))
-        self._reservation = self._budget.reserve(self.dump_path.parent, nbytes, self.history)
-        for note in self._reservation.notes:
-            self._log(note)
-
-    def _open_writer(self) -> "StateWriter | NoDump":
-        """The state dump's writer, first, so an unwritable or busy place fails the run before the
-        engine loads; its header holds what determines the numbers: the geometry (attention
-        included), the prompt, the token count, the sampling. NoDump when the run writes none."""
-        if self.dump_mode == "off":
-            return NoDump()
-        sampling = self.config.sampling
-        writer = StateWriter(self.dump_path, self.checkpoint.geometry.to_config(), list(self.prompt), self.n_steps,
-                             report_path=self.report_path, mode=self.dump_mode,
-                             sampling=sampling.to_dict() if sampling is not None and not sampling.greedy else None,
-                             response_format=fmt.to_dict() if (fmt := self.config.response_format) is not None else None)
-        notes = writer.notes
-        if not self.config.dump_path:   # the default place: one directory per run, beside killed runs' ones
-            # those the budget's scan before the run found (not every run's directory walked again)
-            leftovers = self._budget.leftover_dirs() if self._budget is not None else None
-            notes += sweep_run_dirs(self.dump_path.parent.parent, keep=self.dump_path.parent, candidates=leftovers)
-        for note in notes:
-            self._log(note)
-        return writer
 
     def _load_engine(self) -> Engine:
         """The host's engine (loaded or reused), else one of the run's own."""
