@@ -32,7 +32,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                              "structured (a JSON Schema's token mask: its cost per token and a request's memory, "
                              "on the demo and flash vocabularies and MODEL's tokenizer when given)")
     add_model(parser, "checkpoint (default: the bench geometry, made on demand)")
-    add_gen(parser, "per run: bench engine 8, bench cache 24, bench spec 24")
+    add_gen(parser, "bench engine 8, bench cache 24, bench spec 24, per run")
     add_preset(parser, "laptop; bench engine and bench cache")
     add_config(parser)
     add_json_option(parser)

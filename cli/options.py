@@ -71,11 +71,13 @@ def geometry_name(args) -> str:
 
 
 # -- how a run goes -------------------------------------------------------------------------------
-def add_gen(parser: argparse.ArgumentParser, default: str, *, max_tokens: bool = False) -> None:
-    """-n/--gen N (max_tokens: also spelled --max-tokens, the text commands' name)."""
+def add_gen(parser: argparse.ArgumentParser, default: str, *, max_tokens: bool = False, dest: str = "gen",
+            note: str = "") -> None:
+    """-n/--gen N (max_tokens: also spelled --max-tokens, the text commands' and the server's name)."""
     flags = ("-n", "--max-tokens", "--gen") if max_tokens else ("-n", "--gen")
-    parser.add_argument(*flags, dest="gen", type=int, default=None, metavar="N",
-                        help=f"tokens to generate at most (default {default})")
+    parser.add_argument(*flags, dest=dest, type=int, default=None, metavar="N",
+                        help=f"tokens to generate at most{f' {note}' if note else ''}"
+                             f" (default{'' if default[:1].isdigit() else ':'} {default})")
 
 
 def add_prompt(parser: argparse.ArgumentParser, *, token_ids: bool = False) -> None:

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ds4f.api import Ds4fError
-from ds4f.cli.options import (add_config, add_dump_option, add_kv_options, add_model, add_parallel, add_preset, add_spec,
+from ds4f.cli.options import (add_config, add_dump_option, add_gen, add_kv_options, add_model, add_parallel, add_preset, add_spec,
                               model_arg)
 
 
@@ -43,9 +43,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue", type=int, default=defaults.queue_size, metavar="N",
                         help=f"requests that may wait for the engine; more get 429 (default {defaults.queue_size})")
     add_parallel(parser, None, "ds4f.toml's [server] parallel; 0 there: as many as the memory plan fits, at most 4")
-    parser.add_argument("--max-tokens", type=int, metavar="N",
-                        help="the most tokens an answer generates when the request gives no max_tokens (chat "
-                             "completions, Responses; default: what the context leaves after the prompt)")
+    add_gen(parser, "what the context leaves after the prompt", max_tokens=True, dest="max_tokens",
+            note="in an answer whose request gives no max_tokens (chat completions, Responses)")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the names requests may give as `model`; the first is what /v1/models lists and "
                              "answers report (default: ds4f.toml's [server] served_model_name, else the "

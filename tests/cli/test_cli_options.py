@@ -19,11 +19,22 @@ def _option_definitions() -> dict[str, list[str]]:
     """Every `--flag` string given to an add_argument call in ds4f/cli/, with where."""
     found: dict[str, list[str]] = {}
     for path in sorted(CLI.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        named: dict[str, set[str]] = {}   # add_argument(*flags): the strings assigned to `flags`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                named.setdefault(node.targets[0].id, set()).update(
+                    c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str))
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                flags: set[str] = set()
                 for arg in node.args:
-                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("-"):
-                        found.setdefault(arg.value, []).append(f"{path.name}:{node.lineno}")
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                        flags.add(arg.value)
+                    elif isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+                        flags |= named.get(arg.value.id, set())
+                for flag in sorted(f for f in flags if f.startswith("-")):
+                    found.setdefault(flag, []).append(f"{path.name}:{node.lineno}")
     return found
 
 
