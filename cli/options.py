@@ -135,6 +135,16 @@ def add_seed(parser: argparse.ArgumentParser, default: int | None) -> None:
                         "random seed (default: a random one, printed)")
 
 
+def add_token_file(parser: argparse.ArgumentParser, note: str) -> None:
+    parser.add_argument("--token-file", metavar="PATH",
+                        help=f"the file holding the bearer token of requests (Authorization: Bearer ...): {note}")
+
+
+def add_operator_token(parser: argparse.ArgumentParser, note: str) -> None:
+    parser.add_argument("--operator-token", metavar="TOKEN",
+                        help=f"the token of the operator's endpoints, POST /operator/... ({note})")
+
+
 def add_history(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history", action="store_true", help="record the runs in the history database")
 

@@ -15,8 +15,8 @@ import sys
 import threading
 
 from ds4f.api import Ds4fError
-from ds4f.cli.options import (add_config, add_dump_option, add_gen, add_kv_options, add_model, add_parallel, add_preset, add_spec,
-                              model_arg)
+from ds4f.cli.options import (add_config, add_dump_option, add_gen, add_kv_options, add_model, add_operator_token,
+                              add_parallel, add_preset, add_spec, add_token_file, model_arg)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -29,13 +29,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to bind (default {DEFAULT_HOST}; beyond loopback needs --token-file)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
-    parser.add_argument("--token-file", metavar="PATH",
-                        help="file holding the bearer token every request must send (Authorization: Bearer ...)")
+    add_token_file(parser, "every request must send it")
     parser.add_argument("--token", metavar="TOKEN", help=argparse.SUPPRESS)
-    parser.add_argument("--operator-token", metavar="TOKEN",
-                        help="the token of the operator's endpoints, POST /operator/... (default: ds4f.toml's"
-                             " [server] operator_token, else a random one written to a file only you can read;"
-                             " GET /status names it)")
+    add_operator_token(parser, "default: ds4f.toml's [server] operator_token, else a random one written to a file"
+                               " only you can read; GET /status names it")
     parser.add_argument("--operator-remote", action="store_true", default=None,
                         help="let peers beyond loopback use the operator's endpoints (default: ds4f.toml's "
                              "[server] operator_remote, else loopback only)")

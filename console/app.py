@@ -14,7 +14,6 @@ ensure_demo_model, start_run / Run with one EngineHost for the session, History,
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -670,33 +669,26 @@ def read_token(path: str) -> str:
 DEFAULT_SERVE_PORT = 8734      # ds4f serve's default port
 
 
-def main(argv: list[str] | None = None, serve_here: Callable | None = None) -> int:
-    """The console's command line. `serve_here(model=, preset=, config_path=, port=, parallel=)` ->
-    (a started server, its operator token): what --serve starts (ds4f.cli.console passes it; the
-    console itself never imports the server)."""
-    parser = argparse.ArgumentParser(
-        prog="ds4f-console",
-        description="The ds4f operator console: run, watch and compare DeepSeek-V4-Flash disk-streaming runs.")
-    parser.add_argument("--config", metavar="PATH",
-                        help="ds4f.toml to use (default: ./ds4f.toml, then the user config dir, then built-in)")
-    parser.add_argument("--model", metavar="PATH", help="checkpoint to run (default: the config's, else the demo)")
-    parser.add_argument("--preset", metavar="NAME", help="preset for the first run (p cycles presets)")
-    parser.add_argument("--parallel", type=int, default=1, metavar="N",
-                        help="runs that may go at once, decoded together in one forward pass per step "
-                             "(r starts another while one runs; default 1)")
+DESCRIPTION = "The ds4f operator console: run, watch and compare DeepSeek-V4-Flash disk-streaming runs."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The console's own options; the ones it shares with the `ds4f` commands (--config, MODEL/-m,
+    --preset, --parallel, --operator-token, --token-file) are added by ds4f.cli.console, the
+    command line's one builder of each."""
     parser.add_argument("--attach", nargs="+", metavar="URL",
                         help="watch and steer running `ds4f serve`s over HTTP instead, one tab per URL "
                              "(http://host:port, or host:port; port 8734 when none)")
-    parser.add_argument("--operator-token", metavar="TOKEN",
-                        help="with --attach: the servers' operator token (default: the token file a server on "
-                             "this machine names in GET /status, when this user can read it)")
-    parser.add_argument("--token-file", metavar="PATH",
-                        help="with --attach: the file holding the bearer token of a server started with "
-                             "ds4f serve --token-file")
     parser.add_argument("--serve", nargs="?", type=int, const=DEFAULT_SERVE_PORT, metavar="PORT",
                         help=f"serve the OpenAI and Anthropic APIs from this process on 127.0.0.1:PORT (default "
                              f"{DEFAULT_SERVE_PORT}) and watch and steer that server here: one engine for both")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser, serve_here: Callable | None = None) -> int:
+    """The console from its parsed command line (ds4f.cli.console builds it; args.model is MODEL).
+    `serve_here(model=, preset=, config_path=, port=, parallel=)` -> (a started server, its
+    operator token): what --serve starts (ds4f.cli.console passes it; the console itself never
+    imports the server)."""
     if args.serve is not None:
         if args.attach or args.operator_token or args.token_file:
             parser.error("--serve watches the server it starts: not with --attach, --operator-token, --token-file")
@@ -744,6 +736,3 @@ def _serve_and_watch(args, parser, serve_here: Callable | None) -> int:
     finally:
         server.stop()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

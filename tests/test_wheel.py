@@ -123,7 +123,7 @@ def test_both_entry_points_run_from_the_installed_wheel(fresh_venv, tmp_path):
     assert "ds4f-console" in _run([bin_ / "ds4f-console", "--help"], cwd=tmp_path, env=env).stdout
     script = textwrap.dedent("""
         import asyncio, sys
-        from ds4f.console.app import main, Ds4fConsole
+        from ds4f.console.app import Ds4fConsole
 
         async def drive():
             app = Ds4fConsole(model=sys.argv[1])

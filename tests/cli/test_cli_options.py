@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 
 import ds4f.cli
+import ds4f.console.app
 from ds4f.cli import COMMANDS
 
 CLI = Path(ds4f.cli.__file__).parent
+CONSOLE_APP = Path(ds4f.console.app.__file__)   # ds4f-console's own options
 
 
 def _option_definitions() -> dict[str, list[str]]:
-    """Every `--flag` string given to an add_argument call in ds4f/cli/, with where."""
+    """Every `--flag` string given to an add_argument call in ds4f/cli/ and the console's app, with where."""
     found: dict[str, list[str]] = {}
-    for path in sorted(CLI.glob("*.py")):
+    for path in [*sorted(CLI.glob("*.py")), CONSOLE_APP]:
         tree = ast.parse(path.read_text(), str(path))
         named: dict[str, set[str]] = {}   # add_argument(*flags): the strings assigned to `flags`
         for node in ast.walk(tree):
@@ -44,7 +46,8 @@ def test_no_option_is_defined_twice():
     assert not twice, f"options defined more than once (give them a builder in cli/options.py): {twice}"
     # the shared ones live in options.py (their builders)
     for flag in ("--config", "--preset", "--spec", "--threads", "--io-threads", "--backend", "--json", "--force",
-                 "--parallel", "--seed", "--history", "--output", "--dump", "--kv-dir", "--prompt", "--repeat"):
+                 "--parallel", "--seed", "--history", "--output", "--dump", "--kv-dir", "--prompt", "--repeat",
+                 "--model", "--token-file", "--operator-token", "--max-tokens"):
         assert found[flag][0].startswith("options.py:"), (flag, found[flag])
 
 
@@ -103,6 +106,20 @@ def test_serve_takes_the_model_as_the_others_do():
 
     with pytest.raises(Ds4fError, match="give the model once"):
         model_arg(_parser("serve").parse_args(["a", "-m", "b"]))
+
+
+def test_the_console_shares_the_commands_options():
+    """ds4f-console's --config, MODEL/-m, --preset, --parallel by the same builders as ds4f's commands."""
+    from ds4f.cli.console import build_parser
+
+    console = build_parser()
+    for flag, command in (("--config", "run"), ("--preset", "run"), ("--model", "run"), ("--parallel", "plan"),
+                          ("--token-file", "serve")):
+        ours, theirs = console._option_string_actions[flag], _parser(command)._option_string_actions[flag]
+        assert (ours.metavar, ours.dest, ours.type) == (theirs.metavar, theirs.dest, theirs.type), flag
+        assert ours.help.split("(")[0] == theirs.help.split("(")[0], flag
+    args = console.parse_args(["ck", "--preset", "laptop"])
+    assert (args.model, args.preset, args.parallel, args.attach, args.serve) == ("ck", "laptop", 1, None, None)
 
 
 def test_history_config_before_and_after_the_action():

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from ds4f.cli.console import main as entry_main, serve_here
-from ds4f.console.app import main as console_main
 
 from console_helpers import async_test, wait_for
 from test_console_attach import Stream, attached, log_text, make, status_line, SIZE
@@ -71,5 +70,5 @@ def test_serve_goes_alone_and_only_through_the_entry_point(capsys):
         assert e.value.code == 2
     assert "--serve" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        console_main(["--serve"])                 # the console alone does not bring the server
+        entry_main(["--serve"], serve_here=None)  # the console alone does not bring the server
     assert "entry point" in capsys.readouterr().err
