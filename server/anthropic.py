@@ -76,7 +76,7 @@ from ds4f.api import MAX_GEN, Ds4fError, Tokenizer, chat_prompt_ids, check_choic
 
 from .conversation import Conversation
 from .errors import HttpError, bad, json_bytes, json_response
-from .generation import Ask, counted, ended_badly, reply_of, respond
+from .generation import Ask, reply_of, respond, streamed
 from .request import EFFORTS, boolean, check_model, check_names, json_body, number, parse_sampling, refused
 from .structured import text_format_of
 
@@ -500,12 +500,29 @@ class _Blocks:
     """The content blocks of a streamed answer, from the reply parser's events: each opened when
     its first text comes, closed when the next opens (or at the end), indexed from 0."""
 
-    def __init__(self, ask: Ask) -> None:
-        self.ask = ask
+    def __init__(self, ask: Ask, svc=None) -> None:
+        self.ask, self.svc = ask, svc
         self.index = -1
         self.open: str | None = None
         self.calls = 0
         self.thinking = ""         # the open thinking block's text: its signature's at the close
+
+    @staticmethod
+    def waiting(position: int, waiting: int) -> list[bytes]:
+        return [PING]
+
+    @staticmethod
+    def alive() -> list[bytes]:
+        return [PING]
+
+    @staticmethod
+    def refused(error) -> list[bytes]:
+        return [sse("error", {"error": error.anthropic_body()["error"]})]
+
+    failed = refused
+
+    def start(self, run) -> list[bytes]:
+        return [sse("message_start", {"message": _message(run, self.svc, [], usage=usage_of(run, final=False))}), PING]
 
     def _delta(self, delta: dict) -> bytes:
         return sse("content_block_delta", {"index": self.index, "delta": delta})
@@ -552,41 +569,18 @@ class _Blocks:
         return out
 
 
-async def _events(pending):
+    def end(self, run, reply) -> list[bytes]:
+        """The last block closed, message_delta (the stop reason, the usage), message_stop."""
+        reason, sequence = stop_of(run, reply)
+        data = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(run)}
+        if reply.error is not None:
+            data["tool_call_error"] = reply.error
+        return self.close() + [sse("message_delta", data), sse("message_stop", {})]
+
+
+def _events(pending):
     """The SSE body: pings while queued, message_start, the blocks, message_delta, message_stop."""
-    ask, svc = pending.ask, pending.svc
-    parser = ask.parser()
-    blocks = _Blocks(ask)
-    async for event in pending.events():
-        if event[0] in ("queued", "alive"):
-            yield PING
-        elif event[0] == "refused":
-            yield sse("error", {"error": event[1].anthropic_body()["error"]})
-            return
-        elif event[0] == "started":
-            run = event[1]
-            yield sse("message_start", {"message": _message(run, svc, [], usage=usage_of(run, final=False))})
-            yield PING
-        elif event[0] == "piece":
-            for chunk in blocks.feed(parser.push(event[1])):
-                yield chunk
-        else:
-            run = event[1]
-            for chunk in blocks.feed(parser.finish()):
-                yield chunk
-            failure = ended_badly(run)
-            if failure is not None:
-                yield sse("error", {"error": failure.anthropic_body()["error"]})
-                return
-            reply = counted(ask, parser.result, svc)
-            for chunk in blocks.close():
-                yield chunk
-            reason, sequence = stop_of(run, reply)
-            data = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(run)}
-            if reply.error is not None:
-                data["tool_call_error"] = reply.error
-            yield sse("message_delta", data)
-            yield sse("message_stop", {})
+    return streamed(pending, _Blocks(pending.ask, pending.svc))
 
 
 # -- endpoints ----------------------------------------------------------------------------------

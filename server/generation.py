@@ -8,6 +8,7 @@
     async for event in pending.events(): ...     # streaming: ("queued", position, waiting) | ("piece", text)
                                                  # | ("alive",): nothing new for a while (a long prefill)
                                                  #   | ("refused", HttpError) | ("end", run)
+    body = streamed(pending, writer)             # the same as the dialect's writer writes it (the bytes)
     reply = reply_of(ask, run, svc)              # a chat answer read whole: reasoning, content, calls
 
 Each request is one run of the engine (the run API, on the server's loaded engine), waiting its turn
@@ -280,6 +281,45 @@ class EventStream:
 def stream(pending: Pending, body) -> EventStream:
     """The SSE answer of `body`, an async generator of bytes (the endpoint's reading of pending.events())."""
     return EventStream(body, pending.svc.abandon_factory(pending.ticket))
+
+
+def queue_comment(position: int, waiting: int) -> bytes:
+    """An SSE comment for a streaming request waiting its turn (OpenAI's and the Responses API's)."""
+    return f": queued, position {position} of {waiting}\n\n".encode()
+
+
+WORKING = b": working\n\n"       # an SSE comment while a long prefill sends nothing
+
+
+async def streamed(pending: Pending, writer):
+    """The bytes of a streamed answer: the pending request's events, the text read by the reply
+    parser as it comes (a chat's; a completion's pieces go as they are), each turned into bytes by
+    the dialect's writer, which has one method per moment: waiting(position, waiting), alive(),
+    refused(error) (the end), start(run), feed(events), then failed(error) or end(run, reply)."""
+    ask, svc = pending.ask, pending.svc
+    parser = ask.parser() if ask.kind == "chat" else None
+    async for event in pending.events():
+        if event[0] == "queued":
+            out = writer.waiting(event[1], event[2])
+        elif event[0] == "alive":
+            out = writer.alive()
+        elif event[0] == "refused":
+            for chunk in writer.refused(event[1]):
+                yield chunk
+            return
+        elif event[0] == "started":
+            out = writer.start(event[1])
+        elif event[0] == "piece":
+            out = writer.feed(parser.push(event[1]) if parser is not None else [event[1]])
+        else:
+            run = event[1]
+            for chunk in writer.feed(parser.finish() if parser is not None else []):
+                yield chunk
+            failure = ended_badly(run)
+            out = writer.failed(failure) if failure is not None else \
+                writer.end(run, counted(ask, parser.result, svc) if parser is not None else None)
+        for chunk in out:
+            yield chunk
 
 
 async def NO_ANSWER(scope, receive, send) -> None:

@@ -57,7 +57,7 @@ from ds4f.api import MAX_GEN, Ds4fError, check_call
 
 from .conversation import chat_fields, from_ds4f
 from .errors import HttpError, bad, json_bytes, json_response
-from .generation import Ask, counted, ended_badly as ended_badly_of, reply_of, respond
+from .generation import WORKING, Ask, queue_comment, reply_of, respond, streamed
 from .request import (EFFORTS, IGNORED, boolean, check_model, check_names, parse_sampling, parse_stop,
                       parse_tool_choice, parse_tools, text_parts, whole)
 from .structured import response_format_of
@@ -292,13 +292,16 @@ def sse(obj) -> bytes:
     return b"data: " + json_bytes(obj).rstrip(b"\n") + b"\n\n"
 
 
+DONE = b"data: [DONE]\n\n"
+
+
 class _Chunks:
     """The chunks of a streamed answer, under the completion's head: a chat's opening (the role), one
     per piece of text (reasoning, content) or per call's opening and argument fragment; a
     completion's one per piece of text; then the finish and the usage."""
 
-    def __init__(self, ask: Ask) -> None:
-        self.ask = ask
+    def __init__(self, ask: Ask, svc) -> None:
+        self.ask, self.svc = ask, svc
         self.chat = ask.kind == "chat"
         self.head: dict | None = None       # once the run has started
         self.calls = 0
@@ -310,8 +313,20 @@ class _Chunks:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
         return sse({**self.head, "choices": [choice]})
 
-    def start(self, run, svc) -> list[bytes]:
-        self.head = _head(self.ask, run, svc, "chat.completion.chunk" if self.chat else "text_completion")
+    @staticmethod
+    def waiting(position: int, waiting: int) -> list[bytes]:
+        return [queue_comment(position, waiting)]
+
+    @staticmethod
+    def alive() -> list[bytes]:
+        return [WORKING]
+
+    @staticmethod
+    def refused(error) -> list[bytes]:
+        return [sse(error.body()), DONE]
+
+    def start(self, run) -> list[bytes]:
+        self.head = _head(self.ask, run, self.svc, "chat.completion.chunk" if self.chat else "text_completion")
         if self.ask.include_usage:
             self.head["usage"] = None
         return [self.chunk({"role": "assistant", "content": ""})] if self.chat else []
@@ -335,8 +350,12 @@ class _Chunks:
                 out.append(self.chunk({"reasoning_content" if event[0] == "reasoning" else "content": event[1]}))
         return out
 
-    def finish(self, run, reply) -> list[bytes]:
-        """The finish (a chat's reply read whole; None for a completion), then the usage if asked for."""
+    @staticmethod
+    def failed(error) -> list[bytes]:
+        return [sse(error.body()), DONE]
+
+    def end(self, run, reply) -> list[bytes]:
+        """The finish (a chat's reply read whole; None for a completion), the usage if asked for, [DONE]."""
         if reply is not None and reply.error is not None:
             out = [sse({**self.head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                                   "finish_reason": TOOL_CALL_ERROR, TOOL_CALL_ERROR: reply.error}]})]
@@ -344,40 +363,12 @@ class _Chunks:
             out = [self.chunk(None, finish_of(run, reply))]
         if self.ask.include_usage:
             out.append(sse({**self.head, "choices": [], "usage": usage_of(run)}))
-        return out
+        return out + [DONE]
 
 
-async def _events(pending):
+def _events(pending):
     """The SSE body: queue comments while waiting, the chunks (see _Chunks), [DONE]."""
-    ask, svc = pending.ask, pending.svc
-    chunks = _Chunks(ask)
-    parser = ask.parser() if chunks.chat else None
-    async for event in pending.events():
-        if event[0] == "queued":
-            yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
-        elif event[0] == "alive":
-            yield b": working\n\n"
-        elif event[0] == "refused":
-            yield sse(event[1].body())
-            yield b"data: [DONE]\n\n"
-            return
-        elif event[0] == "started":
-            for c in chunks.start(event[1], svc):
-                yield c
-        elif event[0] == "piece":
-            for c in chunks.feed(parser.push(event[1]) if chunks.chat else [event[1]]):
-                yield c
-        else:
-            run = event[1]
-            for c in chunks.feed(parser.finish() if chunks.chat else []):
-                yield c
-            failure = ended_badly_of(run)
-            if failure is not None:
-                yield sse(failure.body())
-            else:
-                for c in chunks.finish(run, counted(ask, parser.result, svc) if chunks.chat else None):
-                    yield c
-            yield b"data: [DONE]\n\n"
+    return streamed(pending, _Chunks(pending.ask, pending.svc))
 
 
 # -- endpoints ----------------------------------------------------------------------------------

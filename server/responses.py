@@ -46,7 +46,7 @@ from ds4f.api import MAX_GEN
 
 from .conversation import Conversation
 from .errors import bad, json_bytes
-from .generation import Ask, counted, ended_badly, reply_of, respond
+from .generation import WORKING, Ask, queue_comment, reply_of, respond, streamed
 from .request import (EFFORTS, IGNORED, boolean, check_model, check_names, parse_sampling, parse_tool_choice,
                       parse_tools, text_parts, whole)
 from .structured import text_format_of
@@ -315,8 +315,8 @@ class _Items:
     message item opened when its first text comes, closed when another opens (or at the end); a
     function_call sent whole when it is read. Every event is numbered (sequence_number, from 0)."""
 
-    def __init__(self, ask: Ask) -> None:
-        self.ask = ask
+    def __init__(self, ask: Ask, svc, raw: dict) -> None:
+        self.ask, self.svc, self.raw = ask, svc, raw
         self.shape: Shape | None = None     # the response, once its run has started
         self.seq = 0
         self.output: list = []              # the items done
@@ -327,8 +327,19 @@ class _Items:
         self.seq += 1
         return _event(kind, self.seq - 1, **fields)
 
-    def start(self, shape: Shape) -> list[bytes]:
-        self.shape = shape
+    @staticmethod
+    def waiting(position: int, waiting: int) -> list[bytes]:
+        return [queue_comment(position, waiting)]
+
+    @staticmethod
+    def alive() -> list[bytes]:
+        return [WORKING]
+
+    def refused(self, error) -> list[bytes]:
+        return [self.emit("error", code=error.code, message=error.message, param=error.param)]
+
+    def start(self, run) -> list[bytes]:
+        shape = self.shape = Shape(self.ask, self.raw, self.svc, run)
         return [self.emit("response.created", response=shape.response("in_progress", [])),
                 self.emit("response.in_progress", response=shape.response("in_progress", []))]
 
@@ -409,7 +420,7 @@ class _Items:
                                      content_index=0, delta=value, logprobs=[]))
         return out
 
-    def finish(self, reply) -> list[bytes]:
+    def end(self, run, reply) -> list[bytes]:
         """The open item closed (an empty answer is an empty message), then the final response."""
         out = self._begin("message") if self.open is None and not self.output and not reply.calls else []
         out += self.close()
@@ -418,38 +429,11 @@ class _Items:
                              response=final))
         return out
 
-    def failed(self, failure) -> bytes:
-        return self.emit("response.failed", response=self.shape.response(
-            "failed", self.output, error={"code": failure.code or "server_error", "message": failure.message}))
+    def failed(self, failure) -> list[bytes]:
+        return [self.emit("response.failed", response=self.shape.response(
+            "failed", self.output, error={"code": failure.code or "server_error", "message": failure.message}))]
 
 
-async def _events(pending):
-    """The Responses API's event stream (see the module docstring)."""
-    ask, svc, raw = pending.ask, pending.svc, pending.raw
-    parser = ask.parser()
-    items = _Items(ask)
-    async for event in pending.events():
-        if event[0] == "queued":
-            yield f": queued, position {event[1]} of {event[2]}\n\n".encode()
-        elif event[0] == "alive":
-            yield b": working\n\n"
-        elif event[0] == "refused":
-            err = event[1]
-            yield items.emit("error", code=err.code, message=err.message, param=err.param)
-            return
-        elif event[0] == "started":
-            for chunk in items.start(Shape(ask, raw, svc, event[1])):
-                yield chunk
-        elif event[0] == "piece":
-            for chunk in items.feed(parser.push(event[1])):
-                yield chunk
-        else:
-            run = event[1]
-            for chunk in items.feed(parser.finish()):
-                yield chunk
-            failure = ended_badly(run)
-            if failure is not None:
-                yield items.failed(failure)
-                return
-            for chunk in items.finish(counted(ask, parser.result, svc)):
-                yield chunk
+def _events(pending):
+    """The Responses API's event stream (see the module docstring and _Items)."""
+    return streamed(pending, _Items(pending.ask, pending.svc, pending.raw))
