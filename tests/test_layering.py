@@ -9,6 +9,7 @@ module ds4f.a.b.X if that is a module, else of the package ds4f.a.b (its __init_
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +77,11 @@ def _imports_of(module: str, path: Path) -> list[Import]:
     return out
 
 
-def _all_imports() -> list[Import]:
+@functools.lru_cache(maxsize=1)
+def _all_imports() -> tuple[Import, ...]:
+    """Every import of the package, parsed once for all the tests of this module."""
     found = {imp for module, path in _MODULES.items() for imp in _imports_of(module, path)}
-    return sorted(found, key=lambda imp: (imp.importer, imp.line, imp.target))
+    return tuple(sorted(found, key=lambda imp: (imp.importer, imp.line, imp.target)))
 
 
 def _internal_graph() -> dict[str, dict[str, Import]]:
