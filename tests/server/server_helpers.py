@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -14,6 +15,27 @@ from ds4f.server.app import Server, ServerOptions
 
 TERMINAL = ("done", "cancelled", "failed")
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
+
+
+# -- sockets of their own (clients from a given loopback address) ----------------------------------
+def connect_from(address: str, port: int, timeout: float = 10.0) -> socket.socket:
+    """A TCP connection to the server from a given loopback address (a client of its own)."""
+    s = socket.socket()
+    s.settimeout(timeout)
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    chunks = []
+    try:
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return b"".join(chunks)
+
 
 
 # -- fixtures and helpers -------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ds4f.api import MAX_GEN, Ds4fError, History, Tokenizer, chat_prompt_ids
 from ds4f.server.app import Server, ServerOptions, is_loopback, read_token_file
 
-from server_helpers import HELLO, Resp, Srv, idle, serve_config, srv, start  # noqa: F401 (fixtures)
+from server_helpers import HELLO, Resp, Srv, connect_from, idle, read_all, serve_config, srv, start  # noqa: F401 (fixtures)
 
 BUSY_GEN = 4000
 TOKEN = "k3Y-for-the-ds4f-tests_0123456789"
@@ -45,25 +45,6 @@ def run_dir_files(run_id: str) -> list[str]:
 
     d = user_data_dir() / "runs" / run_id
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
-
-
-def connect_from(address: str, port: int, timeout: float = 10.0) -> socket.socket:
-    """A TCP connection to the server from a given loopback address (a client of its own)."""
-    s = socket.socket()
-    s.settimeout(timeout)
-    s.bind((address, 0))
-    s.connect(("127.0.0.1", port))
-    return s
-
-
-def read_all(s: socket.socket) -> bytes:
-    chunks = []
-    try:
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-    except (socket.timeout, ConnectionResetError):
-        pass
-    return b"".join(chunks)
 
 
 def still_open(s: socket.socket) -> bool:

@@ -13,34 +13,16 @@ import time
 
 from ds4f.server.options import ServerOptions
 
-from server_helpers import serve_config, start  # noqa: F401 (fixtures)
+from server_helpers import connect_from, read_all, serve_config, start  # noqa: F401 (fixtures)
 
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 8)]
 HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 4000\r\n\r\n{\"messages\": [")
 
 
-def connect_from(address: str, port: int) -> socket.socket:
-    s = socket.socket()
-    s.settimeout(10)
-    s.bind((address, 0))
-    s.connect(("127.0.0.1", port))
-    return s
-
-
 def closed_by_server(s: socket.socket) -> bool:
     ready, _, _ = select.select([s], [], [], 0)
     return bool(ready)
-
-
-def read_all(s: socket.socket) -> bytes:
-    chunks = []
-    try:
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-    except (socket.timeout, ConnectionResetError):
-        pass
-    return b"".join(chunks)
 
 
 def heads_taken(srv, address: str) -> int:
