@@ -26,7 +26,7 @@ from ds4f.engine.checkpoint.demo import ensure_demo_model, ensure_synthetic
 from ds4f.engine.checkpoint.synth import synth_checkpoint
 from ds4f.engine.checkpoint.verify import verify_checkpoint
 from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DEFAULT_PARALLEL, MAX_PARALLEL, MAX_GEN, MAX_THREADS, Budget, Config, Preset,
-                                check_kv_dir, load_config, parse_budget)
+                                check_kv_dir, parse_budget)
 from ds4f.engine.model.geometry import CONFIG_KEYS, GEOMETRIES, Geometry, get_geometry
 from ds4f.engine.runtime.disk_floor import FLOOR_CAVEAT, cached_floor, probe_floor
 from ds4f.engine.prefix_cache import directory_usage as kv_directory_usage
@@ -39,6 +39,8 @@ from ds4f.engine.text.constraint import ResponseFormat, check_response_format
 from ds4f.engine.text.chat import answer_opening, check_chat, check_choice, check_effort, offered
 from ds4f.engine.text.dsml import check_call, check_function, check_tools
 from ds4f.engine.text.reply import Reply, ReplyParser, new_call_id, parse_reply
+# ds4f.toml whole: the engine's settings and the front ends' ([console], [history], [server], [dump], [runs])
+from ds4f.settings import Settings, load_settings
 # the cache lab
 from ds4f.cachelab.replay import parse_policy, replay
 from ds4f.cachelab.sweep import format_table, plot_sweep, sweep
@@ -61,8 +63,10 @@ __all__ = [
     "MAX_THREADS", "Budget", "Config", "Ds4fError", "parse_json", "EngineHost", "History", "Preset", "Run", "RunConfig",
     "RunRecord", "Snapshot", "StateDiff", "TokenRecord", "active_run", "active_runs", "available_backends", "best_backend",
     "checkpoint_summary", "detect_kind", "diff_states", "disk_occupancy", "format_bytes", "hash_groups",
-    "kv_directory_usage", "load_config", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
+    "kv_directory_usage", "open_checkpoint", "parse_budget", "read_state", "start_run", "user_cache_dir",
     "user_config_path", "user_data_dir",
+    # ds4f.toml: the engine's settings and the front ends'
+    "Settings", "load_settings",
     # files the user names: a regular file only, read within a bound; the paths the user gives
     "read_regular", "read_regular_text", "read_regular_json", "open_regular", "check_path_value",
     "directory_problem", "check_kv_dir",

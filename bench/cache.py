@@ -49,8 +49,8 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
     "prompts", "gen"."""
     from ds4f.bench.engine import bench_model, bench_scratch_dir
     from ds4f.engine.checkpoint import open_checkpoint
-    from ds4f.engine.config import load_config
     from ds4f.runs.traces import load_trace
+    from ds4f.settings import load_settings
 
     log = log or (lambda _line: None)
     model = bench_model(model, progress, log)
@@ -69,7 +69,7 @@ def bench_cache(model: str | Path | None = None, preset: str = "laptop", gen: in
         traces.append(load_trace(dump))
         log(f"  trace {i}: {len(traces[-1].ids)} tokens")
 
-    cfg = load_config(config_path)
+    cfg = load_settings(config_path).engine
     laptop = cfg.get_preset(preset)
     policy = _policy_sweep(traces, str(laptop.cache), log)
     pf = _prefetch_off_on(model, laptop, prompts, gen, scratch, config_path, backend, log)

@@ -144,7 +144,7 @@ def bench_engine(model: str | Path | None = None, preset: str = "laptop", gen: i
     from ds4f.native import kernels
     from ds4f.engine.runtime.disk_floor import cached_floor
     from ds4f.engine.checkpoint import open_checkpoint
-    from ds4f.engine.config import load_config
+    from ds4f.settings import load_settings
 
     log = log or _quiet
     model = bench_model(model, progress, log)
@@ -152,7 +152,7 @@ def bench_engine(model: str | Path | None = None, preset: str = "laptop", gen: i
     gen = gen or 8
     best = kernels.best_backend()
     # a fresh floor for this invocation: the runs below then read it from the cache
-    cfg = load_config(config_path)
+    cfg = load_settings(config_path).engine
     with open_checkpoint(model) as ck:
         floor = cached_floor(ck, cfg.effective_io_threads(cfg.get_preset(preset)), seconds=3.0, max_age_s=0)
     log(f"NVMe floor now: {floor.gbps:.2f} GB/s ({floor.io_mode}, queue depth {floor.io_threads})")

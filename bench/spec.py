@@ -67,9 +67,9 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
     tokens/s in the same cache state, "same" (its tokens are plain decoding's); "plain": the
     plain rows; "mtp_bytes", "slot_bytes"}."""
     from ds4f.engine.checkpoint import open_checkpoint
-    from ds4f.engine.config import load_config
     from ds4f.engine.engine import Engine
     from ds4f.engine.speculative import MtpDrafter, OracleDrafter, SpecController
+    from ds4f.settings import load_settings
 
     log = log or _quiet
     if rows not in ("all", "auto"):
@@ -78,7 +78,7 @@ def bench_spec(model: str | Path | None = None, preset: str = "laptop", gen: int
         raise Ds4fError(f"bench spec: --repeat {repeat}: at least 1 pair per row")
     model = bench_model(model, progress, log)
     gen = gen or 24
-    cfg = load_config(config_path)
+    cfg = load_settings(config_path).engine
     p = cfg.get_preset(preset)
     ck = open_checkpoint(model)
     if not ck.mtp_layers:

@@ -41,9 +41,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 
 def _history(args):
-    from ds4f.api import History, load_config
+    from ds4f.api import History, load_settings
 
-    return History(load_config(getattr(args, "config_after", None) or args.config).history_path)
+    return History(load_settings(getattr(args, "config_after", None) or args.config).history_path)
 
 
 def run(args) -> int:

@@ -37,12 +37,12 @@ def model_arg(args) -> str | None:
 
 def default_model(args, config_path: str | None) -> str:
     """MODEL, else ds4f.toml's [model] path, else the demo model (made on first use, with bars)."""
-    from ds4f.api import ensure_demo_model, load_config
+    from ds4f.api import ensure_demo_model, load_settings
 
     model = model_arg(args)
     if model:
         return model
-    cfg = load_config(config_path)
+    cfg = load_settings(config_path).engine
     if cfg.model_path:
         return cfg.model_path
     return str(ensure_demo_model(progress=True, announce=announce))

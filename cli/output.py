@@ -150,22 +150,23 @@ def command_inputs(config_path: str | None = None, model=None, *, extra=(), kv_d
     that make checkpoints): not ds4f.toml's model nor the whole cache directory, only its files."""
     from importlib import resources
 
-    from ds4f.api import load_config, user_cache_dir
+    from ds4f.api import load_settings, user_cache_dir
 
     inputs = Inputs()
     inputs.add(("the built-in config", Path(str(resources.files("ds4f").joinpath("ds4f.toml")))))
     try:
-        cfg = load_config(config_path)
+        settings = load_settings(config_path)
     except Ds4fError:
-        cfg = None            # the command itself says what is wrong with it
+        settings = None       # the command itself says what is wrong with it
+    cfg = settings.engine if settings is not None else None
     for m in (model, cfg.model_path if cfg is not None and known_checkpoints else None):
         if m:
             _add_checkpoint(inputs, m)
-    if cfg is not None:
-        if cfg.source != "built-in ds4f.toml":
-            inputs.add(("the config file in use", cfg.source))
-        inputs.add(("the run history", cfg.history_path),
-                   *(("the run history's journal", cfg.history_path + s) for s in SQLITE_SIDECARS))
+    if settings is not None:
+        if settings.source != "built-in ds4f.toml":
+            inputs.add(("the config file in use", settings.source))
+        inputs.add(("the run history", settings.history_path),
+                   *(("the run history's journal", settings.history_path + s) for s in SQLITE_SIDECARS))
         if cfg.kv is not None:
             inputs.add(("the prefix cache's directory", cfg.kv.dir))
     inputs.add(("the prefix cache's directory", kv_dir))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ds4f.api import (CONVERSATION_TOKENS, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry, load_config,
-                      memory_plan, parse_budget, parse_spec)
+from ds4f.api import (CONVERSATION_TOKENS, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry,
+                      load_settings, memory_plan, parse_budget, parse_spec)
 from ds4f.cli.options import (add_config, add_geometry, add_output_option, add_parallel, add_preset, add_spec,
                               geometry_name)
 from ds4f.cli.output import Column, Table, print_tables
@@ -27,7 +27,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config)
+    cfg = load_settings(args.config).engine
     preset = cfg.get_preset(args.preset)
     g = get_geometry(geometry_name(args))
     spec = parse_spec(args.spec) != "off"

@@ -109,9 +109,9 @@ def _output_paths(dump: str | None, report: str | None, force: bool, inputs=()) 
 
 
 def _run(args) -> int:
-    from ds4f.api import History, RunConfig, load_config, start_run
+    from ds4f.api import History, RunConfig, load_settings, start_run
 
-    cfg = load_config(args.config)
+    settings = load_settings(args.config)
     # what the run reads, which no output may replace, even with --force: the checkpoint (the demo
     # model's directory when none is named), the config, the history, the caches
     writes = args.dump_state or args.json not in (None, "-")
@@ -122,8 +122,8 @@ def _run(args) -> int:
         raise Ds4fError(f"--dump-state {args.dump_state} with --dump off: give one or the other")
     dump, report = _output_paths(args.dump_state, None if to_stdout else args.json, args.force, inputs)
     model = default_model(args, args.config)
-    history = History(cfg.history_path) if args.history else None
-    config = RunConfig(model=model, preset=args.preset or cfg.preset,
+    history = History(settings.history_path) if args.history else None
+    config = RunConfig(model=model, preset=args.preset or settings.engine.preset,
                        gen=DEFAULT_GEN if args.gen is None else args.gen,
                        prompt=_parse_prompt(args.prompt), io_threads=args.io_threads, kernel_threads=args.threads,
                        backend="scalar" if args.no_simd else args.backend, dump_path=dump,
@@ -268,9 +268,9 @@ def _diff(args) -> int:
 
 
 def _probe(args) -> int:
-    from ds4f.api import load_config, open_checkpoint, probe_floor
+    from ds4f.api import load_settings, open_checkpoint, probe_floor
 
-    threads = args.io_threads or load_config(args.config).io_threads
+    threads = args.io_threads or load_settings(args.config).engine.io_threads
     if threads < 1 or args.seconds <= 0:
         raise Ds4fError("--io-threads and --seconds must be positive")
     with open_checkpoint(default_model(args, args.config)) as ck:

@@ -72,17 +72,18 @@ class _Session:
     run at a time streamed to stdout."""
 
     def __init__(self, args) -> None:
-        from ds4f.api import EngineHost, GenerationDefaults, History, load_config
+        from ds4f.api import EngineHost, GenerationDefaults, History, load_settings
 
         self.args = args
-        self.cfg = load_config(args.config)
+        settings = load_settings(args.config)
+        self.cfg = settings.engine
         if not args.no_kv:
             self.cfg.kv_directory(args.kv_dir)     # a --kv-dir that is a file refused now, not said later
         self.model = default_model(args, args.config)
         defaults = GenerationDefaults.load(self.model) if Path(self.model).is_dir() else GenerationDefaults()
         self.seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
         self.sampling = self._sampling(defaults)
-        self.history = History(self.cfg.history_path) if args.history else None
+        self.history = History(settings.history_path) if args.history else None
         self.host = EngineHost()
         self.color = sys.stdout.isatty()
 

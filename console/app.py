@@ -8,7 +8,7 @@ costs the SSH link one screen diff per refresh period and keys stay responsive. 
 blocking calls (making the demo model, opening a checkpoint, diffing dumps) run in thread
 workers. The screens turn keys into messages (DashboardScreen.StartRun, HistoryScreen.OpenDiff,
 ...) that the app's on_<screen>_<message> handlers act on. The console never opens checkpoint
-files or calls kernels: it uses the engine only through ds4f.api (load_config,
+files or calls kernels: it uses the engine only through ds4f.api (load_settings,
 ensure_demo_model, start_run / Run with one EngineHost for the session, History, diff_states).
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from textual.app import App
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
-from ds4f.api import (DEFAULT_GEN, MAX_PARALLEL, Config, Ds4fError, EngineHost, History, RunRecord, checkpoint_summary, diff_states,
-                      ensure_demo_model, load_config, read_regular)
+from ds4f.api import (DEFAULT_GEN, MAX_PARALLEL, Ds4fError, EngineHost, History, RunRecord, Settings, checkpoint_summary,
+                      diff_states, ensure_demo_model, load_settings, read_regular)
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
 from .core.bindings import APP_BINDINGS
@@ -85,7 +85,7 @@ class Ds4fConsole(App):
         return super().pop_screen()
 
     def __init__(self, config_path: str | None = None, model: str | None = None, preset: str | None = None,
-                 *, gen: int | None = None, config: Config | None = None, history: History | None = None,
+                 *, gen: int | None = None, settings: Settings | None = None, history: History | None = None,
                  start_run: Callable | None = None, demo_factory: Callable | None = None,
                  diff_fn: Callable | None = None, validate_model: Callable | None | bool = None,
                  snapshot_source: Callable | None = None, refresh_s: float | None = None,
@@ -95,7 +95,7 @@ class Ds4fConsole(App):
         self._model_arg = model
         self._preset_arg = preset
         self._gen_arg = gen
-        self._config_given = config
+        self._settings_given = settings
         self._history_given = history
         self._start_run_fn = start_run or default_start_run
         self._demo_factory = demo_factory or ensure_demo_model
@@ -105,7 +105,7 @@ class Ds4fConsole(App):
         self._refresh_arg = refresh_s
         self._theme_arg = theme
         self.controller: Controller | None = None
-        self.config: Config | None = None
+        self.settings: Settings | None = None
         self.history: History | None = None
         self.refresh_s = refresh_s or 1.0
         self.frozen = False
@@ -163,37 +163,37 @@ class Ds4fConsole(App):
         screen that says what and where, and offers the demo model."""
         self.controller = None
         try:
-            if self._config_given is not None:
-                config = self._config_given
+            if self._settings_given is not None:
+                settings = self._settings_given
             else:
                 try:
-                    config = load_config(self._config_path)
+                    settings = load_settings(self._config_path)
                 except Ds4fError:
                     if not use_demo:
                         raise
-                    config = load_config(builtin_config_path())
+                    settings = load_settings(builtin_config_path())
         except Ds4fError as exc:
             where = self._config_path or "./ds4f.toml, then the user config directory, then the built-in defaults"
             self.show_error("The configuration could not be used", f"{exc}\n\nConfig lookup: {where}")
             return
-        self.config = config
+        self.settings = settings
         try:
-            self.history = self._history_given or History(config.history_path)
+            self.history = self._history_given or History(settings.history_path)
         except Ds4fError as exc:
             self.show_error("The run history could not be opened", str(exc), offer_demo=False)
             return
         remembered = self.history.get_setting("theme") if self._theme_arg is None else None
-        wanted = self._theme_arg or remembered or config.theme
+        wanted = self._theme_arg or remembered or settings.console.theme
         if wanted in self.available_themes:
             self.theme = wanted
         elif self._theme_arg is None and not remembered:
-            self.notify(f"{config.source}: console.theme: unknown theme {config.theme!r} "
+            self.notify(f"{settings.source}: console.theme: unknown theme {settings.console.theme!r} "
                         f"(have: {', '.join(THEME_NAMES)})", severity="warning", timeout=8)
         if self._refresh_arg is None:
-            self.refresh_s = config.refresh_s
-        model = "" if use_demo else (self._model_arg or config.model_path)
+            self.refresh_s = settings.console.refresh_s
+        model = "" if use_demo else (self._model_arg or settings.engine.model_path)
         try:
-            self.controller = Controller(config, self.history, model=model,
+            self.controller = Controller(settings, self.history, model=model,
                                          preset=self._preset_arg if self._preset_arg and not use_demo else "",
                                          gen=self._gen_arg or DEFAULT_GEN, start_run=self._start_run_fn,
                                          engines=self.engines,
@@ -205,7 +205,7 @@ class Ds4fConsole(App):
         self._booted = True
         if model:
             if self._validate is not None:
-                self._validate_model(model, "--model" if self._model_arg else f"model.path in {config.source}")
+                self._validate_model(model, "--model" if self._model_arg else f"model.path in {settings.source}")
             else:
                 self._model_ready(model)
         else:
@@ -626,7 +626,7 @@ class Ds4fConsole(App):
         if not isinstance(self.screen, HelpScreen):
             ctl = self.controller
             self.push_screen(HelpScreen(files=[
-                ("config", self.config.source if self.config else "—"),
+                ("config", self.settings.source if self.settings else "—"),
                 ("history", str(ctl.history.path) if ctl and ctl.history else "—"),
                 ("model", (ctl.model or "—") if ctl else "—"),
             ]))

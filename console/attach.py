@@ -16,7 +16,7 @@ from textual.app import App
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
-from ds4f.api import Ds4fError, History, load_config
+from ds4f.api import Ds4fError, History, load_settings
 from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEMES, next_theme, stylesheet_path
 
 from .core.bindings import APP_BINDINGS, ATTACH_SCREENS_FOR_HELP
@@ -96,20 +96,20 @@ class AttachConsole(App):
         """The theme (remembered in the history database, as the local console does) and the
         refresh period from ds4f.toml, when there is one; without, the defaults."""
         try:
-            config = load_config(self._config_path)
+            settings = load_settings(self._config_path)
         except Ds4fError as exc:
             if self._config_path:
                 self.notify(str(exc), severity="warning", timeout=8)
             return
-        self.config_source = config.source
+        self.config_source = settings.source
         if self._refresh_arg is None:
-            self.refresh_s = config.refresh_s
+            self.refresh_s = settings.console.refresh_s
         try:
-            self.history = History(config.history_path)
+            self.history = History(settings.history_path)
             remembered = self.history.get_setting("theme") if self._theme_arg is None else None
         except Ds4fError:
             self.history, remembered = None, None
-        wanted = self._theme_arg or remembered or config.theme
+        wanted = self._theme_arg or remembered or settings.console.theme
         if wanted in self.available_themes:
             self.theme = wanted
 

@@ -1,8 +1,13 @@
-"""ds4f.toml: presets, thread counts, model path, console settings.
+"""ds4f.toml: the file read and merged (read_config), and the engine's settings in it: [model],
+[engine], [presets], [kv] (load_config, Config).
 
 Lookup order: an explicit path, ./ds4f.toml, the user's config directory, the built-in
 defaults (the ds4f.toml shipped in the package). A user file is merged over the defaults,
 so it only needs the keys it changes. Every problem names the file and the key.
+
+The file's other sections are the front ends': ds4f.settings reads the whole file through
+read_config, naming their sections, and so refuses a section nobody reads; load_config alone
+reads the engine's sections and passes over the others.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ except ModuleNotFoundError:  # Python 3.10
 from ds4f.errors import Ds4fError
 from ds4f.native.kernels import BACKENDS, available_backends
 from ds4f.units import format_bytes
-from ds4f.paths import check_path_value, directory_problem, user_cache_dir, user_config_path, user_data_dir
+from ds4f.paths import check_path_value, directory_problem, user_cache_dir, user_config_path
 from ds4f.safe_read import read_regular_text
 
 BACKEND_NAMES = ("auto",) + BACKENDS  # what a config or a request may name
@@ -152,22 +157,6 @@ class KvSettings:
     write_budget: int = 0                # bytes written to `dir` a day; 0: no bound
 
 
-DUMP_MODES = ("full", "compact", "off")     # a run's state dump: every float, digests and sketches, none
-DUMP_KINDS = ("runs", "text", "server")    # [dump]'s keys: who starts the run
-
-
-@dataclass(frozen=True)
-class DumpSettings:
-    """[dump]: the state dump each kind of run writes, and the largest full dump a run may write."""
-    runs: str = "full"                     # ds4f run, the console's runs (short measured experiments)
-    text: str = "compact"                  # ds4f generate and chat, the console's chat
-    server: str = "off"                    # each request ds4f serve answers
-    full_limit: int = 2 * 10**9            # bytes; a full dump past it is refused before its run starts
-
-    def mode(self, kind: str) -> str:
-        return getattr(self, kind)
-
-
 @dataclass(frozen=True)
 class Config:
     source: str                          # the file the user's values came from ("built-in" if none)
@@ -177,17 +166,8 @@ class Config:
     kernel_threads: int                  # 0 = all cores
     backend: str
     probe_floor: bool
-    theme: str
-    refresh_s: float
-    history_path: str                    # resolved, never empty
     presets: dict[str, Preset] = field(default_factory=dict)
     kv: "KvSettings | None" = None       # the prefix cache ([kv]); None: off
-    server_parallel: int = 0             # [server] parallel: sequences `ds4f serve` steps together; 0 = auto
-    served_model_names: tuple[str, ...] = ()   # [server] served_model_name: the names `ds4f serve` answers to
-    operator_token: str = ""             # [server] operator_token: the operator endpoints' token ("": a random one)
-    operator_remote: bool = False        # [server] operator_remote: operator endpoints answer beyond loopback
-    dump: DumpSettings = field(default_factory=DumpSettings)   # [dump]
-    runs_budget: int = 20 * 10**9        # [runs] budget: bytes of the runs directory and the history together
 
     def default_backend(self) -> str:
         """The backend a run gets when it names none: engine.backend unless it is auto; else
@@ -244,18 +224,14 @@ def _parse_toml(text: str, source: str) -> dict:
         raise Ds4fError(f"{source}: not valid TOML: arrays or tables nested too deeply") from None
 
 
-_SCHEMA = {
+# The engine's sections: each key and the types its value may have ([presets] apart: a table of presets).
+SECTIONS = {
     "model": {"path": str},
     "engine": {"preset": str, "io_threads": int, "kernel_threads": int, "backend": str, "probe_floor": bool},
-    "console": {"theme": str, "refresh_s": (int, float)},
-    "history": {"path": str},
     "kv": {"enabled": bool, "ram": (str, int), "dir": str, "budget": (str, int), "block": int,
            "write_budget": (str, int)},
-    "server": {"parallel": int, "served_model_name": (str, list), "operator_token": str, "operator_remote": bool},
-    "dump": {"runs": str, "text": str, "server": str, "full_limit": (str, int)},
-    "runs": {"budget": (str, int)},
 }
-PATH_KEYS = (("model", "path"), ("history", "path"), ("kv", "dir"))   # checked at load: no NUL byte, not too long
+PATH_KEYS = (("model", "path"), ("kv", "dir"))   # checked at load: no NUL byte, not too long
 MAX_CONFIG_BYTES = 1 << 20     # a config file larger than this is refused unread
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
@@ -270,7 +246,9 @@ def _check_type(value, types, where: str):
         raise Ds4fError(f"{where}: expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
 
 
-def _merge(base: dict, over: dict, source: str) -> dict:
+def _merge(base: dict, over: dict, source: str, known: dict, strict: bool) -> dict:
+    """`over` merged over `base`, each key of the `known` sections checked for its type; a section
+    not known is refused (strict), else passed over."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for section, values in over.items():
         if section == "presets":
@@ -283,14 +261,16 @@ def _merge(base: dict, over: dict, source: str) -> dict:
                 presets[name] = {**presets.get(name, {}), **body}
             out["presets"] = presets
             continue
-        if section not in _SCHEMA:
-            raise Ds4fError(f"{source}: unknown section [{section}] (known: {', '.join([*_SCHEMA, 'presets'])})")
+        if section not in known:
+            if not strict:
+                continue
+            raise Ds4fError(f"{source}: unknown section [{section}] (known: {', '.join([*known, 'presets'])})")
         if not isinstance(values, dict):
             raise Ds4fError(f"{source}: [{section}] must be a table")
         for key, value in values.items():
-            if key not in _SCHEMA[section]:
-                raise Ds4fError(f"{source}: unknown key {section}.{key} (known: {', '.join(_SCHEMA[section])})")
-            _check_type(value, _SCHEMA[section][key], f"{source}: {section}.{key}")
+            if key not in known[section]:
+                raise Ds4fError(f"{source}: unknown key {section}.{key} (known: {', '.join(known[section])})")
+            _check_type(value, known[section][key], f"{source}: {section}.{key}")
             out.setdefault(section, {})[key] = value
     return out
 
@@ -329,25 +309,52 @@ def _preset(name: str, body: dict, source: str) -> Preset:
                   context=context, cache_limit=limit, prefill_chunk=chunk)
 
 
-def load_config(explicit: str | os.PathLike | None = None, *, check_dirs: bool = True) -> Config:
-    """Read the config in force (see the module docstring); raise Ds4fError naming file and key.
-    check_dirs=False: a [kv] dir that is a file is not refused (a run's own load: the command or
-    server that started it refused one at its start; a file put there since is said in the run's
-    log, and its states are kept in RAM only)."""
-    raw = _merge({}, _parse_toml(builtin_config_text(), "built-in ds4f.toml"), "built-in ds4f.toml")
+@dataclass(frozen=True)
+class ConfigFile:
+    """ds4f.toml as read: the built-in file with the user's merged over it, each key checked for its type."""
+    values: dict             # section -> key -> value; "presets": name -> its table
+    path: Path | None        # the user's file; None: the built-in one alone
+    source: str              # what messages name: the user's file, else "built-in ds4f.toml"
+
+
+def read_config(explicit: str | os.PathLike | None = None, sections: dict | None = None,
+                path_keys: tuple = ()) -> ConfigFile:
+    """The config in force (see the module docstring), read once: merged over the built-in file,
+    each key checked for its type and each path key for a usable path; raise Ds4fError naming file
+    and key. `sections` (section -> key -> the types a value may have) and `path_keys`: the other
+    readers' sections, known beside the engine's; with them a section nobody reads is refused,
+    without them the sections that are not the engine's are passed over."""
+    known, strict = {**SECTIONS, **(sections or {})}, sections is not None
+    builtin = "built-in ds4f.toml"
+    raw = _merge({}, _parse_toml(builtin_config_text(), builtin), builtin, known, strict)
     path = find_config(explicit)
-    source = "built-in ds4f.toml"
+    source = builtin
     if path is not None:
         source = str(path)
         # a regular file of at most MAX_CONFIG_BYTES, whatever st_size says (a FIFO would block, a
         # device never end); not UTF-8 is refused naming the byte
         text = read_regular_text(path, "config file", MAX_CONFIG_BYTES)
-        raw = _merge(raw, _parse_toml(text, source), source)
-    for section, key in PATH_KEYS:
+        raw = _merge(raw, _parse_toml(text, source), source, known, strict)
+    for section, key in (*PATH_KEYS, *path_keys):
         value = raw.get(section, {}).get(key)
         if value:
             check_path_value(value, f"{source}: {section}.{key}", param=f"{section}.{key}")
-    eng, con = raw["engine"], raw["console"]
+    return ConfigFile(values=raw, path=path, source=source)
+
+
+def load_config(explicit: str | os.PathLike | None = None, *, check_dirs: bool = True) -> Config:
+    """The engine's settings of the config in force (read_config; ds4f.settings.load_settings reads
+    them with the front ends'); raise Ds4fError naming file and key. check_dirs: as config_from."""
+    return config_from(read_config(explicit), check_dirs=check_dirs)
+
+
+def config_from(file: ConfigFile, *, check_dirs: bool = True) -> Config:
+    """The engine's settings in `file`, checked; raise Ds4fError naming file and key.
+    check_dirs=False: a [kv] dir that is a file is not refused (a run's own load: the command or
+    server that started it refused one at its start; a file put there since is said in the run's
+    log, and its states are kept in RAM only)."""
+    raw, path, source = file.values, file.path, file.source
+    eng = raw["engine"]
     presets = {name: _preset(name, body, source) for name, body in raw.get("presets", {}).items()}
     if not presets:
         raise Ds4fError(f"{source}: no presets defined")
@@ -360,53 +367,13 @@ def load_config(explicit: str | os.PathLike | None = None, *, check_dirs: bool =
     if not 0 <= eng["kernel_threads"] <= MAX_THREADS:
         raise Ds4fError(f"{source}: engine.kernel_threads: must be between 0 (all cores) and {MAX_THREADS},"
                         f" got {eng['kernel_threads']}")
-    if not 0.05 <= float(con["refresh_s"]) <= 60:  # (also false for NaN)
-        raise Ds4fError(f"{source}: console.refresh_s: must be between 0.05 and 60 seconds, got {con['refresh_s']}")
     model_path = raw["model"]["path"]
     if model_path and path is not None and not os.path.isabs(os.path.expanduser(model_path)):
         model_path = str((path.parent / model_path))  # relative to the config file
-    history = raw["history"]["path"] or str(user_data_dir() / "history.sqlite3")
     kv = _kv_settings(raw["kv"], source, path, check_dirs)
-    parallel = raw["server"]["parallel"]
-    if not 0 <= parallel <= MAX_PARALLEL:
-        raise Ds4fError(f"{source}: server.parallel: must be between 0 (as many as the memory plan fits, at most"
-                        f" {DEFAULT_PARALLEL}) and {MAX_PARALLEL} sequences, got {parallel}")
-    names = raw["server"].get("served_model_name", [])
-    names = [names] if isinstance(names, str) else names
-    if not all(isinstance(n, str) and n and not any(c.isspace() for c in n) for n in names) \
-            or len(set(names)) != len(names):
-        raise Ds4fError(f"{source}: server.served_model_name: a name, or a list of names (each without spaces,"
-                        f" none twice), got {raw['server']['served_model_name']!r}")
     return Config(source=source, model_path=os.path.expanduser(model_path), preset=eng["preset"],
                   io_threads=eng["io_threads"], kernel_threads=eng["kernel_threads"], backend=eng["backend"],
-                  probe_floor=eng["probe_floor"], theme=con["theme"], refresh_s=float(con["refresh_s"]),
-                  history_path=os.path.expanduser(history), presets=presets, kv=kv, server_parallel=parallel,
-                  served_model_names=tuple(names), operator_token=raw["server"].get("operator_token", ""),
-                  operator_remote=raw["server"].get("operator_remote", False),
-                  dump=_dump_settings(raw["dump"], source), runs_budget=_runs_budget(raw["runs"], source))
-
-
-MIN_RUNS_BUDGET = 10**6    # [runs] budget: less holds no run's report
-
-
-def _runs_budget(runs: dict, source: str) -> int:
-    size = parse_budget(runs["budget"], f"{source}: runs.budget")
-    if size.nbytes is None:
-        raise Ds4fError(f"{source}: runs.budget: a size like '20 GB', not a fraction, got {runs['budget']!r}")
-    if size.nbytes < MIN_RUNS_BUDGET:
-        raise Ds4fError(f"{source}: runs.budget: at least 1 MB (a run's report alone takes tens of KB), got"
-                        f" {runs['budget']!r}")
-    return size.nbytes
-
-
-def _dump_settings(dump: dict, source: str) -> DumpSettings:
-    for kind in DUMP_KINDS:
-        if dump[kind] not in DUMP_MODES:
-            raise Ds4fError(f"{source}: dump.{kind}: {' | '.join(DUMP_MODES)}, got {dump[kind]!r}")
-    limit = parse_budget(dump["full_limit"], f"{source}: dump.full_limit")
-    if limit.nbytes is None:
-        raise Ds4fError(f"{source}: dump.full_limit: a size like '2 GB', not a fraction, got {dump['full_limit']!r}")
-    return DumpSettings(**{k: dump[k] for k in DUMP_KINDS}, full_limit=limit.nbytes)
+                  probe_floor=eng["probe_floor"], presets=presets, kv=kv)
 
 
 def check_kv_dir(where: str, source: str, param: str) -> str:

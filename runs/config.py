@@ -9,8 +9,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ds4f.engine.config import (BACKEND_NAMES, DEFAULT_GEN, DUMP_MODES, MAX_CHUNK, MAX_GEN, MAX_THREADS, Config,
-                                Preset, format_bytes)
+from ds4f.engine.config import BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_THREADS, Preset, format_bytes
 from ds4f.engine.batch import batched_chunk
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
@@ -21,6 +20,7 @@ from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.paths import user_data_dir
 from ds4f.runs.budget import planned_bytes, runs_budget_for
 from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, record_nbytes, report_path_for, sweep_run_dirs
+from ds4f.settings import DUMP_MODES, Settings
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 
@@ -70,16 +70,16 @@ class RunConfig:
                                              # (engine.text.constraint); None: free text
 
 
-def checked(config: RunConfig, cfg: Config) -> RunConfig:
-    """`config` with its backend resolved (None: ds4f.toml's), once every setting that needs no
-    file is in range; else a Ds4fError naming the first that is not."""
+def checked(config: RunConfig, settings: Settings) -> RunConfig:
+    """`config` with its backend and dump resolved (None: ds4f.toml's), once every setting that
+    needs no file is in range; else a Ds4fError naming the first that is not."""
     if isinstance(config.gen, bool) or not isinstance(config.gen, int) or not 1 <= config.gen <= MAX_GEN:
         raise Ds4fError(f"gen: must be a number of tokens from 1 to {MAX_GEN}, got {config.gen!r}", param="gen")
     if config.backend is None:
-        config = replace(config, backend=cfg.default_backend())
+        config = replace(config, backend=settings.engine.default_backend())
     if config.dump is None:
         text = config.text is not None or config.messages is not None
-        config = replace(config, dump=cfg.dump.mode("text" if text else "runs"))
+        config = replace(config, dump=settings.dump.mode("text" if text else "runs"))
     if config.dump not in DUMP_MODES:
         raise Ds4fError(f"dump: {' | '.join(DUMP_MODES)}, got {config.dump!r}", param="dump")
     check_backend(config.backend)
@@ -112,11 +112,11 @@ def check_threads(**counts: int | None) -> None:
             raise Ds4fError(f"{name}: must be between 1 and {MAX_THREADS}, got {value!r}", param=name)
 
 
-def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset, cfg: Config | None = None
-               ) -> None:
+def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: Preset,
+               settings: Settings | None = None) -> None:
     """The prompt and the tokens to generate fit the run: a checkpoint with attention (or
     moe_only), positions within the preset's context, then a full state dump within [dump]
-    full_limit (`cfg`'s)."""
+    full_limit and the run's files within [runs] budget (`settings`')."""
     g = checkpoint.geometry
     if g.attention is None and not config.moe_only:
         raise Ds4fError(f"model: {config.model}: its config.json has no attention settings (num_attention_heads,"
@@ -129,27 +129,27 @@ def check_fits(config: RunConfig, checkpoint, prompt: tuple[int, ...], preset: P
                         + " (spec auto runs plainly where there is none)", param="spec")
     if g.attention is not None:
         check_context(len(prompt), config.gen, preset)
-    if config.dump == "full" and cfg is not None:
+    if config.dump == "full" and settings is not None:
         steps = len(prompt) - 1 + config.gen
         nbytes = steps * record_nbytes(g.to_config(), "full")
-        if nbytes > cfg.dump.full_limit:
+        if nbytes > settings.dump.full_limit:
             raise Ds4fError(f"dump: a full state dump of {steps} tokens would be {format_bytes(nbytes)}"
                             f" ({format_bytes(nbytes / steps)} a token), past [dump] full_limit of"
-                            f" {format_bytes(cfg.dump.full_limit)} in {cfg.source}: ask for a compact dump"
+                            f" {format_bytes(settings.dump.full_limit)} in {settings.source}: ask for a compact dump"
                             f" (--dump compact), or raise full_limit", param="dump")
-    if config.dump != "off" and config.dump_path is None and cfg is not None:
-        check_runs_budget(config, g.to_config(), prompt, cfg)
+    if config.dump != "off" and config.dump_path is None and settings is not None:
+        check_runs_budget(config, g.to_config(), prompt, settings)
 
 
-def check_runs_budget(config: RunConfig, geometry: dict, prompt: tuple[int, ...], cfg: Config) -> None:
+def check_runs_budget(config: RunConfig, geometry: dict, prompt: tuple[int, ...], settings: Settings) -> None:
     """A run whose files in the runs directory (its state dump and report) would alone pass
     [runs] budget is refused before it starts, naming the sizes and the setting."""
     steps = len(prompt) - 1 + config.gen
     nbytes = planned_bytes(geometry, config.dump, len(prompt), steps, text_chars(config))
-    if nbytes > cfg.runs_budget:
+    if nbytes > settings.runs_budget:
         raise Ds4fError(f"dump: a {config.dump} state dump of {steps} tokens and its report would take up to"
                         f" {format_bytes(nbytes)} in the runs directory, past [runs] budget of"
-                        f" {format_bytes(cfg.runs_budget)} in {cfg.source}: ask for a smaller dump (--dump compact"
+                        f" {format_bytes(settings.runs_budget)} in {settings.source}: ask for a smaller dump (--dump compact"
                         f" or off), or raise the budget", param="dump")
 
 
@@ -292,9 +292,10 @@ def kv_of(config: RunConfig, cfg):
 
 
 # -- a run's settings and its state dump's writer (runs.run.Run: set up once, before its thread) ----
-def settle(run, cfg) -> None:
+def settle(run, settings: Settings) -> None:
     """The settings the run goes by: what the RunConfig leaves open, from the preset and
-    ds4f.toml (`cfg`); the text's end; where its files go."""
+    ds4f.toml (`settings`); the text's end; where its files go."""
+    cfg = settings.engine
     config, preset, tokenizer, prompt = run.config, run.preset, run.tokenizer, run.prompt
     # a prompt of one token has nothing to prefill (and needs no chunk buffers)
     chunk = preset.prefill_chunk if config.prefill_chunk is None else config.prefill_chunk
@@ -315,7 +316,7 @@ def settle(run, cfg) -> None:
     run.dump_mode = config.dump          # full | compact | off (checked() resolved it)
     # the runs directory's budget ([runs] budget): its files there and the history together
     history_path = getattr(run.history, "path", None)
-    run._budget = runs_budget_for(user_data_dir() / "runs", cfg.runs_budget, history_path, cfg.source) \
+    run._budget = runs_budget_for(user_data_dir() / "runs", settings.runs_budget, history_path, settings.source) \
         if history_path is not None or (run.dump_mode != "off" and not config.dump_path) else None
     run._reservation = None    # its room in the runs directory (reserve_room), once reserved
     if run.dump_mode == "off":           # no state dump, no report file: the report is in memory and the history

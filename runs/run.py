@@ -28,7 +28,7 @@ from dataclasses import asdict
 import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import Preset, load_config
+from ds4f.engine.config import Preset
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
@@ -47,6 +47,7 @@ from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
 from ds4f.runs.report import fail_run, finish_bytes, finish_run
 from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, snapshot_of
 from ds4f.runs.statedump import StateWriter
+from ds4f.settings import load_settings
 
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
@@ -75,15 +76,16 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
 
     engines: keep the engine loaded after the run for the next one (see EngineHost).
     on_token: called in the run's thread after each token with its TokenRecord (keep it short)."""
-    cfg = load_config(config.config_path, check_dirs=False)   # a [kv] dir gone bad since: RAM only, logged
+    settings = load_settings(config.config_path, check_dirs=False)   # a [kv] dir gone bad since: RAM only, logged
+    cfg = settings.engine
     preset = config.preset if isinstance(config.preset, Preset) else cfg.get_preset(config.preset)
-    config = checked(config, cfg)
+    config = checked(config, settings)
     checkpoint = open_checkpoint(config.model)
     try:
         kept = kept_tokens_for(config, kv_of(config, cfg), checkpoint, engines)
         prompt, tokenizer = prompt_of(config, checkpoint, kept)
         config = fitted(config, prompt, preset)
-        check_fits(config, checkpoint, prompt, preset, cfg)
+        check_fits(config, checkpoint, prompt, preset, settings)
         if config.response_format is not None:     # its grammar compiled for the tokenizer now, kept for the run
             prepare(tokenizer, config.response_format)
         if isinstance(config.spec, int) and engines is not None and engines.parallel > 1:
@@ -100,7 +102,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
             more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
             raise Ds4fError(f"run {live[0].id}{more} is still active; stop it first"
                             + (f": {parallel} sequences step together at most" if parallel > 1 else ""), kind="busy")
-        run = Run(config, cfg, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
+        run = Run(config, settings, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
         _active[:] = live + [run]
     try:
         reserve_room(run)      # room in the runs directory for its files, or refused now
@@ -115,7 +117,7 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
 
 
 class Run:
-    def __init__(self, config: RunConfig, cfg, preset, checkpoint, prompt, history, engines=None,
+    def __init__(self, config: RunConfig, settings, preset, checkpoint, prompt, history, engines=None,
                  on_token=None, tokenizer=None) -> None:
         self.id = _new_run_id()
         self.engines = engines
@@ -128,7 +130,7 @@ class Run:
         self.history = history
         self.n_steps = len(prompt) - 1 + config.gen
         self.tokenizer = tokenizer
-        settle(self, cfg)
+        settle(self, settings)
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self._done = threading.Event()

@@ -81,7 +81,7 @@ def run_config(ask: Ask, svc) -> RunConfig:
                      kernel_threads=svc.kernel_threads, io_threads=svc.io_threads,
                      config_path=svc.options.config_path, sampling=ask.sampling, kv_dir=svc.options.kv_dir,
                      reuse_prefix=svc.options.reuse_prefix, spec=svc.options.spec,
-                     dump=svc.options.dump or svc.cfg.dump.server, **ask.fields)
+                     dump=svc.options.dump or svc.settings.dump.server, **ask.fields)
 
 
 def ended_badly(run) -> HttpError | None:

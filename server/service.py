@@ -39,7 +39,7 @@ from ds4f import __version__
 from ds4f.api import (kv_directory_usage, DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
                       open_checkpoint, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
-                      load_config, report_file, runs_budget_for, user_data_dir)
+                      load_settings, report_file, runs_budget_for, user_data_dir)
 from ds4f.api import start_run as api_start_run
 from ds4f.api import parse_spec
 
@@ -125,7 +125,8 @@ class Service:
 
     def __init__(self, options: ServerOptions, start_run=None):
         self.options = options
-        self.cfg = load_config(options.config_path)
+        self.settings = load_settings(options.config_path)
+        self.cfg = self.settings.engine       # ds4f.toml's engine settings: presets, threads, backend, [kv]
         if options.reuse_prefix:
             self.cfg.kv_directory(options.kv_dir)  # a --kv-dir that is a file refused at start
         self.preset = self.cfg.get_preset(options.preset).name
@@ -136,11 +137,11 @@ class Service:
         self.io_mode = summary["io_mode"]
         folder = Path(self.model).resolve().name or "ds4f"
         # the names requests may give as `model`; the first is the one listed and reported
-        self.model_names = options.served_model_names or self.cfg.served_model_names or (folder,)
+        self.model_names = options.served_model_names or self.settings.server.served_model_names or (folder,)
         self.model_id = self.model_names[0]
         self._model_names = {*self.model_names, folder}
         self.generation_defaults = GenerationDefaults.load(self.model)   # sampling a request leaves out
-        self.history = History(self.cfg.history_path)
+        self.history = History(self.settings.history_path)
         self.run_history = RecordingHistory(self.history)   # what runs record themselves in
         self.backends = list(available_backends())
         self.best_backend = best_backend()
@@ -162,10 +163,10 @@ class Service:
         self.draining = False
         self._drained_said = False
         self._cancelled_by: dict[str, str] = {}    # run id -> who cancelled it (an operator, DELETE)
-        token = options.operator_token
-        if token is None and self.cfg.operator_token:
-            token = check_token(self.cfg.operator_token, f"{self.cfg.source}: server.operator_token")
-        remote = options.operator_remote if options.operator_remote is not None else self.cfg.operator_remote
+        token, server = options.operator_token, self.settings.server
+        if token is None and server.operator_token:
+            token = check_token(server.operator_token, f"{self.settings.source}: server.operator_token")
+        remote = options.operator_remote if options.operator_remote is not None else server.operator_remote
         self.operator = OperatorAuth(token, remote, options.operator_token_dir)
         self.events = EventHub(self._events_snapshot, self._hello, options.watcher_queue, options.max_watchers)
         self.loop: asyncio.AbstractEventLoop | None = None   # the server's, from its startup
@@ -184,7 +185,7 @@ class Service:
     def _parallel(self) -> int:
         """--parallel, else [server] parallel, else as many as the memory plan fits (at most
         DEFAULT_PARALLEL); a number beyond what the plan fits is refused with the figures."""
-        asked = self.options.parallel or self.cfg.server_parallel
+        asked = self.options.parallel or self.settings.server.parallel
         preset = self.cfg.get_preset(self.preset)
         ram = int(psutil.virtual_memory().total)
         prefix_ram = self.cfg.kv.ram_bytes if self.cfg.kv is not None else 0
@@ -855,7 +856,7 @@ class Service:
                        "body_timeout_s": self.options.body_timeout_s},
             "run": snapshot_view(snap, run.config.gen) if snap is not None else None,
             "last_report": self._last_report,
-            "dump": self.options.dump or self.cfg.dump.server,
+            "dump": self.options.dump or self.settings.dump.server,
             "prefix_cache": self._prefix_cache_view(),
             "runs_dir": self._runs_dir_view(),
             "kv": self._kv_view(),
@@ -868,8 +869,8 @@ class Service:
         across processes, at most a second old), the budget, and the runs whose files this server
         removed to keep within it; None if it cannot be read."""
         try:
-            return runs_budget_for(user_data_dir() / "runs", self.cfg.runs_budget, self.history.path,
-                                   self.cfg.source).figures()
+            return runs_budget_for(user_data_dir() / "runs", self.settings.runs_budget, self.history.path,
+                                   self.settings.source).figures()
         except (OSError, Ds4fError):
             return None
 

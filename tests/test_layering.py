@@ -267,6 +267,7 @@ LAYERS = (
     ("base", ("ds4f.errors", "ds4f.paths", "ds4f.safe_read", "ds4f.partials", "ds4f.units", "ds4f.themes")),
     ("native", ("ds4f.native",)),
     ("engine", ("ds4f.engine",)),          # inference: weights in, logits out
+    ("settings", ("ds4f.settings",)),      # ds4f.toml whole: the engine's settings and the front ends'
     ("cachelab", ("ds4f.cachelab",)),      # traces, policies' replay, Belady
     ("runs", ("ds4f.runs",)),              # a measured run and its artifacts
     ("bench", ("ds4f.bench",)),            # the benchmarks

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ds4f import api
-from ds4f.api import Config, Ds4fError, EngineHost, History, RunConfig, RunRecord, Snapshot
+from ds4f.api import Config, Ds4fError, EngineHost, History, RunConfig, RunRecord, Settings, Snapshot
 
 from .chat import CHECKING, Chat, TextSupport
 
@@ -46,7 +46,7 @@ SPEC_MODES = ("off", "auto", "1", "2", "3")   # what the spec key cycles through
 
 @dataclass
 class Controller:
-    config: Config
+    settings: Settings                     # ds4f.toml: the engine's settings (config) and [runs] budget
     history: History | None
     model: str = ""
     preset: str = ""
@@ -66,6 +66,11 @@ class Controller:
     seen_tokens: dict[str, int] = field(default_factory=dict)
     chat: Chat = field(default_factory=Chat)               # the conversation and the prompt mode
     text: TextSupport = CHECKING                           # whether the model reads and writes text
+
+    @property
+    def config(self) -> Config:
+        """ds4f.toml's engine settings: presets, threads, backend."""
+        return self.settings.engine
 
     def __post_init__(self) -> None:
         self.preset = self.preset or self.config.preset
@@ -236,8 +241,8 @@ class Controller:
         if self.history is None:
             return None
         try:
-            return api.runs_budget_for(api.user_data_dir() / "runs", self.config.runs_budget, self.history.path,
-                                       self.config.source).figures()
+            return api.runs_budget_for(api.user_data_dir() / "runs", self.settings.runs_budget, self.history.path,
+                                       self.settings.source).figures()
         except (OSError, Ds4fError):
             return None
 

@@ -242,7 +242,7 @@ async def test_a_checkpoint_without_tokenizer_disables_the_prompt(tiny_model, hi
 @async_test
 async def test_the_demo_model_is_said_to_write_noise(tiny_model, history_path, tmp_path):
     # no model configured: the console makes (here: is handed) the demo model
-    app = Ds4fConsole(config=None, model=None, history=History(history_path), refresh_s=0.1,
+    app = Ds4fConsole(settings=None, model=None, history=History(history_path), refresh_s=0.1,
                       demo_factory=lambda progress=None: tiny_model)
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: app.controller is not None and app.controller.model == str(tiny_model), 30,

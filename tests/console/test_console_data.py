@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ds4f.engine.config import load_config
 from ds4f.runs.history import History
 from ds4f.runs.snapshot import Snapshot, TokenRecord
+from ds4f.settings import load_settings
 
 GiB = 2**30
 MODEL = "/srv/models/ds4f-mxfp4"
 
 
-def builtin_config():
-    return load_config(Path(str(resources.files("ds4f").joinpath("ds4f.toml"))))
+def builtin_settings():
+    return load_settings(Path(str(resources.files("ds4f").joinpath("ds4f.toml"))))
 
 
 def fixed_tokens(n: int = 24, switch_at: int | None = 14) -> tuple[TokenRecord, ...]:

@@ -429,7 +429,7 @@ async def test_bad_config_error_screen(tmp_path, history_path):
         await pilot.press("d")  # the demo model, with the built-in config
         await wait_for(pilot, lambda: app.controller is not None and app.controller.model == str(tmp_path), 30,
                        "the demo")
-        assert app.config.source == "built-in ds4f.toml" or app.config.source.endswith("ds4f.toml")
+        assert app.settings.source == "built-in ds4f.toml" or app.settings.source.endswith("ds4f.toml")
 
 
 @async_test
@@ -444,7 +444,7 @@ async def test_first_launch_makes_the_demo_then_reuses_it(tmp_path, history_path
         return ensure_demo_model(progress, root=root, geometry="tiny")
 
     for launch in range(2):
-        app = Ds4fConsole(config=None, model=None, history=History(history_path), demo_factory=factory,
+        app = Ds4fConsole(settings=None, model=None, history=History(history_path), demo_factory=factory,
                           refresh_s=0.1)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.controller is not None, 30, "boot")

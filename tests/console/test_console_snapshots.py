@@ -18,7 +18,7 @@ from ds4f.console.app import Ds4fConsole
 from ds4f.console.core.controller import Controller
 from ds4f.console.screens import DiffScreen
 
-from test_console_data import MODEL, builtin_config, fixed_diff, fixed_history, fixed_snapshot
+from test_console_data import MODEL, builtin_settings, fixed_diff, fixed_history, fixed_snapshot
 
 SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
 
@@ -50,8 +50,10 @@ def make_app(tmp_path, snap="running", theme=None, diff="low-bit", **changes) ->
     snapshot = None if snap is None else fixed_snapshot(snap, **changes)
     # fixed settings, so the status line does not depend on this machine's CPU (best backend, cores)
     # nor on the engine's default token count
-    config = dataclasses.replace(builtin_config(), backend="avx2", kernel_threads=16, io_threads=8)
-    return Ds4fConsole(config=config, history=history, model=MODEL, validate_model=False, gen=16,
+    settings = builtin_settings()
+    settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, backend="avx2",
+                                                                        kernel_threads=16, io_threads=8))
+    return Ds4fConsole(settings=settings, history=history, model=MODEL, validate_model=False, gen=16,
                        snapshot_source=lambda: snapshot, diff_fn=lambda a, b: fixed_diff(diff), theme=theme)
 
 

@@ -20,7 +20,7 @@ from ds4f.console.bench import count_refresh_bytes
 APP = """
 import dataclasses, itertools, os, sys, tempfile
 sys.path.insert(0, {tests!r})
-from test_console_data import MODEL, builtin_config, fixed_history, fixed_snapshot
+from test_console_data import MODEL, builtin_settings, fixed_history, fixed_snapshot
 from ds4f.console.app import Ds4fConsole
 from ds4f.console.bench import reporting_source
 snap = fixed_snapshot()
@@ -31,7 +31,7 @@ def source():
         return dataclasses.replace(snap, tokens_done=n % 32, elapsed_s=n * 1.0)
     return snap
 history = fixed_history(os.path.join(tempfile.mkdtemp(), "h.sqlite3"))
-Ds4fConsole(config=builtin_config(), history=history, model=MODEL, validate_model=False,
+Ds4fConsole(settings=builtin_settings(), history=history, model=MODEL, validate_model=False,
             snapshot_source=reporting_source(source), refresh_s=1.0, theme="ds4f-dark").run()
 """
 

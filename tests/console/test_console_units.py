@@ -10,7 +10,7 @@ from ds4f.errors import Ds4fError
 from ds4f.runs.history import History
 from ds4f.themes import THEME_NAMES, THEMES, next_theme, stylesheet_text
 
-from test_console_data import builtin_config, fixed_history, fixed_snapshot, fixed_tokens
+from test_console_data import builtin_settings, fixed_history, fixed_snapshot, fixed_tokens
 
 
 def test_thresholds():
@@ -80,7 +80,7 @@ def test_themes_and_stylesheet():
 
 
 def _controller(tmp_path, **kw):
-    return Controller(builtin_config(), History(tmp_path / "h.db"), model="/m", **kw)
+    return Controller(builtin_settings(), History(tmp_path / "h.db"), model="/m", **kw)
 
 
 def test_controller_settings(tmp_path):
@@ -132,7 +132,7 @@ def test_controller_toggle_without_a_run(tmp_path):
 
 
 def test_controller_needs_a_model(tmp_path):
-    c = Controller(builtin_config(), None, model="")
+    c = Controller(builtin_settings(), None, model="")
     with pytest.raises(Ds4fError, match="no model"):
         c.start()
 
@@ -279,8 +279,8 @@ def test_the_runs_directory_against_its_budget_as_the_history_screen_says_it(tmp
     """Controller.runs_dir_figures reads the real runs directory (its files on disk and the
     history) against [runs] budget; runs_dir_text says it in one line."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    config = dataclasses.replace(builtin_config(), runs_budget=4 * 10**6)
-    c = Controller(config, History(tmp_path / "h.db"), model="/m")
+    settings = dataclasses.replace(builtin_settings(), runs_budget=4 * 10**6)
+    c = Controller(settings, History(tmp_path / "h.db"), model="/m")
     run_dir = tmp_path / "xdg" / "ds4f" / "runs" / "19990101-000000-abcd"
     run_dir.mkdir(parents=True)
     (run_dir / "state.bin").write_bytes(b"s" * 1_500_000)
@@ -291,4 +291,4 @@ def test_the_runs_directory_against_its_budget_as_the_history_screen_says_it(tmp
     assert line.startswith("runs dir 1.") and "MiB of 3.8 MiB (" in line and "removed" not in line, line
     assert F.runs_dir_text({**fig, "removed": 3, "history_rows_removed": 1}).endswith(
         " · 3 old runs' files removed · 1 old record removed")
-    assert F.runs_dir_text(None) == "" and Controller(config, None, model="/m").runs_dir_figures() is None
+    assert F.runs_dir_text(None) == "" and Controller(settings, None, model="/m").runs_dir_figures() is None

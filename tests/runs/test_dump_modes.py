@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import load_config
 from ds4f.errors import Ds4fError
 from ds4f.runs.config import RunConfig
 from ds4f.runs.history import History
@@ -13,6 +12,7 @@ from ds4f.runs.host import EngineHost
 from ds4f.runs.prefix import RECORDS
 from ds4f.runs.run import start_run
 from ds4f.runs.statedump import read_state, record_nbytes
+from ds4f.settings import load_settings
 
 Q1 = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is an expert cache?"}]
 Q2 = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Why keep it warm?"}]
@@ -91,7 +91,7 @@ def test_a_bad_dump_setting_names_the_file_and_key(tmp_path, key, value, says):
     cfg = tmp_path / "ds4f.toml"
     cfg.write_text(f"[dump]\n{key} = {value}\n")
     with pytest.raises(Ds4fError) as err:
-        load_config(cfg)
+        load_settings(cfg)
     assert str(cfg) in str(err.value) and says in str(err.value), str(err.value)
 
 

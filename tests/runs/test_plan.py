@@ -14,6 +14,7 @@ from ds4f.engine.model.geometry import GEOMETRIES
 from ds4f.runs.plan import OS_HEADROOM, memory_plan
 from ds4f.runs.config import RunConfig
 from ds4f.runs.run import start_run
+from ds4f.settings import load_settings
 
 
 def _cli(*args, cwd=None):
@@ -113,12 +114,12 @@ def test_plan_parallel_prints_the_sequences_and_refuses_nonsense():
 def test_server_parallel_in_the_config(tmp_path):
     path = tmp_path / "ds4f.toml"
     path.write_text("[server]\nparallel = 3\n")
-    assert load_config(str(path)).server_parallel == 3
-    assert load_config(None).server_parallel == 0       # auto
+    assert load_settings(str(path)).server.parallel == 3
+    assert load_settings(None).server.parallel == 0       # auto
     for bad in ("-1", "65", '"four"'):
         path.write_text(f"[server]\nparallel = {bad}\n")
         with pytest.raises(Ds4fError, match="server.parallel"):
-            load_config(str(path))
+            load_settings(str(path))
 
 
 def test_the_plan_with_speculation_counts_what_the_mtp_layer_holds(tmp_path):

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from ds4f.engine.config import load_config
 from ds4f.errors import Ds4fError
 from ds4f.runs.budget import RESERVATION, disk_usage, runs_budget_for
 from ds4f.runs.config import RunConfig
 from ds4f.runs.history import History
 from ds4f.runs.run import start_run
 from ds4f.runs.statedump import read_state
+from ds4f.settings import load_settings
 
 MB = 10**6
 
@@ -176,7 +176,7 @@ def test_a_bad_runs_budget_names_the_file_and_key(tmp_path, value, says):
     cfg = tmp_path / "ds4f.toml"
     cfg.write_text(f"[runs]\nbudget = {value}\n")
     with pytest.raises(Ds4fError) as err:
-        load_config(cfg)
+        load_settings(cfg)
     assert str(cfg) in str(err.value) and "runs.budget" in str(err.value) and says in str(err.value), str(err.value)
 
 
