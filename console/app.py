@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from textual import work
-from textual.app import App
+from textual import events, work
+from textual.app import App, ScreenStackError
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
@@ -83,6 +83,15 @@ class Ds4fConsole(App):
 
             return AwaitComplete(nothing()).call_next(self)
         return super().pop_screen()
+
+    async def on_event(self, event: events.Event) -> None:
+        """Textual's, except for input still queued as the console closes (the rest of a key burst,
+        handled after the screens were taken down): it finds no screen to go to, and is dropped."""
+        try:
+            await super().on_event(event)
+        except ScreenStackError:
+            if self.screen_stack or not isinstance(event, (events.InputEvent, events.Paste)):
+                raise
 
     def __init__(self, config_path: str | None = None, model: str | None = None, preset: str | None = None,
                  *, gen: int | None = None, settings: Settings | None = None, history: History | None = None,
@@ -256,15 +265,21 @@ class Ds4fConsole(App):
     def _demo_ready(self, screen: SetupScreen, path: str) -> None:
         if self.controller is not None:
             self.controller.model = path
-        if screen.is_current:
-            self.pop_screen()
+        self._close_setup(screen)
         self.log_event(f"demo model ready: {path}", "dim")
         self._model_ready(path, demo=True)
 
     def _demo_failed(self, screen: SetupScreen, message: str) -> None:
-        if screen.is_current:
-            self.pop_screen()
+        self._close_setup(screen)
         self.show_error("The demo model could not be made", message, offer_demo=False)
+
+    def _close_setup(self, screen: SetupScreen) -> None:
+        """Take the first-launch screen off the stack, with what was opened over it (the palette,
+        the help): what comes next goes over the dashboard."""
+        if screen in self.screen_stack:
+            while self.screen is not screen:
+                self.pop_screen()
+            self.pop_screen()
 
     def _model_ready(self, model: str, demo: bool = False) -> None:
         """The checkpoint opened: show it, and find out whether it reads and writes text."""

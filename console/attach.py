@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from textual.app import App
+from textual import events
+from textual.app import App, ScreenStackError
 from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
@@ -79,6 +80,15 @@ class AttachConsole(App):
 
             return AwaitComplete(nothing()).call_next(self)
         return super().pop_screen()
+
+    async def on_event(self, event: events.Event) -> None:
+        """Textual's, except for input still queued as the console closes (the rest of a key burst,
+        handled after the screens were taken down): it finds no screen to go to, and is dropped."""
+        try:
+            await super().on_event(event)
+        except ScreenStackError:
+            if self.screen_stack or not isinstance(event, (events.InputEvent, events.Paste)):
+                raise
 
     @property
     def dashboard(self) -> AttachedScreen:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 
 from textual import work
+from textual.await_complete import AwaitComplete
 from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider
 from textual.css.query import NoMatches
 
@@ -64,14 +65,24 @@ def open_palette(app) -> None:
 
 
 class ConsolePalette(CommandPalette):
-    """Textual's command palette, except that its search worker ends quietly when the palette was
-    closed under it (a key burst: typed letters, then Escape, before the search ran), instead of
-    failing the worker, and the console with it, on the palette's vanished option list."""
+    """Textual's command palette, made safe against key bursts:
+
+    - its search worker ends quietly when the palette was closed under it (typed letters, then
+      Escape, before the search ran; or the console closing), instead of failing the worker, and
+      the console with it, on the palette's vanished option list;
+    - it closes only while it is the top screen: an Enter or Escape of a burst handled after it
+      closed (Textual's palette dismisses itself once more then) would close the screen on top
+      instead, a later palette or the help."""
 
     @work(exclusive=True, group=CommandPalette._GATHER_COMMANDS_GROUP)
     async def _gather_commands(self, search_value: str) -> None:
         try:
             await CommandPalette._gather_commands.__wrapped__(self, search_value)
         except NoMatches:
-            if self.is_attached and self.is_current:
+            if self.app.is_running and self.is_attached and self.is_current:
                 raise      # the palette is still there: a real problem
+
+    def dismiss(self, result=None) -> AwaitComplete:
+        if not self.is_active:
+            return AwaitComplete.nothing()
+        return super().dismiss(result)

@@ -195,5 +195,5 @@ class AttachErrorScreen(Screen[str]):
         self.post_message(self.Retry(self.index))
 
     def action_back_to_tabs(self) -> None:
-        if self.is_current and self.several:
+        if self.is_active and self.several:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss("back")

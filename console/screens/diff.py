@@ -169,8 +169,9 @@ class DiffScreen(Screen):
         self.query_one("#sides", Static).update(table)
 
     def action_back(self) -> None:
-        if self.is_current:   # a second key of a burst finds it gone
+        if self.is_active:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss()
 
     def action_swap(self) -> None:
-        self.app.switch_screen(DiffScreen(self.b, self.a, diff_fn=self.diff_fn))
+        if self.is_active:   # switch_screen replaces the top screen, whichever it is
+            self.app.switch_screen(DiffScreen(self.b, self.a, diff_fn=self.diff_fn))

@@ -194,7 +194,7 @@ class HistoryScreen(Screen):
 
     # -- actions ------------------------------------------------------------------------------
     def action_back(self) -> None:
-        if self.is_current:   # a second key of a burst finds it gone
+        if self.is_active:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss()
 
     def action_mark(self) -> None:

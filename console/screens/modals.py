@@ -49,7 +49,7 @@ class HelpScreen(ModalScreen[None]):
             yield Static(files)
 
     def action_dismiss(self, result=None) -> None:
-        if self.is_current:   # a second key of a burst finds it gone
+        if self.is_active:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss(None)
 
 
@@ -81,11 +81,11 @@ class TokenCountScreen(ModalScreen[int | None]):
         if not 1 <= n <= MAX_GEN:
             self.query_one("#tokens-error", Label).update(f"Enter a whole number between 1 and {MAX_GEN}.")
             return
-        if self.is_current:   # a second key of a burst finds it gone
+        if self.is_active:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss(n)
 
     def action_cancel(self) -> None:
-        if self.is_current:   # a second key of a burst finds it gone
+        if self.is_active:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss(None)
 
 
@@ -123,7 +123,7 @@ class ErrorScreen(Screen[str]):
             return
         if choice == "back" and not self.can_go_back:
             return
-        if self.is_current:   # a second key of a burst finds it gone
+        if self.is_active:   # not gone (a second key of a burst), nor under help or the palette
             self.dismiss(choice)
 
 

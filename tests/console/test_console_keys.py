@@ -135,3 +135,150 @@ async def test_the_attached_console_opens_one_palette_too():
         assert _palettes(app) == 1 and len(app.screen_stack) == below + 1
         await pilot.pause(0.2)
         assert app.is_running and app._exception is None
+
+
+def assert_only_the_dashboard(app) -> None:
+    from ds4f.console.screens import DashboardScreen
+
+    assert app.is_running and app._exception is None
+    assert len(app.screen_stack) == 1 and isinstance(app.screen_stack[0], DashboardScreen), app.screen_stack
+
+
+async def _open(pilot, app, key: str, kind) -> None:
+    """Press `key` and wait until a `kind` screen is the mounted top of the stack."""
+    await pilot.press(key)
+    await wait_for(pilot, lambda: isinstance(app.screen, kind) and app.screen.is_mounted, 10, kind.__name__)
+
+
+@async_test
+async def test_escapes_beyond_the_last_screen_leave_the_dashboard(tiny_model, history_path):
+    """Each screen over the dashboard closed by a burst of Escapes (more than there are screens to
+    close), then every way back asked for once more with the dashboard alone: it stays, and the
+    next key still acts."""
+    from textual.command import CommandPalette
+
+    from ds4f.console.screens import HelpScreen, HistoryScreen, TokenCountScreen
+
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.controller is not None and app._booted, 30, "boot")
+        dash = app.screen
+        closed = []
+        for key, kind in (("ctrl+p", CommandPalette), ("question_mark", HelpScreen), ("h", HistoryScreen),
+                          ("n", TokenCountScreen)):
+            await _open(pilot, app, key, kind)
+            closed.append(app.screen)
+            _queue(app, ["escape"] * 5)
+            await wait_for(pilot, lambda: app.screen is dash, 10, f"{kind.__name__} to close")
+            await pilot.pause(0.1)       # the Escapes after the first reach the dashboard
+            assert_only_the_dashboard(app)
+        for screen in closed:            # each asked to close again, long after it closed
+            screen.dismiss()
+        closed[2].action_back()
+        closed[3].action_cancel()
+        app.pop_screen()
+        await app.run_action("app.pop_screen")
+        await app.run_action("back", dash)
+        await pilot.pause(0.1)
+        assert_only_the_dashboard(app)
+        assert app.screen is dash
+        theme = app.theme
+        await pilot.press("t")
+        assert app.theme != theme, "a key after the bursts still acts"
+        await _open(pilot, app, "question_mark", HelpScreen)
+        await pilot.press("escape")
+        assert_only_the_dashboard(app)
+
+
+@async_test
+async def test_a_screen_asked_to_close_under_another_closes_nothing(tiny_model, history_path):
+    """A close that arrives for a screen no longer on top (the history's back, or the palette's
+    Enter, handled after help opened over it) leaves the stack as it is: not the help on top."""
+    from textual.command import CommandPalette
+
+    from ds4f.console.screens import HelpScreen, HistoryScreen
+
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.controller is not None and app._booted, 30, "boot")
+        dash = app.screen
+        for key, kind, close in (("h", HistoryScreen, lambda s: s.action_back()),
+                                 ("ctrl+p", CommandPalette, lambda s: s.dismiss())):
+            await _open(pilot, app, key, kind)
+            under = app.screen
+            app.action_help()
+            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen) and app.screen.is_mounted, 10, "help")
+            stack = app.screen_stack
+            close(under)
+            await pilot.pause(0.1)
+            assert app.screen_stack == stack, (kind.__name__, app.screen_stack)
+            _queue(app, ["escape"] * 4)
+            await wait_for(pilot, lambda: app.screen is dash, 10, f"{kind.__name__} to close")
+            await pilot.pause(0.1)
+            assert_only_the_dashboard(app)
+
+
+CLOSING_BURST = ["ctrl+p", "a", "r", "escape", "escape", "colon", "u", "down", "escape", "x", "escape"] * 4
+
+
+@async_test
+async def test_a_burst_still_queued_as_the_console_closes_ends_nothing(tiny_model, history_path):
+    """The console closed with a burst still queued (palettes opened and closed, their keys not yet
+    handled as the screens are taken down, as at the end of a test): the keys find no screen and
+    are dropped, a palette's search ends quietly; the close raises nothing."""
+    app = make_app(tiny_model, history_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.controller is not None and app._booted, 30, "boot")
+        _queue(app, CLOSING_BURST)
+    assert app._exception is None     # run_test re-raised it, had there been one
+
+
+@async_test
+async def test_the_attached_console_closes_with_a_burst_queued_too():
+    import socket
+
+    from ds4f.console.attach import AttachConsole
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = AttachConsole([f"http://127.0.0.1:{port}"], refresh_s=0.2)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.pause(0.3)
+        _queue(app, CLOSING_BURST)
+    assert app._exception is None
+
+
+@async_test
+async def test_the_first_launch_screen_closes_with_what_was_opened_over_it(tiny_model, history_path):
+    """The demo model ready while the palette and the help are open over the first-launch screen:
+    all three close and the dashboard shows (not the palette closed and the first-launch screen
+    left behind, with no key of its own to leave it)."""
+    import threading
+
+    from ds4f.console.app import Ds4fConsole
+    from ds4f.console.screens import HelpScreen, SetupScreen
+    from ds4f.runs.history import History
+
+    release = threading.Event()
+
+    def factory(progress=None):
+        release.wait(30)
+        return tiny_model
+
+    app = Ds4fConsole(model=None, history=History(history_path), demo_factory=factory, refresh_s=0.1)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, SetupScreen) and app.screen.is_mounted, 30, "setup")
+            app.action_command_palette()
+            await wait_for(pilot, lambda: _palettes(app) == 1 and app.screen.is_mounted, 10, "the palette")
+            app.action_help()
+            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen) and app.screen.is_mounted, 10, "help")
+            assert [type(s).__name__ for s in app.screen_stack] == ["DashboardScreen", "SetupScreen",
+                                                                     "ConsolePalette", "HelpScreen"]
+            release.set()
+            await wait_for(pilot, lambda: app.controller.model == str(tiny_model), 30, "the demo model")
+            await pilot.pause(0.1)
+            assert_only_the_dashboard(app)
+    finally:
+        release.set()
