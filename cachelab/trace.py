@@ -32,10 +32,13 @@ class Trace:
     chunk: int = 0           # of `chunk` tokens each (runtime.schedule's chunk request order)
 
     def chunks(self) -> list[tuple[int, int]]:
-        """The (start, end) token ranges of the prefill chunks."""
+        """The (start, end) token ranges of the prefill chunks of more than one token. A chunk of
+        one (the prompt's last, when the chunk size does not divide it) streams as a token does
+        (runtime.streamer), so it is one of the tokens after the chunks."""
         if not self.prefill or not self.chunk:
             return []
-        return [(a, min(a + self.chunk, self.prefill)) for a in range(0, self.prefill, self.chunk)]
+        return [(a, min(a + self.chunk, self.prefill)) for a in range(0, self.prefill, self.chunk)
+                if min(a + self.chunk, self.prefill) - a > 1]
 
     @property
     def slot_nbytes(self) -> int:

@@ -13,10 +13,9 @@ one sequence's kernels changes no other's numbers.
 
 Each row's numbers are those it gets alone, whatever else is in the step (model.rows), so a
 sequence's tokens and state dump do not depend on who it shared steps with. A step of one row
-(a decode token, or the last row of a prompt chunk) goes through the token forward
-(model.forward: its streaming, prefetch and hash-layer fetch); any other through forward_rows
-with each segment's failures isolated: a sequence whose row fails (a NaN, a corrupt expert
-read) gets its error, the others go on.
+(a decode token, or the last row of a prompt chunk) is computed in the session's own buffers,
+streamed as a token (runtime.streamer); any other in the batcher's, with each segment's failures
+isolated: a sequence whose row fails (a NaN, a corrupt expert read) gets its error, the others go on.
 
 Knowing when it pays: the batcher keeps the seconds of decode steps by the number of sequences
 in them. When a step of k sequences takes at least as long as k steps of one (the union of
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ds4f.errors import Ds4fError
-from ds4f.engine.model.forward import forward
+from ds4f.engine.costs import COUNTS, WAITS, Costs, split_whole
 from ds4f.engine.model.rows import ChunkBuffers, Segment, Stopped, forward_rows
 from ds4f.engine.runtime.helper_thread import beside
 
@@ -45,8 +44,6 @@ GATHER_SHARE = 0.25    # and at most this share of the last step's time
 PROBE_STEPS = 64       # steps between tries of one sequence more than the cap
 PROBE_FIRST = 8        # decode steps before a step of one is measured, when none came by itself
 EWMA = 0.25            # weight of a new step's seconds in the running means
-COST_KEYS = ("hits", "misses", "bytes_read", "reads", "prefetch_hits")          # whole units, split by rows
-TIME_KEYS = ("stall_s", "disk_busy_s", "disk_depth_s")                           # seconds, split by rows
 
 
 def step_rows(parallel: int, prefill_chunk: int) -> int:
@@ -72,10 +69,7 @@ class _Request:
     prompt: bool = False         # a prompt chunk (else a decode token)
     asked_at: float = field(default_factory=time.monotonic)
     done_rows: int = 0
-    costs: dict = field(default_factory=dict)
-    times: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    steps: int = 0               # steps its rows went in
-    shared: int = 0              # of those, steps shared with another sequence
+    costs: Costs = field(default_factory=lambda: Costs(batch_steps=0))   # its rows' shares of the steps'
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -255,16 +249,16 @@ class StepBatcher:
                 union = 0.0
         seconds = time.perf_counter() - t0
         delta = [a - b for a, b in zip(engine_counters(eng), costs_before)]
-        self._account(plan, n, seconds, union, dict(zip(COST_KEYS + TIME_KEYS, delta)), errors)
+        self._account(plan, n, seconds, union, dict(zip(COUNTS + WAITS, delta)), errors)
 
     def _alone(self, req: _Request) -> dict:
-        """One row of one sequence (a decode token, or the last of a prompt chunk): the token
-        forward in the session's own buffers, its record copied where the request wants it (for
-        a decode token, onto itself)."""
+        """One row of one sequence (a decode token, or the last of a prompt chunk): computed in
+        the session's own one-row buffers, its record copied where the request wants it (for a
+        decode token, onto itself)."""
         s, b, i = req.session, req.session.buffers, req.done_rows
-        forward(s.source, req.token_ids[i], b, s.kv, req.pos0 + i)
-        _copy_row(req.out, i, b.ids, b.weights, b.hidden, b.attn, b.logits)
-        req.times += b.times
+        forward_rows(s.source, [Segment([req.token_ids[i]], req.pos0 + i, s.kv)], b, None, beside)
+        _copy_row(req.out, i, b.ids[0], b.weights[0], b.hidden[0], b.attn[0], b.logits[0])
+        _add_times(req.costs, b.times)
         return {}
 
     def _rows(self, plan: list[tuple[_Request, int]], n: int) -> tuple[dict, float]:
@@ -281,13 +275,13 @@ class StepBatcher:
                 for i in range(k):
                     _copy_row(r.out, r.done_rows + i, buf.ids[row + i], buf.weights[row + i], buf.hidden[row + i],
                               buf.attn[row + i], buf.logits[row + i])
-            r.times += buf.times * (k / n)
+            _add_times(r.costs, buf.times * (k / n))
             row += k
         union = float(np.mean([len(np.unique(buf.ids[:n, layer])) for layer in range(buf.ids.shape[1])]))
         return errors, union
 
     def _account(self, plan, n: int, seconds: float, union: float, delta: dict, errors: dict) -> None:
-        shares = {k: split_whole(delta[k], n) for k in COST_KEYS}
+        shares = {k: split_whole(delta[k], n) for k in COUNTS}
         decode = not any(r.prompt for r, _ in plan)
         with self._cond:
             self._steps += 1
@@ -308,13 +302,14 @@ class StepBatcher:
                 self._decide_cap()
             row = 0
             for r, k in plan:
-                for key in COST_KEYS:
-                    r.costs[key] = r.costs.get(key, 0) + sum(shares[key][row:row + k])
-                for key in TIME_KEYS:
-                    r.costs[key] = r.costs.get(key, 0.0) + delta[key] * k / n
+                c = r.costs
+                for key in COUNTS:
+                    setattr(c, key, getattr(c, key) + sum(shares[key][row:row + k]))
+                for key in WAITS:
+                    setattr(c, key, getattr(c, key) + delta[key] * k / n)
                 row += k
-                r.steps += 1
-                r.shared += shared
+                c.batch_steps += 1
+                c.batch_shared += shared
                 r.done_rows += k
                 err = errors.get(id(r))
                 if err is not None or r.left == 0:
@@ -350,16 +345,17 @@ def _copy_row(out: tuple, i: int, ids, weights, hidden, attn, logits) -> None:
         dst[i] = src
 
 
+def _add_times(costs: Costs, times) -> None:
+    """A forward pass's seconds by part (model.forward's times) added to a request's costs."""
+    costs.attention_s += float(times[0])
+    costs.moe_s += float(times[1])
+    costs.head_s += float(times[2])
+
+
 def engine_counters(eng) -> list:
-    """The engine's running totals that a step's costs are the differences of (COST_KEYS, TIME_KEYS)."""
+    """The engine's running totals that a step's costs are the differences of (costs.COUNTS, WAITS)."""
     cache, reader, source = eng.cache, eng.reader, eng.streamer
     busy, depth = reader.occupancy.totals()
     return [sum(c.hits for c in cache.layers), sum(c.misses for c in cache.layers),
             reader.expert_stats.totals()[1] + reader.trunk_stats.totals()[1], reader.started_reads,
             sum(source.prefetch_layer_hits), source.stall_s, busy, depth]
-
-
-def split_whole(total: int, n: int) -> list[int]:
-    """total split over n rows in whole units, the remainder to the first ones (they add up)."""
-    q, r = divmod(int(total), n)
-    return [q + (1 if i < r else 0) for i in range(n)]

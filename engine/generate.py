@@ -17,30 +17,11 @@ share of the time.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from ds4f.engine.batch import COST_KEYS, split_whole
 from ds4f.engine.model.rows import Stopped
 from ds4f.engine.speculative import finish_round, plain_step, speculate
-
-
-@dataclass
-class Row:
-    """One row's arrays of a chunk or a round (views of the session's buffers)."""
-    ids: np.ndarray          # int32 [n_layers, top_k]
-    weights: np.ndarray      # fp32 [n_layers, top_k]
-    hidden: np.ndarray       # fp32 [n_layers, width]
-    attn: np.ndarray         # fp32 [n_layers, hidden]
-    logits: np.ndarray       # fp32 [vocab]
-
-
-def _shares(res, n: int) -> list[dict]:
-    """A chunk's or a round's costs split over its n rows (counts whole, in the first rows; times evenly)."""
-    costs = {k: v for k, v in vars(res).items() if not isinstance(v, np.ndarray)}
-    split = {k: split_whole(costs[k], n) for k in COST_KEYS}
-    return [{k: (split[k][c] if k in split else v / n) for k, v in costs.items()} for c in range(n)]
 
 
 class Generation:
@@ -80,8 +61,8 @@ class Generation:
             else:
                 res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
             seconds = time.perf_counter() - t0
-            self.counted(res)
-            self.emit(step, token, res.next_token, res, vars(res), seconds, False)
+            self.counted(res.costs)
+            self.emit(step, token, res.next_token, res, vars(res.costs), seconds, False)
             step += 1
             token = prompt[step] if step < len(prompt) else res.next_token
 
@@ -104,15 +85,14 @@ class Generation:
                 res = session.prefill(part, should_stop=self.cancelled)
             except Stopped:   # cancelled part way through the chunk
                 break
-            self.counted(res)
+            self.counted(res.costs)
             seconds = time.perf_counter() - t0
-            for c, costs in enumerate(_shares(res, n)):
+            for c, costs in enumerate(res.costs.split(n)):
                 generating = step == len(prompt) - 1
                 logits = res.logits[c]
                 next_token = int(sampler.sample(logits)) if generating and sampler is not None \
                     else int(np.argmax(logits))
-                row = Row(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], logits)
-                self.emit(step, part[c], next_token, row, costs, seconds / n, True)
+                self.emit(step, part[c], next_token, res.row(c), vars(costs), seconds / n, True)
                 step += 1
                 token = prompt[step] if step < len(prompt) else next_token
         return step, token
@@ -127,15 +107,14 @@ class Generation:
         n = len(rnd.picks)
         feed = [token] + rnd.drafts
         emitted = 0
-        for c, costs in enumerate(_shares(res, n)):
-            row = Row(res.ids[c], res.weights[c], res.hidden[c], res.attn[c], res.logits[c])
-            self.emit(step, feed[c], rnd.picks[c], row, costs, seconds / n, False)
+        for c, costs in enumerate(res.costs.split(n)):
+            self.emit(step, feed[c], rnd.picks[c], res.row(c), vars(costs), seconds / n, False)
             emitted += 1
             step += 1
             if self.stopped():
                 break
         finish_round(self.session, self.spec, rnd, emitted, seconds)
-        self.counted(res)
+        self.counted(res.costs)
         return step, rnd.picks[emitted - 1]
 
     def _mark(self, step: int) -> None:

@@ -1,47 +1,59 @@
 """A session: one sequence's state on an engine (its tokens, position and KV cache). `eval(token)`
-runs the forward pass and returns the logits; `step(token)` also picks the next token and says what
-the token cost; `prefill(tokens)` runs a chunk of prompt tokens layer by layer, with the same
-records. `snapshot()` takes its state as a value (engine.session_state) and `restore(state)` puts
-one back: the session then continues byte for byte as the one the state was taken from.
+runs the forward pass on it and returns the logits; `step(token)` also picks the next token and says
+what the token cost; `prefill(tokens)` runs a chunk of prompt tokens layer by layer, with the same
+records. All three are rows of the one forward pass (model.rows): a token is a step of one row.
+`snapshot()` takes its state as a value (engine.session_state) and `restore(state)` puts one back:
+the session then continues byte for byte as the one the state was taken from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.engine.costs import Costs
 from ds4f.engine.model.attention import KVCache, attention_shapes
-from ds4f.engine.model.forward import ForwardBuffers, forward, moe_sublayer
 from ds4f.engine.model.kv_journal import KVJournal, journal_limit
-from ds4f.engine.batch import COST_KEYS, TIME_KEYS, engine_counters
-from ds4f.engine.model.rows import ChunkBuffers, prefill, transient_nbytes
+from ds4f.engine.batch import engine_counters
+from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows, moe_rows, prefill, transient_nbytes
 from ds4f.engine.runtime.helper_thread import beside
 from ds4f.engine.session_state import SessionState, canonical, put_layers, take_layers
 
 
 @dataclass
-class StepResult:
-    next_token: int
+class Row:
+    """One row's record (views of the session's buffers: copy to keep)."""
+
     ids: np.ndarray          # int32 [n_layers, top_k]  selected experts, rank order
-    weights: np.ndarray      # fp32 [n_layers, top_k]
-    hidden: np.ndarray       # fp32 [n_layers, width]  residual state after each layer (width: hc_mult x hidden)
+    weights: np.ndarray      # fp32 [n_layers, top_k]   their routing weights
+    hidden: np.ndarray       # fp32 [n_layers, width]   residual state after each layer (width: hc_mult x hidden)
     attn: np.ndarray         # fp32 [n_layers, hidden]  each layer's attention output ([n_layers, 0]: MoE-only)
-    logits: np.ndarray       # fp32 [vocab]  the step's logits (the session's buffer)
-    hits: int
-    misses: int
-    bytes_read: int
-    stall_s: float
-    disk_busy_s: float       # time in this step with at least one read in flight
-    disk_depth_s: float      # time integral of reads in flight (/ step time = mean queue depth)
-    reads: int = 0           # reads started during the step (experts, prefetch guesses, trunk layers)
-    prefetch_hits: int = 0   # of the hits, those on an expert a prefetch guess brought in
-                             # (hits - prefetch_hits: the cache policy's own hits)
-    attention_s: float = 0.0  # the step's time in attention sublayers (hyper-connection mixing included)
-    moe_s: float = 0.0        # in MoE sublayers, waiting for expert reads (stall_s) included
-    head_s: float = 0.0       # in the head (hc reduction, final norm, vocabulary matvec)
-    batch_steps: int = 1      # the forward passes its rows went in (engine.batch; 1 alone)
-    batch_shared: int = 0     # of those, the ones shared with another sequence
+    logits: np.ndarray       # fp32 [vocab]
+
+
+@dataclass
+class Step(Row):
+    """A decode step's row, the token picked after it and what the step cost."""
+
+    next_token: int = -1
+    costs: Costs = field(default_factory=Costs)
+
+
+@dataclass
+class Rows:
+    """Rows computed together (a prefill chunk, a token and its drafts): their records (views of
+    the session's buffers: copy to keep) and what they cost together."""
+
+    ids: np.ndarray          # int32 [rows, n_layers, top_k]
+    weights: np.ndarray      # fp32 [rows, n_layers, top_k]
+    hidden: np.ndarray       # fp32 [rows, n_layers, width]
+    attn: np.ndarray         # fp32 [rows, n_layers, hidden]
+    logits: np.ndarray       # fp32 [rows, vocab]
+    costs: Costs
+
+    def row(self, c: int) -> Row:
+        return Row(self.ids[c], self.weights[c], self.hidden[c], self.attn[c], self.logits[c])
 
 
 class Session:
@@ -49,7 +61,7 @@ class Session:
         self.engine = engine
         self.geometry = engine.geometry
         self.source = engine.streamer
-        self.buffers = ForwardBuffers(self.geometry)
+        self.buffers = ChunkBuffers(self.geometry, 1)   # a decode token's row
         self.prefill_chunk = prefill_chunk   # prompt tokens per prefill chunk (0: token by token only)
         self.chunk = ChunkBuffers(self.geometry, prefill_chunk) if prefill_chunk > 0 else None
         self.position = 0          # tokens evaluated so far
@@ -136,15 +148,14 @@ class Session:
     def eval(self, token_id: int) -> np.ndarray:
         """The logits after `token_id` (fp32 [vocab], the session's buffer: copy to keep)."""
         self._check_tokens([token_id])
+        b = self.buffers
         if self.batcher is not None:
-            b = self.buffers
-            self._batched = self.batcher.compute(self, [token_id], (b.ids[None], b.weights[None], b.hidden[None],
-                                                                    b.attn[None], b.logits[None]))
-            logits = b.logits
+            self._batched = self.batcher.compute(self, [token_id], (b.ids, b.weights, b.hidden, b.attn, b.logits))
         else:
-            logits = forward(self.source, token_id, self.buffers, self.kv, self.position)
+            forward_rows(self.source, [Segment([token_id], self.position, self.kv)], b, None, beside)
+        logits = b.logits[0]
         if self.drafter is not None:
-            self.drafter.observe(self.position, self.buffers.hidden[None, -1], [token_id])
+            self.drafter.observe(self.position, b.hidden[:1, -1], [token_id])
         self.position += 1
         self.tokens.append(int(token_id))
         self._logits = logits
@@ -153,21 +164,19 @@ class Session:
     def moe_sublayer(self, layer: int, h: np.ndarray, token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One layer's MoE block alone on the residual h, as if `token_id` were at that layer:
         (ids, weights, y), y the session's buffer. Tests compare it with transformers' block."""
-        self.source.start_token(token_id)
-        ids, weights, y = moe_sublayer(self.source, layer, h, token_id, self.buffers)
-        self.source.finish_layer(layer, ids)
-        return ids, weights, y
+        ids, weights, y = moe_rows(self.source, layer, h[None], [token_id], self.buffers)
+        return ids[0], weights[0], y[0]
 
-    def step(self, token_id: int, pick=None) -> StepResult:
+    def step(self, token_id: int, pick=None) -> Step:
         """eval, the next token (greedy, or `pick(logits)`: a sampler's draw), and the token's
         reads, hits (those on prefetched experts apart) and stall."""
         before = self._counters()
         logits = self.eval(token_id)
         next_token = int(np.argmax(logits)) if pick is None else int(pick(logits))
         b = self.buffers
-        return StepResult(next_token, b.ids, b.weights, b.hidden, b.attn, logits, **self._costs(before, b.times))
+        return Step(b.ids[0], b.weights[0], b.hidden[0], b.attn[0], logits, next_token, self._costs(before, b.times))
 
-    def prefill(self, token_ids: list[int], should_stop=None) -> "ChunkResult":
+    def prefill(self, token_ids: list[int], should_stop=None) -> Rows:
         """A chunk of prompt tokens through the model layer by layer (model.rows): the same
         records and logits as step() on each in turn, each chosen expert read once for the chunk.
         At most `prefill_chunk` tokens; the chunk's reads, hits and stall together. should_stop:
@@ -191,9 +200,9 @@ class Session:
         self.position += n
         self.tokens += [int(t) for t in token_ids]
         self._logits = logits[n - 1]
-        return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._costs(before, b.times))
+        return Rows(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, self._costs(before, b.times))
 
-    def verify(self, token_ids: list[int]) -> "ChunkResult":
+    def verify(self, token_ids: list[int]) -> Rows:
         """A token and the drafts after it as rows at this session's position, in one layer-major
         pass (each layer's experts read once for all of them): each row's records and logits
         byte for byte those of step() on it. The rows are not yet the session's: commit(keep)
@@ -211,7 +220,7 @@ class Session:
         self._journal = KVJournal(self.kv.layers, self.position, n)
         self._pending = [int(t) for t in token_ids]
         logits = prefill(self.source, list(token_ids), b, self.kv, self.position, None, beside)
-        return ChunkResult(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, **self._costs(before, b.times))
+        return Rows(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, self._costs(before, b.times))
 
     def commit(self, keep: int) -> None:
         """The first `keep` rows of the last verify become the session's (1 <= keep <= its rows;
@@ -262,8 +271,8 @@ class Session:
         if state.logits is None:
             self._logits = None
         else:
-            self.buffers.logits[:] = state.logits
-            self._logits = self.buffers.logits
+            self.buffers.logits[0] = state.logits
+            self._logits = self.buffers.logits[0]
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -285,37 +294,10 @@ class Session:
     def _counters(self) -> list:
         return engine_counters(self.engine)
 
-    def _costs(self, before: list, times: np.ndarray) -> dict:
+    def _costs(self, before: list, times: np.ndarray) -> Costs:
         """What the reads, the cache and the waits did for the last step or chunk: since `before`
         (a _counters()) alone, the batcher's share of its steps when batched; its times by part."""
         req = self._batched
         if self.batcher is None or req is None:
-            costs = dict(zip(COST_KEYS + TIME_KEYS, [a - b for a, b in zip(self._counters(), before)]))
-        else:
-            times[:] = req.times
-            costs = dict(req.costs, batch_steps=req.steps, batch_shared=req.shared)
-        return dict(costs, attention_s=float(times[0]), moe_s=float(times[1]), head_s=float(times[2]))
-
-
-@dataclass
-class ChunkResult:
-    """A prefill chunk's records (views of the session's buffers: copy to keep) and its costs."""
-
-    ids: np.ndarray          # int32 [tokens, n_layers, top_k]
-    weights: np.ndarray      # fp32 [tokens, n_layers, top_k]
-    hidden: np.ndarray       # fp32 [tokens, n_layers, width]
-    attn: np.ndarray         # fp32 [tokens, n_layers, hidden]
-    logits: np.ndarray       # fp32 [tokens, vocab]
-    hits: int
-    misses: int
-    bytes_read: int
-    stall_s: float
-    disk_busy_s: float
-    disk_depth_s: float
-    reads: int = 0
-    prefetch_hits: int = 0
-    attention_s: float = 0.0
-    moe_s: float = 0.0
-    head_s: float = 0.0
-    batch_steps: int = 1
-    batch_shared: int = 0
+            return Costs.between(before, self._counters(), times)
+        return req.costs

@@ -423,7 +423,7 @@ class Round:
 
     k: int                         # drafts asked for
     drafts: list[int]              # those made (fewer: no row to draft from)
-    result: object                 # Session.verify's ChunkResult: each row's records and logits
+    result: object                 # Session.verify's Rows: each row's records and logits, their costs
     picks: list[int]               # the token each usable row gives: accepted rows' and the one after
     kept: int                      # drafts accepted
     draft_bytes: int
@@ -466,15 +466,15 @@ def finish_round(session, controller: "SpecController | None", rnd: Round, emitt
     if controller is None:
         return
     if not rnd.drafts:                 # nothing to draft from: it was a plain step
-        controller.record_plain(seconds, rnd.result.bytes_read)
+        controller.record_plain(seconds, rnd.result.costs.bytes_read)
     else:
-        controller.record_round(len(rnd.drafts), rnd.kept, emitted, seconds, rnd.result.bytes_read, rnd.draft_bytes,
+        controller.record_round(len(rnd.drafts), rnd.kept, emitted, seconds, rnd.result.costs.bytes_read, rnd.draft_bytes,
                                 rnd.draft_s, rnd.push)
 
 
 def plain_step(session, controller: "SpecController | None", drafter, token: int, sampler=None):
     """A plain step (Session.step), with a shadow draft beside it when auto wants one (told to the
-    controller with the step's own cost apart). The StepResult."""
+    controller with the step's own cost apart). Session.step's Step."""
     shadow, draft_s, draft_bytes, push = None, 0.0, 0, (0.0, 0)
     if controller is not None and drafter is not None and controller.wants_shadow():
         drafts, draft_s, draft_bytes, push = _timed_draft(drafter, 1, session.position, token)
@@ -482,7 +482,7 @@ def plain_step(session, controller: "SpecController | None", drafter, token: int
     t0 = perf_counter()
     res = session.step(token, pick=None if sampler is None else sampler.sample)
     if controller is not None:
-        controller.record_plain(perf_counter() - t0, res.bytes_read)
+        controller.record_plain(perf_counter() - t0, res.costs.bytes_read)
         if shadow is not None:
             controller.record_shadow(shadow == res.next_token, draft_s, draft_bytes, push)
     return res

@@ -33,37 +33,29 @@ are summed in routing-rank order, so a token's result does not depend on I/O tim
 """
 from __future__ import annotations
 
-from time import perf_counter
 from typing import Iterator, Protocol
 
 import numpy as np
 
-from ds4f.native import kernels
 from ds4f.errors import Ds4fError
-from ds4f.engine.model.attention import KVCache, attention_parts
+from ds4f.engine.model.attention import attention_parts
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.hyper import hc_head, hc_post, hc_post_rows, hc_pre, hc_pre_rows
-from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
+from ds4f.engine.model.hyper import hc_post_rows, hc_pre_rows
 from ds4f.engine.model.ops import rms_norm
-from ds4f.engine.model.router import route, router_scores
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights
 
 SHARED = -1  # the rank an arrival carries when it is the shared expert's weights
 
 
 class WeightSource(Protocol):
-    """Where the forward pass gets its weights (see runtime.streamer.Streamer)."""
+    """Where the forward pass (model.rows) gets its weights (runtime.streamer.Streamer; the MTP
+    layer's runtime.mtp_source.MtpSource)."""
 
     geometry: Geometry
     globals: GlobalWeights
 
-    def start_token(self, token_id: int) -> None: ...
     def router(self, layer: int) -> RouterWeights: ...
-    def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None: ...
-    def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]: ...
-    def finish_layer(self, layer: int, ids: np.ndarray) -> None: ...
     def attention(self, layer: int) -> LayerAttention: ...
-    # a step's rows, layer by layer (model.rows)
     def start_chunk(self, token_ids) -> None: ...
     def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None,
                        ahead=None) -> Iterator[list[tuple[int, object]]]: ...
@@ -71,60 +63,7 @@ class WeightSource(Protocol):
     def guess_rows(self, layer: int, H: np.ndarray) -> None: ...
 
 
-ATTENTION, MOE, HEAD = 0, 1, 2     # ForwardBuffers.times
-
-
-class ForwardBuffers:
-    """The forward pass's working memory and its per-token record, allocated once per session."""
-
-    def __init__(self, g: Geometry) -> None:
-        streams = g.attention.hc_mult if g.attention is not None else 1
-        self.h = np.empty(g.hidden, np.float32)            # the residual stream (MoE-only model)
-        self.streams = np.empty((streams, g.hidden), np.float32)  # the hyper-connection streams X
-        self.h64 = np.empty(g.hidden, np.float64)          # rms_norm's float64 sum of squares
-        self.x = np.empty(g.hidden, np.float32)            # the normalised input of a sublayer
-        self.router_logits = np.empty(g.n_experts, np.float32)
-        self.logits = np.empty(g.vocab, np.float32)        # the head's output
-        self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)
-        # the token's record (the state dump's): per layer
-        self.ids = np.empty((g.n_layers, g.top_k), np.int32)        # selected experts, rank order
-        self.weights = np.empty((g.n_layers, g.top_k), np.float32)  # their routing weights
-        self.hidden = np.empty((g.n_layers, streams * g.hidden), np.float32)  # the residual (X) after the layer
-        self.attn = np.zeros((g.n_layers, g.hidden if g.attention is not None else 0), np.float32)  # attention output
-        # the token's wall time by part (s): attention sublayers (hyper-connection mixing included),
-        # MoE sublayers (waiting for expert reads included), the head (hc reduction, norm, vocab matvec)
-        self.times = np.zeros(3, np.float64)
-
-    @property
-    def nbytes(self) -> int:
-        return self.moe.nbytes + sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
-
-
-def moe_sublayer(source: WeightSource, layer: int, h: np.ndarray, token_id: int,
-                 buf: ForwardBuffers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One layer's MoE block on the residual h: (ids, weights, y); the caller adds y to h."""
-    g = source.geometry
-    x, ids, weights = moe_route(source, layer, h, token_id, buf.x, buf.h64, buf.router_logits)
-    source.request_experts(layer, ids, h)
-    for batch in source.arrivals(layer):        # in the order the weights arrive
-        routed = [(rank, w) for rank, w in batch if rank != SHARED]
-        if routed:                              # the experts ready together, in one kernel call
-            routed_experts(routed, weights, x, g.swiglu_limit, buf.moe)
-        for rank, w in batch:
-            if rank == SHARED:
-                shared_expert(w, x, buf.moe)
-    check_finite(buf.moe.ys, buf.moe.shared_out, layer, ids, token_id, source)
-    return ids, weights, combine(buf.moe)
-
-
-def moe_route(source: WeightSource, layer: int, h: np.ndarray, token_id: int, x_buf: np.ndarray,
-              h64: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The MoE block's normed input x (in x_buf) and its routing: (x, ids, weights)."""
-    g = source.geometry
-    router = source.router(layer)
-    x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, x_buf, h64)
-    ids, weights = route(router_scores(router, x, logits), router, token_id, g)
-    return x, ids, weights
+ATTENTION, MOE, HEAD = 0, 1, 2     # ChunkBuffers.times: seconds by part
 
 
 def layer_label(source, layer: int) -> str:
@@ -150,31 +89,6 @@ def check_finite(ys: np.ndarray, shared_out: np.ndarray, layer: int, ids: np.nda
     who = expert_label(source, layer, int(ids[bad[0]])) if bad else f"{layer_label(source, layer)}: the shared expert"
     raise Ds4fError(f"{who} gives a non-finite output (NaN or Inf) for token {token_id}:"
                     f" its weights are corrupt (an MXFP4 scale byte of 0xFF is NaN)", kind="data")
-
-
-def forward(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: KVCache | None = None,
-            pos: int = 0) -> np.ndarray:
-    """The logits (fp32 [vocab]) after `token_id` at position `pos`; buf.ids / weights / hidden hold
-    the token's record. kv: the sequence's attention state (the whole model), updated."""
-    g = source.geometry
-    source.start_token(token_id)
-    buf.times[:] = 0.0
-    if g.attention is None:
-        h = _moe_only_layers(source, token_id, buf)
-    else:
-        h = _whole_layers(source, token_id, buf, kv, pos)
-    t0 = perf_counter()
-    logits = head(source, h, token_id, buf.logits, buf.x, buf.h64)
-    buf.times[HEAD] += perf_counter() - t0
-    return logits
-
-
-def head(source: WeightSource, h: np.ndarray, token_id: int, out: np.ndarray, x_buf: np.ndarray,
-         h64: np.ndarray) -> np.ndarray:
-    """The logits (into out, fp32 [vocab]) from the last layer's residual h (after hc_head)."""
-    g = source.geometry
-    final = rms_norm(h, source.globals.final_norm, g.rms_norm_eps, x_buf, h64)
-    return check_logits(kernels.bf16_matvec(source.globals.head, final, out=out), token_id)
 
 
 def check_logits(logits: np.ndarray, token_id: int) -> np.ndarray:
@@ -210,45 +124,3 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, parts: list, g: Geomet
     return Y
 
 
-def _moe_only_layers(source: WeightSource, token_id: int, buf: ForwardBuffers) -> np.ndarray:
-    h = buf.h
-    np.copyto(h, source.globals.embed[token_id])  # bf16 -> fp32, exact
-    for layer in range(source.geometry.n_layers):
-        t0 = perf_counter()
-        ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
-        h += y
-        buf.times[MOE] += perf_counter() - t0
-        _record(source, layer, ids, weights, h, buf)
-    return h
-
-
-def _whole_layers(source: WeightSource, token_id: int, buf: ForwardBuffers, kv: KVCache, pos: int) -> np.ndarray:
-    g = source.geometry
-    att, eps = g.attention, g.rms_norm_eps
-    X = buf.streams
-    X[:] = source.globals.embed[token_id]          # bf16 -> fp32, exact, in every stream
-    times = buf.times
-    for layer in range(g.n_layers):
-        t0 = perf_counter()
-        la = source.attention(layer)
-        buf.attn[layer] = attention_sublayer(la, X[None], [(kv.layers[layer], pos, 1)], g, layer, (token_id,),
-                                             buf.h64)[0]
-        t1 = perf_counter()
-        h, post, comb = hc_pre(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters)
-        ids, weights, y = moe_sublayer(source, layer, h, token_id, buf)
-        hc_post(X, y, post, comb)
-        t2 = perf_counter()
-        times[ATTENTION] += t1 - t0
-        times[MOE] += t2 - t1
-        _record(source, layer, ids, weights, X.reshape(-1), buf)
-    t0 = perf_counter()
-    out = hc_head(X, source.globals.hc_head, eps, att.hc_eps)
-    times[HEAD] += perf_counter() - t0
-    return out
-
-
-def _record(source: WeightSource, layer: int, ids, weights, state: np.ndarray, buf: ForwardBuffers) -> None:
-    source.finish_layer(layer, ids)
-    buf.ids[layer] = ids
-    buf.weights[layer] = weights
-    buf.hidden[layer] = state

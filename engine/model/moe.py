@@ -12,53 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4f.native import kernels
 from ds4f.engine.model.ops import silu_mul
 from ds4f.engine.model.weights import SharedExpertWeights
 
 
-class MoeBuffers:
-    """Everything the MoE sublayer writes, allocated once (the forward allocates nothing per token)."""
-
-    def __init__(self, hidden: int, inter: int, shared_inter: int, top_k: int) -> None:
-        self.ys = np.empty((top_k, hidden), np.float32)        # each routed expert's output, by rank
-        self.each = np.empty((top_k, hidden), np.float32)      # one kernel call's outputs, in call order
-        self.y = np.empty(hidden, np.float32)                  # the sublayer's output
-        self.scratch = kernels.experts_scratch(min(top_k, kernels.MAX_EXPERTS), hidden, inter)
-        self.shared_gate = np.empty(shared_inter, np.float32)
-        self.shared_up = np.empty(shared_inter, np.float32)
-        self.shared_act = np.empty(shared_inter, np.float32)
-        self.shared_out = np.empty(hidden, np.float32)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
-
-
-def routed_experts(ready: list[tuple[int, kernels.ExpertWeights]], weights: np.ndarray, x: np.ndarray,
-                   limit: float, buf: MoeBuffers) -> None:
-    """buf.ys[rank] = each ready routed expert's output on x, scaled by its routing weight
-    weights[rank]. The experts of one call run together on the native pool; each output is
-    the same whichever experts share the call, so the result never depends on I/O timing."""
-    for i in range(0, len(ready), kernels.MAX_EXPERTS):
-        part = ready[i:i + kernels.MAX_EXPERTS]
-        each = buf.each[:len(part)]
-        kernels.experts_forward_each([w for _, w in part], [weights[r] for r, _ in part], x, limit, each, buf.scratch)
-        for j, (rank, _) in enumerate(part):
-            buf.ys[rank] = each[j]
-
-
-def shared_expert(w: SharedExpertWeights, x: np.ndarray, buf: MoeBuffers) -> np.ndarray:
-    """The shared expert on the FP8 matvec kernel, into buf.shared_out."""
-    w.w1.matvec(x, buf.shared_gate)
-    w.w3.matvec(x, buf.shared_up)
-    silu_mul(buf.shared_gate, buf.shared_up, out=buf.shared_act)
-    return w.w2.matvec(buf.shared_act, buf.shared_out)
-
-
-def combine(buf: MoeBuffers) -> np.ndarray:
-    """y = the routed outputs summed in routing-rank order, then the shared expert's."""
-    return sum_outputs(buf.ys, buf.shared_out, buf.y)
+def shared_expert(w: SharedExpertWeights, xs: np.ndarray, gate: np.ndarray, up: np.ndarray, act: np.ndarray,
+                  out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """The shared expert on each row of xs [n, hidden] into out [n, hidden], each FP8 weight decoded
+    once for all rows (gate, up, act: [n, shared_inter] work space; scratch: kernels.matmul_scratch)."""
+    w.w1.matmul(xs, gate, scratch)
+    w.w3.matmul(xs, up, scratch)
+    silu_mul(gate, up, out=act)
+    return w.w2.matmul(act, out, scratch)
 
 
 def sum_outputs(ys: np.ndarray, shared_out: np.ndarray, y: np.ndarray) -> np.ndarray:

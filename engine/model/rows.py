@@ -40,8 +40,8 @@ from ds4f.engine.model.forward import (ATTENTION, HEAD, MOE, SHARED, WeightSourc
                                        check_finite, check_logits, layer_label)
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
-from ds4f.engine.model.moe import MoeBuffers, sum_outputs
-from ds4f.engine.model.ops import rms_norm, silu_mul
+from ds4f.engine.model.moe import shared_expert, sum_outputs
+from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
 
 
@@ -59,7 +59,6 @@ class ChunkBuffers:
         self.moe_out = np.empty((chunk, g.hidden), np.float32)    # each token's routed + shared outputs
         self.h64 = np.empty(g.hidden, np.float64)
         self.router_rows = np.empty((chunk, g.n_experts), np.float32)   # each token's router logits
-        self.moe = MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k)   # one token's kernel scratch
         # the multi-token kernels' inputs, outputs and work space: each weight decoded once per chunk
         pairs = chunk * g.top_k
         self.pair_out = np.empty((pairs, g.hidden), np.float32)       # routed outputs, expert by expert
@@ -79,7 +78,7 @@ class ChunkBuffers:
 
     @property
     def nbytes(self) -> int:
-        return self.moe.nbytes + sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
 
     @staticmethod
     def nbytes_for(g: Geometry, chunk: int) -> int:
@@ -92,7 +91,7 @@ class ChunkBuffers:
         fixed = 8 * g.hidden + 3 * 8
         scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
                    + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
-        return chunk * per_token + fixed + scratch + MoeBuffers(g.hidden, g.inter, g.shared_inter, g.top_k).nbytes
+        return chunk * per_token + fixed + scratch
 
 
 def transient_nbytes(g: Geometry, chunk: int) -> int:
@@ -183,11 +182,9 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)
         H = H if att is not None else X[:, 0]
-        _route_rows(source, layer, H, token_ids, buf)
-        # the next layer's likely experts are read while this one computes
-        _experts(source, layer, buf, n, bad if isolate else None, lambda: source.guess_rows(layer + 1, H))
-        _check_finite_rows(buf, layer, token_ids, segments, owner, bad, source)
-        Y = sum_outputs(buf.ys[:n], buf.shared_out[:n], buf.moe_out[:n])
+        Y = _moe(source, layer, H, token_ids, buf, lambda: _check_finite_rows(buf, layer, token_ids, segments,
+                                                                             owner, bad, source),
+                 bad if isolate else None)
         if att is not None:
             hc_post_rows(X, Y, post, comb, beside)
         else:
@@ -212,6 +209,37 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
     return logits
 
 
+def _moe(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int], buf: ChunkBuffers, check,
+         bad=None) -> np.ndarray:
+    """The MoE sublayer of the step's rows (their inputs H [n, hidden]): routed, their experts
+    read and run (the next layer's likely experts read while they compute), check() on the
+    outputs, summed: each row's output Y [n, hidden] (buf.moe_out), the routing in buf.ids / weights."""
+    n = len(token_ids)
+    _route_rows(source, layer, H, token_ids, buf)
+    _experts(source, layer, buf, n, bad, lambda: source.guess_rows(layer + 1, H))
+    check()
+    return sum_outputs(buf.ys[:n], buf.shared_out[:n], buf.moe_out[:n])
+
+
+def moe_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int],
+             buf: ChunkBuffers) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's MoE block alone on the rows' inputs H [n, hidden], as if `token_ids` were at that
+    layer: (ids [n, top_k], weights [n, top_k], Y [n, hidden]), views of buf. Tests compare it with
+    transformers' block."""
+    segments = [Segment(list(token_ids), 0)]
+    owner = np.zeros(len(token_ids), np.int64)
+
+    def raise_it(c: int, err: Ds4fError) -> None:
+        raise err
+
+    source.start_chunk(token_ids)
+    Y = _moe(source, layer, H, token_ids, buf,
+             lambda: _check_finite_rows(buf, layer, token_ids, segments, owner, raise_it, source))
+    source.finish_chunk_layer(layer)
+    n = len(token_ids)
+    return buf.ids[:n, layer], buf.weights[:n, layer], Y
+
+
 def _live(segments: list[Segment], owner: np.ndarray, c: int) -> bool:
     """Row c's segment has not failed (a failed segment's rows are not checked again)."""
     return segments[owner[c]].error is None
@@ -233,9 +261,9 @@ def _check_finite_rows(buf: ChunkBuffers, layer: int, token_ids: list[int], segm
 
 
 def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int], buf: ChunkBuffers) -> None:
-    """forward.moe_route for the step's rows (their MoE inputs H [n, hidden]): buf.xs, ids and
-    weights. The router's logits of all rows in one multi-token call (each row the single-vector
-    product's bits), the norms and selections row by row."""
+    """The routing of the step's rows (their MoE inputs H [n, hidden]): buf.xs (each row's normed
+    input), ids and weights. The router's logits of all rows in one multi-token call (each row the
+    single-vector product's bits), the norms and selections row by row."""
     g = source.geometry
     n = len(token_ids)
     router = source.router(layer)
@@ -281,12 +309,4 @@ def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int, bad=No
                     i += 1
         for e, w in batch:
             if e == SHARED:
-                _shared_expert(w, xs, buf, n)
-
-
-def _shared_expert(w, xs: np.ndarray, buf: ChunkBuffers, n: int) -> None:
-    """model.moe.shared_expert on each of the n tokens, each FP8 weight decoded once."""
-    w.w1.matmul(xs, buf.gate[:n], buf.mm_scratch)
-    w.w3.matmul(xs, buf.up[:n], buf.mm_scratch)
-    silu_mul(buf.gate[:n], buf.up[:n], out=buf.act[:n])
-    w.w2.matmul(buf.act[:n], buf.shared_out[:n], buf.mm_scratch)
+                shared_expert(w, xs, buf.gate[:n], buf.up[:n], buf.act[:n], buf.shared_out[:n], buf.mm_scratch)

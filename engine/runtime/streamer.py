@@ -1,6 +1,8 @@
 """The streamer: the weight source the forward pass reads, backed by RAM, the expert cache and disk.
 
-What it does for each token (model.forward calls it; runtime.schedule fixes the request order):
+The forward pass (model.rows) computes a step's rows layer by layer and asks for each layer's
+experts once its rows are routed. A step of one row (a decode token) is streamed as a token
+(runtime.schedule's token order, which the cache lab's replay follows):
   1. token start: the hash layers' experts are known from the token id, so they are all requested
      at once; the first unpinned trunk layer's read starts;
   2. each layer: routing uses the resident router; the layer's misses go to the reader; with
@@ -10,7 +12,10 @@ What it does for each token (model.forward calls it; runtime.schedule fixes the 
   3. arrivals: the experts already resident are handed out at once, the misses as they land, and
      the shared expert's weights in the first wait once its trunk is there (pinned, or read ahead);
      the time spent waiting is the token's stall.
-Every buffer is allocated here, once; a token allocates only small Python objects.
+A step of several rows (a prompt chunk, several sequences' tokens) reads each layer's distinct
+experts once, in batches the cache holds (runtime.schedule's chunk order), the next batch's reads
+under way while one computes; a few rows guess ahead as one token does.
+Every buffer is allocated here, once; a step allocates only small Python objects.
 """
 from __future__ import annotations
 
@@ -76,7 +81,8 @@ class Streamer:
                                         # run continues (restarted, a policy's ages would run backwards
                                         # and its decayed counts overflow past ~4k tokens)
         self.stall_s = 0.0              # time arrivals waited for reads, summed over tokens
-        self._token_id = 0
+        self._one_row = False           # the current step is one row (a token: see the module)
+        self._chunk_tokens: list[int] = []
         self._slots: dict[int, list] = {}
         self._trunk: dict[int, "MoeWeights | TrunkJob"] = {}
         self._trunk_next: TrunkJob | None = None
@@ -108,41 +114,76 @@ class Streamer:
         self._prefetched.clear()
         self.stall_s = 0.0
 
-    # -- the WeightSource interface (model.forward) -----------------------------------------------
-    def start_token(self, token_id: int) -> None:
-        g = self.geometry
-        t = self.tokens
-        self.tokens += 1
-        self._token_id = token_id
-        hash_ids = {layer: self.routers[layer].tid2eid[token_id] for layer in range(g.n_hash_layers)}
-        pairs = self.requests.start(t, hash_ids)
-        self._slots = {layer: self._issue(layer, p) for layer, p in pairs.items()}
-        self._trunk = {}
-        self._trunk_next = self._read_ahead(0) if self.unpinned else None
-
+    # -- the WeightSource interface (model.rows) --------------------------------------------------
     def router(self, layer: int) -> RouterWeights:
         return self.routers[layer]
 
     def attention(self, layer: int) -> LayerAttention:
         return self._attention[layer]
 
-    def request_experts(self, layer: int, ids: np.ndarray, h: np.ndarray) -> None:
-        """The layer's experts are chosen: request the misses, read ahead, guess the next layer."""
+    def start_chunk(self, token_ids) -> None:
+        """A step's rows start: one row is a token (its hash layers' experts requested now, see
+        the module); several are requested layer by layer (chunk_arrivals). Either way the first
+        unpinned trunk layer's read starts."""
+        self._one_row = len(token_ids) == 1
+        self._trunk = {}
+        self._trunk_next = self._read_ahead(0) if self.unpinned else None
+        self._chunk_tokens = list(token_ids)
+        g = self.geometry
+        if self._one_row:
+            t = self.tokens
+            self.tokens += 1
+            hash_ids = {layer: self.routers[layer].tid2eid[token_ids[0]] for layer in range(g.n_hash_layers)}
+            self._slots = {layer: self._issue(layer, p) for layer, p in self.requests.start(t, hash_ids).items()}
+            self._row_ids: dict[int, np.ndarray] = {}
+            return
+        self._chunk_first = self.tokens
+        self.tokens += len(token_ids)
+        self._chunk_protected: set = set()
+        if self.prefetch and len(token_ids) <= self.PREFETCH_ROWS:   # the hash layers' experts: known now
+            self._prefetch_keys([(layer, int(e)) for layer in range(g.n_hash_layers) for t in token_ids
+                                 for e in self.routers[layer].tid2eid[t]])
+
+    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None,
+                       ahead=None) -> Iterator[list[tuple[int, object]]]:
+        """The step's routing at `layer` is known (ids: int32 [rows, top_k]): each distinct
+        expert is read once (see the module). Batches of (expert id, weights) as they land;
+        [(SHARED, shared expert weights)] once, when the layer's trunk is there. An expert whose
+        read failed raises, or with on_error(expert id, error) is reported there and skipped.
+        ahead(): called once the layer's first reads are requested, before any computes: where
+        the next layer's guesses start (guess_rows)."""
+        if self._one_row:
+            yield from self._token_arrivals(layer, np.asarray(ids)[0], on_error, ahead)
+            return
+        shared = _Shared(self, layer, self._layer_trunk(layer))
+        keys = chunk_layer_keys(layer, ids)
+        for batch, slots in chunk_layer_requests(self.cache, self._chunk_protected, self._chunk_first, layer, keys,
+                                                 issue=lambda pairs: self._issue(layer, pairs)):
+            if ahead is not None:
+                ahead()
+                ahead = None
+            failed = None if on_error is None else (lambda e, err, batch=batch: on_error(batch[e][1], err))
+            for landed in self._land(layer, slots, shared, final=False, on_error=failed):
+                yield [(e if e == SHARED else batch[e][1], w) for e, w in landed]
+        if not shared.done:
+            yield from self._land(layer, [], shared, final=True)
+
+    def _token_arrivals(self, layer: int, row: np.ndarray, on_error, ahead) -> Iterator[list[tuple[int, object]]]:
+        """chunk_arrivals for a step of one row (row: int32 [top_k], its experts in rank order)."""
         self.requests.enter(layer)
         # routing used the resident router; only the shared expert needs an unpinned layer's
-        # trunk read, so it may still be in flight (arrivals waits for it when nothing else is left)
-        self._trunk[layer] = self._layer_trunk(layer)
+        # trunk read, so it may still be in flight (_land waits for it when nothing else is left)
+        shared = _Shared(self, layer, self._layer_trunk(layer))
         if layer >= self.geometry.n_hash_layers:
-            self._slots[layer] = self._issue(layer, self.requests.request(layer, ids))
-        if self.prefetch and layer + 1 < self.geometry.n_layers:
-            self._guess(layer + 1, h)
-
-    def arrivals(self, layer: int) -> Iterator[list[tuple[int, object]]]:
-        """Batches of (rank, expert weights): every routed expert whose slot is ready when the
-        forward pass asks, computed together; and [(SHARED, shared expert weights)] in the first
-        wait once the layer's trunk is there."""
-        slots = self._slots.pop(layer)
-        yield from self._land(layer, slots, _Shared(self, layer, self._trunk.pop(layer)), final=True)
+            self._slots[layer] = self._issue(layer, self.requests.request(layer, row))
+        self._row_ids[layer] = row
+        if ahead is not None:
+            ahead()
+        slots = self._slots.pop(layer)         # rank order; a hash layer's: requested at the token's start
+        experts = [slot.key[1] for slot in slots]
+        failed = None if on_error is None else (lambda r, err: on_error(experts[r], err))
+        for landed in self._land(layer, slots, shared, final=True, on_error=failed):
+            yield [(r if r == SHARED else experts[r], w) for r, w in landed]
 
     def _land(self, layer: int, slots: list, shared: "_Shared", final: bool,
               on_error=None) -> Iterator[list[tuple[int, object]]]:
@@ -184,56 +225,22 @@ class Streamer:
             if landed:
                 yield landed
 
-    def finish_layer(self, layer: int, ids: np.ndarray) -> None:
-        self.requests.leave(layer, ids)
-
-    # -- a step's rows (a prompt chunk, several sequences), layer by layer (model.rows) --------
-    def start_chunk(self, token_ids) -> None:
-        """A chunk of prompt tokens starts (instead of start_token for each): the first unpinned
-        trunk layer's read starts; every expert is requested layer by layer (chunk_arrivals)."""
-        self._chunk_first = self.tokens
-        self.tokens += len(token_ids)
-        self._trunk = {}
-        self._chunk_protected: set = set()
-        self._trunk_next = self._read_ahead(0) if self.unpinned else None
-        self._chunk_tokens = list(token_ids)
-        if self.prefetch and len(token_ids) <= self.PREFETCH_ROWS:   # the hash layers' experts: known now
-            g = self.geometry
-            self._prefetch_keys([(layer, int(e)) for layer in range(g.n_hash_layers) for t in token_ids
-                                 for e in self.routers[layer].tid2eid[t]])
-
-    def chunk_arrivals(self, layer: int, ids: np.ndarray, on_error=None,
-                       ahead=None) -> Iterator[list[tuple[int, object]]]:
-        """The step's routing at `layer` is known (ids: int32 [rows, top_k]): each distinct
-        expert is read once (runtime.schedule's chunk order, in batches the cache holds, the next
-        batch's reads under way while one computes). Batches of (expert id, weights) as they land;
-        [(SHARED, shared expert weights)] once, when the layer's trunk is there. An expert whose
-        read failed raises, or with on_error(expert id, error) is reported there and skipped.
-        ahead(): called once the layer's first batches are requested (their slots kept), before
-        any computes: where the next layer's guesses start (guess_rows)."""
-        shared = _Shared(self, layer, self._layer_trunk(layer))
-        keys = chunk_layer_keys(layer, ids)
-        for batch, slots in chunk_layer_requests(self.cache, self._chunk_protected, self._chunk_first, layer, keys,
-                                                 issue=lambda pairs: self._issue(layer, pairs)):
-            if ahead is not None:
-                ahead()
-                ahead = None
-            failed = None if on_error is None else (lambda e, err, batch=batch: on_error(batch[e][1], err))
-            for landed in self._land(layer, slots, shared, final=False, on_error=failed):
-                yield [(e if e == SHARED else batch[e][1], w) for e, w in landed]
-        if not shared.done:
-            yield from self._land(layer, [], shared, final=True)
-
     def finish_chunk_layer(self, layer: int) -> None:
-        self._chunk_protected.clear()
+        """The step's rows are done with `layer`: its experts may be evicted."""
+        if self._one_row:
+            self.requests.leave(layer, self._row_ids.pop(layer))
+        else:
+            self._chunk_protected.clear()
 
     def guess_rows(self, layer: int, H) -> None:
-        """Router lookahead for a step of a few rows (several sequences' decode tokens): route
-        `layer` on each row's current MoE input H[c] and start reading the likely experts while
-        this layer computes, as request_experts does for one token. Not for a long prompt chunk
-        (its union is most of the layer: it reads it batch by batch)."""
+        """Router lookahead for a step of a few rows: route `layer` on each row's current MoE input
+        H[c] and start reading its likely experts while the layer before computes. Not for a long
+        prompt chunk (its union is most of the layer: it reads it batch by batch)."""
         g = self.geometry
         if not self.prefetch or not g.n_hash_layers <= layer < g.n_layers or len(H) > self.PREFETCH_ROWS:
+            return
+        if self._one_row:
+            self._guess(layer, H[0])
             return
         router = self.routers[layer]
         keys = []
@@ -316,14 +323,12 @@ class Streamer:
         return self.reader.read_expert(slot, key[0], key[1], self.cache.pool[slot.index], self._landed, priority)
 
     def _guess(self, layer: int, h: np.ndarray) -> None:
-        """Router lookahead: route `layer` on the current residual and start reading its likely
-        experts while this layer computes. Hash layers need no guess (fetched at token start)."""
-        if layer < self.geometry.n_hash_layers:
-            return
+        """Router lookahead of a one-row step: route `layer` on the row's MoE input h and start
+        reading its likely experts while the layer before computes."""
         g = self.geometry
         router = self.routers[layer]
         x = rms_norm(h, router.ffn_norm, g.rms_norm_eps, self._x_ahead, self._h64)
-        ids, _ = route(router_scores(router, x, self._logits_ahead), router, self._token_id, g)
+        ids, _ = route(router_scores(router, x, self._logits_ahead), router, self._chunk_tokens[0], g)
         keep = self.requests.protected | {(layer, int(e)) for e in ids}
         for e in ids[:self.PREFETCH_RANKS]:
             key = (layer, int(e))

@@ -110,9 +110,9 @@ def test_session_eval_follows_the_reference_token_after_token(tiny_moe_only):
             for _ in range(3):
                 logits = session.eval(token).copy()
                 nxt, ids, hidden = reference_step(ck, token)
-                assert [sorted(r) for r in session.buffers.ids.tolist()] == ids
+                assert [sorted(r) for r in session.buffers.ids[0].tolist()] == ids
                 scale = np.abs(hidden).max(axis=1)
-                err = np.abs(session.buffers.hidden.astype(np.float64) - hidden).max(axis=1)
+                err = np.abs(session.buffers.hidden[0].astype(np.float64) - hidden).max(axis=1)
                 assert (err <= 1e-5 * scale * np.arange(1, len(scale) + 1)).all(), err / scale
                 assert int(np.argmax(logits)) == nxt
                 token = nxt

@@ -5,10 +5,11 @@ The fixtures (tests/fixtures/whole/<case>/, made by tools/make_golden_whole.py w
 DeepseekV4ForCausalLM in fp32, eager) hold an official-format checkpoint and, per step, the
 logits, each layer's hyper-connection state and attention output, and the greedy tokens. This
 test assembles one decode step from ds4f's model modules: engine/model/hyper.py, attention.py,
-rope.py, and the MoE sublayer's functions the engine already runs (router, routed experts on the
-MXFP4 kernel, the shared expert on the FP8 kernel). The glue below (reading the fixture's
-config and tensors into those modules' weight records) is test code: the engine's own loading
-comes with the checkpoint's attention tensors.
+rope.py, the router, and one token's MoE sublayer written here on the kernels (the routed
+experts on the single-vector MXFP4 kernel, experts_forward_each, which the engine's multi-token
+kernel matches bit for bit; the shared expert on the FP8 matvec). The glue below (reading the
+fixture's config and tensors into those modules' weight records) is test code: the engine's own
+loading comes with the checkpoint's attention tensors.
 """
 from __future__ import annotations
 
@@ -25,14 +26,61 @@ from ds4f.engine.model.attention import (AttentionShape, AttentionWeights, Compr
                                          attention_step, layer_cache_nbytes, new_layer_cache)
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HyperWeights, hc_head, hc_post, hc_pre
-from ds4f.engine.model.moe import MoeBuffers, combine, routed_experts, shared_expert
-from ds4f.engine.model.ops import rms_norm
+from ds4f.engine.model.moe import sum_outputs
+from ds4f.engine.model.ops import rms_norm, silu_mul
 from ds4f.engine.model.rope import Rope, inv_freq_default, inv_freq_yarn
 from ds4f.engine.model.router import route, router_scores
 from ds4f.engine.model.weights import Bf16Matrix, Fp8Matrix, RouterWeights, SharedExpertWeights
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "whole"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.npz").exists())
+# ---- one token's MoE sublayer on the kernels ----------------------------------------------
+
+class MoeBuffers:
+    """Everything the MoE sublayer writes, allocated once (the forward allocates nothing per token)."""
+
+    def __init__(self, hidden: int, inter: int, shared_inter: int, top_k: int) -> None:
+        self.ys = np.empty((top_k, hidden), np.float32)        # each routed expert's output, by rank
+        self.each = np.empty((top_k, hidden), np.float32)      # one kernel call's outputs, in call order
+        self.y = np.empty(hidden, np.float32)                  # the sublayer's output
+        self.scratch = kernels.experts_scratch(min(top_k, kernels.MAX_EXPERTS), hidden, inter)
+        self.shared_gate = np.empty(shared_inter, np.float32)
+        self.shared_up = np.empty(shared_inter, np.float32)
+        self.shared_act = np.empty(shared_inter, np.float32)
+        self.shared_out = np.empty(hidden, np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
+
+def routed_experts(ready: list[tuple[int, kernels.ExpertWeights]], weights: np.ndarray, x: np.ndarray,
+                   limit: float, buf: MoeBuffers) -> None:
+    """buf.ys[rank] = each ready routed expert's output on x, scaled by its routing weight
+    weights[rank]. The experts of one call run together on the native pool; each output is
+    the same whichever experts share the call, so the result never depends on I/O timing."""
+    for i in range(0, len(ready), kernels.MAX_EXPERTS):
+        part = ready[i:i + kernels.MAX_EXPERTS]
+        each = buf.each[:len(part)]
+        kernels.experts_forward_each([w for _, w in part], [weights[r] for r, _ in part], x, limit, each, buf.scratch)
+        for j, (rank, _) in enumerate(part):
+            buf.ys[rank] = each[j]
+
+
+def shared_expert(w: SharedExpertWeights, x: np.ndarray, buf: MoeBuffers) -> np.ndarray:
+    """The shared expert on the FP8 matvec kernel, into buf.shared_out."""
+    w.w1.matvec(x, buf.shared_gate)
+    w.w3.matvec(x, buf.shared_up)
+    silu_mul(buf.shared_gate, buf.shared_up, out=buf.shared_act)
+    return w.w2.matvec(buf.shared_act, buf.shared_out)
+
+
+def combine(buf: MoeBuffers) -> np.ndarray:
+    """y = the routed outputs summed in routing-rank order, then the shared expert's."""
+    return sum_outputs(buf.ys, buf.shared_out, buf.y)
+
+
+
 def load_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file, in its dtype (ml_dtypes for FP8 / E8M0 / bf16)."""
     data = path.read_bytes()
