@@ -1,4 +1,4 @@
-"""Several sequences stepping together: one forward pass over their rows (model.rows).
+"""Several sequences stepping together: one forward pass over their rows (model.forward).
 
 Sessions of one engine join its StepBatcher; a joined session's step() and prefill() hand their
 rows to it and wait. The batcher's thread gathers what the members asked for (until every member
@@ -11,7 +11,7 @@ step's reads. Each member computes with its own kernel backend and threads (Sess
 step holds the rows of one setting (the longest waiting member's) and applies it, so switching
 one sequence's kernels changes no other's numbers.
 
-Each row's numbers are those it gets alone, whatever else is in the step (model.rows), so a
+Each row's numbers are those it gets alone, whatever else is in the step (model.forward), so a
 sequence's tokens and state dump do not depend on who it shared steps with. A step of one row
 (a decode token, or the last row of a prompt chunk) is computed in the session's own buffers,
 streamed as a token (runtime.streamer); any other in the batcher's, with each segment's failures
@@ -34,7 +34,7 @@ import numpy as np
 
 from ds4f.errors import Ds4fError
 from ds4f.engine.costs import COUNTS, WAITS, Costs, split_whole
-from ds4f.engine.model.rows import ChunkBuffers, Segment, Stopped, forward_rows
+from ds4f.engine.model.forward import ChunkBuffers, Segment, Stopped, forward_rows
 from ds4f.engine.runtime.helper_thread import beside
 
 STEP_PROMPT_ROWS = 64  # prompt rows a batched step takes at most: a long prompt goes in several steps,

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ds4f.engine.model.rows import Stopped
+from ds4f.engine.model.forward import Stopped
 from ds4f.engine.speculative import finish_round, plain_step, speculate
 
 

@@ -1,7 +1,7 @@
 """A session: one sequence's state on an engine (its tokens, position and KV cache). `eval(token)`
 runs the forward pass on it and returns the logits; `step(token)` also picks the next token and says
 what the token cost; `prefill(tokens)` runs a chunk of prompt tokens layer by layer, with the same
-records. All three are rows of the one forward pass (model.rows): a token is a step of one row.
+records. All three are rows of the one forward pass (model.forward): a token is a step of one row.
 `snapshot()` takes its state as a value (engine.session_state) and `restore(state)` puts one back:
 the session then continues byte for byte as the one the state was taken from.
 """
@@ -16,7 +16,7 @@ from ds4f.engine.costs import Costs
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.kv_journal import KVJournal, journal_limit
 from ds4f.engine.batch import engine_counters
-from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows, moe_rows, prefill, transient_nbytes
+from ds4f.engine.model.forward import ChunkBuffers, Segment, forward_rows, moe_rows, prefill, transient_nbytes
 from ds4f.engine.runtime.helper_thread import beside
 from ds4f.engine.session_state import SessionState, canonical, put_layers, take_layers
 
@@ -125,7 +125,7 @@ class Session:
     @property
     def nbytes(self) -> int:
         """Its buffers, the KV cache, and a prefill chunk's buffers with the temporaries of one of its
-        layers (model.rows.transient_nbytes)."""
+        layers (model.forward.transient_nbytes)."""
         if self.closed:
             return 0
         chunk = self.chunk.nbytes + transient_nbytes(self.geometry, self.chunk.chunk) if self.chunk is not None else 0
@@ -177,10 +177,10 @@ class Session:
         return Step(b.ids[0], b.weights[0], b.hidden[0], b.attn[0], logits, next_token, self._costs(before, b.times))
 
     def prefill(self, token_ids: list[int], should_stop=None) -> Rows:
-        """A chunk of prompt tokens through the model layer by layer (model.rows): the same
+        """A chunk of prompt tokens through the model layer by layer (model.forward): the same
         records and logits as step() on each in turn, each chosen expert read once for the chunk.
         At most `prefill_chunk` tokens; the chunk's reads, hits and stall together. should_stop:
-        asked before each layer; True stops the chunk with model.rows.Stopped, and the session
+        asked before each layer; True stops the chunk with model.forward.Stopped, and the session
         is not to be used further (its KV cache holds part of the chunk)."""
         n = len(token_ids)
         if self.chunk is None or not 0 < n <= self.chunk.chunk:

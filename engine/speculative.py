@@ -5,7 +5,7 @@ A round at position P with the token t about to be fed:
 
     drafts d1..dk   = the MTP layer's greedy choices, chained (model.mtp)
     rows            = [t, d1, .., dk] at P .. P+k, verified in one layer-major pass (Session.verify)
-    row i's logits  = exactly those of a plain step on it (model.rows)
+    row i's logits  = exactly those of a plain step on it (model.forward)
     accepted        = while the token row i picks (greedy: its argmax; sampling: accept_draft)
                       is the draft d_{i+1}; the first row that disagrees gives its own pick
     commit          = the accepted rows and the one after them are the session's; the other rows'

@@ -17,7 +17,7 @@ from ds4f.engine.config import DEFAULT_PARALLEL, MAX_PARALLEL, Preset
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.mtp import mtp_geometry
-from ds4f.engine.model.rows import ChunkBuffers, transient_nbytes
+from ds4f.engine.model.forward import ChunkBuffers, transient_nbytes
 from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
 from ds4f.engine.runtime.mtp_source import round_slots
 

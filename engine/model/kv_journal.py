@@ -1,7 +1,7 @@
 """Undoing the last rows of a pass through a KV cache, exactly.
 
 A speculative step verifies a token and its drafts as rows at positions pos0 .. pos0 + n - 1 in
-one pass (model.rows), which advances every layer's cache through all of them; the drafts that
+one pass (model.forward), which advances every layer's cache through all of them; the drafts that
 are rejected must then leave no trace. Before the pass, KVJournal keeps what those rows can
 overwrite, per layer:
 

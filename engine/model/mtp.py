@@ -15,7 +15,7 @@ Chained drafts feed X' back as the next X with the draft token. The MTP layer's 
 from (X_j, t_{j+1}) and is kept at position j: attention depends on positions only through
 their differences, so the row's place is that of its token less one throughout.
 
-The block runs on model.rows' forward pass as a one-layer model (runtime.mtp_source.MtpSource
+The block runs on model.forward' forward pass as a one-layer model (runtime.mtp_source.MtpSource
 presents it as layer 0 and reads its experts), so each of a step's rows is computed as it would
 be alone, the experts that several rows chose read once.
 """
@@ -29,7 +29,7 @@ from ds4f.engine.model.attention import LayerCache, push_window_rows
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HyperWeights, hc_pre_rows
 from ds4f.engine.model.ops import rms_norm
-from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
+from ds4f.engine.model.forward import ChunkBuffers, Segment, forward_rows
 from ds4f.engine.model.weights import Fp8Matrix, GlobalWeights, LayerAttention, MoeWeights, nbytes_of
 
 MAX_DRAFTS = 3          # the most drafts a round chains (--spec K: 0..MAX_DRAFTS)
@@ -82,7 +82,7 @@ class MtpState:
 
     cache: LayerCache
     exact: int = 0
-    layers: list = field(default_factory=list)     # [cache]: the KVCache shape model.rows takes
+    layers: list = field(default_factory=list)     # [cache]: the KVCache shape model.forward takes
 
     def __post_init__(self) -> None:
         self.layers = [self.cache]

@@ -12,7 +12,7 @@ from ds4f.engine.checkpoint.base import aligned_buffer
 from ds4f.engine.model.attention import new_layer_cache
 from ds4f.engine.model.forward import SHARED
 from ds4f.engine.model.mtp import MAX_DRAFTS, MtpState, MtpWeights, block_rows, mtp_geometry, push_keys
-from ds4f.engine.model.rows import ChunkBuffers
+from ds4f.engine.model.forward import ChunkBuffers
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights, expert_weights
 
 
@@ -35,7 +35,7 @@ def round_slots(top_k: int) -> int:
 
 
 class MtpSource:
-    """The MTP block as a one-layer WeightSource (model.forward.WeightSource) for model.rows:
+    """The MTP block as a one-layer WeightSource (model.forward.WeightSource) for model.forward:
     layer 0 is the MTP layer; its routed experts are read from the checkpoint as layer n_layers
     into a few slots of its own (least recently used first out), checked where the form has
     checksums."""

@@ -1,6 +1,6 @@
 """The streamer: the weight source the forward pass reads, backed by RAM, the expert cache and disk.
 
-The forward pass (model.rows) computes a step's rows layer by layer and asks for each layer's
+The forward pass (model.forward) computes a step's rows layer by layer and asks for each layer's
 experts once its rows are routed. A step of one row (a decode token) is streamed as a token
 (runtime.schedule's token order, which the cache lab's replay follows):
   1. token start: the hash layers' experts are known from the token id, so they are all requested
@@ -114,7 +114,7 @@ class Streamer:
         self._prefetched.clear()
         self.stall_s = 0.0
 
-    # -- the WeightSource interface (model.rows) --------------------------------------------------
+    # -- the WeightSource interface (model.forward) --------------------------------------------------
     def router(self, layer: int) -> RouterWeights:
         return self.routers[layer]
 

@@ -1,4 +1,4 @@
-"""Several sequences stepping together (engine.batch, model.rows): each sequence's tokens and state
+"""Several sequences stepping together (engine.batch, model.forward): each sequence's tokens and state
 dump are byte-identical to the same run alone, whoever it shares its steps with, as sequences
 join and leave mid-way; a sequence that fails fails alone."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ds4f.native import kernels
-from ds4f.engine.model.rows import ChunkBuffers, Segment, forward_rows
+from ds4f.engine.model.forward import ChunkBuffers, Segment, forward_rows
 from ds4f.runs.config import RunConfig
 from ds4f.runs.host import EngineHost
 from ds4f.runs.run import active_runs, start_run

@@ -164,7 +164,7 @@ def test_bench_prefill_writes_one_record_per_length_and_mode(tiny_model, tmp_pat
 @pytest.mark.parametrize("geometry", ["tiny", "bench", "flash"])
 def test_the_memory_plan_counts_the_chunk_buffers_a_session_allocates(geometry):
     from ds4f.engine.model.geometry import get_geometry
-    from ds4f.engine.model.rows import ChunkBuffers
+    from ds4f.engine.model.forward import ChunkBuffers
 
     g = get_geometry(geometry)
     for n in (1, 7, 64) if geometry != "flash" else (2,):
@@ -185,7 +185,7 @@ def test_a_cancel_stops_a_chunk_between_layers(tiny_model, tmp_path):
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
     from ds4f.engine.engine import Engine
-    from ds4f.engine.model.rows import Stopped
+    from ds4f.engine.model.forward import Stopped
 
     preset = load_config(None).get_preset("laptop")
     with open_checkpoint(tiny_model) as ck:
@@ -215,14 +215,14 @@ def test_a_cancel_stops_a_chunk_between_layers(tiny_model, tmp_path):
 @pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
 def test_a_chunks_temporaries_stay_within_what_the_plan_counts(request, which):
     """numpy's allocations while a chunk runs (traced: numpy reports them to tracemalloc), beyond
-    the session's buffers, peak within model.rows.transient_nbytes, which the memory plan and
+    the session's buffers, peak within model.forward.transient_nbytes, which the memory plan and
     the session's budget count; and not far below it, so the bound says something."""
     import tracemalloc
 
     from ds4f.engine.checkpoint import open_checkpoint
     from ds4f.engine.config import load_config
     from ds4f.engine.engine import Engine
-    from ds4f.engine.model.rows import transient_nbytes
+    from ds4f.engine.model.forward import transient_nbytes
 
     model = request.getfixturevalue(which)
     cfg = load_config()

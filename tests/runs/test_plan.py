@@ -74,7 +74,7 @@ def test_the_plan_for_several_sequences_counts_what_the_batch_allocates(geometry
 
     from ds4f.engine.batch import batched_chunk, step_rows
     from ds4f.engine.model.attention import KVCache, attention_shapes
-    from ds4f.engine.model.rows import ChunkBuffers, transient_nbytes
+    from ds4f.engine.model.forward import ChunkBuffers, transient_nbytes
 
     g = GEOMETRIES[geometry]
     laptop = load_config().get_preset("laptop")

@@ -12,7 +12,7 @@ import numpy as np
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import load_config
 from ds4f.engine.engine import Engine
-from ds4f.engine.model.rows import Stopped
+from ds4f.engine.model.forward import Stopped
 
 TOKENS = [3, 17, 42, 99, 5]
 LATE_S = 2.0     # how long the left-behind read waits, at most, for its moment to land
