@@ -166,7 +166,7 @@ class ChunkBuffers:
         self.act = np.empty((chunk, g.shared_inter), np.float32)
         self.finals = np.empty((chunk, g.hidden), np.float32)         # the head's normed inputs
         self.mm_scratch = kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter))
-        # the tokens' records (the state dump's), as ForwardBuffers keeps one token's
+        # the tokens' records (the state dump's)
         self.ids = np.empty((chunk, g.n_layers, g.top_k), np.int32)
         self.weights = np.empty((chunk, g.n_layers, g.top_k), np.float32)
         self.hidden = np.empty((chunk, g.n_layers, streams * g.hidden), np.float32)

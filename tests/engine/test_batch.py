@@ -265,7 +265,7 @@ def test_the_cap_is_the_largest_batch_that_paid(ratios_model):
 
 def test_prompt_chunks_split_across_steps_are_what_they_are_alone(ratios_model, tmp_path):
     """Steps of few rows (a preset's prefill chunk of 4: 2 decode rows and 4 prompt rows a step):
-    prompt chunks of 5 go in parts, a part of one row alone through the token forward; every
+    prompt chunks of 5 go in parts, a part of one row alone, streamed as a token; every
     sequence's dump is its alone one."""
     config = tmp_path / "ds4f.toml"
     config.write_text('[engine]\nprobe_floor = false\npreset = "small"\n\n'
