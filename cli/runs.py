@@ -153,6 +153,8 @@ def _run(args) -> int:
     _print_summary(run, s, snap, out)
     if to_stdout:
         write_json(run.report, "-")
+    elif args.json and run.report_path is None:   # no state dump (--dump off), so no report beside one: here
+        write_json(run.report, str(report))
     if run.history_error:
         raise Ds4fError(run.history_error)
     return 0

@@ -3,6 +3,7 @@ where the user did not say: a device or FIFO (even with --force), one of its own
 existing file without --force, a directory, a name a library would extend."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,3 +69,15 @@ def test_a_benchmarks_json_is_not_overwritten_unasked(tmp_path):
     refused(ds4f("bench-kernels", "--json", kept), "already exists")
     refused(ds4f("bench", "engine", "--json", kept), "already exists")
     assert kept.read_text() == "{}"
+
+
+def test_a_run_without_a_state_dump_still_writes_the_report_json_names(tiny_model, tmp_path):
+    """--dump off writes no state dump, so no report beside one: --json PATH gets the report itself
+    (the run's own tokens), and nothing else is left in the directory."""
+    report = tmp_path / "r.json"
+    out = ds4f("run", tiny_model, "--gen", "3", "--no-probe", "--dump", "off", "--json", report)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(report.read_text())
+    assert data["state"] == "done" and data["summary"]["tokens"] == 3 and len(data["generated"]) == 3
+    assert data["state_path"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
