@@ -32,43 +32,33 @@ from ds4f.engine.config import Preset
 from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
-from ds4f.engine.runtime.memory import release_freed_memory
-from ds4f.engine.speculative import MtpDrafter, SpecController
+from ds4f.engine.speculative import SpecController
 from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.constraint import Constraint, prepare
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.errors import Ds4fError
-from ds4f.units import format_bytes
 from ds4f.native import kernels
-from ds4f.runs.config import (RunConfig, check_backend, check_fits, check_threads, checked, fitted, kv_of,
+from ds4f.runs.config import (RunConfig, check_fits, checked, fitted, kv_of,
                               open_writer, prompt_of, reserve_room, settle)
+from ds4f.runs.active import _active, _active_lock, active_run, active_runs  # noqa: F401 (the run API)
 from ds4f.runs.host import EngineHost
+from ds4f.runs.lease import release_engine, take_engine
 from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
 from ds4f.runs.report import fail_run, finish_bytes, finish_run
-from ds4f.runs.snapshot import Snapshot, TokenLog, TokenRecord, snapshot_of
+from ds4f.runs.snapshot import Snapshot, TokenLog, snapshot_of
+from ds4f.runs.speculation import setup_spec
+from ds4f.runs.steps import count_steps, emit
+from ds4f.runs.switches import apply_switches, ask
 from ds4f.runs.statedump import StateWriter
 from ds4f.settings import load_settings
 
 MAX_EVENTS = 1000          # a run's event log keeps its last MAX_EVENTS lines (the report counts the rest)
 LIVE_STATES = ("starting", "running")          # a run in these states can be switched or cancelled
 END_STATES = ("done", "cancelled", "failed")
-_active_lock = threading.Lock()
-_active: "list[Run]" = []            # the runs started and not yet ended, oldest first
 
 
 def _new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-
-
-def active_run() -> "Run | None":
-    """The oldest run still active (None: none)."""
-    live = active_runs()
-    return live[0] if live else None
-
-
-def active_runs() -> "list[Run]":
-    with _active_lock:
-        return [r for r in _active if not r.finished]
 
 
 def start_run(config: RunConfig, history=None, engines: EngineHost | None = None, on_token=None) -> "Run":
@@ -155,7 +145,7 @@ class Run:
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._session = None
         self._passes = self._shared_passes = 0          # forward passes, and those shared (engine.batch)
-        self._spec: SpecController | None = None       # speculative decoding, when on (_setup_spec)
+        self._spec: SpecController | None = None       # speculative decoding, when on (runs.speculation)
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
         self._generation: Generation | None = None   # the generation loop (engine.generate), once started
@@ -265,15 +255,7 @@ class Run:
         go in steps of their own setting); the I/O threads are the engine's reader, every
         sequence's: switched only engine_wide (an operator switching every run), else refused
         where it lands if other runs step on the engine then (said in the run's log)."""
-        if backend is not None:
-            check_backend(backend)
-        check_threads(kernel_threads=kernel_threads, io_threads=io_threads)
-        with self._lock:
-            for name, value in (("backend", backend), ("kernel_threads", kernel_threads), ("io_threads", io_threads)):
-                if value is not None:
-                    self._pending[name] = value
-            if io_threads is not None:
-                self._pending["engine_wide"] = engine_wide
+        ask(self, backend, kernel_threads, io_threads, engine_wide)
 
     def sharing_with(self) -> list[str]:
         """The ids of the other runs stepping on this run's engine (EngineHost(parallel=N)), or
@@ -300,65 +282,20 @@ class Run:
             self._n_events += 1
 
     def _apply_switches(self, eng: Engine, step: int) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        if not pending:
-            return
-        session = self._session
-        batched = session is not None and session.batcher is not None
-        old = (self._backend, self.kernel_threads, eng.io_threads)
-        backend = pending.get("backend", self._backend)
-        threads = pending.get("kernel_threads", old[1])
-        if batched:       # its own: its rows go in steps of their setting (engine.batch), the others' keep theirs
-            session.kernels = eng.kernel_settings(backend, threads)
-        else:
-            eng.set_kernels(backend, threads)
-        if "io_threads" in pending:
-            others = self.sharing_with() if batched and not pending.get("engine_wide") else []
-            if others:
-                self._log(f"token {step}: I/O threads {pending['io_threads']} not switched: the engine's reader is"
-                          f" shared with run{'s' if len(others) > 1 else ''} {', '.join(others)} stepping together"
-                          f" with this one (POST /operator/threads switches every run's)")
-            else:
-                eng.set_io_threads(pending["io_threads"])
-        kernels = session.kernels if session is not None else eng.kernels
-        with self._lock:
-            self._backend, self.kernel_threads, self.io_threads = kernels.backend, kernels.threads, eng.io_threads
-        new = (self._backend, self.kernel_threads, eng.io_threads)
-        for label, a, b in zip(("backend", "kernel threads", "I/O threads"), old, new):
-            if a != b:
-                self._log(f"token {step}: {label} {a} -> {b}")
+        apply_switches(self, eng, step)
 
     def _main(self) -> None:
         writer = None
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             writer = open_writer(self)
-            eng = self._load_engine()
-            sharing = eng.sharing
-            self._cache_at_start = 0 if self.config.cold_start and not sharing else eng.cache.resident
-            session = eng.new_session(self.prefill_chunk, cold=self.config.cold_start)
-            self._session = session
-            if self.engines is not None and self.engines.parallel > 1:
-                # its own kernels beside the others' (engine.batch: a step computes with one setting)
-                session.kernels = eng.kernel_settings(self._backend, self.kernel_threads)
-                if sharing and eng.io_threads != self.io_threads:
-                    self._log(f"I/O threads: the engine's {eng.io_threads} (the sequences stepping on it share"
-                              f" its reader), not {self.io_threads}")
-            if sharing and self.config.cold_start:
-                self._log("cold start: not while other sequences step on the engine; on the cache as it is")
-            self._log(f"expert cache warm: {self._cache_at_start} experts from earlier runs" if self._cache_at_start
-                      else "expert cache cold: empty at the start")
-            with self._lock:
-                self._engine, self._session_nbytes = eng, session.nbytes
-                self._kv_bytes, self._context = session.kv_nbytes, session.context if session.kv else 0
-                self._backend, self.kernel_threads = session.kernels.backend, session.kernels.threads
+            eng, session = take_engine(self)
             if self.probe and not self._cancel.is_set():
                 self._floor = cached_floor(self.checkpoint, self.io_threads)
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
             with self._lock:
                 self._state = "running"
-            self._setup_spec(eng, session)
+            setup_spec(self, eng, session)
             start, self._marks = reuse_prefix(self, eng, session, writer)
             if self.engines is not None and self.engines.parallel > 1:   # from here it steps with the others
                 session.join(eng.batcher)
@@ -382,33 +319,16 @@ class Run:
         finally:
             self._release()
 
-    def _load_engine(self) -> Engine:
-        """The host's engine (loaded or reused), else one of the run's own."""
-        if self.engines is not None:
-            t0 = time.perf_counter()
-            loads = self.engines.loads
-            eng = self.engines.engine_for(self.checkpoint, self.preset, self.io_threads, self.kernel_threads,
-                                          self._backend)
-            self.checkpoint, self._hosted = eng.ckpt, True
-            self._baseline_rss = self.engines.baseline_rss  # the budget counts the engine once
-            how = "loaded" if self.engines.loads > loads else "reused"
-            self._log(f"engine {how} in {time.perf_counter() - t0:.2f} s")
-        else:
-            eng = Engine(self.checkpoint, self.preset, self.io_threads, self.kernel_threads, self._backend)
-        for note in eng.notes:
-            self._log(note)
-        return eng
-
     def _generate(self, eng: Engine, session, writer: StateWriter, start: int = 0) -> None:
         """The generation loop (engine.generate) from `start`, each row it computes recorded
-        (_emit): until the token count, the end of the output, or a cancel. With the prefix cache,
+        (runs.steps.emit): until the token count, the end of the output, or a cancel. With the prefix cache,
         the last prompt token goes alone, and a state is kept at each of the run's marks."""
         self._generation = Generation(
-            session, self.prompt, self.n_steps, emit=lambda *row: self._emit(eng, writer, *row),
+            session, self.prompt, self.n_steps, emit=lambda *row: emit(self, eng, writer, *row),
             stopped=lambda: self._finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
             sampler=self._sampler(), spec=self._spec,
             marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
-            counted=self._count_steps)
+            counted=lambda res: count_steps(self, res))
         self._generation.run(start)
 
     def _sampler(self) -> Sampler | None:
@@ -420,112 +340,14 @@ class Run:
             return Sampler(sampling if sampling is not None else SamplingParams(temperature=0.0), constraint)
         return Sampler(sampling) if sampling is not None and not sampling.greedy else None
 
-    def _setup_spec(self, eng: Engine, session) -> None:
-        """Speculative decoding for the run (RunConfig.spec): the MTP layer's drafter on the
-        session, told every row from the prompt's first on. spec auto runs plainly where there is
-        no MTP layer or sequences step together (start_run refuses a fixed k there)."""
-        mode = self.config.spec
-        if mode == "off":
-            return
-        if self.engines is not None and self.engines.parallel > 1:
-            self._log("speculation: off while sequences step together")
-            return
-        try:
-            layer = eng.mtp_layer()
-        except Ds4fError as exc:
-            if mode != "auto":
-                raise
-            self._log(f"speculation: off: {exc}")
-            return
-        session.enable_drafts(MtpDrafter(layer, session.context))
-        self._spec = SpecController(mode)
-        learned = eng.spec_learned        # what the runs before on this engine measured: auto starts there
-        if mode == "auto" and learned is not None and not self.config.cold_start:   # (a cold start: afresh)
-            self._spec.learn_from(learned)
-            self._log(f"speculation: auto starts from the earlier runs' measurements on this engine (first"
-                      f" drafts kept {int(learned.hits[1])} of {int(learned.tries[1])})")
-        eng.spec_learned = self._spec
-        with self._lock:
-            self._session_nbytes = session.nbytes
-        self._log(f"speculation: {mode}" + (" (k chosen per round from what drafts save and cost)"
-                                            if mode == "auto" else " drafts per round")
-                  + f"; the MTP layer's {format_bytes(eng.mtp_nbytes)} resident")
-
-    def _count_steps(self, res) -> None:
-        """The forward passes a step or chunk went in, and those shared with other sequences."""
-        with self._lock:
-            self._passes += res.batch_steps
-            self._shared_passes += res.batch_shared
-
     def _release(self) -> None:
-        """The run's end, whatever it was: the engine's last figures kept, the engine and the
-        checkpoint closed unless a host keeps them, its place in the runs directory given up, and
-        the process free for the next run."""
-        if self._reservation is not None:
-            self._reservation.release()
-        if self._session is not None:
-            self._session.leave()
-        if self._engine is not None:
-            self._final_layer_prefetch_hits = tuple(self._engine.streamer.prefetch_layer_hits)
-            self._final_figures = self._engine.figures(self._session_nbytes, self._session)
-            if not self._hosted:
-                self._engine.close()
-            self._engine = None
-        # the run's record stays (status, reports) but not what it computed with: its session's
-        # buffers and KV cache, and the states it marked for the prefix cache, go now
-        if self._session is not None:
-            self._session.close()
-        if self._generation is not None:
-            self._generation.release()
-        release_freed_memory()
-        if not self._hosted:
-            self.checkpoint.close()
+        """The run's end, whatever it was: the engine released (runs.lease), and the process free
+        for the next run."""
+        release_engine(self)
         self._done.set()
         with _active_lock:
             if self in _active:
                 _active.remove(self)
-
-    def _emit(self, eng: Engine, writer, step: int, token: int, next_token: int, rec, costs: dict, seconds: float,
-              prefill: bool) -> None:
-        """One step's record: into the state dump, the token log (its costs), on_token; the text
-        it adds to the output when it picked a generated token."""
-        kernels = self._session.kernels      # what computed the row (in a batch: its own, not the last step's)
-        writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
-        generating = step >= len(self.prompt) - 1
-        text = self._take_output(next_token, last=step + 1 == self.n_steps) if generating else ""
-        record = TokenRecord(index=step, token_id=token, next_token_id=next_token, seconds=seconds,
-                             bytes_read=costs["bytes_read"], hits=costs["hits"], misses=costs["misses"],
-                             stall_s=costs["stall_s"], backend=kernels.backend, kernel_threads=kernels.threads,
-                             io_threads=eng.io_threads, disk_busy_s=costs["disk_busy_s"],
-                             disk_depth_s=costs["disk_depth_s"], reads=costs["reads"],
-                             prefetch_hits=costs["prefetch_hits"], attention_s=costs["attention_s"],
-                             moe_s=costs["moe_s"], head_s=costs["head_s"], prefill=prefill, text=text)
-        with self._lock:
-            self._log_tokens.add(record)
-        if self.on_token is not None:
-            self.on_token(record)
-
-    def _take_output(self, token_id: int, last: bool) -> str:
-        """Count a generated token and say what text it adds; sets the finish reason when the
-        output ends here (the end-of-sentence token, a stop string, the token limit)."""
-        with self._lock:
-            self._generated += 1
-            self._generated_ids.append(int(token_id))
-        out, piece = self._output, ""
-        if self.stop_at_eos and token_id == self.eos_id:
-            reason = "eos"
-        else:
-            if out is not None:
-                piece, stopped = out.push(token_id)
-                if stopped is not None:
-                    self._finish_reason = "stop"
-                    return piece
-            reason = "length" if last else None
-        if reason is not None:
-            if out is not None:
-                piece += out.finish()
-            self._finish_reason = reason
-        return piece
 
     @property
     def _run_bytes(self) -> int:
