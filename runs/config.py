@@ -14,7 +14,6 @@ from ds4f.engine.batch import batched_chunk
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
 from ds4f.engine.text.constraint import check_response_format
-from ds4f.engine.text.output import OutputText
 from ds4f.engine.text.sampling import SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.paths import user_data_dir
@@ -305,10 +304,6 @@ def settle(run, settings: Settings) -> None:
     run.stop_at_eos = config.stop_at_eos if config.stop_at_eos is not None else tokenizer is not None and (
         config.text is not None or config.messages is not None)
     run.eos_id = tokenizer.eos_id if tokenizer is not None else run.checkpoint.geometry.eos_token_id
-    run._output = OutputText(tokenizer, tuple(config.stop)) if tokenizer is not None else None
-    run._finish_reason = None
-    run._generated = 0      # tokens picked after the prompt (an end-of-sentence one included)
-    run._generated_ids = []   # their ids
     run.io_threads = config.io_threads or cfg.effective_io_threads(preset)
     run.kernel_threads = config.kernel_threads or cfg.effective_kernel_threads(preset)
     run.probe = cfg.probe_floor if config.probe_floor is None else config.probe_floor

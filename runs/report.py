@@ -202,7 +202,7 @@ def finish_run(run, state: str, sha: str | None = None, writer=None) -> None:
         try:
             config = run.config_dict()
             config["tokens_done"] = run._log_tokens.count   # what a cancelled or failed run got to
-            config["generated_tokens"], config["finish_reason"] = run._generated, run._finish_reason
+            config["generated_tokens"], config["finish_reason"] = run.generated_tokens, run.finish_reason
             config["prompt_tokens_reused"] = run._log_tokens.reused_tokens
             if run.tokenizer is not None:
                 config["output_text"] = run.output_text
@@ -256,9 +256,9 @@ def _text_report(run) -> dict:
             "sampling": sampling.to_dict() if sampling is not None else "greedy",
             "response_format": fmt.to_dict() if (fmt := run.config.response_format) is not None else None,
             "stop": list(run.config.stop), "stop_at_eos": run.stop_at_eos,
-            "finish_reason": run._finish_reason, "prompt_tokens": len(run.prompt),
+            "finish_reason": run.finish_reason, "prompt_tokens": len(run.prompt),
             "prompt_tokens_reused": run._log_tokens.reused_tokens,
-            "generated_tokens": run._generated}
+            "generated_tokens": run.generated_tokens}
 
 
 def build_report(run, sha: str | None) -> dict:

@@ -33,7 +33,6 @@ from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
 from ds4f.engine.speculative import SpecController
-from ds4f.engine.text.chat import answer_message
 from ds4f.engine.text.constraint import Constraint, prepare
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.errors import Ds4fError
@@ -43,6 +42,7 @@ from ds4f.runs.config import (RunConfig, check_fits, checked, fitted, kv_of,
 from ds4f.runs.active import _active, _active_lock, active_run, active_runs  # noqa: F401 (the run API)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.lease import release_engine, take_engine
+from ds4f.runs.output import RunOutput
 from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
 from ds4f.runs.report import fail_run, finish_bytes, finish_run
 from ds4f.runs.snapshot import Snapshot, TokenLog, snapshot_of
@@ -120,8 +120,9 @@ class Run:
         self.history = history
         self.n_steps = len(prompt) - 1 + config.gen
         self.tokenizer = tokenizer
-        settle(self, settings)
         self._lock = threading.Lock()
+        settle(self, settings)
+        self._output = RunOutput(tokenizer, config.stop, self.stop_at_eos, self.eos_id, self._lock)
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._pending: dict = {}
@@ -208,45 +209,37 @@ class Run:
         with self._lock:
             return self._log_tokens.bytes_read
 
+    # the output (runs.output): its text, its token count and ids, why it ended
     @property
     def generated_tokens(self) -> int:
         """Tokens generated so far (the prompt's not counted; an end-of-sentence token counted)."""
-        return self._generated
+        return self._output.generated
 
     @property
     def generated_ids(self) -> tuple[int, ...]:
         """The ids of the tokens generated so far (an end-of-sentence token included)."""
-        with self._lock:
-            return tuple(self._generated_ids)
+        return self._output.ids
 
     @property
     def assistant_message(self) -> dict | None:
-        """A chat run's answer as the next turn's assistant message (engine.text.chat.answer_message:
-        the content, the reasoning apart, and the ids generated for the content, so that the next
-        turn's prompt begins with this run's state); None for a run that is not a chat's."""
-        if self.config.messages is None or self.tokenizer is None:
-            return None
-        return answer_message(self.tokenizer, self.generated_ids, self.output_text, self.config.thinking,
-                              self.config.tools, self.config.tool_choice)
+        """A chat run's answer as the next turn's assistant message; None for a run not a chat's."""
+        return self._output.assistant_message(self.config)
 
     @property
     def output_text(self) -> str:
-        """The text generated so far that is safe to show (complete UTF-8, no pending stop string);
-        the whole output once the run has ended. "" when the checkpoint has no tokenizer."""
-        out = self._output
-        return out.text[:out.emitted] if out is not None else ""
+        """The text generated so far that is safe to show (the whole output once the run has ended)."""
+        return self._output.text
 
     @property
     def finish_reason(self) -> str | None:
         """Why generation ended: "length" (the token limit), "eos" (the end-of-sentence token),
         "stop" (a stop string); None while running, or when cancelled or failed."""
-        return self._finish_reason
+        return self._output.finish_reason
 
     @property
     def stop_string(self) -> str | None:
         """The stop string that ended the output (finish reason "stop"), else None."""
-        out = self._output
-        return out.stopped if out is not None and self._finish_reason == "stop" else None
+        return self._output.stop_string
 
     def switch(self, backend: str | None = None, kernel_threads: int | None = None,
                io_threads: int | None = None, engine_wide: bool = False) -> None:
@@ -325,7 +318,7 @@ class Run:
         the last prompt token goes alone, and a state is kept at each of the run's marks."""
         self._generation = Generation(
             session, self.prompt, self.n_steps, emit=lambda *row: emit(self, eng, writer, *row),
-            stopped=lambda: self._finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
+            stopped=lambda: self._output.finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
             sampler=self._sampler(), spec=self._spec,
             marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
             counted=lambda res: count_steps(self, res))

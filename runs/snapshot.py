@@ -408,4 +408,4 @@ def _batch_fields(run) -> dict:
 def _text_fields(run, t: dict) -> dict:
     return dict(phase="prefill" if t["done"] < len(run.prompt) - 1 else "decode", prompt_tokens=len(run.prompt),
                 prompt_tokens_reused=run._log_tokens.reused_tokens,
-                generated_tokens=run._generated, output_text=run.output_text, finish_reason=run._finish_reason)
+                generated_tokens=run.generated_tokens, output_text=run.output_text, finish_reason=run.finish_reason)

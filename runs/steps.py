@@ -3,7 +3,6 @@ the text it adds to the output, on_token; and the forward passes counted."""
 from __future__ import annotations
 
 from ds4f.engine.engine import Engine
-from ds4f.runs.output import take_output
 from ds4f.runs.snapshot import TokenRecord
 
 
@@ -14,7 +13,7 @@ def emit(run, eng: Engine, writer, step: int, token: int, next_token: int, rec, 
     kernels = run._session.kernels      # what computed the row (in a batch: its own, not the last step's)
     writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
     generating = step >= len(run.prompt) - 1
-    text = take_output(run, next_token, last=step + 1 == run.n_steps) if generating else ""
+    text = run._output.take(next_token, last=step + 1 == run.n_steps) if generating else ""
     record = TokenRecord(index=step, token_id=token, next_token_id=next_token, seconds=seconds,
                          bytes_read=costs["bytes_read"], hits=costs["hits"], misses=costs["misses"],
                          stall_s=costs["stall_s"], backend=kernels.backend, kernel_threads=kernels.threads,
