@@ -135,7 +135,7 @@ def _restore_kept(run, cache, eng, session, writer) -> int:
         writer.write_records(records)
     with run._lock:
         for i, (token, nxt) in enumerate(zip(state.tokens, nexts)):
-            run._log_tokens.add(TokenRecord(index=i, token_id=int(token), next_token_id=int(nxt),
+            run._steps.log.add(TokenRecord(index=i, token_id=int(token), next_token_id=int(nxt),
                                             seconds=0.0, bytes_read=0, hits=0, misses=0, stall_s=0.0,
                                             backend=session.kernels.backend,
                                             kernel_threads=session.kernels.threads,
@@ -151,7 +151,7 @@ def keep_states(run) -> None:
     eng, session = run._engine, run._session
     if run._kv is None or eng is None or eng.prefix_cache is None or session is None:
         return
-    if len(run._log_tokens.switches) > 1:
+    if len(run._steps.log.switches) > 1:
         run._log("prefix cache: nothing kept: the kernels switched during the run")
         return
     cache = eng.prefix_cache

@@ -191,7 +191,7 @@ def finish_run(run, state: str, sha: str | None = None, writer=None) -> None:
         spt = f"{s['s_per_token']:.3f} s/token warm" if s.get("s_per_token") is not None else "no warm token"
         hit = f"hit rate {s['hit_rate']:.1%}" if s.get("hit_rate") is not None else "no expert read"
         if writer.report_tmp is not None:
-            write_report(report, run._log_tokens, writer.report_tmp, run.report_path)
+            write_report(report, run._steps.log, writer.report_tmp, run.report_path)
         writer.commit()          # the last step that may fail: a run's files appear only when it is done
         keep_states(run)        # best effort from here on: it never fails the run
         run._log(f"done: {spt}, {hit}, " + (f"sha256 {sha[:12]}" if sha else "no state dump"))
@@ -201,9 +201,9 @@ def finish_run(run, state: str, sha: str | None = None, writer=None) -> None:
     if run.history is not None:
         try:
             config = run.config_dict()
-            config["tokens_done"] = run._log_tokens.count   # what a cancelled or failed run got to
+            config["tokens_done"] = run._steps.log.count   # what a cancelled or failed run got to
             config["generated_tokens"], config["finish_reason"] = run.generated_tokens, run.finish_reason
-            config["prompt_tokens_reused"] = run._log_tokens.reused_tokens
+            config["prompt_tokens_reused"] = run._steps.log.reused_tokens
             if run.tokenizer is not None:
                 config["output_text"] = run.output_text
             run.history.record(run_id=run.id, config=config, state=state, report=report,
@@ -233,7 +233,7 @@ def _optimum_hit_rate(run, state_file: Path) -> float | None:
     fig = run._engine.figures(run._session_nbytes, run._session) if run._engine is not None else run._final_figures
     if fig is None:
         return None
-    return optimum_hit_rate(run.checkpoint.geometry, state_file, run._log_tokens, run.prefill_chunk,
+    return optimum_hit_rate(run.checkpoint.geometry, state_file, run._steps.log, run.prefill_chunk,
                             fig.cache_capacity_bytes, run._log)
 
 
@@ -241,10 +241,10 @@ def _replay_reads(run) -> dict | None:
     """The I/O efficiency's replay, only when the run measures the disk (probe)."""
     if not run.probe or run._engine is None:
         return None
-    if run._shared_passes:
+    if run._steps.shared_passes:
         run._log("I/O efficiency: not measured: the run's reads were shared with other sequences")
         return None
-    return replay_last_reads(run._engine, run._log_tokens, run._log, run._session)
+    return replay_last_reads(run._engine, run._steps.log, run._log, run._session)
 
 
 def _text_report(run) -> dict:
@@ -257,7 +257,7 @@ def _text_report(run) -> dict:
             "response_format": fmt.to_dict() if (fmt := run.config.response_format) is not None else None,
             "stop": list(run.config.stop), "stop_at_eos": run.stop_at_eos,
             "finish_reason": run.finish_reason, "prompt_tokens": len(run.prompt),
-            "prompt_tokens_reused": run._log_tokens.reused_tokens,
+            "prompt_tokens_reused": run._steps.log.reused_tokens,
             "generated_tokens": run.generated_tokens}
 
 
@@ -265,7 +265,7 @@ def build_report(run, sha: str | None) -> dict:
     """A done run's report (its engine still loaded), without the fields finish_run adds."""
     snap = run.snapshot()
     fig = run._engine.figures(run._session_nbytes, run._session)
-    log = run._log_tokens
+    log = run._steps.log
     rows = log.rows[:log.count]
     return {
         "schema": REPORT_SCHEMA, "run_id": run.id, "state": "done",
@@ -307,4 +307,4 @@ def _batch_summary(run) -> dict | None:
     if run.engines is None or run.engines.parallel < 2:
         return None
     with run._lock:
-        return {"parallel": run.engines.parallel, "steps": run._passes, "shared_steps": run._shared_passes}
+        return {"parallel": run.engines.parallel, "steps": run._steps.passes, "shared_steps": run._steps.shared_passes}

@@ -45,9 +45,9 @@ from ds4f.runs.lease import release_engine, take_engine
 from ds4f.runs.output import RunOutput
 from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
 from ds4f.runs.report import fail_run, finish_bytes, finish_run
-from ds4f.runs.snapshot import Snapshot, TokenLog, snapshot_of
+from ds4f.runs.snapshot import Snapshot, snapshot_of
 from ds4f.runs.speculation import setup_spec
-from ds4f.runs.steps import count_steps, emit
+from ds4f.runs.steps import Steps
 from ds4f.runs.switches import apply_switches, ask
 from ds4f.runs.statedump import StateWriter
 from ds4f.settings import load_settings
@@ -123,6 +123,7 @@ class Run:
         self._lock = threading.Lock()
         settle(self, settings)
         self._output = RunOutput(tokenizer, config.stop, self.stop_at_eos, self.eos_id, self._lock)
+        self._steps = Steps(self.n_steps, len(prompt), self._output, self._lock, on_token)
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._pending: dict = {}
@@ -131,7 +132,6 @@ class Run:
         self._report: dict | None = None
         self._events: collections.deque[str] = collections.deque(maxlen=MAX_EVENTS)
         self._n_events = 0
-        self._log_tokens = TokenLog(self.n_steps)    # every token's figures, sized up front
         self._finish_bytes = finish_bytes(self.n_steps, checkpoint.geometry)
         self._engine: Engine | None = None          # released when the run ends (its memory goes)
         self._final_figures: EngineFigures | None = None
@@ -145,7 +145,6 @@ class Run:
         self._floor = None
         self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
         self._session = None
-        self._passes = self._shared_passes = 0          # forward passes, and those shared (engine.batch)
         self._spec: SpecController | None = None       # speculative decoding, when on (runs.speculation)
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
@@ -201,13 +200,13 @@ class Run:
     @property
     def prompt_tokens_reused(self) -> int:
         """Of the prompt's tokens, those taken from the prefix cache (not computed)."""
-        return self._log_tokens.reused_tokens
+        return self._steps.log.reused_tokens
 
     @property
     def bytes_read(self) -> int:
         """Disk bytes its tokens read so far (their share of a step shared with other sequences)."""
         with self._lock:
-            return self._log_tokens.bytes_read
+            return self._steps.log.bytes_read
 
     # the output (runs.output): its text, its token count and ids, why it ended
     @property
@@ -299,7 +298,7 @@ class Run:
                 writer.abort()
                 writer = None
                 finish_run(self, "cancelled")
-                self._log(f"cancelled after {self._log_tokens.count} tokens; no files written")
+                self._log(f"cancelled after {self._steps.log.count} tokens; no files written")
                 return
             sha = writer.close()
             finish_run(self, "done", sha=sha, writer=writer)
@@ -314,14 +313,14 @@ class Run:
 
     def _generate(self, eng: Engine, session, writer: StateWriter, start: int = 0) -> None:
         """The generation loop (engine.generate) from `start`, each row it computes recorded
-        (runs.steps.emit): until the token count, the end of the output, or a cancel. With the prefix cache,
+        (runs.steps): until the token count, the end of the output, or a cancel. With the prefix cache,
         the last prompt token goes alone, and a state is kept at each of the run's marks."""
         self._generation = Generation(
-            session, self.prompt, self.n_steps, emit=lambda *row: emit(self, eng, writer, *row),
+            session, self.prompt, self.n_steps, emit=lambda *row: self._steps.emit(eng, session, writer, *row),
             stopped=lambda: self._output.finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
             sampler=self._sampler(), spec=self._spec,
             marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
-            counted=lambda res: count_steps(self, res))
+            counted=self._steps.count)
         self._generation.run(start)
 
     def _sampler(self) -> Sampler | None:
@@ -345,7 +344,7 @@ class Run:
     @property
     def _run_bytes(self) -> int:
         """The run's own memory beyond the engine: its token log and what its end needs."""
-        return self._log_tokens.nbytes + self._finish_bytes
+        return self._steps.log.nbytes + self._finish_bytes
 
     def config_dict(self) -> dict:
         d = asdict(self.config)

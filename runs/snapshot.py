@@ -306,7 +306,7 @@ def snapshot_of(run) -> Snapshot:
 
 def _token_figures(run) -> dict:
     """What the snapshot takes from the token log and the run's state, read under the lock."""
-    log = run._log_tokens
+    log = run._steps.log
     with run._lock:
         t = {"tokens": tuple(log.recent), "events": tuple(run._events)[-SNAPSHOT_EVENTS:],
              "state": run._state, "error": run._error, "backend": run._backend,
@@ -397,7 +397,7 @@ def _batch_fields(run) -> dict:
         return {}
     f = run.engines.batch_figures()
     with run._lock:
-        own = dict(batch_steps=run._passes, batch_shared_steps=run._shared_passes)
+        own = dict(batch_steps=run._steps.passes, batch_shared_steps=run._steps.shared_passes)
     if f is None:
         return dict(own, batch_parallel=run.engines.parallel, batch_cap=run.engines.parallel)
     return dict(own, batch_parallel=f.parallel, batch_sequences=f.members, batch_cap=f.cap,
@@ -407,5 +407,5 @@ def _batch_fields(run) -> dict:
 
 def _text_fields(run, t: dict) -> dict:
     return dict(phase="prefill" if t["done"] < len(run.prompt) - 1 else "decode", prompt_tokens=len(run.prompt),
-                prompt_tokens_reused=run._log_tokens.reused_tokens,
+                prompt_tokens_reused=run._steps.log.reused_tokens,
                 generated_tokens=run.generated_tokens, output_text=run.output_text, finish_reason=run.finish_reason)
