@@ -48,7 +48,7 @@ from ds4f.runs.report import fail_run, finish_bytes, finish_run
 from ds4f.runs.snapshot import Snapshot, snapshot_of
 from ds4f.runs.speculation import setup_spec
 from ds4f.runs.steps import Steps
-from ds4f.runs.switches import apply_switches, ask
+from ds4f.runs.switches import Switches
 from ds4f.runs.statedump import StateWriter
 from ds4f.settings import load_settings
 
@@ -124,9 +124,9 @@ class Run:
         settle(self, settings)
         self._output = RunOutput(tokenizer, config.stop, self.stop_at_eos, self.eos_id, self._lock)
         self._steps = Steps(self.n_steps, len(prompt), self._output, self._lock, on_token)
+        self._switches = Switches(self)
         self._cancel = threading.Event()
         self._done = threading.Event()
-        self._pending: dict = {}
         self._state = "starting"
         self._error: str | None = None
         self._report: dict | None = None
@@ -247,7 +247,7 @@ class Run:
         go in steps of their own setting); the I/O threads are the engine's reader, every
         sequence's: switched only engine_wide (an operator switching every run), else refused
         where it lands if other runs step on the engine then (said in the run's log)."""
-        ask(self, backend, kernel_threads, io_threads, engine_wide)
+        self._switches.ask(backend, kernel_threads, io_threads, engine_wide)
 
     def sharing_with(self) -> list[str]:
         """The ids of the other runs stepping on this run's engine (EngineHost(parallel=N)), or
@@ -274,7 +274,8 @@ class Run:
             self._n_events += 1
 
     def _apply_switches(self, eng: Engine, step: int) -> None:
-        apply_switches(self, eng, step)
+        """Before each step: the switches asked for since the last (runs.switches)."""
+        self._switches.apply(eng, step)
 
     def _main(self) -> None:
         writer = None
