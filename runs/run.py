@@ -39,7 +39,7 @@ from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.runs.config import (RunConfig, check_fits, checked, fitted, kv_of,
                               open_writer, prompt_of, reserve_room, settle)
-from ds4f.runs.active import _active, _active_lock, active_run, active_runs  # noqa: F401 (the run API)
+from ds4f.runs.active import active_run, active_runs, admit, forget, sharing  # noqa: F401 (the run API)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.lease import release_engine, take_engine
 from ds4f.runs.output import RunOutput
@@ -84,22 +84,16 @@ def start_run(config: RunConfig, history=None, engines: EngineHost | None = None
     except Ds4fError:
         checkpoint.close()
         raise
-    with _active_lock:
-        live = [r for r in _active if not r.finished]
-        parallel = engines.parallel if engines is not None else 1
-        if live and (parallel < 2 or len(live) >= parallel or any(r.engines is not engines for r in live)):
-            checkpoint.close()
-            more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
-            raise Ds4fError(f"run {live[0].id}{more} is still active; stop it first"
-                            + (f": {parallel} sequences step together at most" if parallel > 1 else ""), kind="busy")
-        run = Run(config, settings, preset, checkpoint, prompt, history, engines, on_token, tokenizer)
-        _active[:] = live + [run]
+    try:
+        run = admit(engines, lambda: Run(config, settings, preset, checkpoint, prompt, history, engines, on_token,
+                                         tokenizer))
+    except Ds4fError:
+        checkpoint.close()
+        raise
     try:
         reserve_room(run)      # room in the runs directory for its files, or refused now
     except BaseException:
-        with _active_lock:
-            if run in _active:
-                _active.remove(run)
+        forget(run)
         checkpoint.close()
         raise
     run._thread.start()
@@ -252,10 +246,7 @@ class Run:
     def sharing_with(self) -> list[str]:
         """The ids of the other runs stepping on this run's engine (EngineHost(parallel=N)), or
         starting to; [] when it steps alone."""
-        if self.engines is None or self.engines.parallel < 2:
-            return []
-        with _active_lock:
-            return [r.id for r in _active if r is not self and r.engines is self.engines and not r.finished]
+        return sharing(self)
 
     def snapshot(self) -> Snapshot:
         """The run's live figures: cheap, from any thread, at any time (runs.snapshot.snapshot_of)."""
@@ -338,9 +329,7 @@ class Run:
         for the next run."""
         release_engine(self)
         self._done.set()
-        with _active_lock:
-            if self in _active:
-                _active.remove(self)
+        forget(self)
 
     @property
     def _run_bytes(self) -> int:
