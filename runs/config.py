@@ -13,8 +13,8 @@ from ds4f.engine.config import BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, M
 from ds4f.engine.batch import batched_chunk
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
-from ds4f.engine.text.constraint import check_response_format
-from ds4f.engine.text.sampling import SamplingParams
+from ds4f.engine.text.constraint import Constraint, check_response_format
+from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.paths import user_data_dir
 from ds4f.runs.budget import planned_bytes, runs_budget_for
@@ -353,3 +353,13 @@ def reserve_room(run) -> None:
     run._reservation = run._budget.reserve(run.dump_path.parent, nbytes, run.history)
     for note in run._reservation.notes:
         run._log(note)
+
+
+def sampler_of(run) -> Sampler | None:
+    """The run's sampler: None for plain greedy; a response format's constraint on every pick."""
+    sampling, fmt = run.config.sampling, run.config.response_format
+    if fmt is not None:
+        constraint = Constraint(run.tokenizer, fmt, run.checkpoint.geometry.vocab,
+                                thinking=run.config.thinking and run.config.messages is not None)
+        return Sampler(sampling if sampling is not None else SamplingParams(temperature=0.0), constraint)
+    return Sampler(sampling) if sampling is not None and not sampling.greedy else None

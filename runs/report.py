@@ -163,6 +163,20 @@ def write_report(report: dict, log: TokenLog, tmp: Path, report_path: Path) -> N
         raise write_error(report_path, exc) from None
 
 
+def read_report(run) -> dict | None:
+    """The whole report of a done run, its per-token records included (read from report.json,
+    so a long run's records are not held in memory); summary_report is the same without them."""
+    if run._report is None:
+        return None
+    if run.report_path is None:    # a run without a state dump writes no report file
+        return dict(run._report)
+    try:
+        with open(run.report_path) as f:
+            return json.load(f)
+    except (OSError, ValueError):   # moved or deleted since: what is still in memory
+        return dict(run._report)
+
+
 # -- a run's ending: its report built and written with its files, its history record, the budget --
 def fail_run(run, message: str, writer) -> None:
     """End the run as failed with `message`: its files aborted (none left), its record kept."""

@@ -18,7 +18,6 @@ several sequences (EngineHost(parallel=N)): up to N runs then step together on i
 from __future__ import annotations
 
 import collections
-import json
 import secrets
 import threading
 import time
@@ -33,18 +32,17 @@ from ds4f.engine.engine import Engine, EngineFigures
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
 from ds4f.engine.speculative import SpecController
-from ds4f.engine.text.constraint import Constraint, prepare
-from ds4f.engine.text.sampling import Sampler, SamplingParams
+from ds4f.engine.text.constraint import prepare
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
 from ds4f.runs.config import (RunConfig, check_fits, checked, fitted, kv_of,
-                              open_writer, prompt_of, reserve_room, settle)
+                              open_writer, prompt_of, reserve_room, sampler_of, settle)
 from ds4f.runs.active import active_run, active_runs, admit, forget, sharing  # noqa: F401 (the run API)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.lease import release_engine, take_engine
 from ds4f.runs.output import RunOutput
 from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
-from ds4f.runs.report import fail_run, finish_bytes, finish_run
+from ds4f.runs.report import fail_run, finish_bytes, finish_run, read_report
 from ds4f.runs.snapshot import Snapshot, snapshot_of
 from ds4f.runs.speculation import setup_spec
 from ds4f.runs.steps import Steps
@@ -162,15 +160,7 @@ class Run:
     def report(self) -> dict | None:
         """The whole report of a done run, its per-token records included (read from report.json,
         so a long run's records are not held in memory); summary_report is the same without them."""
-        if self._report is None:
-            return None
-        if self.report_path is None:    # a run without a state dump writes no report file
-            return dict(self._report)
-        try:
-            with open(self.report_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):   # moved or deleted since: what is still in memory
-            return dict(self._report)
+        return read_report(self)
 
     @property
     def summary_report(self) -> dict | None:
@@ -310,19 +300,10 @@ class Run:
         self._generation = Generation(
             session, self.prompt, self.n_steps, emit=lambda *row: self._steps.emit(eng, session, writer, *row),
             stopped=lambda: self._output.finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
-            sampler=self._sampler(), spec=self._spec,
+            sampler=sampler_of(self), spec=self._spec,
             marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
             counted=self._steps.count)
         self._generation.run(start)
-
-    def _sampler(self) -> Sampler | None:
-        """The run's sampler: None for plain greedy; a response format's constraint on every pick."""
-        sampling, fmt = self.config.sampling, self.config.response_format
-        if fmt is not None:
-            constraint = Constraint(self.tokenizer, fmt, self.checkpoint.geometry.vocab,
-                                    thinking=self.config.thinking and self.config.messages is not None)
-            return Sampler(sampling if sampling is not None else SamplingParams(temperature=0.0), constraint)
-        return Sampler(sampling) if sampling is not None and not sampling.greedy else None
 
     def _release(self) -> None:
         """The run's end, whatever it was: the engine released (runs.lease), and the process free
