@@ -1,6 +1,7 @@
 """The runs active in this process, oldest first: started and not yet ended. One at a time (the
 kernel backend and thread count are process-wide settings of the native library), unless the
-runs share an EngineHost made for several sequences (EngineHost(parallel=N)): up to N then."""
+runs share an EngineHost made for several sequences (EngineHost(parallel=N)): up to N runs then
+step together on its engine (engine.batch), each with its own session, files and figures."""
 from __future__ import annotations
 
 import threading

@@ -9,11 +9,8 @@ A run executes in a background thread. It writes state.bin and report.json as a 
 report carries the state's sha256) under temporary names and commits them when complete, the
 report first (see ds4f.runs.statedump); a cancelled or failed run leaves no files, and a run
 cleans what a killed one left in its place. A write error (no space, no permission) fails the
-run with a message naming the file.
-Only one run is active per process at a time (the kernel backend and thread count are
-process-wide settings of the native library), unless the runs share an EngineHost made for
-several sequences (EngineHost(parallel=N)): up to N runs then step together on its engine
-(engine.batch), each with its own session, files and figures.
+run with a message naming the file. Runs are active one at a time, or up to N together on an
+EngineHost(parallel=N) (runs.active).
 """
 from __future__ import annotations
 
@@ -226,11 +223,8 @@ class Run:
 
     def switch(self, backend: str | None = None, kernel_threads: int | None = None,
                io_threads: int | None = None, engine_wide: bool = False) -> None:
-        """Change settings; they take effect at the next token boundary. Among sequences stepping
-        together (EngineHost(parallel=N)) the backend and kernel threads are the run's own (its rows
-        go in steps of their own setting); the I/O threads are the engine's reader, every
-        sequence's: switched only engine_wide (an operator switching every run), else refused
-        where it lands if other runs step on the engine then (said in the run's log)."""
+        """Change settings; they take effect at the next token boundary (runs.switches: what a
+        switch does among sequences stepping together, engine_wide)."""
         self._switches.ask(backend, kernel_threads, io_threads, engine_wide)
 
     def sharing_with(self) -> list[str]:

@@ -15,7 +15,11 @@ class Switches:
 
     def ask(self, backend: str | None, kernel_threads: int | None, io_threads: int | None,
             engine_wide: bool) -> None:
-        """Checked now (a Ds4fError if out of range), kept until the next token boundary."""
+        """Checked now (a Ds4fError if out of range), kept until the next token boundary. Among
+        sequences stepping together (EngineHost(parallel=N)) the backend and kernel threads are the
+        run's own (its rows go in steps of their own setting); the I/O threads are the engine's
+        reader, every sequence's: switched only engine_wide (an operator switching every run), else
+        refused where it lands if other runs step on the engine then (said in the run's log)."""
         if backend is not None:
             check_backend(backend)
         check_threads(kernel_threads=kernel_threads, io_threads=io_threads)
