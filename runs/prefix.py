@@ -148,7 +148,7 @@ def keep_states(run) -> None:
     """A done run's states into the prefix cache, with its records of their tokens: at its
     marks (runs.prefix.marks) and at the end. Not when the kernels switched during the run (its
     records would not be those of one backend)."""
-    eng, session = run._engine, run._session
+    eng, session = run._lease.engine, run._lease.session
     if run._kv is None or eng is None or eng.prefix_cache is None or session is None:
         return
     if len(run._steps.log.switches) > 1:

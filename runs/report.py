@@ -244,7 +244,7 @@ def _settle_budget(run) -> None:
 
 
 def _optimum_hit_rate(run, state_file: Path) -> float | None:
-    fig = run._engine.figures(run._session_nbytes, run._session) if run._engine is not None else run._final_figures
+    fig = run._lease.figures()
     if fig is None:
         return None
     return optimum_hit_rate(run.checkpoint.geometry, state_file, run._steps.log, run.prefill_chunk,
@@ -253,12 +253,12 @@ def _optimum_hit_rate(run, state_file: Path) -> float | None:
 
 def _replay_reads(run) -> dict | None:
     """The I/O efficiency's replay, only when the run measures the disk (probe)."""
-    if not run.probe or run._engine is None:
+    if not run.probe or run._lease.engine is None:
         return None
     if run._steps.shared_passes:
         run._log("I/O efficiency: not measured: the run's reads were shared with other sequences")
         return None
-    return replay_last_reads(run._engine, run._steps.log, run._log, run._session)
+    return replay_last_reads(run._lease.engine, run._steps.log, run._log, run._lease.session)
 
 
 def _text_report(run) -> dict:
@@ -278,7 +278,7 @@ def _text_report(run) -> dict:
 def build_report(run, sha: str | None) -> dict:
     """A done run's report (its engine still loaded), without the fields finish_run adds."""
     snap = run.snapshot()
-    fig = run._engine.figures(run._session_nbytes, run._session)
+    fig = run._lease.figures()
     log = run._steps.log
     rows = log.rows[:log.count]
     return {
@@ -291,7 +291,8 @@ def build_report(run, sha: str | None) -> dict:
                   "slots": fig.slots, "slot_nbytes": fig.slot_nbytes,
                   # cold: empty at the start (Belady's yardstick starts empty too); warm: it held
                   # experts_at_start from the runs before on the same engine
-                  "start": "warm" if run._cache_at_start else "cold", "experts_at_start": run._cache_at_start},
+                  "start": "warm" if run._lease.cache_at_start else "cold",
+                  "experts_at_start": run._lease.cache_at_start},
         "pinned_layers": list(fig.pinned_layers), "floor": asdict(run._floor) if run._floor else None,
         "summary": summary(snap, log, time_split(log), prefill_report(log, run.prefill_chunk,
                                                                        run.checkpoint.geometry), run._replay),

@@ -25,7 +25,7 @@ import psutil
 
 from ds4f.engine.checkpoint import open_checkpoint
 from ds4f.engine.config import Preset
-from ds4f.engine.engine import Engine, EngineFigures
+from ds4f.engine.engine import Engine
 from ds4f.engine.generate import Generation
 from ds4f.engine.runtime.disk_floor import cached_floor
 from ds4f.engine.speculative import SpecController
@@ -36,7 +36,7 @@ from ds4f.runs.config import (RunConfig, check_fits, checked, fitted, kv_of,
                               open_writer, prompt_of, reserve_room, sampler_of, settle)
 from ds4f.runs.active import active_run, active_runs, admit, forget, sharing  # noqa: F401 (the run API)
 from ds4f.runs.host import EngineHost
-from ds4f.runs.lease import release_engine, take_engine
+from ds4f.runs.lease import Lease
 from ds4f.runs.output import RunOutput
 from ds4f.runs.prefix import kept_tokens_for, reuse_prefix
 from ds4f.runs.report import fail_run, finish_bytes, finish_run, read_report
@@ -101,7 +101,6 @@ class Run:
         self.id = _new_run_id()
         self.engines = engines
         self.on_token = on_token
-        self._hosted = False    # the engine and its checkpoint belong to `engines` and outlive the run
         self.config = config
         self.preset = preset
         self.checkpoint = checkpoint
@@ -122,18 +121,12 @@ class Run:
         self._events: collections.deque[str] = collections.deque(maxlen=MAX_EVENTS)
         self._n_events = 0
         self._finish_bytes = finish_bytes(self.n_steps, checkpoint.geometry)
-        self._engine: Engine | None = None          # released when the run ends (its memory goes)
-        self._final_figures: EngineFigures | None = None
-        self._final_layer_prefetch_hits: tuple[int, ...] = ()   # the streamer's, when the engine is released
-        self._session_nbytes = 0                     # the session's buffers and KV cache, counted as resident
-        self._kv_bytes, self._context = 0, 0         # the session's KV cache and the positions it holds
+        self._lease = Lease(self)                    # its engine and session (runs.lease)
         self._optimum: float | None = None
         self._replay: dict | None = None             # the replay of the run's last reads (when done)
         self._baseline_rss = psutil.Process().memory_info().rss  # the process before the engine
         self._rss_at_end = 0
         self._floor = None
-        self._cache_at_start = 0                     # experts the cache held when the run began (warm start)
-        self._session = None
         self._spec: SpecController | None = None       # speculative decoding, when on (runs.speculation)
         self.history_error: str | None = None         # why the run's record is not in the history (None: it is)
         self._marks: tuple[int, ...] = ()             # prompt positions to keep a state at (prefix cache)
@@ -257,7 +250,7 @@ class Run:
         try:
             self._log(f"run {self.id}: {self.config.model}, preset {self.preset.describe()}, {self.n_steps} tokens")
             writer = open_writer(self)
-            eng, session = take_engine(self)
+            eng, session = self._lease.take()
             if self.probe and not self._cancel.is_set():
                 self._floor = cached_floor(self.checkpoint, self.io_threads)
                 self._log(f"NVMe floor {self._floor.gbps:.2f} GB/s ({self._floor.io_mode}, queue depth {self.io_threads})")
@@ -302,7 +295,7 @@ class Run:
     def _release(self) -> None:
         """The run's end, whatever it was: the engine released (runs.lease), and the process free
         for the next run."""
-        release_engine(self)
+        self._lease.release()
         self._done.set()
         forget(self)
 

@@ -323,13 +323,14 @@ def _token_figures(run) -> dict:
 
 def _engine_figures(run) -> tuple[tuple[int, ...], "EngineFigures | None"]:
     """(each layer's hits on prefetched experts, the engine's figures), live or the last ones."""
-    eng = run._engine
+    lease = run._lease
+    eng = lease.engine
     if eng is None:
-        return run._final_layer_prefetch_hits, run._final_figures
+        return lease.final_layer_prefetch_hits, lease.final_figures
     # read before the cache's figures: a hit is counted by the cache before the streamer says
     # it was on a prefetched expert, so these never exceed the layer hits read after
     layer_prefetched = tuple(eng.streamer.prefetch_layer_hits)
-    return layer_prefetched, eng.figures(run._session_nbytes, run._session)
+    return layer_prefetched, eng.figures(lease.session_nbytes, lease.session)
 
 
 def _speed_fields(run, t: dict) -> dict:
@@ -376,7 +377,7 @@ def _memory_fields(run, fig) -> dict:
     return dict(rss_bytes=rss, rss_budget_bytes=run._baseline_rss + fig.resident_bytes + run._run_bytes if fig else 0,
                 ram_bytes=vm.total, ram_available_bytes=vm.available,
                 plan_bytes=fig.resident_bytes + run._run_bytes if fig else 0,
-                kv_bytes=run._kv_bytes, context=run._context)
+                kv_bytes=run._lease.kv_bytes, context=run._lease.context)
 
 
 def _spec_fields(run) -> dict:

@@ -33,7 +33,7 @@ def setup_spec(run, eng: Engine, session) -> None:
                  f" drafts kept {int(learned.hits[1])} of {int(learned.tries[1])})")
     eng.spec_learned = run._spec
     with run._lock:
-        run._session_nbytes = session.nbytes
+        run._lease.session_nbytes = session.nbytes
     run._log(f"speculation: {mode}" + (" (k chosen per round from what drafts save and cost)"
                                        if mode == "auto" else " drafts per round")
              + f"; the MTP layer's {format_bytes(eng.mtp_nbytes)} resident")

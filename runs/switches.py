@@ -38,7 +38,7 @@ class Switches:
             pending, self._pending = self._pending, {}
         if not pending:
             return
-        session = run._session
+        session = run._lease.session
         batched = session is not None and session.batcher is not None
         old = (run._backend, run.kernel_threads, eng.io_threads)
         backend = pending.get("backend", run._backend)
