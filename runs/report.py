@@ -19,7 +19,7 @@ from ds4f.engine.config import Budget
 from ds4f.engine.runtime.disk_floor import replay_reads
 from ds4f.errors import Ds4fError
 from ds4f.runs.prefix import keep_states
-from ds4f.runs.snapshot import TokenLog
+from ds4f.runs.snapshot import TokenLog, rss_now
 from ds4f.runs.statedump import read_routing, write_error
 
 REPORT_SCHEMA = "ds4f.report/1"
@@ -191,7 +191,7 @@ def fail_run(run, message: str, writer) -> None:
 def finish_run(run, state: str, sha: str | None = None, writer=None) -> None:
     """End the run in `state`; a done run's report is written and committed with its state
     dump (`writer`, closed) before the run says it is done."""
-    run._rss_at_end = run._rss_now()  # what the run held; the engine's memory goes after this
+    run._rss_at_end = rss_now(run)  # what the run held; the engine's memory goes after this
     run.finished_at = time.time()
     report = None
     if state == "done":

@@ -230,12 +230,6 @@ class Run:
         return snapshot_of(self)
 
     # -- the run's thread ---------------------------------------------------------------------
-    def _rss_now(self) -> int:
-        try:
-            return self._process.memory_info().rss
-        except psutil.Error:
-            return 0
-
     def _log(self, message: str) -> None:
         with self._lock:
             self._events.append(f"{time.strftime('%H:%M:%S')} {message}")
@@ -298,11 +292,6 @@ class Run:
         self._lease.release()
         self._done.set()
         forget(self)
-
-    @property
-    def _run_bytes(self) -> int:
-        """The run's own memory beyond the engine: its token log and what its end needs."""
-        return self._steps.log.nbytes + self._finish_bytes
 
     def config_dict(self) -> dict:
         d = asdict(self.config)

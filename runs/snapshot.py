@@ -372,12 +372,21 @@ def _cache_fields(run, t: dict, fig, layer_prefetched: tuple[int, ...]) -> dict:
 
 def _memory_fields(run, fig) -> dict:
     """RSS against the plan, the machine's RAM, the KV cache."""
-    rss = run._rss_at_end if run.finished_at is not None else run._rss_now()
+    rss = run._rss_at_end if run.finished_at is not None else rss_now(run)
     vm = psutil.virtual_memory()
-    return dict(rss_bytes=rss, rss_budget_bytes=run._baseline_rss + fig.resident_bytes + run._run_bytes if fig else 0,
+    own = run._steps.log.nbytes + run._finish_bytes     # the run's beyond the engine: its token log, its end's
+    return dict(rss_bytes=rss, rss_budget_bytes=run._baseline_rss + fig.resident_bytes + own if fig else 0,
                 ram_bytes=vm.total, ram_available_bytes=vm.available,
-                plan_bytes=fig.resident_bytes + run._run_bytes if fig else 0,
+                plan_bytes=fig.resident_bytes + own if fig else 0,
                 kv_bytes=run._lease.kv_bytes, context=run._lease.context)
+
+
+def rss_now(run) -> int:
+    """The process's resident memory now (0 if unreadable)."""
+    try:
+        return run._process.memory_info().rss
+    except psutil.Error:
+        return 0
 
 
 def _spec_fields(run) -> dict:
