@@ -1,7 +1,7 @@
 """A run's settings (RunConfig) and their checks, made before the run starts: nothing a run
 refuses costs it an engine load, and every refusal names the setting (`param`) it concerns. And
-what a run settles from them once (settle: threads, the text's end, where its files go) and its
-state dump's writer, opened first (open_writer)."""
+what a run settles from them once (settle: threads, the text's end, where its files go), its
+state dump's writer, opened first (open_writer), and its sampler (sampler_of)."""
 from __future__ import annotations
 
 import json

@@ -32,9 +32,9 @@ from ds4f.engine.speculative import SpecController
 from ds4f.engine.text.constraint import prepare
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
+from ds4f.runs.active import active_run, active_runs, admit, forget, sharing  # noqa: F401 (the run API)
 from ds4f.runs.config import (RunConfig, check_fits, checked, fitted, kv_of,
                               open_writer, prompt_of, reserve_room, sampler_of, settle)
-from ds4f.runs.active import active_run, active_runs, admit, forget, sharing  # noqa: F401 (the run API)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.lease import Lease
 from ds4f.runs.output import RunOutput
@@ -110,9 +110,9 @@ class Run:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
         settle(self, settings)
-        self._output = RunOutput(tokenizer, config.stop, self.stop_at_eos, self.eos_id, self._lock)
-        self._steps = Steps(self.n_steps, len(prompt), self._output, self._lock, on_token)
-        self._switches = Switches(self)
+        self._output = RunOutput(tokenizer, config.stop, self.stop_at_eos, self.eos_id, self._lock)  # its text
+        self._steps = Steps(self.n_steps, len(prompt), self._output, self._lock, on_token)   # each token's record
+        self._switches = Switches(self)              # the live switches, landing at token boundaries
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._state = "starting"
@@ -276,12 +276,12 @@ class Run:
 
     def _generate(self, eng: Engine, session, writer: StateWriter, start: int = 0) -> None:
         """The generation loop (engine.generate) from `start`, each row it computes recorded
-        (runs.steps): until the token count, the end of the output, or a cancel. With the prefix cache,
-        the last prompt token goes alone, and a state is kept at each of the run's marks."""
+        (runs.steps): until the token count, the end of the output, or a cancel. With the prefix
+        cache, the last prompt token goes alone, and a state is kept at each of the run's marks."""
         self._generation = Generation(
             session, self.prompt, self.n_steps, emit=lambda *row: self._steps.emit(eng, session, writer, *row),
-            stopped=lambda: self._output.finish_reason is not None or self._cancel.is_set(), cancelled=self._cancel.is_set,
-            sampler=sampler_of(self), spec=self._spec,
+            stopped=lambda: self._output.finish_reason is not None or self._cancel.is_set(),
+            cancelled=self._cancel.is_set, sampler=sampler_of(self), spec=self._spec,
             marks=self._marks, hold_last=self._kv is not None, before_step=lambda step: self._apply_switches(eng, step),
             counted=self._steps.count)
         self._generation.run(start)
