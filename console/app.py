@@ -19,18 +19,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from textual import events, work
-from textual.app import App, ScreenStackError
-from textual.await_complete import AwaitComplete
+from textual import work
 from textual.css.query import NoMatches
 
 from ds4f.api import (DEFAULT_GEN, MAX_PARALLEL, Ds4fError, EngineHost, History, RunRecord, Settings, checkpoint_summary,
                       diff_states, ensure_demo_model, load_settings, read_regular)
-from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEME_NAMES, THEMES, next_theme, stylesheet_path
+from ds4f.themes import DEFAULT_THEME, THEME_NAMES, THEMES, next_theme, stylesheet_path
 
-from .core.bindings import APP_BINDINGS
 from .core.chat import MODE_NAMES, PROMPT_KINDS, Command, TextSupport, parse_command
-from .commands import ActionCommands, open_palette
+from .base_app import ConsoleApp
 from .core.controller import Controller, default_start_run, demo_dir, next_refresh, probe_text, simd_scalar_pair
 from .core.figures import ENDINGS, fmt_s_per_token, model_name, sampling_text
 from .screens import DashboardScreen, DiffScreen, ErrorScreen, HelpScreen, HistoryScreen, SetupScreen
@@ -59,39 +56,8 @@ def builtin_config_path() -> Path:
     return Path(str(resources.files("ds4f").joinpath("ds4f.toml")))
 
 
-class Ds4fConsole(App):
-    TITLE = "ds4f-console"
+class Ds4fConsole(ConsoleApp):
     CSS_PATH = str(stylesheet_path("console.tcss"))
-    BINDINGS = APP_BINDINGS
-    COMMANDS = App.COMMANDS | {ActionCommands}
-    # below 80x24 (widgets.MIN_SIZE) the screens show a SizeNotice instead of a squeezed layout
-    HORIZONTAL_BREAKPOINTS = [(0, "-too-narrow"), (80, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-too-short"), (24, "-short"), (36, "-tall")]
-
-    def action_command_palette(self) -> None:
-        """Textual's command palette, in the variant a burst of keys cannot break (one at a time)."""
-        open_palette(self)
-
-    def pop_screen(self):
-        """Textual's, except with one screen left: a burst of keys (two Enters for one command
-        palette) may ask to close a screen that is already closed; the console stays."""
-        if len(self.screen_stack) <= 1:
-            self.log.warning("a screen was closed twice (a key burst): nothing to pop")
-
-            async def nothing() -> None:
-                return None
-
-            return AwaitComplete(nothing()).call_next(self)
-        return super().pop_screen()
-
-    async def on_event(self, event: events.Event) -> None:
-        """Textual's, except for input still queued as the console closes (the rest of a key burst,
-        handled after the screens were taken down): it finds no screen to go to, and is dropped."""
-        try:
-            await super().on_event(event)
-        except ScreenStackError:
-            if self.screen_stack or not isinstance(event, (events.InputEvent, events.Paste)):
-                raise
 
     def __init__(self, config_path: str | None = None, model: str | None = None, preset: str | None = None,
                  *, gen: int | None = None, settings: Settings | None = None, history: History | None = None,
@@ -132,9 +98,6 @@ class Ds4fConsole(App):
         self.theme = theme or DEFAULT_THEME
 
     # -- Textual hooks ----------------------------------------------------------------------
-    def get_theme_variable_defaults(self) -> dict[str, str]:
-        return dict(LEVEL_VARIABLE_DEFAULTS)
-
     def get_default_screen(self) -> DashboardScreen:
         try:
             snap = self.current_snapshot()  # None, unless a snapshot source was given

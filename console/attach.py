@@ -12,29 +12,21 @@ from __future__ import annotations
 
 from typing import Callable
 
-from textual import events
-from textual.app import App, ScreenStackError
-from textual.await_complete import AwaitComplete
 from textual.css.query import NoMatches
 
 from ds4f.api import Ds4fError, History, load_settings
-from ds4f.themes import DEFAULT_THEME, LEVEL_VARIABLE_DEFAULTS, THEMES, next_theme, stylesheet_path
+from ds4f.themes import DEFAULT_THEME, THEMES, next_theme, stylesheet_path
 
-from .core.bindings import APP_BINDINGS, ATTACH_SCREENS_FOR_HELP
-from .commands import ActionCommands, open_palette
+from .core.bindings import ATTACH_SCREENS_FOR_HELP
+from .base_app import ConsoleApp
 from .core.controller import next_refresh
 from .core.remote import ServerLink, ServerView, backend_toggle, next_preset, parse_address, threads_step
 from .screens import HelpScreen
 from .screens.attached import AttachedScreen, AttachErrorScreen
 
 
-class AttachConsole(App):
-    TITLE = "ds4f-console"
+class AttachConsole(ConsoleApp):
     CSS_PATH = [str(stylesheet_path("console.tcss")), str(stylesheet_path("attach.tcss"))]
-    BINDINGS = APP_BINDINGS
-    COMMANDS = App.COMMANDS | {ActionCommands}
-    HORIZONTAL_BREAKPOINTS = [(0, "-too-narrow"), (80, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-too-short"), (24, "-short"), (36, "-tall")]
 
     def __init__(self, urls: list[str], *, operator_token: str | None = None, token: str | None = None,
                  config_path: str | None = None, refresh_s: float | None = None, theme: str | None = None,
@@ -62,33 +54,8 @@ class AttachConsole(App):
         self.theme = theme or DEFAULT_THEME
 
     # -- Textual hooks ----------------------------------------------------------------------
-    def get_theme_variable_defaults(self) -> dict[str, str]:
-        return dict(LEVEL_VARIABLE_DEFAULTS)
-
     def get_default_screen(self) -> AttachedScreen:
         return AttachedScreen([a.short for a in self.addresses])
-
-    def action_command_palette(self) -> None:
-        """Textual's command palette, in the variant a burst of keys cannot break (one at a time)."""
-        open_palette(self)
-
-    def pop_screen(self):
-        """Textual's, except with one screen left: a key burst may close a screen twice."""
-        if len(self.screen_stack) <= 1:
-            async def nothing() -> None:
-                return None
-
-            return AwaitComplete(nothing()).call_next(self)
-        return super().pop_screen()
-
-    async def on_event(self, event: events.Event) -> None:
-        """Textual's, except for input still queued as the console closes (the rest of a key burst,
-        handled after the screens were taken down): it finds no screen to go to, and is dropped."""
-        try:
-            await super().on_event(event)
-        except ScreenStackError:
-            if self.screen_stack or not isinstance(event, (events.InputEvent, events.Paste)):
-                raise
 
     @property
     def dashboard(self) -> AttachedScreen:
