@@ -11,8 +11,8 @@ next token is the run's first draw), and the session's state is kept at each mar
 
 A row goes to `emit(step, token, next_token, arrays, costs, seconds, prefill)`: the step's index,
 the token fed, the token picked after it, its arrays (.ids .weights .hidden .attn .logits, views of
-the session's buffers), its costs (a step's; a chunk's or a round's split over its rows) and its
-share of the time.
+the session's buffers), its costs (engine.costs.Costs: a step's; a chunk's or a round's split over
+its rows) and its share of the time.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Generation:
         self.marks = tuple(marks)                       # positions (tokens fed) to keep the state at
         self.hold_last = hold_last
         self.before_step = before_step or (lambda step: None)   # a step boundary: switches land here
-        self.counted = counted or (lambda res: None)            # each forward pass's result (its batch share)
+        self.counted = counted or (lambda costs: None)          # each forward pass's costs (its batch share)
         self.marked: list = []                          # the states kept at the marks so far
 
     def release(self) -> None:
@@ -62,7 +62,7 @@ class Generation:
                 res = session.step(token, pick=sampler.sample if generating and sampler is not None else None)
             seconds = time.perf_counter() - t0
             self.counted(res.costs)
-            self.emit(step, token, res.next_token, res, vars(res.costs), seconds, False)
+            self.emit(step, token, res.next_token, res, res.costs, seconds, False)
             step += 1
             token = prompt[step] if step < len(prompt) else res.next_token
 
@@ -92,7 +92,7 @@ class Generation:
                 logits = res.logits[c]
                 next_token = int(sampler.sample(logits)) if generating and sampler is not None \
                     else int(np.argmax(logits))
-                self.emit(step, part[c], next_token, res.row(c), vars(costs), seconds / n, True)
+                self.emit(step, part[c], next_token, res.row(c), costs, seconds / n, True)
                 step += 1
                 token = prompt[step] if step < len(prompt) else next_token
         return step, token
@@ -108,7 +108,7 @@ class Generation:
         feed = [token] + rnd.drafts
         emitted = 0
         for c, costs in enumerate(res.costs.split(n)):
-            self.emit(step, feed[c], rnd.picks[c], res.row(c), vars(costs), seconds / n, False)
+            self.emit(step, feed[c], rnd.picks[c], res.row(c), costs, seconds / n, False)
             emitted += 1
             step += 1
             if self.stopped():

@@ -13,7 +13,7 @@ from ds4f.engine.config import BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, M
 from ds4f.engine.batch import batched_chunk
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
-from ds4f.engine.text.constraint import Constraint, check_response_format
+from ds4f.engine.text.constraint import Constraint, ResponseFormat, check_response_format
 from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.paths import user_data_dir
@@ -65,7 +65,7 @@ class RunConfig:
     prefill_chunk: int | None = None         # prompt tokens per layer-major chunk; 0: token by token;
                                              # None: the preset's
     spec: "str | int" = "off"                # speculative decoding with the MTP layer: off | auto | 1..3 drafts
-    response_format: "ResponseFormat | None" = None   # text: the answer held to JSON / a JSON Schema
+    response_format: ResponseFormat | None = None     # text: the answer held to JSON / a JSON Schema
                                              # (engine.text.constraint); None: free text
 
 

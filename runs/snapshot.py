@@ -9,12 +9,13 @@ import collections
 import sys
 import time
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
 
+from ds4f.engine.costs import Costs
 from ds4f.native.kernels import BACKENDS
 
 if TYPE_CHECKING:
@@ -51,6 +52,12 @@ class TokenRecord:
     text: str = ""              # the text this token added to the output ("" for prompt tokens, and
                                 # while a UTF-8 sequence or a possible stop string is incomplete)
 
+    @classmethod
+    def of(cls, costs: Costs, **rest) -> "TokenRecord":
+        """The record of a token with its share of what its step cost (engine.costs.Costs: the
+        fields both have) and the rest given."""
+        return cls(**{name: getattr(costs, name) for name in _COST_FIELDS}, **rest)
+
     @property
     def policy_hit_rate(self) -> float | None:
         """The cache policy's own hit rate this token (hits without prefetch's help / requests):
@@ -63,6 +70,9 @@ class TokenRecord:
         """What prefetch added to this token's hit rate (hits on its guesses / requests)."""
         n = self.hits + self.misses
         return self.prefetch_hits / n if n else None
+
+
+_COST_FIELDS = tuple(f.name for f in fields(Costs) if f.name in {g.name for g in fields(TokenRecord)})
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from ds4f.engine.costs import Costs
 from ds4f.engine.engine import Engine
 from ds4f.runs.output import RunOutput
 from ds4f.runs.snapshot import TokenLog, TokenRecord
@@ -20,7 +21,7 @@ class Steps:
         self._n_steps, self._prompt_tokens = n_steps, prompt_tokens
         self._output, self._lock, self._on_token = output, lock, on_token
 
-    def emit(self, eng: Engine, session, writer, step: int, token: int, next_token: int, rec, costs: dict,
+    def emit(self, eng: Engine, session, writer, step: int, token: int, next_token: int, rec, costs: Costs,
              seconds: float, prefill: bool) -> None:
         """One step's record: into the state dump, the token log (its costs), on_token; the text
         it adds to the output when it picked a generated token."""
@@ -28,20 +29,16 @@ class Steps:
         writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
         generating = step >= self._prompt_tokens - 1
         text = self._output.take(next_token, last=step + 1 == self._n_steps) if generating else ""
-        record = TokenRecord(index=step, token_id=token, next_token_id=next_token, seconds=seconds,
-                             bytes_read=costs["bytes_read"], hits=costs["hits"], misses=costs["misses"],
-                             stall_s=costs["stall_s"], backend=kernels.backend, kernel_threads=kernels.threads,
-                             io_threads=eng.io_threads, disk_busy_s=costs["disk_busy_s"],
-                             disk_depth_s=costs["disk_depth_s"], reads=costs["reads"],
-                             prefetch_hits=costs["prefetch_hits"], attention_s=costs["attention_s"],
-                             moe_s=costs["moe_s"], head_s=costs["head_s"], prefill=prefill, text=text)
+        record = TokenRecord.of(costs, index=step, token_id=token, next_token_id=next_token, seconds=seconds,
+                                backend=kernels.backend, kernel_threads=kernels.threads, io_threads=eng.io_threads,
+                                prefill=prefill, text=text)
         with self._lock:
             self.log.add(record)
         if self._on_token is not None:
             self._on_token(record)
 
-    def count(self, res) -> None:
+    def count(self, costs: Costs) -> None:
         """The forward passes a step or chunk went in, and those shared with other sequences."""
         with self._lock:
-            self.passes += res.batch_steps
-            self.shared_passes += res.batch_shared
+            self.passes += costs.batch_steps
+            self.shared_passes += costs.batch_shared
