@@ -45,7 +45,7 @@ class _Reader:
                                  self.f32(prefix + "norm.weight"))
 
     def hyper(self, prefix: str) -> HyperWeights:
-        return HyperWeights(self.f32(prefix + "fn"), self.f32(prefix + "base"), self.f32(prefix + "scale"))
+        return HyperWeights.of(self.f32(prefix + "fn"), self.f32(prefix + "base"), self.f32(prefix + "scale"))
 
 
 def load_attention(checkpoint, g: Geometry) -> tuple[list[LayerAttention], HyperWeights]:

@@ -1,18 +1,23 @@
 /* hyper.c — the hyper-connections' mix of several tokens, in float64 with one fixed order.
  *
- * For token t with streams x[t] (k = N * hidden fp32 values, widened exactly):
+ * For token t with streams x[t] (k = N * hidden fp32 values) and the fp32 weights fn, both widened
+ * to float64 exactly where they are used (fn stays fp32 in memory, transposed: fn_t[i][r] is the
+ * weight of element i in row r, so one element's weights for every row are together):
  *   ss     = sum over i in order of x_i * x_i          (one fused multiply-add per element)
  *   d      = sqrt(ss / k + eps)
- *   mix[r] = sum over i in order of fn[r][i] * (x_i / d)   (one fused multiply-add per element)
+ *   mix[r] = sum over i in order of fn_t[i][r] * (x_i / d)   (one fused multiply-add per element)
  * Every step is correctly rounded (fma, division, square root), so the scalar reference below and
- * the AVX2 version, which runs 4 tokens in a vector's lanes (each lane the scalar sequence of its
- * token), give the same bits; so does any batch size: a token's mix never depends on the others.
+ * the AVX2 versions, whose vector lanes each run the scalar sequence of one sum, give the same
+ * bits; so does any batch size: a token's mix never depends on the others.
  * A BLAS product would sum in its build's and CPU's order; this order is the project's own.
  *
- * The AVX2 version transposes the streams of 8 tokens (two vectors of 4 lanes) into scratch while
- * it sums their squares; then, HC_IB elements at a time, divides the block by d and runs every
- * row over it, 6 rows at a time (12 accumulator chains), while the block is in L1. Each fn row
- * (fn is 3 MiB at the real width) is read once per 8 tokens.
+ * AVX2, many tokens (HC_T or more): the lanes are tokens. The streams of 8 tokens (two vectors of 4
+ * lanes) are transposed into scratch while their squares are summed; then, HC_IB elements at a
+ * time, the block is divided by d and every row runs over it, 6 rows at a time (12 accumulator
+ * chains), while the block is in L1. fn (1.5 MiB at the real width) is read once per 8 tokens.
+ * AVX2, a few tokens (a decode step): the lanes are rows, 4 to a vector: for each element i, its
+ * x_i / d broadcast and fn_t[i]'s row weights (contiguous) in as many chains as rows / 4, fn read
+ * once per token.
  */
 #include <math.h>
 
@@ -24,20 +29,20 @@
 
 size_t ds4f_hc_mix_scratch_doubles(size_t k, size_t rows) { return 8 * k + 8 * rows; }
 
-static void hc_mix_scalar(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps,
-                          double *out, double *xn) {
+static void hc_mix_scalar(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps,
+                          double *out, double *acc) {
     for (size_t t = 0; t < n; t++) {
         const float *xt = x + t * k;
         double ss = 0.0;
         for (size_t i = 0; i < k; i++) ss = fma((double)xt[i], (double)xt[i], ss);
         const double d = sqrt(ss / (double)k + eps);
-        for (size_t i = 0; i < k; i++) xn[i] = (double)xt[i] / d;
-        for (size_t r = 0; r < rows; r++) {
-            const double *f = fn + r * k;
-            double acc = 0.0;
-            for (size_t i = 0; i < k; i++) acc = fma(f[i], xn[i], acc);
-            out[t * rows + r] = acc;
+        for (size_t r = 0; r < rows; r++) acc[r] = 0.0;
+        for (size_t i = 0; i < k; i++) {
+            const double xn = (double)xt[i] / d;
+            const float *f = fn_t + i * rows;
+            for (size_t r = 0; r < rows; r++) acc[r] = fma((double)f[r], xn, acc[r]);
         }
+        for (size_t r = 0; r < rows; r++) out[t * rows + r] = acc[r];
     }
 }
 
@@ -77,9 +82,9 @@ T256 static void hc_gather(const float *x, size_t nl, size_t k, double eps, doub
 }
 
 /* rows r..r+R-1 over elements i0..i1-1: their running sums (acc + 8 j: row r + j's 8 lanes) */
-T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const double *xt, size_t i0, size_t i1,
+T256 static void hc_rows(const float *fn_t, size_t rows, size_t r, int R, const double *xt, size_t i0, size_t i1,
                          double *acc) {
-    const double *f0 = fn + r * k;
+    const float *f0 = fn_t + r;
     if (R == HC_R) {
         __m256d a[HC_R][2];
         _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
@@ -89,7 +94,7 @@ T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const doub
         for (size_t i = i0; i < i1; i++) {
             const __m256d x0 = _mm256_loadu_pd(xt + i * HC_T), x1 = _mm256_loadu_pd(xt + i * HC_T + 4);
             _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
-                const __m256d f = _mm256_broadcast_sd(f0 + j * k + i);
+                const __m256d f = _mm256_set1_pd((double)f0[i * rows + j]);
                 a[j][0] = _mm256_fmadd_pd(f, x0, a[j][0]);
                 a[j][1] = _mm256_fmadd_pd(f, x1, a[j][1]);
             }
@@ -103,7 +108,7 @@ T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const doub
     for (int j = 0; j < R; j++) { /* the last rows, one at a time */
         __m256d a0 = _mm256_loadu_pd(acc + 8 * j), a1 = _mm256_loadu_pd(acc + 8 * j + 4);
         for (size_t i = i0; i < i1; i++) {
-            const __m256d f = _mm256_broadcast_sd(f0 + j * k + i);
+            const __m256d f = _mm256_set1_pd((double)f0[i * rows + j]);
             a0 = _mm256_fmadd_pd(f, _mm256_loadu_pd(xt + i * HC_T), a0);
             a1 = _mm256_fmadd_pd(f, _mm256_loadu_pd(xt + i * HC_T + 4), a1);
         }
@@ -112,7 +117,7 @@ T256 static void hc_rows(const double *fn, size_t k, size_t r, int R, const doub
     }
 }
 
-T256 static void hc_mix_avx2(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps,
+T256 static void hc_mix_tokens(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps,
                              double *out, double *scratch) {
     double *xt = scratch, *acc = scratch + HC_T * k; /* xt [k][HC_T]; acc [rows][HC_T], the rows' running sums */
     for (size_t t0 = 0; t0 < n; t0 += HC_T) {
@@ -126,24 +131,71 @@ T256 static void hc_mix_avx2(const float *x, size_t n, size_t k, const double *f
                 for (int h = 0; h < 2; h++)
                     _mm256_storeu_pd(xt + i * HC_T + 4 * h, _mm256_div_pd(_mm256_loadu_pd(xt + i * HC_T + 4 * h), d[h]));
             for (size_t r = 0; r < rows; r += HC_R)
-                hc_rows(fn, k, r, rows - r < HC_R ? (int)(rows - r) : HC_R, xt, i0, i1, acc + HC_T * r);
+                hc_rows(fn_t, rows, r, rows - r < HC_R ? (int)(rows - r) : HC_R, xt, i0, i1, acc + HC_T * r);
         }
         for (size_t r = 0; r < rows; r++)
             for (size_t l = 0; l < nl; l++) out[(t0 + l) * rows + r] = acc[HC_T * r + l];
     }
 }
+
+#define HC_RV 6   /* row vectors at a time (24 rows, the real model's (2 + N) N: 6 accumulator chains) */
+
+/* a few tokens: the lanes are rows (see the top); xn holds the token's x_i / d */
+T256 static void hc_mix_rows(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps,
+                             double *out, double *xn) {
+    const size_t vr = rows / 4 * 4;
+    for (size_t t = 0; t < n; t++) {
+        const float *xt = x + t * k;
+        double ss = 0.0;
+        for (size_t i = 0; i < k; i++) ss = fma((double)xt[i], (double)xt[i], ss);
+        const double d = sqrt(ss / (double)k + eps);
+        const __m256d dv = _mm256_set1_pd(d);
+        size_t i = 0;
+        for (; i + 4 <= k; i += 4) _mm256_storeu_pd(xn + i, _mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(xt + i)), dv));
+        for (; i < k; i++) xn[i] = (double)xt[i] / d;
+        double *o = out + t * rows;
+        for (size_t r0 = 0; r0 < vr; r0 += 4 * HC_RV) {
+            const int nv = (int)((vr - r0) / 4 < HC_RV ? (vr - r0) / 4 : HC_RV);
+            __m256d a[HC_RV];
+            for (int v = 0; v < HC_RV; v++) a[v] = _mm256_setzero_pd();
+            const float *f = fn_t + r0;
+            if (nv == HC_RV) {
+                for (size_t i = 0; i < k; i++, f += rows) {
+                    const __m256d xv = _mm256_set1_pd(xn[i]);
+                    _Pragma("GCC unroll 6") for (int v = 0; v < HC_RV; v++)
+                        a[v] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(f + 4 * v)), xv, a[v]);
+                }
+            } else {
+                for (size_t i = 0; i < k; i++, f += rows) {
+                    const __m256d xv = _mm256_set1_pd(xn[i]);
+                    for (int v = 0; v < nv; v++)
+                        a[v] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(f + 4 * v)), xv, a[v]);
+                }
+            }
+            for (int v = 0; v < nv; v++) _mm256_storeu_pd(o + r0 + 4 * v, a[v]);
+        }
+        for (size_t r = vr; r < rows; r++) { /* the last rows (rows not a multiple of 4), one at a time */
+            double acc = 0.0;
+            for (size_t i = 0; i < k; i++) acc = fma((double)fn_t[i * rows + r], xn[i], acc);
+            o[r] = acc;
+        }
+    }
+}
 #endif
 
-int ds4f_hc_mix(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps, double *out,
+int ds4f_hc_mix(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps, double *out,
                 double *scratch) {
-    if (!x || !fn || !out || !scratch || k == 0 || rows == 0) return -1;
+    if (!x || !fn_t || !out || !scratch || k == 0 || rows == 0) return -1;
 #ifdef DS4F_X86
     const int b = ds4f_get_backend();
     if (b == DS4F_AVX2 || b == DS4F_AVX512) {
-        hc_mix_avx2(x, n, k, fn, rows, eps, out, scratch);
+        if (n < HC_T / 2)
+            hc_mix_rows(x, n, k, fn_t, rows, eps, out, scratch);
+        else
+            hc_mix_tokens(x, n, k, fn_t, rows, eps, out, scratch);
         return 0;
     }
 #endif
-    hc_mix_scalar(x, n, k, fn, rows, eps, out, scratch);
+    hc_mix_scalar(x, n, k, fn_t, rows, eps, out, scratch);
     return 0;
 }

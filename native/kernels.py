@@ -518,24 +518,26 @@ def experts_forward_tokens(
     return out
 
 
-def hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
+def hc_mix(x: np.ndarray, fn_t: np.ndarray, eps: float) -> np.ndarray:
     """The hyper-connections' mix of n tokens: x float32 [n, k] (each token's streams, flattened),
-    fn float64 [rows, k]; float64 [n, rows], row t = fn . (x[t] / sqrt(mean(x[t]^2) + eps)), every
-    sum one fused multiply-add per element in element order (ds4f_kernels.h): the same bits on
-    every backend, at every n."""
+    fn_t float32 [k, rows] (the mix matrix transposed; widened exactly in the kernel); float64
+    [n, rows], row t = fn_t.T . (x[t] / sqrt(mean(x[t]^2) + eps)) in float64, every sum one fused
+    multiply-add per element in element order (ds4f_kernels.h): the same bits on every backend,
+    at every n."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError("x: expected a 2-D float32 array [n, k]")
     n, k = x.shape
     if k == 0:
         raise ValueError("x: k = 0 (a token needs at least one value)")
-    if not isinstance(fn, np.ndarray) or fn.ndim != 2 or fn.shape[1] != k or fn.shape[0] == 0:
-        got = fn.shape if isinstance(fn, np.ndarray) else type(fn).__name__
-        raise ValueError(f"fn: expected a float64 array [rows, {k}], got {got}")
+    if not isinstance(fn_t, np.ndarray) or fn_t.ndim != 2 or fn_t.shape[0] != k or fn_t.shape[1] == 0:
+        got = fn_t.shape if isinstance(fn_t, np.ndarray) else type(fn_t).__name__
+        raise ValueError(f"fn_t: expected a float32 array [{k}, rows], got {got}")
     _arr("x", x, _F32, (n, k))
-    _arr("fn", fn, np.dtype(np.float64), fn.shape)
-    out = np.empty((n, fn.shape[0]), np.float64)
-    scratch = np.empty(int(lib.ds4f_hc_mix_scratch_doubles(k, fn.shape[0])), np.float64)
-    rc = lib.ds4f_hc_mix(_ptr("float[]", x), n, k, _ptr("double[]", fn), fn.shape[0], float(eps),
+    _arr("fn_t", fn_t, _F32, fn_t.shape)
+    rows = fn_t.shape[1]
+    out = np.empty((n, rows), np.float64)
+    scratch = np.empty(int(lib.ds4f_hc_mix_scratch_doubles(k, rows)), np.float64)
+    rc = lib.ds4f_hc_mix(_ptr("float[]", x), n, k, _ptr("float[]", fn_t), rows, float(eps),
                          _ptr("double[]", out), _ptr("double[]", scratch))
     if rc != 0:  # unreachable after the checks above; kept as a guard
         raise ValueError("hc_mix: the native kernel rejected its arguments")

@@ -13,7 +13,8 @@ Around each sublayer (transformers' DeepseekV4HyperConnection, DeepseekV4Decoder
 
 The head reduces the streams with its own pre weights (no post, no Sinkhorn) before the final norm.
 The small mixing math runs in float64 and is cast to fp32; the mix (norm and products, the wide
-sums) is the native kernels.hc_mix, whose order is its own on every backend and machine.
+sums) is the native kernels.hc_mix, in float64 on the fp32 weights (widened as it reads them),
+whose order is its own on every backend and machine.
 """
 from __future__ import annotations
 
@@ -29,20 +30,26 @@ from ds4f.engine.model.ops import in_halves
 class HyperWeights:
     """One hyper-connection (around attention, around the MoE, or the head's reduction)."""
 
-    fn: np.ndarray                  # fp32 [(2 + N) N, N hidden]  (head: [N, N hidden])
+    fn_t: np.ndarray                # fp32 [N hidden, (2 + N) N]  (head: [N hidden, N]): fn transposed
     base: np.ndarray                # fp32 [(2 + N) N]            (head: [N])
     scale: np.ndarray               # fp32 [3]                    (head: [1])
+
+    @classmethod
+    def of(cls, fn: np.ndarray, base: np.ndarray, scale: np.ndarray) -> "HyperWeights":
+        """From the checkpoint's tensors (fn fp32 [(2 + N) N, N hidden]); fn is kept transposed,
+        in a copy (the kernel reads one element's weights for every row together)."""
+        return cls(np.ascontiguousarray(np.asarray(fn, np.float32).T), base, scale)
 
 
 def _sigmoid(v: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-v))
 
 
-def _mix(X: np.ndarray, fn: np.ndarray, eps: float) -> np.ndarray:
-    """fn (float64 [rows, N hidden]) times each of the n tokens' normed streams X [n, N, hidden]:
-    float64 [n, rows] (kernels.hc_mix: one fixed order, the same bits on every backend and at
-    every n)."""
-    return kernels.hc_mix(X.reshape(len(X), -1), fn, eps)
+def _mix(X: np.ndarray, fn_t: np.ndarray, eps: float) -> np.ndarray:
+    """fn (fn_t: its transpose, fp32 [N hidden, rows]) times each of the n tokens' normed streams
+    X [n, N, hidden], in float64: [n, rows] (kernels.hc_mix: one fixed order, the same bits on
+    every backend and at every n)."""
+    return kernels.hc_mix(X.reshape(len(X), -1), fn_t, eps)
 
 
 HC_BLOCK = 32   # tokens whose float64 streams hc_pre_rows holds at a time (4 MiB at the real width)
@@ -59,22 +66,20 @@ def hc_pre(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
 def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkhorn_iters: int,
                 beside=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """hc_pre of n tokens at once, X [n, N, hidden]: (h fp32 [n, hidden], post float64 [n, N],
-    C float64 [n, N, N]); fn is widened to float64 once for all of them.
+    C float64 [n, N, N]).
     Each token's mix is its own matrix-vector product, as for a token alone; everything after it
     works element by element or sums N terms in order along one axis, so a token's results do
     not depend on the others in the batch (a prefill chunk's equal decode's, bit for bit).
     beside(fn, *args) (runtime.helper_thread): where the first half of more than HC_BLOCK tokens runs
     while this thread does the second (numpy and BLAS release the GIL for the bulk of it)."""
-    fn = w.fn.astype(np.float64)
-    parts = in_halves(beside, lambda a, b: _hc_pre_rows(X[a:b], fn, w, eps, hc_eps, sinkhorn_iters), len(X), HC_BLOCK)
+    parts = in_halves(beside, lambda a, b: _hc_pre_rows(X[a:b], w, eps, hc_eps, sinkhorn_iters), len(X), HC_BLOCK)
     return parts[0] if len(parts) == 1 else tuple(np.concatenate(p) for p in zip(*parts))
 
 
-def _hc_pre_rows(X: np.ndarray, fn: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
+def _hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
                  sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """hc_pre_rows with w.fn already widened to float64 (fn)."""
     n, N = X.shape[0], X.shape[1]
-    mix = _mix(X, fn, eps)                                                      # [n, (2 + N) N]
+    mix = _mix(X, w.fn_t, eps)                                                      # [n, (2 + N) N]
     base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
     pre = _sigmoid(mix[:, :N] * scale[0] + base[:N]) + hc_eps
     post = 2.0 * _sigmoid(mix[:, N:2 * N] * scale[1] + base[N:2 * N])
@@ -123,6 +128,6 @@ def _hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarr
 
 def hc_head(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float) -> np.ndarray:
     """The head's reduction of the streams: sum_k pre[k] X[k], fp32 [hidden]."""
-    mix = _mix(X[None], w.fn.astype(np.float64), eps)[0]
+    mix = _mix(X[None], w.fn_t, eps)[0]
     pre = _sigmoid(mix * w.scale.astype(np.float64)[0] + w.base.astype(np.float64)) + hc_eps
     return (pre[:, None] * X.astype(np.float64)).sum(axis=0).astype(np.float32)

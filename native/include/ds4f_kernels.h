@@ -115,13 +115,15 @@ int ds4f_experts_forward_tokens(const ds4f_expert_tokens *ex, int n_experts, con
                                 size_t hidden, size_t inter, float limit, float *y, float *scratch);
 
 /* ---- the hyper-connections' mix ---------------------------------------------------------------
- * For each of n tokens, x[t] its k fp32 values (the N streams, flattened), fn [rows][k] float64:
- *   d = sqrt((sum over i of x_i^2) / k + eps),  out[t][r] = sum over i of fn[r][i] * (x_i / d)
- * in float64, each sum one fused multiply-add per element in element order: correctly rounded
- * steps, so the result has the same bits on every backend and at every n.  scratch holds
- * ds4f_hc_mix_scratch_doubles(k, rows) doubles.  Single-threaded.  Returns 0, or -1 for bad arguments. */
+ * For each of n tokens, x[t] its k fp32 values (the N streams, flattened), and the weights fn_t
+ * [k][rows] fp32 (the mix matrix transposed: fn_t[i][r] weighs element i in row r):
+ *   d = sqrt((sum over i of x_i^2) / k + eps),  out[t][r] = sum over i of fn_t[i][r] * (x_i / d)
+ * in float64 (the fp32 values widened exactly), each sum one fused multiply-add per element in
+ * element order: correctly rounded steps, so the result has the same bits on every backend and at
+ * every n.  scratch holds ds4f_hc_mix_scratch_doubles(k, rows) doubles.  Single-threaded.
+ * Returns 0, or -1 for bad arguments. */
 size_t ds4f_hc_mix_scratch_doubles(size_t k, size_t rows);
-int ds4f_hc_mix(const float *x, size_t n, size_t k, const double *fn, size_t rows, double eps, double *out,
+int ds4f_hc_mix(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps, double *out,
                 double *scratch);
 
 #endif

@@ -274,7 +274,7 @@ static void run_hc(const char *dir) {
     snprintf(path, sizeof path, "%s/hc.x", dir);
     float *x = slurp_path(path, n * k * sizeof(float));
     snprintf(path, sizeof path, "%s/hc.fn", dir);
-    double *fn = slurp_path(path, rows * k * sizeof(double));
+    float *fn = slurp_path(path, rows * k * sizeof(float));
     double *out = malloc(n * rows * sizeof(double)), *scratch = malloc(ds4f_hc_mix_scratch_doubles(k, rows) * sizeof(double));
     for (int b = 0; b < 2; b++) {
         use_backend(b);

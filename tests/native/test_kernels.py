@@ -473,39 +473,42 @@ def ref_hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> tuple[np.ndarray, n
     out, bound = np.empty((len(x), len(fn))), np.empty((len(x), len(fn)))
     for t, xt in enumerate(x.astype(np.float64)):
         xn = xt / math.sqrt(math.fsum(xt * xt) / len(xt) + eps)
-        for r, f in enumerate(fn):
+        for r, f in enumerate(fn.astype(np.float64)):
             out[t, r], bound[t, r] = math.fsum(f * xn), math.fsum(np.abs(f * xn))
     return out, bound
 
 
 @BACKEND
-@pytest.mark.parametrize("n, k, rows", [(1, 32, 1), (11, 1030, 7), (9, 4 * 1024, 24), (17, 96, 6)])
+@pytest.mark.parametrize("n, k, rows", [(1, 32, 1), (11, 1030, 7), (9, 4 * 1024, 24), (17, 96, 6),
+                                        (1, 4 * 1024, 24), (1, 4 * 1024, 4), (3, 1030, 7), (2, 96, 40)])
 def test_hc_mix(backend, n, k, rows):
     """Within a few float64 roundings of the exactly rounded sums, and the same bits whatever the
     backend (the scalar reference's) and whatever else is in the batch (each token alone)."""
     rng = np.random.default_rng(n * 1000 + k)
     x = rng.standard_normal((n, k)).astype(np.float32)
     x[0, :3] = [0.0, -0.0, 1e-40]                    # zeros and a subnormal among the streams
-    fn = rng.standard_normal((rows, k))
+    fn = rng.standard_normal((rows, k)).astype(np.float32)
     eps = 1e-6
     K.set_backend("scalar")
-    want = K.hc_mix(x, fn, eps)
+    fn_t = np.ascontiguousarray(fn.T)
+    want = K.hc_mix(x, fn_t, eps)
     ref, bound = ref_hc_mix(x, fn, eps)
     assert np.all(np.abs(want - ref) <= 4 * k * np.finfo(np.float64).eps * bound)
     K.set_backend(backend)
-    assert K.hc_mix(x, fn, eps).tobytes() == want.tobytes()
-    alone = np.concatenate([K.hc_mix(x[t:t + 1], fn, eps) for t in range(n)])
+    assert K.hc_mix(x, fn_t, eps).tobytes() == want.tobytes()
+    alone = np.concatenate([K.hc_mix(x[t:t + 1], fn_t, eps) for t in range(n)])
     assert alone.tobytes() == want.tobytes()
 
 
 def test_hc_mix_bad_input_names_the_argument():
-    x, fn = np.zeros((2, 64), np.float32), np.zeros((3, 64))
-    for call, name in [(lambda: K.hc_mix(x.astype(np.float64), fn, 1e-6), "x"),
-                       (lambda: K.hc_mix(x[:, ::2], fn[:, :32], 1e-6), "x"),
-                       (lambda: K.hc_mix(x.ravel(), fn, 1e-6), "x"),
-                       (lambda: K.hc_mix(x[:, :0], fn[:, :0], 1e-6), "x"),
-                       (lambda: K.hc_mix(x, fn.astype(np.float32), 1e-6), "fn"),
-                       (lambda: K.hc_mix(x, fn[:, :32], 1e-6), "fn"),
-                       (lambda: K.hc_mix(x, fn[:0], 1e-6), "fn")]:
+    x, fn_t = np.zeros((2, 64), np.float32), np.zeros((64, 3), np.float32)
+    for call, name in [(lambda: K.hc_mix(x.astype(np.float64), fn_t, 1e-6), "x"),
+                       (lambda: K.hc_mix(x[:, ::2], fn_t[:32], 1e-6), "x"),
+                       (lambda: K.hc_mix(x.ravel(), fn_t, 1e-6), "x"),
+                       (lambda: K.hc_mix(x[:, :0], fn_t[:0], 1e-6), "x"),
+                       (lambda: K.hc_mix(x, fn_t.astype(np.float64), 1e-6), "fn_t"),
+                       (lambda: K.hc_mix(x, fn_t[:32], 1e-6), "fn_t"),
+                       (lambda: K.hc_mix(x, fn_t[:, :0], 1e-6), "fn_t"),
+                       (lambda: K.hc_mix(x, fn_t.T, 1e-6), "fn_t")]:
         with pytest.raises(ValueError, match=rf"^{name}\b"):
             call()

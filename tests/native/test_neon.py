@@ -54,10 +54,10 @@ HC = (11, 1030, 7, 1e-6)  # hyper-connection mix: tokens (past a vector group), 
 
 
 def hc_fixture():
-    """The mix's inputs (x [n, k] fp32, fn [rows, k] float64), the same whoever asks."""
+    """The mix's inputs (x [n, k] fp32, fn_t [k, rows] fp32), the same whoever asks."""
     n, k, rows, _ = HC
     rng = np.random.default_rng(77)
-    return rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((rows, k))
+    return rng.standard_normal((n, k)).astype(np.float32), rng.standard_normal((k, rows)).astype(np.float32)
 
 
 def _build_config():

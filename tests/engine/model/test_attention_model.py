@@ -129,7 +129,7 @@ class FixtureModel:
                                     fp8(a + "wo_b"), f32(a + "attn_sink"), comp, idx)
             shape = AttentionShape(kind, ratio, cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"],
                                    cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"], cfg["rms_norm_eps"])
-            hyper = [HyperWeights(f32(p + f"hc_{s}_fn"), f32(p + f"hc_{s}_base"), f32(p + f"hc_{s}_scale"))
+            hyper = [HyperWeights.of(f32(p + f"hc_{s}_fn"), f32(p + f"hc_{s}_base"), f32(p + f"hc_{s}_scale"))
                      for s in ("attn", "ffn")]
             router = RouterWeights(ffn_norm=f32(p + "ffn_norm.weight"), gate=t[p + "ffn.gate.weight"],
                                    bias=f32(p + "ffn.gate.bias") if p + "ffn.gate.bias" in t else None,
@@ -142,7 +142,7 @@ class FixtureModel:
             rope = self.rope_main if kind == "swa" else self.rope_comp
             self.layers.append((attn, shape, new_layer_cache(shape, context), rope, hyper, router, shared, experts,
                                 f32(p + "attn_norm.weight")))
-        self.head_hyper = HyperWeights(f32("hc_head_fn"), f32("hc_head_base"), f32("hc_head_scale"))
+        self.head_hyper = HyperWeights.of(f32("hc_head_fn"), f32("hc_head_base"), f32("hc_head_scale"))
         self.moe = MoeBuffers(self.g.hidden, self.g.inter, self.g.shared_inter, self.g.top_k)
         self.logits_buf = np.empty(self.g.n_experts, np.float32)
 
