@@ -199,3 +199,144 @@ int ds4f_hc_mix(const float *x, size_t n, size_t k, const float *fn_t, size_t ro
     hc_mix_scalar(x, n, k, fn_t, rows, eps, out, scratch);
     return 0;
 }
+
+/* ---- around the sublayer: hc_pre and hc_post, the small math in float64 -------------------- */
+
+size_t ds4f_hc_pre_scratch_doubles(size_t n, size_t k, size_t rows) {
+    return ds4f_hc_mix_scratch_doubles(k, rows) + n * rows;
+}
+
+static double sigmoid(double v) { return 1.0 / (1.0 + exp(-v)); }
+
+/* One token's pre, post and Sinkhorn-normalised combination from its mix (m [rows]), as the
+ * module docstring of engine/model/hyper.py writes them; every sum over N terms in index order. */
+static void hc_small(const double *m, size_t N, size_t rows, const float *base, const float *scale, double hc_eps,
+                     int iters, double *pre, double *post, double *comb) {
+    const double s0 = scale[0];
+    for (size_t j = 0; j < N; j++) pre[j] = sigmoid(m[j] * s0 + (double)base[j]) + hc_eps;
+    if (rows == N) return; /* the head: pre alone */
+    const double s1 = scale[1], s2 = scale[2];
+    for (size_t j = 0; j < N; j++) post[j] = 2.0 * sigmoid(m[N + j] * s1 + (double)base[N + j]);
+    for (size_t i = 0; i < N; i++) { /* a softmax along each row i */
+        double *c = comb + i * N;
+        for (size_t j = 0; j < N; j++) c[j] = m[2 * N + i * N + j] * s2 + (double)base[2 * N + i * N + j];
+        double mx = c[0];
+        for (size_t j = 1; j < N; j++) mx = c[j] > mx ? c[j] : mx;
+        for (size_t j = 0; j < N; j++) c[j] = exp(c[j] - mx);
+        double s = c[0];
+        for (size_t j = 1; j < N; j++) s = s + c[j];
+        for (size_t j = 0; j < N; j++) c[j] = c[j] / s + hc_eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) /* rows (the first round: columns only) */
+            for (size_t i = 0; i < N; i++) {
+                double *c = comb + i * N, s = c[0];
+                for (size_t j = 1; j < N; j++) s = s + c[j];
+                s = s + hc_eps;
+                for (size_t j = 0; j < N; j++) c[j] = c[j] / s;
+            }
+        for (size_t j = 0; j < N; j++) { /* columns */
+            double s = comb[j];
+            for (size_t i = 1; i < N; i++) s = s + comb[i * N + j];
+            s = s + hc_eps;
+            for (size_t i = 0; i < N; i++) comb[i * N + j] = comb[i * N + j] / s;
+        }
+    }
+}
+
+/* The per-element sums around the sublayer, elements c from c0 on (the vector versions below do
+ * the ones before, 4 lanes of elements at a time, each lane these very steps). */
+static void streams_sum_from(const float *x, size_t N, size_t hidden, const double *p, float *h, size_t c0) {
+    for (size_t c = c0; c < hidden; c++) { /* sum_k pre[k] X[k], k in order */
+        double s = p[0] * (double)x[c];
+        for (size_t j = 1; j < N; j++) s = s + p[j] * (double)x[j * hidden + c];
+        h[c] = (float)s;
+    }
+}
+
+static void streams_mix_from(float *x, size_t N, size_t hidden, const float *y, const double *post,
+                             const double *comb, size_t c0) {
+    double mixed[64];
+    for (size_t c = c0; c < hidden; c++) {
+        /* X'[k] = sum_j C[j, k] X[j] (fused, j in order, from 0) + post[k] y */
+        for (size_t kk = 0; kk < N; kk++) {
+            double s = 0.0;
+            for (size_t j = 0; j < N; j++) s = fma(comb[j * N + kk], (double)x[j * hidden + c], s);
+            mixed[kk] = s + post[kk] * (double)y[c];
+        }
+        for (size_t kk = 0; kk < N; kk++) x[kk * hidden + c] = (float)mixed[kk];
+    }
+}
+
+#ifdef DS4F_X86
+T256 static size_t streams_sum_avx2(const float *x, size_t N, size_t hidden, const double *p, float *h) {
+    size_t c = 0;
+    for (; c + 4 <= hidden; c += 4) {
+        __m256d s = _mm256_mul_pd(_mm256_set1_pd(p[0]), _mm256_cvtps_pd(_mm_loadu_ps(x + c)));
+        for (size_t j = 1; j < N; j++)
+            s = _mm256_add_pd(s, _mm256_mul_pd(_mm256_set1_pd(p[j]), _mm256_cvtps_pd(_mm_loadu_ps(x + j * hidden + c))));
+        _mm_storeu_ps(h + c, _mm256_cvtpd_ps(s));
+    }
+    return c;
+}
+
+T256 static size_t streams_mix_avx2(float *x, size_t N, size_t hidden, const float *y, const double *post,
+                                    const double *comb) {
+    if (N > 16) return 0;
+    size_t c = 0;
+    for (; c + 4 <= hidden; c += 4) {
+        __m256d xs[16], mixed[16];
+        for (size_t j = 0; j < N; j++) xs[j] = _mm256_cvtps_pd(_mm_loadu_ps(x + j * hidden + c));
+        const __m256d yv = _mm256_cvtps_pd(_mm_loadu_ps(y + c));
+        for (size_t kk = 0; kk < N; kk++) {
+            __m256d s = _mm256_setzero_pd();
+            for (size_t j = 0; j < N; j++) s = _mm256_fmadd_pd(_mm256_set1_pd(comb[j * N + kk]), xs[j], s);
+            mixed[kk] = _mm256_add_pd(s, _mm256_mul_pd(_mm256_set1_pd(post[kk]), yv));
+        }
+        for (size_t kk = 0; kk < N; kk++) _mm_storeu_ps(x + kk * hidden + c, _mm256_cvtpd_ps(mixed[kk]));
+    }
+    return c;
+}
+#endif
+
+static void streams_sum(const float *x, size_t N, size_t hidden, const double *p, float *h) {
+    size_t c0 = 0;
+#ifdef DS4F_X86
+    const int b = ds4f_get_backend();
+    if (b == DS4F_AVX2 || b == DS4F_AVX512) c0 = streams_sum_avx2(x, N, hidden, p, h);
+#endif
+    streams_sum_from(x, N, hidden, p, h, c0);
+}
+
+static void streams_mix(float *x, size_t N, size_t hidden, const float *y, const double *post, const double *comb) {
+    size_t c0 = 0;
+#ifdef DS4F_X86
+    const int b = ds4f_get_backend();
+    if (b == DS4F_AVX2 || b == DS4F_AVX512) c0 = streams_mix_avx2(x, N, hidden, y, post, comb);
+#endif
+    streams_mix_from(x, N, hidden, y, post, comb, c0);
+}
+
+int ds4f_hc_pre(const float *x, size_t n, size_t N, size_t hidden, const float *fn_t, size_t rows,
+                const float *base, const float *scale, double eps, double hc_eps, int iters, float *h, double *pre,
+                double *post, double *comb, double *scratch) {
+    if (!x || !fn_t || !base || !scale || !h || !pre || !scratch || N == 0 || N > 64 || hidden == 0 || iters < 1 ||
+        (rows != N && (rows != (2 + N) * N || !post || !comb)))
+        return -1;
+    const size_t k = N * hidden;
+    double *mix = scratch + ds4f_hc_mix_scratch_doubles(k, rows);
+    if (ds4f_hc_mix(x, n, k, fn_t, rows, eps, mix, scratch) != 0) return -1;
+    for (size_t t = 0; t < n; t++) {
+        double *p = pre + t * N;
+        hc_small(mix + t * rows, N, rows, base, scale, hc_eps, iters, p,
+                 rows == N ? NULL : post + t * N, rows == N ? NULL : comb + t * N * N);
+        streams_sum(x + t * k, N, hidden, p, h + t * hidden);
+    }
+    return 0;
+}
+
+int ds4f_hc_post(float *x, size_t n, size_t N, size_t hidden, const float *y, const double *post, const double *comb) {
+    if (!x || !y || !post || !comb || N == 0 || N > 64 || hidden == 0) return -1;
+    for (size_t t = 0; t < n; t++) streams_mix(x + t * N * hidden, N, hidden, y + t * hidden, post + t * N, comb + t * N * N);
+    return 0;
+}

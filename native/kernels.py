@@ -544,6 +544,62 @@ def hc_mix(x: np.ndarray, fn_t: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
+def hc_pre(X: np.ndarray, fn_t: np.ndarray, base: np.ndarray, scale: np.ndarray, eps: float, hc_eps: float,
+           iters: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The hyper-connection before a sublayer for n tokens' streams X float32 [n, N, hidden]: (h
+    float32 [n, hidden], post float64 [n, N], comb float64 [n, N, N]) (ds4f_kernels.h's ds4f_hc_pre;
+    engine/model/hyper.py's docstring). fn_t float32 [N hidden, rows] as for hc_mix, base float32
+    [rows], scale float32 [3]; rows = N (the head's reduction): post and comb are None."""
+    if not isinstance(X, np.ndarray) or X.ndim != 3:
+        raise ValueError("X: expected a 3-D float32 array [n, N, hidden]")
+    n, N, hidden = X.shape
+    _arr("X", X, _F32, (n, N, hidden))
+    if not isinstance(fn_t, np.ndarray) or fn_t.ndim != 2 or fn_t.shape[0] != N * hidden:
+        raise ValueError(f"fn_t: expected a float32 array [{N * hidden}, rows]")
+    rows = fn_t.shape[1]
+    if rows not in (N, (2 + N) * N):
+        raise ValueError(f"fn_t: {rows} rows; a hyper-connection of {N} streams has {(2 + N) * N} (the head: {N})")
+    _arr("fn_t", fn_t, _F32, (N * hidden, rows))
+    _arr("base", base, _F32, (rows,))
+    _arr("scale", scale, _F32, (3,) if rows != N else scale.shape)
+    if scale.size < 1 or iters < 1:
+        raise ValueError("scale, iters: at least one each")
+    h = np.empty((n, hidden), np.float32)
+    pre = np.empty((n, N), np.float64)
+    whole = rows != N
+    post = np.empty((n, N), np.float64) if whole else None
+    comb = np.empty((n, N, N), np.float64) if whole else None
+    scratch = np.empty(int(lib.ds4f_hc_pre_scratch_doubles(n, N * hidden, rows)), np.float64)
+    null = ffi.NULL
+    rc = lib.ds4f_hc_pre(_ptr("float[]", X), n, N, hidden, _ptr("float[]", fn_t), rows, _ptr("float[]", base),
+                         _ptr("float[]", scale), float(eps), float(hc_eps), int(iters), _ptr("float[]", h),
+                         _ptr("double[]", pre), _ptr("double[]", post) if whole else null,
+                         _ptr("double[]", comb) if whole else null, _ptr("double[]", scratch))
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("hc_pre: the native kernel rejected its arguments")
+    return h, post, comb
+
+
+def hc_post(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """The hyper-connection after a sublayer, in place on n tokens' streams X float32 [n, N, hidden]:
+    X[k] = sum_j comb[j, k] X[j] + post[k] Y (ds4f_kernels.h's ds4f_hc_post), Y float32 [n, hidden],
+    post float64 [n, N], comb float64 [n, N, N]. Returns X."""
+    if not isinstance(X, np.ndarray) or X.ndim != 3:
+        raise ValueError("X: expected a 3-D float32 array [n, N, hidden]")
+    n, N, hidden = X.shape
+    _arr("X", X, _F32, (n, N, hidden), writable=True)
+    _arr("Y", Y, _F32, (n, hidden))
+    _arr("post", post, np.dtype(np.float64), (n, N))
+    _arr("comb", comb, np.dtype(np.float64), (n, N, N))
+    if N > 64:
+        raise ValueError(f"X: {N} streams; at most 64")
+    rc = lib.ds4f_hc_post(_ptr("float[]", X), n, N, hidden, _ptr("float[]", Y), _ptr("double[]", post),
+                          _ptr("double[]", comb))
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("hc_post: the native kernel rejected its arguments")
+    return X
+
+
 def _check_env() -> None:
     want = os.environ.get("DS4F_KERNELS")
     if want and want != "auto":

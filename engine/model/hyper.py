@@ -12,9 +12,10 @@ Around each sublayer (transformers' DeepseekV4HyperConnection, DeepseekV4Decoder
     X'[k] = post[k] y + sum_j C[j, k] X[j]                       # after the sublayer's output y
 
 The head reduces the streams with its own pre weights (no post, no Sinkhorn) before the final norm.
-The small mixing math runs in float64 and is cast to fp32; the mix (norm and products, the wide
-sums) is the native kernels.hc_mix, in float64 on the fp32 weights (widened as it reads them),
-whose order is its own on every backend and machine.
+All of it is native (kernels.hc_pre, hc_post: one piece of C for every backend, in float64, each sum
+in index order, results rounded to fp32): the mix (the norm and the wide products) on the fp32
+weights widened as they are read, then pre, post, the Sinkhorn rounds and the streams' sums,
+with no float64 copy of a weight or a stream made per call.
 """
 from __future__ import annotations
 
@@ -39,17 +40,6 @@ class HyperWeights:
         """From the checkpoint's tensors (fn fp32 [(2 + N) N, N hidden]); fn is kept transposed,
         in a copy (the kernel reads one element's weights for every row together)."""
         return cls(np.ascontiguousarray(np.asarray(fn, np.float32).T), base, scale)
-
-
-def _sigmoid(v: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-v))
-
-
-def _mix(X: np.ndarray, fn_t: np.ndarray, eps: float) -> np.ndarray:
-    """fn (fn_t: its transpose, fp32 [N hidden, rows]) times each of the n tokens' normed streams
-    X [n, N, hidden], in float64: [n, rows] (kernels.hc_mix: one fixed order, the same bits on
-    every backend and at every n)."""
-    return kernels.hc_mix(X.reshape(len(X), -1), fn_t, eps)
 
 
 HC_BLOCK = 32   # tokens whose float64 streams hc_pre_rows holds at a time (4 MiB at the real width)
@@ -78,22 +68,7 @@ def hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float, sinkh
 
 def _hc_pre_rows(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float,
                  sinkhorn_iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n, N = X.shape[0], X.shape[1]
-    mix = _mix(X, w.fn_t, eps)                                                      # [n, (2 + N) N]
-    base, scale = w.base.astype(np.float64), w.scale.astype(np.float64)
-    pre = _sigmoid(mix[:, :N] * scale[0] + base[:N]) + hc_eps
-    post = 2.0 * _sigmoid(mix[:, N:2 * N] * scale[1] + base[N:2 * N])
-    logits = mix[:, 2 * N:].reshape(n, N, N) * scale[2] + base[2 * N:].reshape(N, N)
-    e = np.exp(logits - logits.max(axis=2, keepdims=True))
-    comb = e / e.sum(axis=2, keepdims=True) + hc_eps
-    comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)          # columns first
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(axis=2, keepdims=True) + hc_eps)      # rows
-        comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)      # columns
-    h = np.empty((n, X.shape[2]), np.float32)
-    for a in range(0, n, HC_BLOCK):                                  # sum_k pre[k] X[k], k in order
-        h[a:a + HC_BLOCK] = (pre[a:a + HC_BLOCK, :, None] * X[a:a + HC_BLOCK].astype(np.float64)).sum(axis=1)
-    return h, post, comb
+    return kernels.hc_pre(np.ascontiguousarray(X), w.fn_t, w.base, w.scale, eps, hc_eps, sinkhorn_iters)
 
 
 def hc_post(X: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
@@ -115,19 +90,9 @@ def hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarra
 
 
 def _hc_post_rows(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> None:
-    for a in range(0, len(X), HC_BLOCK):     # at most two float64 blocks [HC_BLOCK, N, hidden] live
-        b = a + HC_BLOCK
-        X64 = X[a:b].astype(np.float64)
-        mixed = np.matmul(comb[a:b].transpose(0, 2, 1), X64)                        # [n, N, hidden]
-        del X64
-        Y64 = Y[a:b].astype(np.float64)
-        for k in range(X.shape[1]):
-            mixed[:, k] += post[a:b, k, None] * Y64
-        X[a:b] = mixed
+    kernels.hc_post(X, np.ascontiguousarray(Y), post, comb)
 
 
 def hc_head(X: np.ndarray, w: HyperWeights, eps: float, hc_eps: float) -> np.ndarray:
     """The head's reduction of the streams: sum_k pre[k] X[k], fp32 [hidden]."""
-    mix = _mix(X[None], w.fn_t, eps)[0]
-    pre = _sigmoid(mix * w.scale.astype(np.float64)[0] + w.base.astype(np.float64)) + hc_eps
-    return (pre[:, None] * X.astype(np.float64)).sum(axis=0).astype(np.float32)
+    return kernels.hc_pre(np.ascontiguousarray(X)[None], w.fn_t, w.base, w.scale, eps, hc_eps, 1)[0][0]

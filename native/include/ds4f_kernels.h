@@ -126,4 +126,22 @@ size_t ds4f_hc_mix_scratch_doubles(size_t k, size_t rows);
 int ds4f_hc_mix(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps, double *out,
                 double *scratch);
 
+/* hc_pre of n tokens (engine/model/hyper.py's docstring): x [n][N][hidden] their streams, fn_t the
+ * mix's weights as for ds4f_hc_mix (k = N hidden), base [rows] and scale [3] fp32.  rows = (2 + N) N:
+ * pre [n][N], post [n][N] and comb [n][N][N] (Sinkhorn, iters rounds) in float64, h [n][hidden] =
+ * sum over streams in order of pre[k] x[k] (float64, rounded to fp32); rows = N (the head): pre and
+ * h only (post, comb may be NULL).  Every sum in index order, products and sums rounded apart (no
+ * contraction) except the mix's: one piece of C for every backend.  scratch holds
+ * ds4f_hc_pre_scratch_doubles(n, N hidden, rows) doubles.  Returns 0, or -1 for bad arguments. */
+size_t ds4f_hc_pre_scratch_doubles(size_t n, size_t k, size_t rows);
+int ds4f_hc_pre(const float *x, size_t n, size_t N, size_t hidden, const float *fn_t, size_t rows,
+                const float *base, const float *scale, double eps, double hc_eps, int iters, float *h, double *pre,
+                double *post, double *comb, double *scratch);
+
+/* hc_post of n tokens, in place: x [n][N][hidden] becomes, for each stream k,
+ *   sum over j in order of comb[j][k] x[j] (one fused multiply-add per term, from 0) + post[k] y
+ * in float64, rounded to fp32; y [n][hidden] the sublayer's outputs, post [n][N], comb [n][N][N].
+ * Returns 0, or -1 for bad arguments. */
+int ds4f_hc_post(float *x, size_t n, size_t N, size_t hidden, const float *y, const double *post, const double *comb);
+
 #endif
