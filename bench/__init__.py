@@ -11,6 +11,7 @@ from ds4f.bench.kernels import run_bench as run_kernel_bench
 from ds4f.bench.prefill import bench_prefill
 from ds4f.bench.spec import bench_spec
 from ds4f.bench.spec_trained import bench_spec_trained
+from ds4f.bench.split import bench_split
 from ds4f.bench.structured import bench_structured
 
-__all__ = ["bench_agent", "bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "bench_spec", "bench_spec_trained", "bench_structured", "run_kernel_bench", "KERNEL_NAMES"]
+__all__ = ["bench_agent", "bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "bench_spec", "bench_spec_trained", "bench_split", "bench_structured", "run_kernel_bench", "KERNEL_NAMES"]

@@ -1,4 +1,4 @@
-"""`ds4f bench engine|cache|console|prefill|chat|batch|spec|agent|structured`: the benchmarks from the shell.
+"""`ds4f bench engine|cache|console|prefill|chat|batch|spec|agent|structured|split`: the benchmarks from the shell.
 
 All of them go through ds4f.api (the benchmarks), like the console and the server do; `bench
 console` measures the console itself (ds4f.console.bench). MODEL defaults to the bench
@@ -22,7 +22,7 @@ from ds4f.cli.runs import _fmt
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec", "agent",
-                                         "structured"],
+                                         "structured", "split"],
                         help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                              "console (key-to-action latency and bytes per refresh during a run), "
                              "prefill (the prompt token by token against layer-major chunks), "
@@ -31,7 +31,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                              "spec (speculative decoding with the MTP layer against plain decoding), "
                              "agent (an agent's session against ds4f serve: reuse, times and bytes written), "
                              "structured (a JSON Schema's token mask: its cost per token and a request's memory, "
-                             "on the demo and flash vocabularies and MODEL's tokenizer when given)")
+                             "on the demo and flash vocabularies and MODEL's tokenizer when given), "
+                             "split (where a decode token's time goes: ds4f's kernels, numpy, the interpreter, "
+                             "waits; py-spy's native samples of a run, one kernel thread, preset server unless "
+                             "--preset)")
     add_model(parser, "checkpoint (default: the bench geometry, made on demand)")
     add_gen(parser, "bench engine 8, bench cache 24, bench spec 24, per run")
     add_preset(parser, "laptop; bench engine and bench cache")
@@ -70,6 +73,8 @@ def _bench(args) -> int:
     check_streams(args, command_inputs(args.config, model_arg(args)) if args.json not in (None, "-") else Inputs())
     if args.what == "console":
         return _bench_console(args)
+    if args.what == "split":
+        return _bench_split(args, model_arg(args))
     args.preset = args.preset or "laptop"
     model = model_arg(args)
     if args.what == "structured":
@@ -98,6 +103,29 @@ def _bench(args) -> int:
     r = bench_cache(model, args.preset, args.gen, args.config, args.backend,
                     log=announce, progress=True)
     _show(args, _cache_tables(r), lambda out: _print_bench_cache(r, out), r)
+    return 0
+
+
+def _bench_split(args, model) -> int:
+    from ds4f.bench import bench_split
+
+    r = bench_split(model, args.preset or "server", args.gen, args.config, args.backend, log=announce, progress=True)
+    parts = Table("split", [Column("part", align="left"), Column("share", "share", ".1%"), Column("samples")],
+                  title=f"a decode token's time on the compute thread ({r['samples']} samples of {r['gen']} tokens,"
+                        f" preset {r['preset']}, backend {r['backend']}, {r['threads']} kernel thread)")
+    for name, share in r["parts"].items():
+        parts.add(name, share, r["counts"][name])
+    top = Table("split_top", [Column("part", align="left"), Column("frame", align="left"),
+                              Column("share", "share", ".1%")], title="where the time outside the kernels goes")
+    for part, frame, share in r["top"]:
+        top.add(part, frame, share)
+
+    def text(out) -> None:
+        builtins.print(file=out)
+        builtins.print(parts.text(), file=out)
+        builtins.print(file=out)
+        builtins.print(top.text(), file=out)
+    _show(args, [parts, top], text, r)
     return 0
 
 

@@ -1,0 +1,108 @@
+"""`ds4f bench split`: where a decode token's time goes, by what the CPU was running.
+
+A run decodes on MODEL (default: the bench checkpoint, the real expert and attention width) in a
+child process that py-spy samples with its native frames (`py-spy record --native`, an optional
+tool: `pip install py-spy`). Each sample of the compute thread inside a decode step (Session.eval
+under forward_rows: the prompt's chunks and the load are left out) is put in one part by its
+innermost frame:
+
+    kernels      ds4f's native code (a frame in a .c / .h source of native/, or its library)
+    numpy        numpy's library (ufuncs, reductions, copies, casts) and the BLAS it calls
+    interpreter  Python: a .py frame, or libpython itself (the per-layer glue, argument checks)
+    waiting      libc: waits on a lock or a condition (expert reads in flight, the kernels' pool),
+                 memcpy, the math library
+    other        anything else (cffi's own conversions, ...)
+
+The shares are of the samples, so of the decode steps' wall time on the compute thread; the
+figures are ratios from one run, not times. Under the server preset everything the run uses is
+in RAM after its first tokens (the cache warms), so `waiting` is small and the rest is the token's
+fixed cost: what the issue of Python per layer is about.
+"""
+from __future__ import annotations
+
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ds4f.errors import Ds4fError
+
+PARTS = ("kernels", "numpy", "interpreter", "waiting", "other")
+SAMPLE_HZ = 250
+STEP_FRAME = "Session.eval "        # a decode token (prefill goes through Session.prefill)
+FORWARD_FRAME = "forward_rows "
+
+
+def classify(leaf: str) -> str:
+    """The part a sample belongs to, from its innermost frame as py-spy's raw format writes it:
+    `function (file.py:line)`, `function (source.c:line)` or `function (library.so)`."""
+    where = leaf[leaf.rfind("(") + 1:-1] if leaf.endswith(")") else ""
+    if re.search(r"\.(c|h):\d+$", where) or "ds4f/native/_kernels" in where or "_kernels.abi3" in where:
+        return "kernels"
+    if ".py:" in where or "libpython" in where:
+        return "interpreter"
+    if "numpy" in where or "openblas" in where.lower() or "libblas" in where or "scipy_openblas" in where:
+        return "numpy"
+    if re.search(r"\blib(c|m|pthread)[.-]", where) or where.startswith("libc"):
+        return "waiting"
+    return "other"
+
+
+def split_profile(lines) -> dict:
+    """{"samples", "parts": {part: share}, "counts": {part: samples}, "top": [(part, frame, share)]}
+    of py-spy raw lines (`frame;frame;...;leaf count`), the decode steps' samples only."""
+    counts: collections.Counter = collections.Counter()
+    leaves: collections.Counter = collections.Counter()
+    total = 0
+    for line in lines:
+        stack, _, n = line.rstrip("\n").rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        if not (any(f.startswith(STEP_FRAME) for f in frames) and any(f.startswith(FORWARD_FRAME) for f in frames)):
+            continue
+        part = classify(frames[-1])
+        counts[part] += int(n)
+        leaves[(part, frames[-1])] += int(n)
+        total += int(n)
+    if not total:
+        raise Ds4fError("bench split: no sample fell in a decode step (py-spy saw no Session.eval under"
+                        " forward_rows); decode more tokens (-n)")
+    top = [(part, leaf, k / total) for (part, leaf), k in leaves.most_common() if part != "kernels"][:12]
+    return {"samples": total, "parts": {p: counts[p] / total for p in PARTS}, "counts": {p: counts[p] for p in PARTS},
+            "top": top}
+
+
+def bench_split(model=None, preset: str = "server", gen: int | None = None, config_path: str | None = None,
+                backend: str | None = None, threads: int = 1, *, log=None, progress=None) -> dict:
+    """Decode `gen` tokens (default 24) on `model` under py-spy and split the decode steps' samples
+    (split_profile). Returns its figures with the run's settings."""
+    from ds4f.bench.engine import bench_model
+
+    spy = shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy")
+                                     if (Path(sys.executable).parent / "py-spy").exists() else None)
+    if spy is None:
+        raise Ds4fError("bench split samples the run with py-spy, which is not installed here (pip install py-spy)")
+    model = bench_model(model, progress, log)
+    gen = gen or 24
+    cmd = [sys.executable, "-m", "ds4f.cli", "run", str(model), "--preset", preset, "-n", str(gen), "--dump", "off",
+           "--no-probe", "-t", str(threads)]
+    if backend:
+        cmd += ["--backend", backend]
+    if config_path:
+        cmd += ["--config", str(config_path)]
+    with tempfile.TemporaryDirectory(prefix="ds4f-split-") as tmp:
+        raw = Path(tmp) / "profile.txt"
+        if log:
+            log(f"decoding {gen} tokens on {model} under py-spy ({SAMPLE_HZ} samples/s, native frames)")
+        done = subprocess.run([spy, "record", "--native", "-r", str(SAMPLE_HZ), "-f", "raw", "-o", str(raw), "--",
+                               *cmd], capture_output=True, text=True)
+        if done.returncode != 0 or not raw.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise Ds4fError("bench split: the sampled run failed: " + " / ".join(tail))
+        with open(raw) as f:
+            out = split_profile(f)
+    return dict(out, model=str(model), preset=preset, gen=gen, threads=threads, backend=backend or "best")
