@@ -31,6 +31,7 @@ from .app import Ds4fConsole
 from .screens import DashboardScreen
 
 REFRESH_FD_ENV = "DS4F_CONSOLE_REFRESH_FD"
+MORE_KEYS = 20     # at most this many times the keys asked for, while the run has not decoded a token
 LIVE, IDLE = b"R", b"."   # what a child reports per refresh: a running run's snapshot, or anything else
 
 
@@ -53,7 +54,8 @@ def bench_console(model: str, *, keys: int = 30, refreshes: int = 10, refresh_s:
     Returns a dict:
         key_latency_s: the seconds from each key reaching the app to the app acting on it
         key_latency_median_s, key_latency_max_s: their median and maximum
-        keys: how many keys were timed
+        keys: how many keys were timed: `keys`, or more (up to MORE_KEYS times as many) until the run
+            decoded a token while they were
         tokens_during_keys: tokens the run decoded while the keys were timed (it was busy)
         refresh_bytes: bytes the console wrote to the terminal over the counted refreshes
         refreshes: how many refreshes those were
@@ -120,8 +122,12 @@ async def _key_latency(model: str, history_path: Path, keys: int, refresh_s: flo
         if run.state != "running":
             raise Ds4fError(f"bench console: the run is {run.state}: {run.error or 'too short to measure'}")
         tokens0 = run.snapshot().tokens_done
-        for i in range(keys):
+        i = 0
+        # `keys` keys, and more while the run has not decoded a token since the first (a loaded
+        # machine's token outlasts a few keys): the keys are timed while the run decodes
+        while i < keys or (run.snapshot().tokens_done == tokens0 and not run.finished and i < MORE_KEYS * keys):
             key, char = ("plus", "+") if i % 2 == 0 else ("minus", "-")
+            i += 1
             n = len(app.acted)
             event = events.Key(key, char)
             event.set_sender(app)

@@ -61,7 +61,7 @@ def test_bench_console_measures_a_live_run(tiny_model):
     from ds4f.console.bench import bench_console
 
     out = bench_console(str(tiny_model), keys=6, refreshes=3, refresh_s=0.25, warm_tokens=5)
-    assert out["keys"] == 6 and len(out["key_latency_s"]) == 6
+    assert out["keys"] >= 6 and len(out["key_latency_s"]) == out["keys"]
     assert all(x > 0 for x in out["key_latency_s"])
     assert out["key_latency_max_s"] >= out["key_latency_median_s"] > 0
     assert out["tokens_during_keys"] > 0, "the keys were timed while the run decoded"
