@@ -113,9 +113,8 @@ async def test_bursts_of_palette_keys_with_no_pause_never_stack_two(tiny_model, 
         assert app.is_running and app._exception is None
 
 
-@async_test
-async def test_the_attached_console_opens_one_palette_too():
-    """The same in ds4f-console --attach (here on a port with no server: its error screen)."""
+def _attached_to_nothing():
+    """ds4f-console --attach on a loopback port no server listens on (it shows its error screen)."""
     import socket
 
     from ds4f.console.attach import AttachConsole
@@ -123,7 +122,13 @@ async def test_the_attached_console_opens_one_palette_too():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = AttachConsole([f"http://127.0.0.1:{port}"], refresh_s=0.2)
+    return AttachConsole([f"http://127.0.0.1:{port}"], refresh_s=0.2)
+
+
+@async_test
+async def test_the_attached_console_opens_one_palette_too():
+    """The same in ds4f-console --attach (here on a port with no server: its error screen)."""
+    app = _attached_to_nothing()
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.pause(0.3)
         below = len(app.screen_stack)
@@ -235,14 +240,7 @@ async def test_a_burst_still_queued_as_the_console_closes_ends_nothing(tiny_mode
 
 @async_test
 async def test_the_attached_console_closes_with_a_burst_queued_too():
-    import socket
-
-    from ds4f.console.attach import AttachConsole
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = AttachConsole([f"http://127.0.0.1:{port}"], refresh_s=0.2)
+    app = _attached_to_nothing()
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.pause(0.3)
         _queue(app, CLOSING_BURST)
