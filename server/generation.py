@@ -291,6 +291,19 @@ def queue_comment(position: int, waiting: int) -> bytes:
 WORKING = b": working\n\n"       # an SSE comment while a long prefill sends nothing
 
 
+class SseWaits:
+    """What an OpenAI dialect's stream writer (`streamed`'s writer) sends while nothing else goes:
+    a comment with the request's place in the queue, and one that says the work goes on."""
+
+    @staticmethod
+    def waiting(position: int, waiting: int) -> list[bytes]:
+        return [queue_comment(position, waiting)]
+
+    @staticmethod
+    def alive() -> list[bytes]:
+        return [WORKING]
+
+
 async def streamed(pending: Pending, writer):
     """The bytes of a streamed answer: the pending request's events, the text read by the reply
     parser as it comes (a chat's; a completion's pieces go as they are), each turned into bytes by

@@ -57,7 +57,7 @@ from ds4f.api import MAX_GEN, Ds4fError, check_call
 
 from .conversation import chat_fields, from_ds4f
 from .errors import HttpError, bad, json_bytes, json_response
-from .generation import WORKING, Ask, queue_comment, reply_of, respond, streamed
+from .generation import Ask, SseWaits, reply_of, respond, streamed
 from .request import (EFFORTS, IGNORED, boolean, check_model, check_names, parse_sampling, parse_stop,
                       parse_tool_choice, parse_tools, text_parts, whole)
 from .structured import response_format_of
@@ -295,7 +295,7 @@ def sse(obj) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-class _Chunks:
+class _Chunks(SseWaits):
     """The chunks of a streamed answer, under the completion's head: a chat's opening (the role), one
     per piece of text (reasoning, content) or per call's opening and argument fragment; a
     completion's one per piece of text; then the finish and the usage."""
@@ -312,14 +312,6 @@ class _Chunks:
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
         return sse({**self.head, "choices": [choice]})
-
-    @staticmethod
-    def waiting(position: int, waiting: int) -> list[bytes]:
-        return [queue_comment(position, waiting)]
-
-    @staticmethod
-    def alive() -> list[bytes]:
-        return [WORKING]
 
     @staticmethod
     def refused(error) -> list[bytes]:

@@ -46,7 +46,7 @@ from ds4f.api import MAX_GEN
 
 from .conversation import Conversation
 from .errors import bad, json_bytes
-from .generation import WORKING, Ask, queue_comment, reply_of, respond, streamed
+from .generation import Ask, SseWaits, reply_of, respond, streamed
 from .request import (EFFORTS, IGNORED, boolean, check_model, check_names, parse_sampling, parse_tool_choice,
                       parse_tools, text_parts, whole)
 from .structured import text_format_of
@@ -310,7 +310,7 @@ def _event(kind: str, seq: int, **fields) -> bytes:
         .rstrip(b"\n") + b"\n\n"
 
 
-class _Items:
+class _Items(SseWaits):
     """The output items of a streamed response, from the reply parser's events: a reasoning or
     message item opened when its first text comes, closed when another opens (or at the end); a
     function_call sent whole when it is read. Every event is numbered (sequence_number, from 0)."""
@@ -326,14 +326,6 @@ class _Items:
     def emit(self, kind: str, **fields) -> bytes:
         self.seq += 1
         return _event(kind, self.seq - 1, **fields)
-
-    @staticmethod
-    def waiting(position: int, waiting: int) -> list[bytes]:
-        return [queue_comment(position, waiting)]
-
-    @staticmethod
-    def alive() -> list[bytes]:
-        return [WORKING]
 
     def refused(self, error) -> list[bytes]:
         return [self.emit("error", code=error.code, message=error.message, param=error.param)]
