@@ -3,10 +3,14 @@
 Every test session gets its own XDG directories, so runs, history and the demo model
 never touch the user's real data, cache or config.
 """
+import atexit
 import os
+import shutil
 import tempfile
 
 _XDG_ROOT = tempfile.mkdtemp(prefix="ds4f-test-xdg-")
+# The session's data, cache and config go with it (the demo model alone is ~10 MB a session).
+atexit.register(shutil.rmtree, _XDG_ROOT, ignore_errors=True)
 for _var in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME"):
     os.environ[_var] = os.path.join(_XDG_ROOT, _var.lower())
 
