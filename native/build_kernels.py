@@ -26,11 +26,13 @@ SOURCES = [
     "dispatch_matvec.c",
     "dispatch_matmul.c",
     "hyper.c",
+    "attention.c",
     "threadpool.c",
     "membench.c",
 ]
 HEADERS = ["ds4f_kernels.h", "ds4f_membench.h", "kernels_internal.h", "kernels_avx2.h", "kernels_avx512.h",
-           "kernels_neon.h"]
+           "kernels_neon.h",
+           "attention_simd.h"]
 PUBLIC_HEADERS = ["ds4f_kernels.h", "ds4f_membench.h"]  # what Python sees (the cdef)
 
 NATIVE_CFLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize")

@@ -600,6 +600,81 @@ def hc_post(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
     return X
 
 
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def attention_rows(q: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray, win_first: np.ndarray,
+                   n_win: np.ndarray, comp: list[np.ndarray], part: np.ndarray, n_comp: np.ndarray,
+                   sel_first: np.ndarray | None, sel: np.ndarray | None, sinks: np.ndarray, scale: float,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """The attention core of n rows (ds4f_kernels.h's ds4f_attention_rows): q float32 [n, H, head_dim]
+    (RoPE not applied), cos and sin float32 [n, rope_dim / 2] (each row's angles), keys float32
+    [rows, head_dim] (row t's window: keys[win_first[t]:win_first[t] + n_win[t]]), comp a list of
+    float32 [rows, head_dim] (row t's compressed rows: comp[part[t]][:n_comp[t]], or where sel_first
+    is given and sel_first[t] >= 0, comp[part[t]][sel[sel_first[t]:sel_first[t] + n_comp[t]]]),
+    sinks float32 [H]. Returns out float32 [n, H, head_dim], inverse RoPE applied."""
+    if not isinstance(q, np.ndarray) or q.ndim != 3:
+        raise ValueError("q: expected a 3-D float32 array [n, heads, head_dim]")
+    n, H, hd = q.shape
+    _arr("q", q, _F32, (n, H, hd))
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2 or cos.shape[0] != n or 2 * cos.shape[1] > hd:
+        raise ValueError(f"cos: expected a float32 array [{n}, rope_dim / 2] with rope_dim <= {hd}")
+    half = cos.shape[1]
+    _arr("cos", cos, _F32, (n, half))
+    _arr("sin", sin, _F32, (n, half))
+    if not isinstance(keys, np.ndarray) or keys.ndim != 2:
+        raise ValueError(f"keys: expected a float32 array [rows, {hd}]")
+    _arr("keys", keys, _F32, (len(keys), hd))
+    _arr("win_first", win_first, _I64, (n,))
+    _arr("n_win", n_win, _I32, (n,))
+    _arr("part", part, _I32, (n,))
+    _arr("n_comp", n_comp, _I32, (n,))
+    _arr("sinks", sinks, _F32, (H,))
+    for i, c in enumerate(comp):
+        if not isinstance(c, np.ndarray) or c.ndim != 2:
+            raise ValueError(f"comp[{i}]: expected a float32 array [rows, {hd}]")
+        _arr(f"comp[{i}]", c, _F32, (len(c), hd))
+    if n and (n_win.min() < 0 or n_comp.min() < 0 or (n_win + n_comp).min() < 1):
+        raise ValueError("n_win, n_comp: every row needs at least one key")
+    if n and ((win_first < 0) | (win_first + n_win > len(keys)))[n_win > 0].any():
+        raise ValueError("win_first, n_win: a row's window runs outside keys")
+    has = n_comp > 0
+    if has.any() and ((part < 0) | (part >= len(comp)))[has].any():
+        raise ValueError("part: a row names no compressed rows")
+    sizes = np.array([len(c) for c in comp] or [0], np.int64)[np.clip(part, 0, max(len(comp) - 1, 0))]
+    chosen = np.zeros(n, bool) if sel_first is None else sel_first >= 0
+    if sel_first is not None:
+        _arr("sel_first", sel_first, _I64, (n,))
+        if not isinstance(sel, np.ndarray) or sel.ndim != 1:
+            raise ValueError("sel: expected a 1-D int32 array")
+        _arr("sel", sel, _I32, sel.shape)
+        rows = np.flatnonzero(chosen & has)
+        if len(rows):
+            if (sel_first[rows] + n_comp[rows] > len(sel)).any():
+                raise ValueError("sel_first, n_comp: a row's selection runs outside sel")
+            counts = n_comp[rows].astype(np.int64)
+            at = np.repeat(sel_first[rows] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+            picked = sel[at]
+            if picked.min() < 0 or (picked >= np.repeat(sizes[rows], counts)).any():
+                raise ValueError("sel: a row selects a compressed row its part does not hold")
+    if (n_comp > sizes)[has & ~chosen].any():
+        raise ValueError("n_comp: a row attends to more compressed rows than its part holds")
+    out = _out("out", out, (n, H, hd)).reshape(n, H, hd)
+    a = ffi.new("ds4f_attention_rows_args *")
+    keep = [_ptr("float[]", c) for c in comp]
+    comps = ffi.new("float *[]", keep or [ffi.NULL])
+    a.n, a.heads, a.head_dim, a.rope_half = n, H, hd, half
+    a.q, a.cos, a.sin, a.keys = _ptr("float[]", q), _ptr("float[]", cos), _ptr("float[]", sin), _ptr("float[]", keys)
+    a.win_first, a.n_win = _ptr("int64_t[]", win_first), _ptr("int32_t[]", n_win)
+    a.comp, a.part, a.n_comp = comps, _ptr("int32_t[]", part), _ptr("int32_t[]", n_comp)
+    a.sel_first = _ptr("int64_t[]", sel_first) if sel_first is not None else ffi.NULL
+    a.sel = _ptr("int32_t[]", sel) if sel_first is not None else ffi.NULL
+    a.sinks, a.scale, a.out = _ptr("float[]", sinks), float(scale), _ptr("float[]", out)
+    if n and lib.ds4f_attention_rows(a) != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("attention_rows: the native kernel rejected its arguments")
+    return out
+
+
 def _check_env() -> None:
     want = os.environ.get("DS4F_KERNELS")
     if want and want != "auto":

@@ -309,42 +309,77 @@ def _index_query(w: AttentionWeights, p: Projected, t: int) -> tuple[np.ndarray,
     return _matmul(ix.wq_b, p.qr[t:t + 1])[0], _matmul(ix.weights_proj, p.A[t:t + 1])[0]
 
 
-def attention_core(w: AttentionWeights, cache: LayerCache, p: Projected, t: int, pos: int, shape: AttentionShape,
-                   rope: Rope) -> np.ndarray:
-    """Token t of `p` at position `pos`: its key into the window, the compressors' step, then
-    its attention over the window and the compressed rows: o (fp32 [H head_dim], inverse RoPE
-    applied). Tokens go through in position order: each one's cache is the one before it left."""
-    hd, eps = shape.head_dim, shape.eps
-    q = rope.apply(p.q[t].copy(), pos)
-    kv = rope.apply(p.kv[t].copy(), pos)
-    cache.window[pos % shape.window] = kv
-    cache.tokens = pos + 1
-    n_win = min(pos + 1, shape.window)
-    first = (pos + 1 - n_win) % shape.window      # the ring slot of the oldest row in the window
-    rows = cache.window[:0]
-    if shape.kind != "swa":
+def _selections(w: AttentionWeights, where: list[tuple[LayerCache, int]], p: Projected, shape: AttentionShape,
+                rope: Rope) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The compressors' steps of a step's rows, row after row in position order (each row's cache is
+    the one the row before it left), and what each row attends to among the compressed rows: n_comp
+    [n] (the rows its sequence had after its own step), and for a row whose indexer chooses among
+    them, sel_first [n] (-1: all n_comp rows) into sel (the chosen rows, ascending). A row's compressed
+    rows stay where they are in its cache (rows are only appended), so the attention reads them there."""
+    n, eps = len(where), shape.eps
+    n_comp = np.zeros(n, np.int32)
+    if shape.kind == "swa":
+        return n_comp, None, None
+    sel_first = np.full(n, -1, np.int64) if shape.kind == "csa" else None
+    chosen = []
+    taken = 0
+    for t, (cache, pos) in enumerate(where):
         comp = cache.compressor
         compressor_step(w.compressor, comp, p.comp[0][t], p.comp[1][t], pos, rope, eps)
-        rows = comp.rows[:comp.n_rows]
+        n_comp[t] = comp.n_rows
         if shape.kind == "csa":
-            ikv, igate = p.index
             index = cache.indexer
-            compressor_step(w.indexer.compressor, index, ikv[t], igate[t], pos, rope, eps)
+            compressor_step(w.indexer.compressor, index, p.index[0][t], p.index[1][t], pos, rope, eps)
             if index.n_rows > shape.index_topk:
-                rows = rows[indexer_select(index.rows[:index.n_rows], *_index_query(w, p, t), pos, rope, shape)]
-    # K == V [n, head_dim]: the window's rows oldest first (positions pos - n_win + 1 .. pos), then
-    # the compressed rows; widened exactly
-    K = np.empty((n_win + len(rows), hd), np.float64)
-    tail = min(n_win, shape.window - first)
-    K[:tail] = cache.window[first:first + tail]
-    K[tail:n_win] = cache.window[:n_win - tail]
-    K[n_win:] = rows
-    logits = (q.astype(np.float64) @ K.T) * hd ** -0.5            # [H, n]
-    sink = w.sinks.astype(np.float64)[:, None]
-    m = np.maximum(logits.max(axis=1, keepdims=True), sink)
-    e = np.exp(logits - m)
-    prob = e / (e.sum(axis=1, keepdims=True) + np.exp(sink - m))
-    return rope.apply((prob @ K).astype(np.float32), pos, inverse=True).reshape(-1)   # [H head_dim]
+                picked = indexer_select(index.rows[:index.n_rows], *_index_query(w, p, t), pos, rope, shape)
+                sel_first[t], n_comp[t] = taken, len(picked)
+                chosen.append(picked)
+                taken += len(picked)
+    sel = np.concatenate(chosen).astype(np.int32) if chosen else np.zeros(0, np.int32)
+    return n_comp, sel_first, sel
+
+
+def attend(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]], p: Projected, shape: AttentionShape,
+           rope: Rope) -> np.ndarray:
+    """The attention of a step's rows, projected (p), against their sequences' caches: o (fp32 [n, H
+    head_dim], inverse RoPE applied), updating the caches (each row's key into its window, the
+    compressors' steps). parts: (cache, pos0, count) as for attention_parts.
+
+    Row t at position pos attends to its window, the keys at positions pos - n_win + 1 .. pos (n_win
+    = min(pos + 1, window)), oldest first, then its compressed rows. The keys of a part are laid out
+    once, in position order: the window's rows from before the step (up to window - 1 of them), then
+    the part's own keys, so any row's window is a run of them, whatever the count (a chunk longer than
+    the window too). The compressors go row after row here (cheap: a row is pooled every ratio
+    tokens); the core (logits over the keys, the softmax with the sink, the keys' weighted sum, the
+    RoPE of the queries and outputs) goes for all rows at once in native code, rows spread over the
+    kernels' threads (kernels.attention_rows: every float64 sum in key order, so a row's bits are its
+    own, whichever rows share its call and however many threads run it)."""
+    n, W = len(p.q), shape.window
+    pos = np.concatenate([np.arange(pos0, pos0 + count, dtype=np.int64) for _, pos0, count in parts])
+    cos, sin = rope.cos_sin_rows(pos)
+    kv = rope.apply_rows(p.kv.copy(), cos, sin)                  # [n, head_dim], each row's key at its position
+    blocks, win_first = [], np.empty(n, np.int64)
+    a = off = 0
+    for cache, pos0, count in parts:
+        before = min(pos0, W - 1)                                # window rows from before the step
+        slots = np.arange(pos0 - before, pos0) % W
+        blocks += [cache.window[slots], kv[a:a + count]]
+        at = pos[a:a + count]
+        win_first[a:a + count] = off + (at - np.minimum(at + 1, W) + 1) - (pos0 - before)
+        last = max(count - W, 0)                                 # the part's keys the window keeps
+        cache.window[(pos0 + np.arange(last, count)) % W] = kv[a + last:a + count]
+        cache.tokens = pos0 + count
+        off += before + count
+        a += count
+    keys = np.concatenate(blocks)
+    n_win = np.minimum(pos + 1, W).astype(np.int32)
+    where = [(cache, pos0 + i) for cache, pos0, count in parts for i in range(count)]
+    n_comp, sel_first, sel = _selections(w, where, p, shape, rope)
+    comp = [cache.compressor.rows for cache, _, _ in parts] if shape.kind != "swa" else []
+    part = np.repeat(np.arange(len(parts), dtype=np.int32), [count for _, _, count in parts])
+    O = kernels.attention_rows(p.q, cos, sin, keys, win_first, n_win, comp, part, n_comp, sel_first, sel, w.sinks,
+                               shape.head_dim ** -0.5)
+    return O.reshape(n, shape.heads * shape.head_dim)
 
 
 def output_projection(w: AttentionWeights, O: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -353,14 +388,6 @@ def output_projection(w: AttentionWeights, O: np.ndarray, out: np.ndarray | None
     og = O.reshape(n, groups, -1)
     lo = np.concatenate([_matmul(w.wo_a[g], np.ascontiguousarray(og[:, g])) for g in range(groups)], axis=1)
     return w.wo_b.matmul(lo, np.empty((n, w.wo_b.shape[0]), np.float32) if out is None else out)
-
-
-OVERLAP_BLOCK = 32   # tokens whose output projection starts while the next ones attend
-
-
-def _project_alone(w: AttentionWeights, O: np.ndarray, Y: np.ndarray) -> None:
-    with kernels.alone():
-        output_projection(w, O, Y)
 
 
 def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
@@ -376,42 +403,13 @@ def attention_parts(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]
     """The attention sublayer's outputs (fp32 [n, hidden]) for a step's rows, normed inputs A
     [n, hidden]; parts: (cache, pos0, count) of each run of consecutive rows in row order, the
     tokens of one sequence at positions pos0, pos0 + 1, ..., updating that sequence's cache
-    (window, compressors). The projections go all rows at once, the attention itself row after
-    row, each against its own sequence's cache. beside(fn, *args): where a block of
-    OVERLAP_BLOCK rows' output projection runs (runtime.helper_thread, a helper thread, its
-    kernels on its own core) while the next block attends here; once every row has attended,
-    this thread projects the blocks the helper has not started, the last first. Each row of a
-    product is its own, so the outputs are those of one projection of all rows, and each row's
-    those it gets in a step of its own. None: everything here, in order."""
+    (window, compressors). The projections go all rows at once, then the attention (attend: each
+    row against its own sequence's cache as the rows before it left it), then the output
+    projection of all rows. Each row of a product is its own, and so is each row's attention, so a
+    row's output is the one it gets in a step of its own. beside(fn, *args): where rms_rows runs
+    half of its rows (runtime.helper_thread); None: everything here."""
     p = project(w, A, shape, [(pos0, count) for _, pos0, count in parts], beside)
-    n = len(A)
-    where = [(cache, pos0 + i) for cache, pos0, count in parts for i in range(count)]   # row -> (cache, position)
-    if beside is None or n <= OVERLAP_BLOCK:
-        return output_projection(w, np.stack([attention_core(w, cache, p, t, pos, shape, rope)
-                                              for t, (cache, pos) in enumerate(where)]))
-    O = np.empty((n, shape.heads * shape.head_dim), np.float32)
-    Y = np.empty((n, w.wo_b.shape[0]), np.float32)
-    pending = []
-    try:
-        for a in range(0, n, OVERLAP_BLOCK):
-            b = min(a + OVERLAP_BLOCK, n)
-            for t in range(a, b):
-                O[t] = attention_core(w, where[t][0], p, t, where[t][1], shape, rope)
-            pending.append((a, b, beside(_project_alone, w, O[a:b], Y[a:b])))
-        for a, b, f in reversed(pending):
-            if f.cancel():            # not started: the helper will skip it
-                _project_alone(w, O[a:b], Y[a:b])
-    except BaseException:
-        for _, _, f in pending:       # none left writing into Y behind this error
-            try:
-                f.cancel() or f.result()
-            except BaseException:
-                pass
-        raise
-    for _, _, f in pending:
-        if not f.cancelled():
-            f.result()                # in order; a projection's error is raised here
-    return Y
+    return output_projection(w, attend(w, parts, p, shape, rope))
 
 
 def push_window_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,

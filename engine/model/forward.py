@@ -195,19 +195,25 @@ class ChunkBuffers:
 def transient_nbytes(g: Geometry, chunk: int) -> int:
     """A bound on the numpy temporaries a layer of a `chunk`-token prefill holds at once, beyond
     ChunkBuffers (the memory plan and the session's budget count it). Per token, the attention's:
-    the queries before and after their per-head norm and the attention outputs (3 H head_dim),
-    the indexer's query (twice), q_lora twice, the compressors' kv and gates, the output groups'
-    copies and low-rank products, and five hidden-sized rows (inputs, outputs, hyper-connection
-    sums, those of a half chunk before they are joined); fixed, the float64 blocks of rms_rows and
-    hc_pre_rows (hc_post_rows' are as large), two halves at once. tests/test_prefill.py holds a traced chunk to it."""
+    the queries before and after their per-head norm, then the normed ones and the attention
+    outputs (2 H head_dim), the key and its rotated copy in the keys the core reads (2 head_dim),
+    the rows' cos and sin (rope_dim), the indexer's choice (index_topk int32) and eight words of
+    each row's place in the keys, the indexer's query (twice), q_lora twice, the compressors' kv and
+    gates, the output groups' copies and low-rank products, and five hidden-sized rows (inputs,
+    outputs, hyper-connection sums, those of a half chunk before they are joined); fixed, the
+    window's rows from before the chunk (window - 1 head_dim), the float64 blocks of rms_rows and
+    hc_pre_rows (hc_post_rows' are as large), two halves at once. tests/test_prefill.py holds a
+    traced chunk to it."""
     att = g.attention
     if att is None:
         return 4 * chunk * 4 * g.hidden
     hd, heads = att.head_dim, att.n_heads
-    per_token = (3 * heads * hd + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank
+    per_token = (2 * heads * hd + 2 * hd + att.rope_dim + att.index_topk + 8
+                 + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank
                  + 2 * (2 * hd + 2 * att.index_head_dim) + att.o_groups * att.o_lora_rank
                  + heads * hd // att.o_groups + 5 * g.hidden)
-    fixed = 2 * (2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 2 * RMS_BLOCK * max(hd, att.q_lora_rank) * 8)
+    fixed = (2 * (2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 2 * RMS_BLOCK * max(hd, att.q_lora_rank) * 8)
+             + 4 * (att.window - 1) * hd)
     return 4 * chunk * per_token + fixed
 
 
@@ -238,7 +244,7 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
     """The step's logits (fp32 [rows, vocab], buf.logits' rows, the segments' rows in order);
     buf.ids / weights / hidden / attn hold each row's record. should_stop: asked before each
     layer (a step of the real model takes minutes); True raises Stopped. beside: where the
-    attention may run its output projections beside this thread (runtime.helper_thread).
+    norms and hyper-connections may run half their rows beside this thread (runtime.helper_thread).
     isolate: a row that fails marks its segment's error and the step goes on (see the module);
     without it the first failure raises. streams: the rows' streams to start from (fp32 [rows,
     N, hidden], the MTP layer's input: model.mtp) instead of their tokens' embeddings."""

@@ -60,6 +60,21 @@ class Rope:
         angle = np.float32(pos) * self.inv_freq
         return np.cos(angle), np.sin(angle)
 
+    def cos_sin_rows(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos_sin of each position in pos [n]: fp32 [n, dim / 2] each, row t the same bits as
+        cos_sin(pos[t]) (the same fp32 products, the same elementwise cos and sin)."""
+        angle = np.asarray(pos).astype(np.float32)[:, None] * self.inv_freq[None, :]
+        return np.cos(angle), np.sin(angle)
+
+    def apply_rows(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Rotate the last `dim` dims of each row of x [n, d] (fp32) in place by row t's cos, sin
+        [n, dim / 2] (cos_sin_rows): row t as apply(x[t], pos[t]) would; returns x."""
+        tail = x[:, x.shape[-1] - self.dim:]
+        even, odd = tail[:, 0::2].copy(), tail[:, 1::2].copy()
+        tail[:, 0::2] = even * cos - odd * sin
+        tail[:, 1::2] = odd * cos + even * sin
+        return x
+
     def apply(self, x: np.ndarray, pos: int, inverse: bool = False) -> np.ndarray:
         """Rotate the last `dim` dims of x (shape [..., d], fp32) in place at position pos; returns x."""
         cos, sin = self.cos_sin(pos)

@@ -1,8 +1,6 @@
 """Work beside the compute thread: one helper thread, made on first use and shared by the
-process's engines (one engine computes at a time). model.forward hands it a chunk's attention
-output projections, native kernels that release the GIL, while the compute thread attends the
-next tokens in numpy, and the first half of the rows of hc_pre_rows, hc_post_rows and rms_rows
-while the compute thread does the second; the model code itself has no threads, only `beside(fn, *args)`,
+process's engines (one engine computes at a time). model.forward hands it the first half of the
+rows of hc_pre_rows, hc_post_rows and rms_rows while the compute thread does the second; the model code itself has no threads, only `beside(fn, *args)`,
 whose result() waits for the work and raises its error."""
 from __future__ import annotations
 

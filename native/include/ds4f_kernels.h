@@ -144,4 +144,34 @@ int ds4f_hc_pre(const float *x, size_t n, size_t N, size_t hidden, const float *
  * Returns 0, or -1 for bad arguments. */
 int ds4f_hc_post(float *x, size_t n, size_t N, size_t hidden, const float *y, const double *post, const double *comb);
 
+/* ---- the attention core of a step's rows (attention.c; engine/model/attention.py) ----------------
+ * Row t (of n), head h: q[t][h] (head_dim fp32, after the per-head norm) rotated in fp32 by row t's
+ * cos, sin ([n][rope_half]: the last 2 rope_half dims, pairs (2i, 2i+1)), attends over its keys:
+ * its n_win[t] window rows keys[win_first[t] ..] (oldest first), then n_comp[t] compressed rows of
+ * comp[part[t]]: rows 0 .. n_comp[t] - 1, or where sel_first is given and sel_first[t] >= 0 the rows
+ * sel[sel_first[t] ..] (n_comp[t] of them, in that order). logits = q . K * scale in float64, a
+ * softmax whose denominator also holds exp(sinks[h] - max), the probabilities' sum of the keys,
+ * rounded to fp32, rotated back: out[t][h] (head_dim fp32). Every float64 sum in key (or dim) order
+ * from 0, exp a fixed sequence of correctly rounded steps (attention.c): the same bits on every
+ * backend, at every thread count, and a row's bits whatever the other rows of the call. Rows and
+ * groups of 32 heads are spread over the kernels' threads, one thread each.
+ * Returns 0, or -1 for bad arguments (a row with no keys, a missing array). */
+typedef struct {
+    size_t n, heads, head_dim, rope_half;
+    const float *q;
+    const float *cos, *sin;
+    const float *keys;
+    const int64_t *win_first;
+    const int32_t *n_win;
+    const float **comp;
+    const int32_t *part;
+    const int32_t *n_comp;
+    const int64_t *sel_first;
+    const int32_t *sel;
+    const float *sinks;
+    double scale;
+    float *out;
+} ds4f_attention_rows_args;
+int ds4f_attention_rows(const ds4f_attention_rows_args *a);
+
 #endif

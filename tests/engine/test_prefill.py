@@ -47,15 +47,16 @@ def test_the_dump_is_the_same_at_every_chunk_size_and_thread_count(request, whic
 
 @pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
 def test_a_long_chunk_shared_with_the_helper_thread_gives_the_same_dump(request, which, tmp_path):
-    """More tokens than the blocks the prefill hands to its helper thread (the attention's output
-    projections, hyper-connections and norms in halves): still token-by-token's dump."""
-    from ds4f.engine.model.attention import OVERLAP_BLOCK, RMS_BLOCK
+    """More tokens than the blocks the prefill hands to its helper thread (hyper-connections and
+    norms in halves) and than the attention's window: still token-by-token's dump."""
+    from ds4f.engine.model.attention import RMS_BLOCK
     from ds4f.engine.model.hyper import HC_BLOCK
 
     model = request.getfixturevalue(which)
     prompt = tuple((7 * i + 3) % 250 for i in range(80))
     heads = open_checkpoint(model).geometry.attention.n_heads
-    assert len(prompt) > 2 * OVERLAP_BLOCK and len(prompt) > HC_BLOCK and len(prompt) * heads > RMS_BLOCK
+    window = open_checkpoint(model).geometry.attention.window
+    assert len(prompt) > window and len(prompt) > HC_BLOCK and len(prompt) * heads > RMS_BLOCK
     token = _run(model, tmp_path, "token", 0, prompt=prompt, gen=2)
     layer = _run(model, tmp_path, "layer", len(prompt), prompt=prompt, gen=2)
     assert layer.summary_report["summary"]["prefill"]["chunk"] == len(prompt)
@@ -229,7 +230,7 @@ def test_a_chunks_temporaries_stay_within_what_the_plan_counts(request, which):
     engine = Engine(open_checkpoint(model), cfg.get_preset("laptop"), 2, 2, BEST)
     try:
         g = engine.geometry
-        chunk = 48
+        chunk = 96                      # the per-token temporaries well above the fixed blocks
         session = engine.new_session(chunk)
         tokens = [int(t) % g.vocab for t in np.random.default_rng(5).integers(8, 10**6, chunk)]
         tracemalloc.start()
