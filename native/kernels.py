@@ -262,17 +262,60 @@ def experts_scratch(n: int, hidden: int, inter: int) -> np.ndarray:
     return np.zeros(int(lib.ds4f_experts_scratch_floats(n, hidden, inter)), _F32)
 
 
+class PreparedExpert:
+    """An expert's six arrays checked once and their native buffers kept (prepare_expert): the
+    experts kernels then take it without checking or exporting them again. It indexes like the
+    ExpertWeights it holds. The arrays stay exported (alive, unresizable) while it lives."""
+
+    __slots__ = ("arrays", "bufs", "hidden", "inter")
+
+    def __init__(self, arrays: ExpertWeights, bufs: tuple, hidden: int, inter: int) -> None:
+        self.arrays, self.bufs, self.hidden, self.inter = arrays, bufs, hidden, inter
+
+    def __getitem__(self, i):
+        return self.arrays[i]
+
+    def __len__(self) -> int:
+        return 6
+
+
+_EXPERT_FIELDS = ("w1", "s1", "w3", "s3", "w2", "s2")
+
+
+def _expert_specs(hidden: int, inter: int) -> tuple:
+    return ((inter, hidden // 2), (inter, hidden // 32), (inter, hidden // 2), (inter, hidden // 32),
+            (hidden, inter // 2), (hidden, inter // 32))
+
+
+def prepare_expert(ex: ExpertWeights) -> PreparedExpert:
+    """ex checked (uint8, C-contiguous, the shapes of one hidden x inter expert) once, for many calls."""
+    if len(ex) != 6:
+        raise ValueError("expert: expected ExpertWeights(w1, s1, w3, s3, w2, s2)")
+    w1, w2 = ex[0], ex[4]
+    if not isinstance(w1, np.ndarray) or w1.ndim != 2 or not isinstance(w2, np.ndarray) or w2.ndim != 2:
+        raise ValueError("expert: w1 and w2 must be 2-D uint8 arrays [inter, hidden//2], [hidden, inter//2]")
+    hidden, inter = w2.shape[0], w1.shape[0]
+    _check_dims(1, hidden, inter)
+    bufs = []
+    for field, shape, a in zip(_EXPERT_FIELDS, _expert_specs(hidden, inter), ex):
+        _arr(f"expert.{field}", a, _U8, shape)
+        bufs.append(ffi.from_buffer("uint8_t[]", a))
+    return PreparedExpert(ExpertWeights(*ex), tuple(bufs), hidden, inter)
+
+
 def _expert_buffers(e: int, ex, hidden: int, inter: int, ce, keep: list) -> None:
     """Check expert e's six arrays and point the native struct ce (ds4f_expert or
-    ds4f_expert_tokens) at them; the buffers go to keep, which must outlive the call."""
+    ds4f_expert_tokens) at them; the buffers go to keep, which must outlive the call. A
+    PreparedExpert was checked when it was made: its buffers are used as they are."""
+    if type(ex) is PreparedExpert:
+        if ex.hidden != hidden or ex.inter != inter:
+            raise ValueError(f"experts[{e}]: prepared for {ex.hidden}x{ex.inter}, this call is {hidden}x{inter}")
+        keep.append(ex)
+        ce.w1, ce.s1, ce.w3, ce.s3, ce.w2, ce.s2 = ex.bufs
+        return
     if len(ex) != 6:
         raise ValueError(f"experts[{e}]: expected ExpertWeights(w1, s1, w3, s3, w2, s2)")
-    specs = (
-        ("w1", (inter, hidden // 2)), ("s1", (inter, hidden // 32)),
-        ("w3", (inter, hidden // 2)), ("s3", (inter, hidden // 32)),
-        ("w2", (hidden, inter // 2)), ("s2", (hidden, inter // 32)),
-    )  # fmt: skip
-    for (field, shape), a in zip(specs, ex):
+    for field, shape, a in zip(_EXPERT_FIELDS, _expert_specs(hidden, inter), ex):
         # fast path first (called once per layer per token); the full check names the culprit
         if type(a) is not np.ndarray or a.dtype != _U8 or a.shape != shape or not a.flags.c_contiguous:
             _arr(f"experts[{e}].{field}", a, _U8, shape)
@@ -406,14 +449,59 @@ def matmul_scratch(n: int, k: int) -> np.ndarray:
     return np.empty(max(int(lib.ds4f_matmul_scratch_floats(n, k)), 1), _F32)
 
 
-def _matmul(fn, w_ptr, scales_ptr, rows: int, k: int, x, out, scratch):
-    n = _x_rows(x, k)
-    out = _out("out", out, (n, rows))
+class PreparedMatrix:
+    """A weight checked once and its native pointers kept (prepare_mxfp4 / prepare_bf16 /
+    prepare_fp8), for many products: matmul then checks only x, out and scratch. The arrays stay
+    exported (alive, unresizable) while it lives."""
+
+    __slots__ = ("fn", "args", "rows", "k")
+
+    def __init__(self, fn, args: tuple, rows: int, k: int) -> None:
+        self.fn, self.args, self.rows, self.k = fn, args, rows, k
+
+
+def prepare_mxfp4(codes: np.ndarray, scales: np.ndarray) -> PreparedMatrix:
+    rows, k = _mxfp4_shape(codes, scales)
+    return PreparedMatrix(lib.ds4f_mxfp4_matmul, (_ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales)), rows, k)
+
+
+def prepare_bf16(w: np.ndarray) -> PreparedMatrix:
+    rows, k = _bf16_shape(w)
+    return PreparedMatrix(lib.ds4f_bf16_matmul, (_ptr("uint16_t[]", w.view(_U16)),), rows, k)
+
+
+def prepare_fp8(w: np.ndarray, scales: np.ndarray) -> PreparedMatrix:
+    rows, k = _fp8_shape(w, scales)
+    return PreparedMatrix(lib.ds4f_fp8_matmul, (_ptr("uint8_t[]", w.view(_U8)), _ptr("uint8_t[]", scales.view(_U8))),
+                          rows, k)
+
+
+def _plain(a, shape: tuple) -> bool:
+    """a is a C-contiguous, writeable float32 ndarray of `shape` (the common case, checked in one line)."""
+    return type(a) is np.ndarray and a.dtype == _F32 and a.shape == shape and a.flags.c_contiguous and a.flags.writeable
+
+
+def matmul(m: PreparedMatrix, x: np.ndarray, out: np.ndarray | None = None,
+           scratch: np.ndarray | None = None) -> np.ndarray:
+    """out[t] = W . x[t] for a prepared W [rows, k] and float32 x [n, k]; out is float32 [n, rows].
+    Row t equals the single-vector product of x[t] bit for bit.  scratch: see matmul_scratch
+    (None: allocated for this call)."""
+    k = m.k
+    n = x.shape[0] if type(x) is np.ndarray and x.ndim == 2 else -1
+    if n < 0 or x.dtype != _F32 or x.shape[1] != k or not x.flags.c_contiguous:
+        n = _x_rows(x, k)
+    need = int(lib.ds4f_matmul_scratch_floats(n, k))
+    if out is None or scratch is None or not (_plain(out, (n, m.rows)) and type(scratch) is np.ndarray
+                                              and scratch.dtype == _F32 and scratch.size >= need
+                                              and scratch.flags.c_contiguous and scratch.flags.writeable):
+        out = _out("out", out, (n, m.rows))
+        scratch = _scratch(scratch, need, "matmul_scratch")
     if np.may_share_memory(out, x):
         raise ValueError("out: must not overlap x")
-    scratch = _scratch(scratch, int(lib.ds4f_matmul_scratch_floats(n, k)), "matmul_scratch", x, out)
-    args = (rows, k, n, _ptr("float[]", x), _ptr("float[]", out), _ptr("float[]", scratch))
-    rc = fn(w_ptr, *args) if scales_ptr is None else fn(w_ptr, scales_ptr, *args)
+    if np.may_share_memory(scratch, x) or np.may_share_memory(scratch, out):
+        raise ValueError("scratch: must not overlap the inputs or the output")
+    rc = m.fn(*m.args, m.rows, k, n, ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", out),
+              ffi.from_buffer("float[]", scratch))
     if rc != 0:  # unreachable after the checks above; kept as a guard
         raise ValueError("matmul: the native kernel rejected its arguments")
     return out
@@ -424,26 +512,21 @@ def mxfp4_matmul(codes: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.n
     """out[t] = W . x[t] for MXFP4 W [rows, k] and float32 x [n, k]; out is float32 [n, rows].
     Row t equals mxfp4_matvec(codes, scales, x[t]) bit for bit.  scratch: see matmul_scratch
     (None: allocated for this call)."""
-    rows, k = _mxfp4_shape(codes, scales)
-    return _matmul(lib.ds4f_mxfp4_matmul, _ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales), rows, k, x, out,
-                   scratch)
+    return matmul(prepare_mxfp4(codes, scales), x, out, scratch)
 
 
 def bf16_matmul(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
                 scratch: np.ndarray | None = None) -> np.ndarray:
     """out[t] = W . x[t] for bf16 W [rows, k] (ml_dtypes.bfloat16 or uint16 bits) and float32
     x [n, k]; row t equals bf16_matvec(w, x[t]) bit for bit."""
-    rows, k = _bf16_shape(w)
-    return _matmul(lib.ds4f_bf16_matmul, _ptr("uint16_t[]", w.view(_U16)), None, rows, k, x, out, scratch)
+    return matmul(prepare_bf16(w), x, out, scratch)
 
 
 def fp8_matmul(w: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
                scratch: np.ndarray | None = None) -> np.ndarray:
     """out[t] = W . x[t] for FP8 W [rows, k] (E4M3, E8M0 scales per 128x128 tile) and float32
     x [n, k]; row t equals fp8_matvec(w, scales, x[t]) bit for bit (NaN rows included)."""
-    rows, k = _fp8_shape(w, scales)
-    return _matmul(lib.ds4f_fp8_matmul, _ptr("uint8_t[]", w.view(_U8)), _ptr("uint8_t[]", scales.view(_U8)),
-                   rows, k, x, out, scratch)
+    return matmul(prepare_fp8(w, scales), x, out, scratch)
 
 
 def experts_tokens_scratch(pairs: int, hidden: int, inter: int) -> np.ndarray:

@@ -302,7 +302,7 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
     for c in range(n):
         h = hc_head(X[c], source.globals.hc_head, eps, att.hc_eps) if att is not None else X[c, 0]
         rms_norm(h, source.globals.final_norm, eps, buf.finals[c], buf.h64)
-    logits = kernels.bf16_matmul(source.globals.head, buf.finals[:n], out=buf.logits[:n], scratch=buf.mm_scratch)
+    logits = kernels.matmul(source.globals.head_native, buf.finals[:n], buf.logits[:n], buf.mm_scratch)
     times[HEAD] += perf_counter() - t0
     for c in range(n):
         if _live(segments, owner, c):

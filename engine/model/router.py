@@ -17,7 +17,7 @@ def router_scores(router: RouterWeights, x: np.ndarray, logits: np.ndarray,
     if x.ndim == 1:
         kernels.bf16_matvec(router.gate, x, out=logits)
     else:
-        kernels.bf16_matmul(router.gate, x, out=logits, scratch=scratch)
+        kernels.matmul(router.gate_native, x, logits, scratch)
     return sqrt_softplus(logits)
 
 

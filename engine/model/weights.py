@@ -8,6 +8,7 @@ cache slot: these records never own or copy memory they are given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -39,6 +40,11 @@ class RouterWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.ffn_norm, self.gate, self.bias, self.tid2eid) if a is not None)
 
+    @cached_property
+    def gate_native(self) -> kernels.PreparedMatrix:
+        """gate checked once, for the router's every product."""
+        return kernels.prepare_bf16(self.gate)
+
 
 @dataclass
 class Fp8Matrix:
@@ -59,9 +65,14 @@ class Fp8Matrix:
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         return kernels.fp8_matvec(self.w, self.scale, x, out=out)
 
+    @cached_property
+    def native(self) -> kernels.PreparedMatrix:
+        """The weight checked once, for every product it takes part in."""
+        return kernels.prepare_fp8(self.w, self.scale)
+
     def matmul(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
         """out[t] = matvec(x[t]) for each row of x [n, k], bit for bit, the weights decoded once."""
-        return kernels.fp8_matmul(self.w, self.scale, x, out=out, scratch=scratch)
+        return kernels.matmul(self.native, x, out, scratch)
 
     def row_blocks(self, n: int) -> list:
         """The matrix cut into n equal row blocks (a grouped projection's groups): FP8 views where
@@ -87,9 +98,14 @@ class Bf16Matrix:
     def matvec(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         return kernels.bf16_matvec(self.w, x, out=out)
 
+    @cached_property
+    def native(self) -> kernels.PreparedMatrix:
+        """The weight checked once, for every product it takes part in."""
+        return kernels.prepare_bf16(self.w)
+
     def matmul(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
         """out[t] = matvec(x[t]) for each row of x [n, k], bit for bit, the weights read once."""
-        return kernels.bf16_matmul(self.w, x, out=out, scratch=scratch)
+        return kernels.matmul(self.native, x, out, scratch)
 
 
 @dataclass
@@ -152,6 +168,11 @@ class GlobalWeights:
     @property
     def nbytes(self) -> int:
         return nbytes_of(self)
+
+    @cached_property
+    def head_native(self) -> kernels.PreparedMatrix:
+        """head checked once, for every step's logits."""
+        return kernels.prepare_bf16(self.head)
 
 
 @dataclass

@@ -8,6 +8,8 @@ preset's budget, and it never grows: the budget is enforced by construction.
 """
 from __future__ import annotations
 
+from ds4f.engine.model.weights import expert_weights
+from ds4f.native import kernels
 from ds4f.engine.runtime.cache_book import PAGE, CacheBook, LayerCounters, Slot, slots_for_budget
 from ds4f.engine.runtime.memory import page_buffer
 from ds4f.engine.runtime.policies import make_policy
@@ -30,6 +32,15 @@ class ExpertCache(CacheBook):
         pool, self.huge_pages = page_buffer(n_slots * slot_nbytes, "huge")
         self.pool = pool.reshape(n_slots, slot_nbytes)
         self.pool[:, ::PAGE] = 0  # fault every page in now, not during a token
+        self._experts: dict[int, tuple[dict, kernels.PreparedExpert]] = {}   # slot -> (layout, its views)
+
+    def expert(self, index: int, layout: dict) -> kernels.PreparedExpert:
+        """The expert weights in slot `index` (views into the pool laid out as `layout`), checked
+        once per slot: the views stay valid whichever expert the slot holds."""
+        known = self._experts.get(index)
+        if known is None or known[0] is not layout:
+            known = self._experts[index] = (layout, kernels.prepare_expert(expert_weights(self.pool[index], layout)))
+        return known[1]
 
     def reset(self) -> None:  # type: ignore[override]
         """Empty the cache for a new run; the pool stays allocated and faulted in."""
@@ -44,4 +55,5 @@ class ExpertCache(CacheBook):
         return self.n_slots * self.slot_nbytes
 
     def close(self) -> None:
+        self._experts.clear()
         self.pool = None  # type: ignore[assignment]  # the mapping goes with the last view of it

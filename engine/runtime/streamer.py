@@ -30,8 +30,7 @@ from ds4f.errors import Ds4fError
 from ds4f.engine.model.forward import SHARED
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores
-from ds4f.engine.model.weights import (GlobalWeights, LayerAttention, MoeWeights, RouterWeights, SharedExpertWeights,
-                                      expert_weights)
+from ds4f.engine.model.weights import GlobalWeights, LayerAttention, MoeWeights, RouterWeights, SharedExpertWeights
 from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import warm_buffer
 from ds4f.engine.runtime.reader import DEMAND, PREFETCH, Reader, TrunkJob
@@ -220,7 +219,7 @@ class Streamer:
                         raise err
                     on_error(r, err)
                     failed.append(r)
-            landed = [(r, expert_weights(self.cache.pool[slots[r].index], self.ckpt.expert_layout))
+            landed = [(r, self.cache.expert(slots[r].index, self.ckpt.expert_layout))
                       for r in ready if r not in failed]
             if landed:
                 yield landed

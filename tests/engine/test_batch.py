@@ -3,6 +3,7 @@ dump are byte-identical to the same run alone, whoever it shares its steps with,
 join and leave mid-way; a sequence that fails fails alone."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 
@@ -140,8 +141,7 @@ def test_a_sequence_whose_row_fails_fails_alone(ratios_model):
         embed = engine.streamer.globals.embed
         poisoned = np.array(embed, copy=True)
         poisoned[segs[1].token_ids[0]] = np.nan
-        engine.streamer.globals = engine.streamer.globals.__class__(**{**vars(engine.streamer.globals),
-                                                                       "embed": poisoned})
+        engine.streamer.globals = dataclasses.replace(engine.streamer.globals, embed=poisoned)
         with np.errstate(invalid="ignore"):      # the poisoned row's NaNs, on their way
             logits = forward_rows(engine.streamer, segs, buf, isolate=True)
         assert segs[1].error is not None and "non-finite" in segs[1].error.message

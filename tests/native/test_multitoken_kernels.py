@@ -217,6 +217,66 @@ def test_matmul_bad_input_names_the_argument():
             call()
 
 
+@BACKEND
+def test_prepared_matrices_give_the_single_vector_bits(backend):
+    """A weight prepared once (its checks and pointers kept) serves calls of any row count: every
+    row is the single-vector kernel's bits, and the bad x, out and scratch of a call are still named."""
+    K.set_backend(backend)
+    rng = np.random.default_rng(12)
+    codes, scales = rand_mxfp4(rng, 40, 256)
+    w8, s8 = rand_fp8(rng, 130, 256)
+    w16 = rng.standard_normal((40, 256)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    cases = [(K.prepare_mxfp4(codes, scales), lambda v: K.mxfp4_matvec(codes, scales, v), mxfp4_64(codes, scales)),
+             (K.prepare_fp8(w8, s8), lambda v: K.fp8_matvec(w8, s8, v), fp8_64(w8, s8)),
+             (K.prepare_bf16(w16), lambda v: K.bf16_matvec(w16, v), w16.astype(np.float64))]
+    for m, matvec, w64 in cases:
+        x = rng.standard_normal((9, 256)).astype(np.float32)
+        single = np.stack([matvec(v) for v in x])
+        scratch = K.matmul_scratch(9, 256)
+        for n in (1, 4, 9, 2):
+            out = np.empty((n, m.rows), np.float32)
+            got = K.matmul(m, x[:n], out, scratch)
+            assert got is out
+            np.testing.assert_array_equal(bits(got), bits(single[:n]))
+        check_close(K.matmul(m, x), w64, x)
+        for call, name in [(lambda: K.matmul(m, x.astype(np.float64)), "x"),
+                           (lambda: K.matmul(m, x, np.empty((9, m.rows + 1), np.float32), scratch), "out"),
+                           (lambda: K.matmul(m, x, None, scratch[:5]), "scratch"),
+                           (lambda: K.matmul(m, x, np.empty((9, m.rows), np.float32), scratch.reshape(1, -1)[:, ::2]),
+                            "scratch"),
+                           (lambda: K.matmul(m, x, x[:, :m.rows] if m.rows <= 256 else None, scratch), "out")]:
+            if name == "out" and m.rows > 256:
+                continue
+            with pytest.raises(ValueError, match=rf"^{name}"):
+                call()
+    with pytest.raises(ValueError, match="^scales"):
+        K.prepare_fp8(w8, s8[:, :1])
+
+
+@BACKEND
+def test_prepared_experts_give_the_same_bits(backend):
+    """Experts prepared once (the engine keeps one per cache slot) give experts_forward_tokens the
+    bits their plain arrays give, mixed with plain ones in one call; a prepared expert of another
+    width, or a bad array, is named."""
+    K.set_backend(backend)
+    hidden, inter, limit = 128, 64, 7.0
+    rng = np.random.default_rng(13)
+    experts = [rand_expert(rng, hidden, inter) for _ in range(3)]
+    tokens = [[0, 2], [1], [2, 0, 1]]
+    weights = [rng.uniform(0.05, 0.5, len(t)).astype(np.float32) for t in tokens]
+    x = (rng.standard_normal((3, hidden)) * 0.05).astype(np.float32)
+    plain = K.experts_forward_tokens(experts, tokens, weights, x, limit)
+    prepared = [K.prepare_expert(e) for e in experts]
+    mixed = [prepared[0], experts[1], prepared[2]]
+    for ex in (prepared, mixed, prepared):
+        np.testing.assert_array_equal(bits(K.experts_forward_tokens(ex, tokens, weights, x, limit)), bits(plain))
+    other = K.prepare_expert(rand_expert(rng, 2 * hidden, inter))
+    with pytest.raises(ValueError, match=r"^experts\[1\]: prepared for 256x64"):
+        K.experts_forward_tokens([prepared[0], other], tokens[:2], weights[:2], x, limit)
+    with pytest.raises(ValueError, match=r"^expert\.s3"):
+        K.prepare_expert(experts[0]._replace(s3=experts[0].s3[:, :1]))
+
+
 # ---- routed experts on their tokens ----------------------------------------------------------
 
 
