@@ -12,6 +12,7 @@
 #define T256 __attribute__((target("avx2,fma,f16c")))
 #define INL static inline __attribute__((always_inline)) T256
 
+/* MXFP4 decode (x86/avx2_matvec.c): the 16 E2M1 values times the block's scale, as two 8-entry tables */
 typedef struct {
     __m256 pos, neg;
 } lut8;
@@ -28,110 +29,84 @@ INL __m256 lookup(lut8 l, __m256i idx, __m256i sign31) {
                             _mm256_castsi256_ps(sign31));
 }
 
-/* 8 code bytes (16 elements): wlo = elements 0, 2, .., 14, whi = 1, 3, .., 15 */
-INL void mxfp4_half8(const uint8_t *c, lut8 l, __m256 *wlo, __m256 *whi) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-    *wlo = lookup(l, v, _mm256_slli_epi32(v, 28));
-    *whi = lookup(l, _mm256_srli_epi32(v, 4), _mm256_slli_epi32(v, 24));
-}
-
-/* ---- MXFP4 through integers: the matvec's and the multi-token tile's decode ----------------------
+/* ---- MXFP4: the matvec's and the multi-token kernels' block step ---------------------------------
  *
- * The LUT above costs four lane-crossing vpermps (two uops each on Zen 3) and two blends per 16
- * weights, which bound the old matvec on the shuffle pipes.  Here every shuffle stays in its
- * 128-bit lane and no multiply is spent on the decode (removing the multiply from an earlier form
- * of this decode, which converted and then scaled, was worth ~7% on Zen 3):
- *   - the 16 code bytes of a block are broadcast to both lanes, and vpshufb looks up
- *     u = 2 * e2m1 + 12 (0..24) for the low nibbles and for the high ones;
- *   - the exponent bytes of M = 2^(s-105) (s the block's scale) are blended into the lookup results'
- *     spare dwords (each lane spreads only 8 of its 16 bytes);
- *   - a second vpshufb spreads u to the low byte of each dword lane and M's bytes above it: the
- *     float M + u * 2^(s-128), exact;
- *   - one subtraction of C = M + 12 * 2^(s-128) leaves (u - 12) * 2^(s-128) = e2m1(c) * 2^(s-127),
- *     exactly (Sterbenz: two floats within a factor 2 of each other).
- * These are the decode's weights, in mxfp4_half8's lanes.  Code 8 (-0) becomes +0: no sum can tell,
- * as the accumulators start at +0 and a sum that rounds to zero is +0, so an accumulator is never -0
- * (and 0 * inf or NaN is the same NaN).  M is a normal float for s <= 232: rows with a larger scale
- * (weights beyond 2^105, and the NaN scale) take the LUT steps, which give the same weights, so
- * which path a row takes never shows in its result. */
-
-/* s -> the bits of M = 2^(s-105) and of C = M + 12 * 2^(s-128), for s <= MXFP4_INT_MAX_SCALE
- * (0 above: unused); each read with a broadcast load, which costs no shuffle */
-#define MXM(b) ((b) > 232 ? 0u : (uint32_t)((b) + 22) << 23)
-#define MXC(b) ((b) > 232 ? 0u : MXM(b) + 12u)
-#define MX4(F, b) F(b), F((b) + 1), F((b) + 2), F((b) + 3)
-#define MX16(F, b) MX4(F, b), MX4(F, (b) + 4), MX4(F, (b) + 8), MX4(F, (b) + 12)
-#define MX256(F) {{MX16(F, 0), MX16(F, 16), MX16(F, 32), MX16(F, 48), MX16(F, 64), MX16(F, 80), MX16(F, 96),          \
-                   MX16(F, 112), MX16(F, 128), MX16(F, 144), MX16(F, 160), MX16(F, 176), MX16(F, 192), MX16(F, 208), \
-                   MX16(F, 224), MX16(F, 240)}}
-static const ds4f_byte_table mxfp4_magic = MX256(MXM), mxfp4_offset = MX256(MXC);
-#undef MX256
-#undef MX16
-#undef MX4
-#undef MXC
-#undef MXM
-#define MXFP4_INT_MAX_SCALE 232
-
-/* the constants of the integer decode, loaded once per call */
+ * A block's 32 products are summed unscaled, then the block's partial sum is multiplied by its
+ * scale 2^(s-127) once, into the row's accumulator (one FMA per block and row).  The weights are
+ * then the E2M1 values themselves, whatever the block: exact small floats whose bits are a bf16
+ * (two bytes: sign and exponent high bits, exponent low bit and mantissa), which in-lane steps
+ * build from the codes with no per-block constant:
+ *   - the block's 16 code bytes are broadcast to both lanes, shifted right by 0 (low lane) or 4
+ *     (high lane) and masked: the low lane holds the 16 even elements' codes, the high lane the 16
+ *     odd ones';
+ *   - two vpshufb look up the bf16's high and low byte of each code;
+ *   - vpunpck{l,h}bw interleave them into bf16 words (16 per register);
+ *   - a word moves into its float's high half by a shift (even words) or a mask (odd words).
+ * Per 32 weights that is 10 steps and 5 FMAs (4 products, 1 scale), against 15 steps and 4 FMAs
+ * when every weight carries its scale.  x comes in the lane order these steps leave (mx_prep32).
+ * Code 8 (-0) is -0.0: the partial sum of a block of zeros may be -0, and the scale FMA adds it to
+ * an accumulator that starts at +0, which stays +0.  A 255 scale is the NaN and makes the row
+ * NaN.  The only difference from decode-then-multiply, besides rounding, is for scale bytes 253
+ * and 254, where a decoded weight of 4 or 6 (253), 2 and up (254) overflows fp32: here the block's
+ * sum is scaled instead, finite where it fits (as in float64). */
 typedef struct {
-    __m256i table, nib, spread_lo, spread_hi; /* u (both lanes), 0x0F, the spreads: see mxfp4_block_int */
-} mxfp4_int;
+    __m256i hi, lo, shift, nib, himask; /* the byte tables, the lanes' shifts, 0x0F, 0xFFFF0000 */
+} mxfp4_bs;
 
-INL mxfp4_int mxfp4_int_consts(void) {
-    mxfp4_int m;
-    m.table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24,
-                               12, 11, 10, 9, 8, 6, 4, 0);
+INL mxfp4_bs mxfp4_bs_consts(void) {
+    mxfp4_bs m;
+#define P(a, b, c, d, e, f, g, h) a, b, c, d, e, f, g, h
+#define N (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0
+    /* code c -> the high byte of bf16(e2m1(c)): 0, 0.5, 1, 1.5 (0x3F..), 2, 3, 4, 6 (0x40..), then negated */
+    m.hi = _mm256_setr_epi8(P(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40), N, P(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40), N);
+#undef N
+#define L P(0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0)
+    m.lo = _mm256_setr_epi8(L, L, L, L); /* its low byte, the same for c and c ^ 8 */
+#undef L
+#undef P
+    m.shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     m.nib = _mm256_set1_epi8(0x0F);
-    /* dword j of the low lane: u of byte j (spread_lo) or 8 + j (spread_hi), then M's bytes from
-     * bytes 6, 7 (that lane's spare dword 1); of the high lane: byte 4 + j or 12 + j, then bytes 2, 3
-     * (its spare dword 0) */
-#define Z (char)0x80
-    m.spread_lo = _mm256_setr_epi8(0, Z, 6, 7, 1, Z, 6, 7, 2, Z, 6, 7, 3, Z, 6, 7, 4, Z, 2, 3, 5, Z, 2, 3, 6, Z, 2, 3, 7,
-                                   Z, 2, 3);
-    m.spread_hi = _mm256_setr_epi8(8, Z, 6, 7, 9, Z, 6, 7, 10, Z, 6, 7, 11, Z, 6, 7, 12, Z, 2, 3, 13, Z, 2, 3, 14, Z, 2, 3,
-                                   15, Z, 2, 3);
-#undef Z
+    m.himask = _mm256_set1_epi32((int)0xFFFF0000u);
     return m;
 }
 
-/* the 32 weights of one block (16 code bytes c, scale s <= MXFP4_INT_MAX_SCALE) in mxfp4_half8's
- * lanes: w[0], w[1] = elements 0, 2, .., 14 and 1, 3, .., 15; w[2], w[3] the same for 16..31 */
-INL void mxfp4_block_int(const mxfp4_int *m, const uint8_t *c, uint8_t s, __m256 w[4]) {
+/* the 32 E2M1 values of one block (16 code bytes c), unscaled, in mx_prep32's lanes */
+INL void mxfp4_block_e2m1(const mxfp4_bs *m, const uint8_t *c, __m256 w[4]) {
     const __m256i cb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)c));
-    const __m256i mg = _mm256_castps_si256(_mm256_broadcast_ss(&mxfp4_magic.f[s]));
-    /* 0x12: dword 1 of the low lane and dword 0 of the high lane, which their spreads leave unread */
-    const __m256i lo = _mm256_blend_epi32(_mm256_shuffle_epi8(m->table, _mm256_and_si256(cb, m->nib)), mg, 0x12);
-    const __m256i hi =
-        _mm256_blend_epi32(_mm256_shuffle_epi8(m->table, _mm256_and_si256(_mm256_srli_epi16(cb, 4), m->nib)), mg, 0x12);
-    const __m256 off = _mm256_broadcast_ss(&mxfp4_offset.f[s]);
-    w[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(lo, m->spread_lo)), off);
-    w[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(hi, m->spread_lo)), off);
-    w[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(lo, m->spread_hi)), off);
-    w[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_shuffle_epi8(hi, m->spread_hi)), off);
+    const __m256i n = _mm256_and_si256(_mm256_srlv_epi32(cb, m->shift), m->nib);
+    const __m256i h = _mm256_shuffle_epi8(m->hi, n), l = _mm256_shuffle_epi8(m->lo, n);
+    const __m256i w0 = _mm256_unpacklo_epi8(l, h), w1 = _mm256_unpackhi_epi8(l, h);
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, m->himask));
+    w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    w[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, m->himask));
 }
 
-/* a block's weights by the integer steps (use_int: its scale is <= MXFP4_INT_MAX_SCALE) or the LUT */
-INL void mxfp4_block_w(int use_int, const mxfp4_int *m, const uint8_t *c, uint8_t s, __m256 w[4]) {
-    if (use_int) {
-        mxfp4_block_int(m, c, s, w);
-    } else {
-        const lut8 l = scaled_lut(s);
-        mxfp4_half8(c, l, &w[0], &w[1]);
-        mxfp4_half8(c + 8, l, &w[2], &w[3]);
+/* x[0..31] in mxfp4_block_e2m1's lanes: elements 0, 4, 8, 12, 1, 5, 9, 13 | 2, 6, 10, 14, 3, 7, 11, 15 |
+ * the same + 16 | + 16 */
+INL void mx_prep32(const float *x, __m256 xv[4]) {
+    const __m256i p = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int h = 0; h < 2; h++) {
+        const __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + 16 * h), p);     /* 0 4 1 5 | 2 6 3 7 */
+        const __m256 b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + 16 * h + 8), p); /* 8 12 9 13 | ... */
+        const __m256 lo = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+        const __m256 hi = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+        xv[2 * h] = _mm256_permute2f128_ps(lo, hi, 0x20);     /* 0 4 8 12 | 1 5 9 13 */
+        xv[2 * h + 1] = _mm256_permute2f128_ps(lo, hi, 0x31); /* 2 6 10 14 | 3 7 11 15 */
     }
 }
 
-/* every one of n scale bytes <= MXFP4_INT_MAX_SCALE */
-INL int mxfp4_scales_int(const uint8_t *s, size_t n) {
-    __m256i hi = _mm256_setzero_si256();
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32) hi = _mm256_max_epu8(hi, _mm256_loadu_si256((const __m256i *)(s + i)));
-    const __m256i bad = _mm256_cmpeq_epi8(_mm256_min_epu8(hi, _mm256_set1_epi8((char)(MXFP4_INT_MAX_SCALE + 1))),
-                                          _mm256_set1_epi8((char)(MXFP4_INT_MAX_SCALE + 1)));
-    if (_mm256_movemask_epi8(bad)) return 0;
-    for (; i < n; i++)
-        if (s[i] > MXFP4_INT_MAX_SCALE) return 0;
-    return 1;
+/* a block's partial sum: w[0] x[0], then + w[1] x[1], + w[2] x[2], + w[3] x[3] (one rounding each) */
+INL __m256 mx_partial(const __m256 w[4], __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+    __m256 p = _mm256_mul_ps(w[0], x0);
+    p = _mm256_fmadd_ps(w[1], x1, p);
+    p = _mm256_fmadd_ps(w[2], x2, p);
+    return _mm256_fmadd_ps(w[3], x3, p);
+}
+
+/* acc + a block's partial sum times its scale 2^(s-127) (NaN for 255) */
+INL __m256 mx_scale_add(__m256 p, uint8_t s, __m256 acc) {
+    return _mm256_fmadd_ps(p, _mm256_broadcast_ss(&DS4F_SCALE(s)), acc);
 }
 
 /* 16 bf16 weights: the even elements are the low halves (<< 16), the odd ones the high halves */
@@ -150,14 +125,16 @@ INL void deinterleave(const float *x, __m256 *xe, __m256 *xo) {
     *xo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-/* an MXFP4 / bf16 row's result from its two accumulators */
-INL float finish(__m256 alo, __m256 ahi) {
-    const __m256 s = _mm256_add_ps(alo, ahi);
+/* the sum of a vector's lanes: an MXFP4 row's result from its accumulator */
+INL float hsum8(__m256 s) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_movehdup_ps(v));
     return _mm_cvtss_f32(v);
 }
+
+/* a bf16 row's result from its two accumulators */
+INL float finish(__m256 alo, __m256 ahi) { return hsum8(_mm256_add_ps(alo, ahi)); }
 
 /* ---- FP8 (see x86/avx2_matvec.c and x86/avx512_matvec.c for the method) ---- */
 

@@ -2,24 +2,27 @@
  * x86/avx512_matmul.c).
  *
  * k in chunks decoded once into an L1 tile with kernels_avx2.h's steps, then every token runs
- * over the tile.  MXFP4 / bf16: per 32-block the lane order of matvec_rows, i.e. [x_even, x_odd]
- * of elements 0..15, then of 16..31, into the row's two accumulators (alo gets the even halves,
- * ahi the odd ones, in that order).  FP8: fp8_x_perm's order per 32-chunk into the tile partial,
- * then fp8_tile_add, two tokens at a time (four rows give only 4 dependency chains, too few to
- * keep two FMA ports busy).
+ * over the tile.  MXFP4: per 32-block the block's E2M1 values (unscaled, mx_prep32's lanes) and
+ * its scale factor; per (token, row) the matvec's steps: mx_partial's products in its order,
+ * then the partial sum times the scale into the row's accumulator.  bf16: per 32-block [x_even,
+ * x_odd] of elements 0..15, then of 16..31, into the row's two accumulators (alo gets the even
+ * halves, ahi the odd ones, in that order).  FP8: fp8_x_perm's order per 32-chunk into the tile
+ * partial, then fp8_tile_add, two tokens at a time (four rows give only 4 dependency chains, too
+ * few to keep two FMA ports busy).
  *
- * MXFP4 / bf16 run 2 tokens x 3 rows = 12 accumulator chains: each weight vector is loaded once
- * for both tokens, each x vector once for the 3 rows (0.83 loads per FMA), 15 of AVX2's 16
- * registers.  GCC shuffles that many live vectors between registers, so the block's steps are
- * written out in h_block_2x3 with fixed registers; a tile holds two such row groups, so each x
- * slice read from L2 serves 6 rows.  Every chain gets its FMAs in the single-vector kernel's
- * order, which is what keeps a token's result bit-identical whatever its neighbours.
+ * MXFP4 / bf16 run 2 tokens x 3 rows = 12 chains (MXFP4: 6 block partials and 6 accumulators;
+ * bf16: 12 accumulators): each weight vector is loaded once for both tokens, each x vector once
+ * for the 3 rows (0.83 loads per FMA), 15 of AVX2's 16 registers.  GCC shuffles that many live
+ * vectors between registers, so the block's steps are written out (mx_block_2x3, h_block_2x3)
+ * with fixed registers; a tile holds two such row groups, so each x slice read from L2 serves 6
+ * rows.  Every chain gets its operations in the single-vector kernel's order, which is what keeps
+ * a token's result bit-identical whatever its neighbours.
  *
  * Measured on a Zen 3 VM (1 thread, 32 vectors; 2 FMAs per cycle, ~51 G lanes/s peak): the bare
- * 2 x 3 block runs at ~95% of peak from L1, against ~77% for 1 token x 4 rows (8 chains, 1.25
- * loads per FMA); in the kernel, with the decode (~17% at 32 tokens) and x from L2, MXFP4 goes
- * from ~27 to ~31 G weights x tokens/s, bf16 from ~28 to ~32.  A tile is decoded once for up to
- * H_TB = 64 tokens (48 tokens: ~1.1x against two decodes, at 32 and 16).
+ * 2 x 3 block of the bf16 form runs at ~95% of peak from L1, against ~77% for 1 token x 4 rows
+ * (8 chains, 1.25 loads per FMA).  A tile is decoded once for up to H_TB = 64 tokens (48 tokens:
+ * ~1.1x against two decodes, at 32 and 16).  MXFP4 spends 5 FMAs per block and (token, row), 4
+ * products and the scale.
  *
  * FP8: 2 tokens x 4 rows = 8 chains, 0.75 loads per FMA, over one 128-element tile of 32 decoded
  * rows, so that each x slice read from L2 serves 32 rows: ~31 -> ~34 G at k = 4096 (~4% slower
@@ -42,7 +45,16 @@
 
 /* ---- MXFP4 and bf16 ----------------------------------------------------------------------- */
 
-/* per 32-block: deinterleave(x), deinterleave(x + 16) */
+/* MXFP4: per 32-block mx_prep32 (the matvec's order) */
+T256 static void prep_mx(const float *x, size_t k, float *xp) {
+    for (size_t j = 0; j < k; j += 32) {
+        __m256 v[4];
+        mx_prep32(x + j, v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(xp + j + 8 * i, v[i]);
+    }
+}
+
+/* bf16: per 32-block deinterleave(x), deinterleave(x + 16) */
 T256 static void prep_h(const float *x, size_t k, float *xp) {
     for (size_t j = 0; j < k; j += 32) {
         __m256 v[4];
@@ -52,18 +64,18 @@ T256 static void prep_h(const float *x, size_t k, float *xp) {
     }
 }
 
-/* blocks b0..b0+nb-1 of rows r..r+R-1 -> wb[b][i] = the 4 weight vectors in prep_h's order */
+/* blocks b0..b0+nb-1 of rows r..r+R-1 -> wb[b][i] = the 4 weight vectors in the prep's order
+ * (MXFP4: the E2M1 values, and sc[b][i] the block's scale factor) */
 INL void h_decode(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t b0, size_t nb,
-                  float *wb) {
+                  float *wb, float *sc) {
     const size_t kb = k / 2, ks = k / 32;
-    const mxfp4_int mi = mxfp4_int_consts();
+    const mxfp4_bs mb = mxfp4_bs_consts();
     _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
         for (size_t b = 0; b < nb; b++) {
             __m256 v[4];
-            if (kind == DS4F_MM_MXFP4) { /* the matvec's weights */
-                const uint8_t *c = (const uint8_t *)w + (r + i) * kb + 16 * (b0 + b);
-                const uint8_t s = scales[(r + i) * ks + b0 + b];
-                mxfp4_block_w(s <= MXFP4_INT_MAX_SCALE, &mi, c, s, v);
+            if (kind == DS4F_MM_MXFP4) { /* the matvec's weights and scale */
+                mxfp4_block_e2m1(&mb, (const uint8_t *)w + (r + i) * kb + 16 * (b0 + b), v);
+                sc[b * R + i] = DS4F_SCALE(scales[(r + i) * ks + b0 + b]);
             } else {
                 const uint16_t *wr = (const uint16_t *)w + (r + i) * k + 32 * (b0 + b);
                 bf16_half8(wr, &v[0], &v[1]);
@@ -146,28 +158,100 @@ INL void h_tokens(int NT, int R, const float *wb, size_t ws, size_t nb, int firs
         }
 }
 
+/* One MXFP4 32-block step of 2 tokens x 3 rows, the matvec's operations per (token, row): the
+ * partial p[n][i] = w[i][0] x[n][0], + w[i][1] x[n][1], + w[i][2] x[n][2], + w[i][3] x[n][3],
+ * then a[n][i] += p[n][i] * sc[i].  w: the block's 3 rows in the tile (32 floats each), sc their
+ * scale factors, x0, x1: the tokens' prepared 32 floats.  ymm7..12 hold the partials, ymm13/14
+ * x, ymm15 the weight vector, then the scale. */
+#define MX_STEP(m, op)                                                                                   \
+    "vmovups " #m "*32(%[x0]), %%ymm13\n\t"                                                            \
+    "vmovups " #m "*32(%[x1]), %%ymm14\n\t"                                                            \
+    "vmovaps " #m "*32(%[w]), %%ymm15\n\t"                                                             \
+    op " %%ymm15, %%ymm13, %%ymm7\n\t"                                                                 \
+    op " %%ymm15, %%ymm14, %%ymm10\n\t"                                                                \
+    "vmovaps 128+" #m "*32(%[w]), %%ymm15\n\t"                                                         \
+    op " %%ymm15, %%ymm13, %%ymm8\n\t"                                                                 \
+    op " %%ymm15, %%ymm14, %%ymm11\n\t"                                                                \
+    "vmovaps 256+" #m "*32(%[w]), %%ymm15\n\t"                                                         \
+    op " %%ymm15, %%ymm13, %%ymm9\n\t"                                                                 \
+    op " %%ymm15, %%ymm14, %%ymm12\n\t"
+#define MX_SCALE(i, p0, p1)                                                                              \
+    "vbroadcastss " #i "*4(%[sc]), %%ymm15\n\t"                                                        \
+    "vfmadd231ps %%ymm15, %%ymm" #p0 ", %[a0" #i "]\n\t"                                               \
+    "vfmadd231ps %%ymm15, %%ymm" #p1 ", %[a1" #i "]\n\t"
+INL void mx_block_2x3(const float *w, const float *sc, const float *x0, const float *x1, __m256 a[H_T][H_R]) {
+    __asm__(MX_STEP(0, "vmulps") MX_STEP(1, "vfmadd231ps") MX_STEP(2, "vfmadd231ps") MX_STEP(3, "vfmadd231ps")
+                MX_SCALE(0, 7, 10) MX_SCALE(1, 8, 11) MX_SCALE(2, 9, 12)
+            : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a10] "+x"(a[1][0]),
+              [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2])
+            : [w] "r"(w), [sc] "r"(sc), [x0] "r"(x0), [x1] "r"(x1)
+            : "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+}
+#undef MX_SCALE
+#undef MX_STEP
+
+/* MXFP4, as h_tokens: NT tokens on R rows over the chunk's nb blocks (wb: block b's rows at
+ * wb + b * ws, their scale factors at sc + b * ss); accumulators in accm[n][i0 + i][0] */
+INL void mx_tokens(int NT, int R, const float *wb, size_t ws, const float *sc, size_t ss, size_t nb, int first,
+                   int last, const float *xr, size_t ldx, __m256 (*accm)[H_RB][2], int i0, float *y, size_t ldy,
+                   size_t r) {
+    __m256 a[H_T][H_R];
+    _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 3") for (int i = 0; i < R; i++) a[n][i] = first ? _mm256_setzero_ps() : accm[n][i0 + i][0];
+    if (NT == H_T && R == H_R) {
+        for (size_t b = 0; b < nb; b++) mx_block_2x3(wb + b * ws, sc + b * ss, xr + 32 * b, xr + ldx + 32 * b, a);
+    } else { /* the tile's last rows or tokens: the same steps, as the compiler lays them out */
+        for (size_t b = 0; b < nb; b++) {
+            _Pragma("GCC unroll 3") for (int i = 0; i < R; i++) {
+                const float *wr = wb + b * ws + 32 * i;
+                const __m256 w[4] = {_mm256_load_ps(wr), _mm256_load_ps(wr + 8), _mm256_load_ps(wr + 16),
+                                     _mm256_load_ps(wr + 24)};
+                _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++) {
+                    const float *xq = xr + n * ldx + 32 * b;
+                    const __m256 p = mx_partial(w, _mm256_loadu_ps(xq), _mm256_loadu_ps(xq + 8), _mm256_loadu_ps(xq + 16),
+                                                _mm256_loadu_ps(xq + 24));
+                    a[n][i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(sc + b * ss + i), a[n][i]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int n = 0; n < NT; n++)
+        _Pragma("GCC unroll 3") for (int i = 0; i < R; i++) {
+            if (last)
+                y[n * ldy + r + i0 + i] = hsum8(a[n][i]);
+            else
+                accm[n][i0 + i][0] = a[n][i];
+        }
+}
+
 /* rows r..r+R-1 (R <= H_RB) for all nt tokens */
 INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R, size_t k, size_t nt,
                 const float *xp, size_t ldx, float *y, size_t ldy) {
     const size_t ks = k / 32;
-    float wb[H_RB * MM_KC * 32] __attribute__((aligned(32)));
+    float wb[H_RB * MM_KC * 32] __attribute__((aligned(32))), sc[H_RB * MM_KC];
     __m256 accm[H_TB][H_RB][2];
     for (size_t t0 = 0; t0 < nt; t0 += H_TB) {
         const size_t tn = nt - t0 < H_TB ? nt - t0 : H_TB;
         for (size_t c = 0; c < ks; c += MM_KC) {
             const size_t nb = ks - c < MM_KC ? ks - c : MM_KC;
             const int first = c == 0, last = c + nb == ks;
-            h_decode(kind, w, scales, r, R, k, c, nb, wb);
+            h_decode(kind, w, scales, r, R, k, c, nb, wb, sc);
             for (size_t t = 0; t < tn; t += H_T) {
                 const float *xr = xp + (t0 + t) * ldx + 32 * c;
                 float *yt = y + (t0 + t) * ldy;
                 const int nn = t + H_T <= tn ? H_T : (int)(tn - t);
                 for (int i0 = 0; i0 < R; i0 += H_R) {
                     const int rr = R - i0 < H_R ? R - i0 : H_R;
-                    if (nn == H_T && rr == H_R) /* the usual case, spelled out for the compiler */
-                        h_tokens(H_T, H_R, wb + 32 * i0, 32 * (size_t)R, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
+                    const float *wg = wb + 32 * i0;
+                    const size_t ws = 32 * (size_t)R;
+                    if (kind == DS4F_MM_MXFP4 && nn == H_T && rr == H_R) /* the usual cases, spelled out for the compiler */
+                        mx_tokens(H_T, H_R, wg, ws, sc + i0, R, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
+                    else if (kind == DS4F_MM_MXFP4)
+                        mx_tokens(nn, rr, wg, ws, sc + i0, R, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
+                    else if (nn == H_T && rr == H_R)
+                        h_tokens(H_T, H_R, wg, ws, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
                     else
-                        h_tokens(nn, rr, wb + 32 * i0, 32 * (size_t)R, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
+                        h_tokens(nn, rr, wg, ws, nb, first, last, xr, ldx, accm + t, i0, yt, ldy, r);
                 }
             }
         }
@@ -176,43 +260,35 @@ INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R,
 
 /* A few tokens (2..MX_FEW: an expert two or three of a verify pass's rows chose, a small batch's):
  * as for FP8 below, the decoded tile only pays from ~4 tokens.  Each row goes as in the matvec
- * (avx2_matvec.c's mx_rows, R = 1): a block's weights (mxfp4_block_w, the integer steps where the
- * row's scales allow, else the LUT: the same values) made once in registers, then per token
- * w[0] x0 and w[2] x2 into its alo, w[1] x1 and w[3] x3 into its ahi, in that order: each token's
- * result is mxfp4_matvec's, bit for bit.  x comes prepared by prep_h (the matvec's own order). */
+ * (avx2_matvec.c's mx_rows, R = 1): a block's E2M1 values made once in registers, then per token
+ * mx_partial and the scale into its accumulator: each token's result is mxfp4_matvec's, bit for
+ * bit.  x comes prepared by prep_mx (the matvec's own order). */
 #define MX_FEW 4
 
-INL void mx_few_row(const int NT, const int use_int, const mxfp4_int *mi, const uint8_t *codes, const uint8_t *scales,
-                    size_t r, size_t k, const float *xp, size_t ldx, float *y, size_t ldy) {
+INL void mx_few_row(const int NT, const mxfp4_bs *mb, const uint8_t *codes, const uint8_t *scales, size_t r, size_t k,
+                    const float *xp, size_t ldx, float *y, size_t ldy) {
     const size_t kb = k / 2, ks = k / 32;
     const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
-    __m256 alo[MX_FEW], ahi[MX_FEW];
-    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) alo[n] = ahi[n] = _mm256_setzero_ps();
+    __m256 acc[MX_FEW];
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) acc[n] = _mm256_setzero_ps();
     for (size_t b = 0; b < ks; b++) {
         if ((b & 3) == 0) _mm_prefetch((const char *)(c0 + kb + 16 * b), _MM_HINT_T0);   /* the next row */
         __m256 w[4];
-        mxfp4_block_w(use_int, mi, c0 + 16 * b, s0[b], w);
+        mxfp4_block_e2m1(mb, c0 + 16 * b, w);
         _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
             const float *xq = xp + n * ldx + 32 * b;
-            alo[n] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xq), alo[n]);
-            ahi[n] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xq + 8), ahi[n]);
-            alo[n] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xq + 16), alo[n]);
-            ahi[n] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xq + 24), ahi[n]);
+            acc[n] = mx_scale_add(mx_partial(w, _mm256_loadu_ps(xq), _mm256_loadu_ps(xq + 8), _mm256_loadu_ps(xq + 16),
+                                             _mm256_loadu_ps(xq + 24)),
+                                  s0[b], acc[n]);
         }
     }
-    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r] = finish(alo[n], ahi[n]);
+    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r] = hsum8(acc[n]);
 }
 
 INL void mx_few(const int NT, const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k,
                 const float *xp, size_t ldx, float *y, size_t ldy) {
-    const mxfp4_int mi = mxfp4_int_consts();
-    const size_t ks = k / 32;
-    for (size_t r = r0; r < r1; r++) {
-        if (mxfp4_scales_int(scales + r * ks, ks))
-            mx_few_row(NT, 1, &mi, codes, scales, r, k, xp, ldx, y, ldy);
-        else
-            mx_few_row(NT, 0, &mi, codes, scales, r, k, xp, ldx, y, ldy);
-    }
+    const mxfp4_bs mb = mxfp4_bs_consts();
+    for (size_t r = r0; r < r1; r++) mx_few_row(NT, &mb, codes, scales, r, k, xp, ldx, y, ldy);
 }
 
 T256 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
@@ -412,5 +488,5 @@ T256 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t 
     if (r < r1) fp8_rows(w, scales, r, (int)(r1 - r), k, nt, xp, ldx, y, ldy);
 }
 
-const ds4f_mtable ds4f_mt_avx2 = {{mxfp4_mm, bf16_mm, fp8_mm}, {prep_h, prep_h, prep_fp8}, {32, 32, 32}};
+const ds4f_mtable ds4f_mt_avx2 = {{mxfp4_mm, bf16_mm, fp8_mm}, {prep_mx, prep_h, prep_fp8}, {32, 32, 32}};
 #endif

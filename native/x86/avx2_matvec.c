@@ -5,16 +5,10 @@
  * between them with vblendvps (which reads only bit 31: the sign bit shifted there).  Selecting
  * the product keeps decode bit-identical to scalar, NaN blocks included.
  *
- * matvec: per row and 32-element block, the integer decode of kernels_avx2.h (mxfp4_block_int:
- * in-lane vpshufb lookup and spread into a float's mantissa, one subtraction), the same weights in
- * the same lanes as the LUT, FMA with x_even / x_odd (de-interleaved once per call, shared by 4
- * rows).  The profile (llvm-mca -mcpu=znver3, 4 rows x one block = 128 weights): with the LUT, 55
- * cycles, the two shuffle pipes 95% busy (16 two-uop vpermps, 8 vpmovzxbd and x's de-interleave);
- * with the first integer decode (vcvtdq2ps and a multiply by 2^(s-152) in place of the mantissa
- * trick), 33 cycles and 122 uops, all four FP pipes busy; measured ~1.7x on one Zen 3 core, and
- * the mantissa trick ~7% more.  Per 8 weights it still takes a spread, a subtraction and the FMA
- * plus a share of the lookups: the limit of an exact fp32 decode, where ggml's int8 activations
- * take ~1.5 vector ops per 8 weights.
+ * matvec: per row and 32-element block, kernels_avx2.h's block step: the block's E2M1 values
+ * (mxfp4_block_e2m1, unscaled) times x in their lanes (x reordered once per call, shared by 4
+ * rows), summed, then the partial sum times the block's scale into the row's accumulator.
+ * The step count and the figures against ggml's kernels: kernels_avx2.h and docs/kernels.md.
  */
 #include <stdint.h>
 
@@ -69,11 +63,9 @@ T256 static void decode_rows(const uint8_t *codes, const uint8_t *scales, size_t
         _Pragma("GCC unroll 4") for (int i_ = 0; i_ < (R); i_++) { stmt; }                         \
     } while (0)
 
-/* MXFP4 matvec: x de-interleaved once per call into xp (per 32-block [x_even, x_odd] of 0..15,
- * then of 16..31: prep_h's order in x86/avx2_matmul.c); rows 4 at a time share each x vector; a
- * row's block adds w[0] * xe0 and w[2] * xe1 into its accumulator alo, w[1] * xo0 and w[3] * xo1
- * into ahi, in that order, with the weights of mxfp4_block_int (or, for a group with a scale
- * above MXFP4_INT_MAX_SCALE, of the LUT: the same values). */
+/* MXFP4 matvec: x reordered once per call into xp (mx_prep32's order per 32-block); rows 4 at a
+ * time share each x vector; per row and block mx_partial of the block's E2M1 values, then
+ * mx_scale_add into the row's accumulator; the result hsum8 of it. */
 #define MX_XMAX 8192 /* k up to this: x prepared on the stack (32 KiB); beyond, block by block */
 
 INL void mx_x_block(const float *x, const float *xp, size_t b, __m256 xv[4]) {
@@ -81,52 +73,37 @@ INL void mx_x_block(const float *x, const float *xp, size_t b, __m256 xv[4]) {
         xv[0] = _mm256_load_ps(xp + 32 * b), xv[1] = _mm256_load_ps(xp + 32 * b + 8);
         xv[2] = _mm256_load_ps(xp + 32 * b + 16), xv[3] = _mm256_load_ps(xp + 32 * b + 24);
     } else {
-        deinterleave(x + 32 * b, &xv[0], &xv[1]);
-        deinterleave(x + 32 * b + 16, &xv[2], &xv[3]);
+        mx_prep32(x + 32 * b, xv);
     }
 }
 
-/* rows r..r+R-1 (R = 1 or 4), with one decode path for all of them */
-INL void mx_rows(int R, int use_int, const mxfp4_int *m, const uint8_t *codes, const uint8_t *scales, size_t r,
-                 size_t r1, size_t k, const float *x, const float *xp, float *y) {
+/* rows r..r+R-1 (R = 1 or 4) */
+INL void mx_rows(int R, const mxfp4_bs *m, const uint8_t *codes, const uint8_t *scales, size_t r, size_t r1, size_t k,
+                 const float *x, const float *xp, float *y) {
     const size_t kb = k / 2, ks = k / 32;
     const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
     const int ahead = R == 4 && r + 4 < r1; /* the next group's bytes follow this one's */
-    __m256 alo[4], ahi[4];
-    FOR_ROWS(R, (alo[i_] = _mm256_setzero_ps(), ahi[i_] = _mm256_setzero_ps()));
+    __m256 acc[4];
+    FOR_ROWS(R, acc[i_] = _mm256_setzero_ps());
     for (size_t b = 0; b < ks; b++) {
         if (ahead) MXFP4_PREFETCH(c0, s0, kb, ks, b);
         __m256 xv[4];
         mx_x_block(x, xp, b, xv);
         FOR_ROWS(R, {
             __m256 w[4];
-            mxfp4_block_w(use_int, m, c0 + i_ * kb + 16 * b, s0[i_ * ks + b], w);
-            alo[i_] = _mm256_fmadd_ps(w[0], xv[0], alo[i_]);
-            ahi[i_] = _mm256_fmadd_ps(w[1], xv[1], ahi[i_]);
-            alo[i_] = _mm256_fmadd_ps(w[2], xv[2], alo[i_]);
-            ahi[i_] = _mm256_fmadd_ps(w[3], xv[3], ahi[i_]);
+            mxfp4_block_e2m1(m, c0 + i_ * kb + 16 * b, w);
+            acc[i_] = mx_scale_add(mx_partial(w, xv[0], xv[1], xv[2], xv[3]), s0[i_ * ks + b], acc[i_]);
         });
     }
-    FOR_ROWS(R, y[r + i_] = finish(alo[i_], ahi[i_]));
+    FOR_ROWS(R, y[r + i_] = hsum8(acc[i_]));
 }
 
 INL void mx_matvec(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k, const float *x,
                    const float *xp, float *y) {
-    const size_t ks = k / 32;
-    const mxfp4_int m = mxfp4_int_consts();
+    const mxfp4_bs m = mxfp4_bs_consts();
     size_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        if (mxfp4_scales_int(scales + r * ks, 4 * ks))
-            mx_rows(4, 1, &m, codes, scales, r, r1, k, x, xp, y);
-        else
-            mx_rows(4, 0, &m, codes, scales, r, r1, k, x, xp, y);
-    }
-    for (; r < r1; r++) {
-        if (mxfp4_scales_int(scales + r * ks, ks))
-            mx_rows(1, 1, &m, codes, scales, r, r1, k, x, xp, y);
-        else
-            mx_rows(1, 0, &m, codes, scales, r, r1, k, x, xp, y);
-    }
+    for (; r + 4 <= r1; r += 4) mx_rows(4, &m, codes, scales, r, r1, k, x, xp, y);
+    for (; r < r1; r++) mx_rows(1, &m, codes, scales, r, r1, k, x, xp, y);
 }
 
 T256 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k,
@@ -135,7 +112,7 @@ T256 static void matvec_rows(const uint8_t *codes, const uint8_t *scales, size_t
         float xp[MX_XMAX] __attribute__((aligned(32)));
         for (size_t b = 0; b < k / 32; b++) {
             __m256 xv[4];
-            mx_x_block(x, NULL, b, xv);
+            mx_prep32(x + 32 * b, xv);
             for (int i = 0; i < 4; i++) _mm256_store_ps(xp + 32 * b + 8 * i, xv[i]);
         }
         mx_matvec(codes, scales, r0, r1, k, x, xp, y);

@@ -133,9 +133,9 @@ def test_mxfp4_matvec(backend, rows, k):
 
 @BACKEND
 def test_mxfp4_matvec_rows_whatever_their_neighbours_scales(backend):
-    """A SIMD kernel decodes a group of rows by integer steps unless one of its scales is above 232
-    (AVX2: 2^(s-105) is then no float), then by its table: both give the same weights, so a row's
-    result never depends on the scales of the rows computed beside it."""
+    """A SIMD kernel computes rows in groups of 4 and a tail one at a time: a large scale byte
+    (233..235: weights up to 6 * 2^108) in one row changes nothing in the others, and that row
+    stays close to float64."""
     rng = np.random.default_rng(23)
     rows, k = 13, 256  # groups of 4 rows, and a tail computed a row at a time
     codes, scales = rand_mxfp4(rng, rows, k, lo=0, hi=140)

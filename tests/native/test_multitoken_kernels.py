@@ -103,9 +103,8 @@ def test_mxfp4_matmul(backend, rows, k):
 @BACKEND
 def test_mxfp4_matmul_every_scale_byte(backend):
     """Scale bytes over the whole E8M0 range: 0..2 and 3..26 (weights in float32's subnormals),
-    up to 250 (x small, so that nothing overflows float32; a row holding one above 232 takes the
-    AVX2 kernels' table decode, the others their integer decode), and 255 (NaN rows); every vector
-    bit for bit the single-vector kernel's, and close to float64."""
+    up to 250 (x small, so that nothing overflows float32; every fifth row holds one above 232),
+    and 255 (NaN rows); every vector bit for bit the single-vector kernel's, and close to float64."""
     rng = np.random.default_rng(17)
     rows, k = 203, 512
     codes = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
