@@ -22,7 +22,7 @@ from ds4f.runs.run import start_run
 
 RECORDED = {
     "scalar": "44b2a13b931b71e3ddf1921b1a1c4d1a1cabecc72a19765b3a8c2412c90d8678",
-    "avx2": "9bcad1f9b41d57b5615040e482b8f295a620c577425f25e194a661d938c9c033",
+    "avx2": "ae2cc5bac470204c400e49aab1bf38cb43742a34e1e3b98cecf68ec9a97d0b1e",
     "avx512": "17d772e23a2cd23fd266e929ea6a8c5fed2bea888981098687a950e8e3c986e4",
 }
 
