@@ -31,6 +31,12 @@ from pathlib import Path
 from ds4f.errors import Ds4fError
 
 PARTS = ("kernels", "numpy", "interpreter", "waiting", "other")
+# what of the model a sample computes, by the forward pass's functions on its stack (the rest:
+# the embedding, routing, norms, the records): the hyper-connections around both sublayers and the
+# head's, the attention (projections and core), the experts (routed and shared, their waits
+# included), the head's product (forward_rows' own call to the kernels)
+PIECES = {"hyper-connections": ("hc_pre_rows ", "hc_post_rows ", "hc_head "), "attention": ("attention_parts ",),
+          "experts": ("_experts ",), "head": ()}
 SAMPLE_HZ = 250
 STEP_FRAME = "Session.eval "        # a decode token (prefill goes through Session.prefill)
 FORWARD_FRAME = "forward_rows "
@@ -51,10 +57,23 @@ def classify(leaf: str) -> str:
     return "other"
 
 
+def piece(frames: list[str]) -> str | None:
+    """The PIECES name of a decode step's sample (its frames outermost first), or None."""
+    below = frames[next(i for i, f in enumerate(frames) if f.startswith(FORWARD_FRAME)) + 1:]
+    if not below:
+        return None
+    for name, starts in PIECES.items():
+        if starts and any(f.startswith(starts) for f in below):
+            return name
+    return "head" if below[0].startswith("matmul ") and "kernels.py" in below[0] else None
+
+
 def split_profile(lines) -> dict:
-    """{"samples", "parts": {part: share}, "counts": {part: samples}, "top": [(part, frame, share)]}
-    of py-spy raw lines (`frame;frame;...;leaf count`), the decode steps' samples only."""
+    """{"samples", "parts": {part: share}, "counts": {part: samples}, "top": [(part, frame, share)],
+    "pieces": {piece: share}} of py-spy raw lines (`frame;frame;...;leaf count`), the decode steps'
+    samples only."""
     counts: collections.Counter = collections.Counter()
+    pieces: collections.Counter = collections.Counter()
     leaves: collections.Counter = collections.Counter()
     total = 0
     for line in lines:
@@ -66,6 +85,7 @@ def split_profile(lines) -> dict:
             continue
         part = classify(frames[-1])
         counts[part] += int(n)
+        pieces[piece(frames)] += int(n)
         leaves[(part, frames[-1])] += int(n)
         total += int(n)
     if not total:
@@ -73,7 +93,7 @@ def split_profile(lines) -> dict:
                         " forward_rows); decode more tokens (-n)")
     top = [(part, leaf, k / total) for (part, leaf), k in leaves.most_common() if part != "kernels"][:12]
     return {"samples": total, "parts": {p: counts[p] / total for p in PARTS}, "counts": {p: counts[p] for p in PARTS},
-            "top": top}
+            "top": top, "pieces": {p: pieces[p] / total for p in PIECES}}
 
 
 def bench_split(model=None, preset: str = "server", gen: int | None = None, config_path: str | None = None,

@@ -119,13 +119,16 @@ def _bench_split(args, model) -> int:
                               Column("share", "share", ".1%")], title="where the time outside the kernels goes")
     for part, frame, share in r["top"]:
         top.add(part, frame, share)
+    pieces = Table("split_pieces", [Column("piece", align="left"), Column("share", "share", ".1%")],
+                   title="what of the model the samples compute (the rest: embedding, routing, norms, records)")
+    for name, share in r["pieces"].items():
+        pieces.add(name, share)
 
     def text(out) -> None:
-        builtins.print(file=out)
-        builtins.print(parts.text(), file=out)
-        builtins.print(file=out)
-        builtins.print(top.text(), file=out)
-    _show(args, [parts, top], text, r)
+        for table in (parts, pieces, top):
+            builtins.print(file=out)
+            builtins.print(table.text(), file=out)
+    _show(args, [parts, pieces, top], text, r)
     return 0
 
 

@@ -181,7 +181,8 @@ def rms_rows(x: np.ndarray, eps: float, beside=None) -> np.ndarray:
 def _rms_rows_into(x: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
     for a in range(0, len(x), RMS_BLOCK):
         x64 = x[a:a + RMS_BLOCK].astype(np.float64)
-        ms = np.square(x64).mean(axis=-1, keepdims=True)
+        ms = np.add.reduce(np.square(x64), axis=-1, keepdims=True)   # np.mean's sum and division, bit for
+        ms /= x64.shape[-1]                                           # bit, without its Python wrapper
         ms += eps
         np.sqrt(ms, out=ms)
         np.divide(x64, ms, out=x64)

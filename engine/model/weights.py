@@ -7,6 +7,7 @@ cache slot: these records never own or copy memory they are given.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -208,7 +209,7 @@ def expert_weights(slot: np.ndarray, layout: dict[str, tuple[int, tuple[int, ...
 
     def view(name: str) -> np.ndarray:
         offset, shape = layout[name]
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         return slot[offset:offset + n].reshape(shape)
 
     return kernels.ExpertWeights(view("w1.weight"), view("w1.scale"), view("w3.weight"),

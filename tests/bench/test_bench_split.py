@@ -48,6 +48,26 @@ def test_only_decode_steps_count_and_the_shares_add_up():
     assert [t[0] for t in r["top"]] == ["numpy", "interpreter", "waiting"]     # the kernels' frames are not listed
 
 
+def test_the_pieces_of_the_model():
+    """Each decode sample goes to the piece of the model on its stack: the hyper-connections
+    (around either sublayer or the head's), the attention, the experts, the head's product; the
+    rest (norms, routing) to none of them."""
+    hc = "hc_pre_rows (main/engine/model/hyper.py:60);hc_pre (main/native/kernels.py:700);ds4f_hc_pre (hyper.c:10)"
+    lines = [f"{STEP};attention_sublayer (main/engine/model/forward.py:130);{hc} 5\n",
+             f"{STEP};hc_post_rows (main/engine/model/hyper.py:80);memcpy (libc.so.6) 2\n",
+             f"{STEP};hc_head (main/engine/model/hyper.py:96);_PyEval_EvalFrameDefault (libpython3.11.so.1.0) 1\n",
+             f"{STEP};attention_sublayer (main/engine/model/forward.py:130);attention_parts (main/engine/model/"
+             f"attention.py:380);matmul (main/native/kernels.py:480);fp8_rows (avx512_matmul.c:231) 20\n",
+             f"{STEP};_moe (main/engine/model/forward.py:317);_experts (main/engine/model/forward.py:400);"
+             f"mx_rows (avx2_matvec.c:98) 40\n",
+             f"{STEP};matmul (main/native/kernels.py:480);eo_rows (avx512_matmul.c:80) 12\n",
+             f"{STEP};_moe (main/engine/model/forward.py:317);_route_rows (main/engine/model/forward.py:360);"
+             f"rms_norm (main/engine/model/ops.py:20) 20\n"]
+    r = split_profile(lines)
+    assert r["samples"] == 100
+    assert r["pieces"] == pytest.approx({"hyper-connections": 0.08, "attention": 0.20, "experts": 0.40, "head": 0.12})
+
+
 def _spy() -> str | None:
     return shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy")
                                       if (Path(sys.executable).parent / "py-spy").exists() else None)
@@ -73,4 +93,5 @@ def test_bench_split_end_to_end(tiny_model, tmp_path):
     assert r["samples"] == sum(r["counts"].values()) > 0
     assert all(part != "kernels" and part in PARTS for part, _frame, _share in r["top"])
     assert r["preset"] == "server" and r["gen"] == 48
-    assert "kernels" in done.stdout and "interpreter" in done.stdout
+    assert "kernels" in done.stdout and "interpreter" in done.stdout and "hyper-connections" in done.stdout
+    assert set(r["pieces"]) == {"hyper-connections", "attention", "experts", "head"} and sum(r["pieces"].values()) <= 1
