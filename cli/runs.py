@@ -135,10 +135,12 @@ def _run(args) -> int:
         pass
     run = start_run(config, history=history)
     print(f"run {run.id}: {model} · preset {run.preset.describe()} · {run.n_steps} tokens", file=sys.stderr)
-    shown = 0
+    shown = done = 0
     try:
         while not run.wait(0.05):
-            shown = _print_tokens(run, shown)
+            if run.tokens_done != done:       # a snapshot only when a token has landed
+                done = run.tokens_done
+                shown = _print_tokens(run, shown)
     except KeyboardInterrupt:
         run.cancel()
         run.wait()

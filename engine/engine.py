@@ -112,6 +112,10 @@ class Engine:
                                  prefetch=bool(preset.prefetch), attention=self.attention)
         self.mtp = None              # the MTP layer, loaded when a run first drafts (mtp_layer)
         self.spec_learned = None     # the last speculating run's SpecController: where the next auto run starts
+        # what never changes once loaded, counted once (figures() is asked for at every snapshot): the
+        # globals, the resident attention and hyper-connection weights (none for a MoE-only model)
+        self._fixed_nbytes = self.globals.nbytes + sum(la.nbytes for la in self.attention)
+        self._mtp_nbytes = 0
 
     def mtp_layer(self):
         """The checkpoint's MTP layer (model.mtp.MtpLayer), loaded on first use and kept; a
@@ -127,18 +131,14 @@ class Engine:
                 weights = load_mtp(ck, g)
                 # one row at a time through the block; slots for a round's drafts' experts
                 self.mtp = MtpLayer(MtpSource(ck, weights, self.globals, slots=round_slots(g.top_k)), 1)
+                m = self.mtp
+                self._mtp_nbytes = m.source.weights.nbytes + m.source.nbytes + m.buffers.nbytes
         return self.mtp
 
     @property
     def mtp_nbytes(self) -> int:
         """The MTP layer's weights, its expert slots and buffers, once loaded (0 before)."""
-        m = self.mtp
-        return 0 if m is None else m.source.weights.nbytes + m.source.nbytes + m.buffers.nbytes
-
-    @property
-    def attention_nbytes(self) -> int:
-        """Bytes of the resident attention and hyper-connection weights (0 for a MoE-only model)."""
-        return sum(la.nbytes for la in self.attention)
+        return self._mtp_nbytes
 
     # -- figures --------------------------------------------------------------------------------
     def figures(self, session_nbytes: int = 0, session=None) -> EngineFigures:
@@ -151,8 +151,7 @@ class Engine:
         reads, _nbytes, latency = self.reader.expert_stats.totals()
         checks, _checked, check_s = self.reader.check_stats.totals()
         routers = sum(r.nbytes for layer, r in self.routers.items() if layer not in self.pinned)
-        resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self.globals.nbytes
-                    + self.attention_nbytes + self.mtp_nbytes
+        resident = (sum(ck.trunk_layer_nbytes(layer) for layer in self.pinned) + self._fixed_nbytes + self._mtp_nbytes
                     + cache.capacity_bytes + self.streamer.buffer_nbytes + routers + session_nbytes
                     + self.reader.trace_nbytes + BOOKKEEPING_BYTES
                     + (self.prefix_cache.ram_bytes + self.prefix_cache.index_nbytes if self.prefix_cache is not None else 0))

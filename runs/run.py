@@ -225,6 +225,12 @@ class Run:
         starting to; [] when it steps alone."""
         return sharing(self)
 
+    @property
+    def tokens_done(self) -> int:
+        """Steps computed so far: a snapshot's tokens_done without the rest of it, for a loop that
+        polls often and wants a snapshot only when a token has landed."""
+        return self._steps.log.count
+
     def snapshot(self) -> Snapshot:
         """The run's live figures: cheap, from any thread, at any time (runs.snapshot.snapshot_of)."""
         return snapshot_of(self)

@@ -217,10 +217,20 @@ class TokenLog:
         self.stall_s = 0.0
         self.prefill_tokens, self.prefill_s, self.prefill_bytes = 0, 0.0, 0   # the prefilled tokens'
         self.reused_tokens = 0         # leading prompt tokens taken from the prefix cache, not computed
+        self._memo: dict[str, tuple[int, object]] = {}   # figure -> (count it was computed at, value)
 
     @property
     def nbytes(self) -> int:
         return self.rows.nbytes + self.text_nbytes
+
+    def _at_count(self, name: str, compute):
+        """compute() once per token count: snapshots come far more often than tokens (the CLI
+        polls 20 times a second, the console and a server's status too), and the figures over all
+        warm rows would otherwise take the compute thread's GIL for a sort each time."""
+        hit = self._memo.get(name)
+        if hit is None or hit[0] != self.count:
+            hit = self._memo[name] = (self.count, compute())
+        return hit[1]
 
     @property
     def first(self) -> TokenRecord | None:
@@ -230,8 +240,10 @@ class TokenLog:
 
     def warm_gb_per_token(self) -> float | None:
         """Mean GB (1e9 B) read per warm decode token (the first token alone, if it is the only one)."""
-        warm = self.warm()
-        return float(warm["bytes_read"].mean()) / 1e9 if len(warm) else None
+        def compute():
+            warm = self.warm()
+            return float(warm["bytes_read"].mean()) / 1e9 if len(warm) else None
+        return self._at_count("gb_per_token", compute)
 
     def prefill_figures(self) -> dict | None:
         """The layer-major prefill's figures: prompt tokens, seconds, tokens/s, GB per prompt token
@@ -286,16 +298,20 @@ class TokenLog:
         return done[max(1, self.reused_tokens + self.prefill_tokens):]
 
     def median_seconds(self) -> float | None:
-        warm = self.warm()
-        return float(np.median(warm["seconds"])) if len(warm) else None
+        def compute():
+            warm = self.warm()
+            return float(np.median(warm["seconds"])) if len(warm) else None
+        return self._at_count("median_seconds", compute)
 
     def occupancy(self) -> tuple[float | None, float | None]:
         """(share of the warm tokens' time with a read in flight, mean number of reads in flight)."""
-        warm = self.warm()
-        seconds = float(warm["seconds"].sum())
-        if not seconds:
-            return None, None
-        return float(warm["disk_busy_s"].sum()) / seconds, float(warm["disk_depth_s"].sum()) / seconds
+        def compute():
+            warm = self.warm()
+            seconds = float(warm["seconds"].sum())
+            if not seconds:
+                return None, None
+            return float(warm["disk_busy_s"].sum()) / seconds, float(warm["disk_depth_s"].sum()) / seconds
+        return self._at_count("occupancy", compute)
 
 
 # -- a run's snapshot, assembled from its fields (runs.run.Run: read, never changed) ------------

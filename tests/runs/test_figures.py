@@ -146,3 +146,26 @@ def test_the_crc32_checks_are_counted_where_there_are_checksums(tiny_model, tiny
     official = _run(tiny_official, tmp_path, "o", gen=4, preset="minimal")
     assert converted.summary_report["summary"]["check_s_per_token"] > 0
     assert official.summary_report["summary"]["check_s_per_token"] == 0
+
+
+def test_token_log_figures_follow_each_token():
+    """The token log's figures over the warm tokens (computed once per token count, as snapshots
+    come far more often than tokens) are numpy's over the rows so far after every token, never a
+    count behind."""
+    import numpy as np
+
+    from ds4f.runs.snapshot import TokenLog, TokenRecord
+
+    rng = np.random.default_rng(3)
+    log = TokenLog(40)
+    seconds, nbytes, busy = [], [], []
+    for i in range(40):
+        s, b, d = float(rng.uniform(0.1, 2.0)), int(rng.integers(0, 10**9)), float(rng.uniform(0.0, 0.1))
+        log.add(TokenRecord(index=i, token_id=i, next_token_id=i + 1, seconds=s, bytes_read=b, hits=1, misses=1,
+                            stall_s=0.0, backend="scalar", kernel_threads=1, io_threads=1, disk_busy_s=d))
+        seconds.append(s), nbytes.append(b), busy.append(d)
+        for _ in range(2):       # asked twice at one count: the same answer
+            warm = slice(1, None) if i else slice(0, 1)      # the first token is the cold one
+            assert log.median_seconds() == float(np.median(seconds[warm]))
+            assert log.warm_gb_per_token() == float(np.mean(nbytes[warm])) / 1e9
+            assert log.occupancy()[0] == float(np.sum(busy[warm])) / float(np.sum(seconds[warm]))
