@@ -6,6 +6,7 @@ from ds4f.bench.batch import bench_batch
 from ds4f.bench.cache import bench_cache
 from ds4f.bench.chat import bench_chat
 from ds4f.bench.engine import bench_engine
+from ds4f.bench.ggml import bench_ggml
 from ds4f.bench.kernels import KERNELS as KERNEL_NAMES
 from ds4f.bench.kernels import run_bench as run_kernel_bench
 from ds4f.bench.prefill import bench_prefill
@@ -14,4 +15,4 @@ from ds4f.bench.spec_trained import bench_spec_trained
 from ds4f.bench.split import bench_split
 from ds4f.bench.structured import bench_structured
 
-__all__ = ["bench_agent", "bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_prefill", "bench_spec", "bench_spec_trained", "bench_split", "bench_structured", "run_kernel_bench", "KERNEL_NAMES"]
+__all__ = ["bench_agent", "bench_batch", "bench_cache", "bench_chat", "bench_engine", "bench_ggml", "bench_prefill", "bench_spec", "bench_spec_trained", "bench_split", "bench_structured", "run_kernel_bench", "KERNEL_NAMES"]

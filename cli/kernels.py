@@ -1,5 +1,6 @@
-"""`ds4f bench-kernels [--repeat N] [--cases hot|cold|all] [--pages huge|normal|both] [--json PATH]`:
-the memory floor, then the native kernels on the real shapes, hot and cold."""
+"""`ds4f bench-kernels [--repeat N] [--cases hot|cold|all] [--pages huge|normal|both] [--json PATH]
+[--ggml DIR]`: the memory floor, then the native kernels on the real shapes, hot and cold; with
+--ggml, ds4f's MXFP4 matvec against ggml's MXFP4 kernels from that build (ds4f/bench/ggml.py)."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,11 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", choices=PAGES, default="huge",
                         help="pages of the floor's and the cold cases' buffers: transparent huge pages "
                              "(default), normal 4 KiB pages, or both")
+    parser.add_argument("--ggml", metavar="DIR",
+                        help="also compare the MXFP4 matvec (2048x4096, 1 thread, the first of --backends, "
+                             "else avx2) with ggml's MXFP4 kernels, standard and repacked, from the ggml CMake "
+                             "build in DIR (static libraries built with -DCMAKE_POSITION_INDEPENDENT_CODE=ON, "
+                             "or shared ones): 10 rounds in turn; --kernels ggml runs only that")
 
 
 def _list(arg: str | None, what: str, conv=str) -> list | None:
@@ -72,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
         raise Ds4fError("--threads: counts must be >= 1")
     kernels = tuple(_list(args.kernels, "kernels") or bench.KERNEL_NAMES)
     for k in kernels:
-        if k not in bench.KERNEL_NAMES:
-            raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(bench.KERNEL_NAMES)})")
+        if k not in bench.KERNEL_NAMES and k != "ggml":
+            raise Ds4fError(f"--kernels: unknown kernel {k!r} ({', '.join(bench.KERNEL_NAMES)}, ggml)")
+    if "ggml" in kernels and not args.ggml:
+        raise Ds4fError("--kernels ggml: give the ggml build with --ggml DIR", param="ggml")
+    kernels = tuple(k for k in kernels if k != "ggml")
 
     from rich.console import Console
 
@@ -82,9 +91,15 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     notes: list[str] = []
+    records, ggml = [], []
     with err.status("benchmarking") as status:
-        records = bench.run_kernel_bench(args.repeat, backends, threads, kernels, progress=lambda m: status.update(m),
-                                       cases=args.cases, pages=args.pages, notes=notes)
+        if kernels:
+            records = bench.run_kernel_bench(args.repeat, backends, threads, kernels,
+                                             progress=lambda m: status.update(m), cases=args.cases, pages=args.pages,
+                                             notes=notes)
+        if args.ggml:
+            backend = backends[0] if backends else "avx2" if "avx2" in api.available_backends() else api.best_backend()
+            ggml = bench.bench_ggml(args.ggml, backend=backend, progress=lambda m: status.update(m), notes=notes)
     load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
 
     head = f"median of {args.repeat}, {os.cpu_count()} cores, best backend {api.best_backend()}"
@@ -106,15 +121,36 @@ def run(args: argparse.Namespace) -> int:
     multi = _multi_table(rest)
     if multi is not None:
         console.print(multi)
+    if ggml:
+        console.print(_ggml_table(ggml))
     for line in _working_sets(records) + notes:
         console.print(line, highlight=False)
     if args.output != "text":
         print_tables([_table(records)], args.output)
     if args.json:
-        write_json([r.to_dict() for r in records], args.json)
+        write_json([r.to_dict() for r in records] + [{"kernel": "ggml", **g.to_dict()} for g in ggml], args.json)
         if args.json != "-":
-            print(f"wrote {len(records)} records to {args.json}", file=sys.stderr)
+            print(f"wrote {len(records) + len(ggml)} records to {args.json}", file=sys.stderr)
     return 0
+
+
+def _ggml_table(rounds):
+    from statistics import median
+
+    from rich.table import Table as RichTable
+
+    vs_s, vs_r = [g.vs_standard for g in rounds], [g.vs_repacked for g in rounds]
+    t = RichTable(title=f"MXFP4 matvec {rounds[0].shape}, 1 thread: ds4f ({rounds[0].backend}) against ggml, "
+                        f"the three in turn each round, {os.cpu_count()} cores",
+                  caption=f"ds4f / standard: median {median(vs_s):.2f} ({min(vs_s):.2f}–{max(vs_s):.2f}), "
+                          f"ds4f / repacked: median {median(vs_r):.2f} ({min(vs_r):.2f}–{max(vs_r):.2f}); "
+                          "ggml quantizes x to q8_0 in every call (counted); G weights/s, median of 50 calls per round")
+    for col in ("round", "load", "ds4f", "ggml standard", "ggml repacked", "÷ standard", "÷ repacked"):
+        t.add_column(col, justify="right")
+    for g in rounds:
+        t.add_row(str(g.round + 1), _fmt(g.load, ".2f"), f"{g.gw['ds4f']:.1f}", f"{g.gw['standard']:.1f}",
+                  f"{g.gw['repacked']:.1f}", f"{g.vs_standard:.2f}", f"{g.vs_repacked:.2f}")
+    return t
 
 
 _WIDTH = {"scalar": "64-bit", "neon": "128-bit", "avx2": "256-bit", "avx512": "512-bit"}

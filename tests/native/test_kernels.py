@@ -512,3 +512,31 @@ def test_hc_mix_bad_input_names_the_argument():
                        (lambda: K.hc_mix(x, fn_t.T, 1e-6), "fn_t")]:
         with pytest.raises(ValueError, match=rf"^{name}\b"):
             call()
+
+
+def test_bench_kernels_ggml_comparison(tmp_path, capsys):
+    """`--kernels ggml` needs --ggml DIR, and DIR must be a ggml CMake build; with a real one (the
+    environment variable DS4F_GGML_BUILD names it) ds4f's matvec and ggml's two MXFP4 kernels run
+    in turn, each checked against float64 first."""
+    import json
+
+    from ds4f.cli import main
+
+    assert main(["bench-kernels", "--kernels", "ggml"]) == 2
+    assert "--ggml DIR" in capsys.readouterr().err
+    assert main(["bench-kernels", "--kernels", "ggml", "--ggml", str(tmp_path)]) == 2
+    assert "no CMake build directory" in capsys.readouterr().err
+    (tmp_path / "CMakeCache.txt").write_text(f"ggml_SOURCE_DIR:STATIC={tmp_path}\n")
+    assert main(["bench-kernels", "--kernels", "ggml", "--ggml", str(tmp_path)]) == 2
+    assert "include/ggml-cpu.h" in capsys.readouterr().err
+    build = os.environ.get("DS4F_GGML_BUILD")
+    if not build or "avx2" not in AVAILABLE:
+        pytest.skip("no ggml build given (DS4F_GGML_BUILD) or no AVX2 here")
+    path = tmp_path / "ggml.json"
+    assert main(["bench-kernels", "--kernels", "ggml", "--ggml", build, "--json", str(path)]) == 0
+    rounds = json.loads(path.read_text())
+    assert len(rounds) == 10 and all(r["kernel"] == "ggml" and min(r["gw"].values()) > 0 for r in rounds)
+    out = capsys.readouterr().out
+    assert "ggml standard" in out and "ds4f: max |y - float64| / sum |w*x|" in out
+    err = float(out.split("ds4f: max |y - float64| / sum |w*x| = ")[1].split()[0])
+    assert err <= 1e-5
