@@ -1,4 +1,4 @@
-"""`ds4f bench engine|cache|console|prefill|chat|batch|spec|agent|structured|split`: the benchmarks from the shell.
+"""`ds4f bench engine|cache|console|prefill|chat|batch|spec|agent|structured|split|llama`: the benchmarks from the shell.
 
 All of them go through ds4f.api (the benchmarks), like the console and the server do; `bench
 console` measures the console itself (ds4f.console.bench). MODEL defaults to the bench
@@ -22,7 +22,7 @@ from ds4f.cli.runs import _fmt
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["engine", "cache", "console", "prefill", "chat", "batch", "spec", "agent",
-                                         "structured", "split"],
+                                         "structured", "split", "llama"],
                         help="which benchmark: engine (SIMD against scalar), cache (policies and prefetch), "
                              "console (key-to-action latency and bytes per refresh during a run), "
                              "prefill (the prompt token by token against layer-major chunks), "
@@ -34,10 +34,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                              "on the demo and flash vocabularies and MODEL's tokenizer when given), "
                              "split (where a decode token's time goes: ds4f's kernels, numpy, the interpreter, "
                              "waits; py-spy's native samples of a run, one kernel thread, preset server unless "
-                             "--preset)")
+                             "--preset), "
+                             "llama (ds4f against llama.cpp's llama-bench on the bench checkpoint, converted by "
+                             "llama.cpp's own converter: decode, pp128, pp512 and peak RSS, rounds alternated; "
+                             "needs --llama-build and --llama-src)")
     add_model(parser, "checkpoint (default: the bench geometry, made on demand)")
-    add_gen(parser, "bench engine 8, bench cache 24, bench spec 24, per run")
-    add_preset(parser, "laptop; bench engine and bench cache")
+    add_gen(parser, "bench engine 8, bench cache 24, bench spec 24, per run; bench llama 32, its tg test")
+    add_preset(parser, "laptop; bench engine and bench cache; bench llama: server")
     add_config(parser)
     add_json_option(parser)
     add_output_option(parser)
@@ -52,7 +55,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="bench agent: main-thread requests sent again to a --no-kv server (default 2)")
     add_parallel(parser, 1, note="bench agent: the server's")
     add_dump_option(parser, "server")
-    add_repeat(parser, None, "bench spec: (plain, speculative) pairs per row, each figure the faster", "2")
+    add_repeat(parser, None, "bench spec: (plain, speculative) pairs per row, each figure the faster; bench llama: "
+                           "each test per round, as llama-bench -r", "2; bench llama 3")
     parser.add_argument("--rows", choices=["all", "auto"], default="all",
                         help="bench spec: every row, or only spec auto's (default all)")
     parser.add_argument("--trained", action="store_true",
@@ -63,6 +67,20 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                         help="bench prefill: prompt lengths, comma-separated (default 16,128,512,2048)")
     add_backend(parser, "bench cache: the backend of its prefetch runs (scalar shows what prefetch does when "
                         "the disk has idle time)")
+    llama = parser.add_argument_group("bench llama (optional: llama.cpp is needed for this benchmark only)")
+    llama.add_argument("--llama-build", metavar="DIR", default=None,
+                       help="a llama.cpp build directory holding llama-bench (DIR/bin/llama-bench)")
+    llama.add_argument("--llama-src", metavar="DIR", default=None,
+                       help="llama.cpp's source tree: its converter convert_hf_to_gguf.py and gguf-py")
+    llama.add_argument("--llama-python", metavar="PATH", default=None,
+                       help="the Python that runs llama.cpp's converter (torch, transformers, safetensors, "
+                            "sentencepiece; default: this one); used once, when the GGUF is made")
+    llama.add_argument("--rounds", type=int, default=3, metavar="N",
+                       help="rounds of each engine, alternated ds4f first (default 3)")
+    llama.add_argument("-t", "--threads", type=int, default=2, metavar="N",
+                       help="kernel threads of both engines (default 2)")
+    llama.add_argument("--lock", metavar="FILE", default=None,
+                       help="hold an flock on FILE during each round (a machine whose benchmarks take turns)")
 
 
 def run(args) -> int:
@@ -75,6 +93,12 @@ def _bench(args) -> int:
         return _bench_console(args)
     if args.what == "split":
         return _bench_split(args, model_arg(args))
+    if args.what == "llama":
+        return _bench_llama(args)
+    for flag, value in (("--llama-build", args.llama_build), ("--llama-src", args.llama_src),
+                        ("--llama-python", args.llama_python), ("--lock", args.lock)):
+        if value is not None:
+            raise Ds4fError(f"{flag}: only bench llama takes it")
     args.preset = args.preset or "laptop"
     model = model_arg(args)
     if args.what == "structured":
@@ -130,6 +154,55 @@ def _bench_split(args, model) -> int:
             builtins.print(table.text(), file=out)
     _show(args, [parts, pieces, top], text, r)
     return 0
+
+
+def _bench_llama(args) -> int:
+    from ds4f.bench.llama import bench_llama
+
+    if model_arg(args):
+        raise Ds4fError("MODEL: bench llama runs the bench checkpoint (its official shards are made again for "
+                        "llama.cpp's converter); it takes no MODEL")
+    if args.backend is not None:
+        raise Ds4fError("--backend: bench llama runs ds4f's best backend (ds4f.toml's engine.backend)")
+    r = bench_llama(args.llama_build, args.llama_src, rounds=args.rounds, threads=args.threads, gen=args.gen or 32,
+                    repeat=args.repeat or 3, preset=args.preset or "server", python=args.llama_python,
+                    lock=args.lock, config_path=args.config, log=announce, progress=True)
+    rounds, ratio = _llama_tables(r)
+
+    def text(out) -> None:
+        print = functools.partial(builtins.print, file=out)
+        print()
+        print(rounds.text())
+        print()
+        print(ratio.text())
+    _show(args, [rounds, ratio], text, r)
+    return 0
+
+
+def _llama_tables(r: dict) -> tuple[Table, Table]:
+    rounds = Table("rounds", [Column("round"), Column("engine", align="left"),
+                              Column("decode", "decode tok/s", ".2f"), Column("pp128", "pp128 tok/s", ".2f"),
+                              Column("pp512", "pp512 tok/s", ".2f"), Column("peak_rss_gib", "peak RSS GiB", ".2f"),
+                              Column("load_before", "load before", align="left"),
+                              Column("load_after", "load after", align="left")],
+                   title=f"each round ({r['threads']} threads; pp128, pp512 and tg{r['gen']} {r['repeat']} times each, "
+                         f"mean tokens/s; ds4f: preset {r['preset']} with the whole expert pool cached; llama.cpp: "
+                         f"the GGUF read into memory)")
+    for x in r["rounds"]:
+        rounds.add(x["round"], x["engine"], x["decode"], x["pp128"], x["pp512"], x["peak_rss"] / 2**30,
+                   x["load_before"], x["load_after"])
+    ratio = Table("ratios", [Column("metric", align="left"), Column("ds4f", "ds4f", ".2f"),
+                             Column("llama", "llama.cpp", ".2f"), Column("ratio", "ds4f/llama.cpp", ".2f"),
+                             Column("low", "lowest pair", ".2f"), Column("high", "highest pair", ".2f")],
+                  title="medians over the rounds, ds4f over llama.cpp (tokens/s: above 1 ds4f is faster; "
+                        "peak RSS: above 1 ds4f holds more)")
+    for key, label in (("decode", "decode tok/s"), ("pp128", "pp128 tok/s"), ("pp512", "pp512 tok/s"),
+                       ("peak_rss", "peak RSS GiB")):
+        m = r["ratios"][key]
+        scale = 2**30 if key == "peak_rss" else 1
+        ratio.add(Label(key, label), None if m["ds4f"] is None else m["ds4f"] / scale,
+                  None if m["llama"] is None else m["llama"] / scale, m["ratio"], m["low"], m["high"])
+    return rounds, ratio
 
 
 def _bench_structured(args, model) -> int:

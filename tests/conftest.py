@@ -86,6 +86,9 @@ def release():
 SPEED = {
     # CLI subprocesses, a wheel build, every command's --help, the benchmarks, the agent clients
     "bench/": "slow", "cachelab/": "slow", "cli/": "slow", "clients/": "slow",
+    # bench llama: reading llama-bench's JSON, the ratios, a stand-in llama-bench's round in the loop
+    "bench/test_bench_llama.py": "fast", "bench/test_bench_llama.py::test_the_cli_names": "slow",
+    "bench/test_bench_llama.py::test_bench_llama_end_to_end": "slow",
     "test_package.py": "slow", "test_wheel.py": "slow", "test_marker_text.py": "slow",
     # Textual apps, pseudo-terminals and real servers; the console's units and its client are fast
     "console/": "slow",
