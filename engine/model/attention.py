@@ -410,7 +410,22 @@ def attention_parts(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]
     row's output is the one it gets in a step of its own. beside(fn, *args): where rms_rows runs
     half of its rows (runtime.helper_thread); None: everything here."""
     p = project(w, A, shape, [(pos0, count) for _, pos0, count in parts], beside)
-    return output_projection(w, attend(w, parts, p, shape, rope))
+    O = attend(w, parts, p, shape, rope)
+    if beside is None or len(O) <= OUTPUT_HALF_ROWS:
+        return output_projection(w, O)
+    Y = np.empty((len(O), w.wo_b.shape[0]), np.float32)
+    in_halves(beside, lambda a, b: _project_alone(w, O[a:b], Y[a:b]), len(O), OUTPUT_HALF_ROWS)
+    return Y
+
+
+OUTPUT_HALF_ROWS = 64   # rows from which the output projection goes in two halves, one per core
+
+
+def _project_alone(w: AttentionWeights, O: np.ndarray, Y: np.ndarray) -> None:
+    """output_projection of some rows on this thread alone (kernels.alone: the pool untouched), so
+    the two halves keep to a core each, as two streams that do not wait on each other's tasks."""
+    with kernels.alone():
+        output_projection(w, O, Y)
 
 
 def push_window_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,
