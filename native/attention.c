@@ -305,10 +305,22 @@ int ds4f_attention_rows(const ds4f_attention_rows_args *a) {
         return -1;
     if (a->heads == 0 || a->head_dim == 0 || 2 * a->rope_half > a->head_dim) return -1;
     for (size_t t = 0; t < a->n; t++) {
-        if (a->n_win[t] < 0 || a->n_comp[t] < 0 || a->n_win[t] + a->n_comp[t] == 0) return -1;
-        if (a->n_win[t] > 0 && (!a->keys || a->win_first[t] < 0)) return -1;
-        if (a->n_comp[t] > 0 && (!a->comp || !a->part || a->part[t] < 0 || !a->comp[a->part[t]])) return -1;
-        if (a->n_comp[t] > 0 && a->sel_first && a->sel_first[t] >= 0 && !a->sel) return -1;
+        const int64_t nw = a->n_win[t], nc = a->n_comp[t];
+        if (nw < 0 || nc < 0 || nw + nc == 0) return -2;
+        if (nw > 0 && (!a->keys || a->win_first[t] < 0 || a->win_first[t] + nw > (int64_t)a->n_keys)) return -3;
+        if (nc == 0) continue;
+        if (!a->comp || !a->part || !a->comp_rows || a->part[t] < 0 || (size_t)a->part[t] >= a->n_parts ||
+            !a->comp[a->part[t]])
+            return -4;
+        const int64_t held = a->comp_rows[a->part[t]];
+        if (a->sel_first && a->sel_first[t] >= 0) {
+            const int64_t f = a->sel_first[t];
+            if (!a->sel || f + nc > (int64_t)a->n_sel) return -5;
+            for (int64_t i = f; i < f + nc; i++)
+                if (a->sel[i] < 0 || a->sel[i] >= held) return -6;
+        } else if (nc > held) {
+            return -7;
+        }
     }
     job jb = {a, (a->heads + GROUP - 1) / GROUP};
     ds4f_pool_run(task, &jb, a->n * jb.groups);

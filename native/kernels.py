@@ -717,31 +717,11 @@ def attention_rows(q: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.nda
         if not isinstance(c, np.ndarray) or c.ndim != 2:
             raise ValueError(f"comp[{i}]: expected a float32 array [rows, {hd}]")
         _arr(f"comp[{i}]", c, _F32, (len(c), hd))
-    if n and (n_win.min() < 0 or n_comp.min() < 0 or (n_win + n_comp).min() < 1):
-        raise ValueError("n_win, n_comp: every row needs at least one key")
-    if n and ((win_first < 0) | (win_first + n_win > len(keys)))[n_win > 0].any():
-        raise ValueError("win_first, n_win: a row's window runs outside keys")
-    has = n_comp > 0
-    if has.any() and ((part < 0) | (part >= len(comp)))[has].any():
-        raise ValueError("part: a row names no compressed rows")
-    sizes = np.array([len(c) for c in comp] or [0], np.int64)[np.clip(part, 0, max(len(comp) - 1, 0))]
-    chosen = np.zeros(n, bool) if sel_first is None else sel_first >= 0
     if sel_first is not None:
         _arr("sel_first", sel_first, _I64, (n,))
         if not isinstance(sel, np.ndarray) or sel.ndim != 1:
             raise ValueError("sel: expected a 1-D int32 array")
         _arr("sel", sel, _I32, sel.shape)
-        rows = np.flatnonzero(chosen & has)
-        if len(rows):
-            if (sel_first[rows] + n_comp[rows] > len(sel)).any():
-                raise ValueError("sel_first, n_comp: a row's selection runs outside sel")
-            counts = n_comp[rows].astype(np.int64)
-            at = np.repeat(sel_first[rows] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
-            picked = sel[at]
-            if picked.min() < 0 or (picked >= np.repeat(sizes[rows], counts)).any():
-                raise ValueError("sel: a row selects a compressed row its part does not hold")
-    if (n_comp > sizes)[has & ~chosen].any():
-        raise ValueError("n_comp: a row attends to more compressed rows than its part holds")
     out = _out("out", out, (n, H, hd)).reshape(n, H, hd)
     a = ffi.new("ds4f_attention_rows_args *")
     keep = [_ptr("float[]", c) for c in comp]
@@ -753,9 +733,22 @@ def attention_rows(q: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.nda
     a.sel_first = _ptr("int64_t[]", sel_first) if sel_first is not None else ffi.NULL
     a.sel = _ptr("int32_t[]", sel) if sel_first is not None else ffi.NULL
     a.sinks, a.scale, a.out = _ptr("float[]", sinks), float(scale), _ptr("float[]", out)
-    if n and lib.ds4f_attention_rows(a) != 0:  # unreachable after the checks above; kept as a guard
-        raise ValueError("attention_rows: the native kernel rejected its arguments")
+    rows = ffi.new("int64_t[]", [len(c) for c in comp] or [0])
+    a.n_keys, a.n_parts, a.n_sel, a.comp_rows = len(keys), len(comp), len(sel) if sel_first is not None else 0, rows
+    rc = lib.ds4f_attention_rows(a) if n else 0
+    if rc != 0:   # the index arrays, checked in C against the sizes before anything is read
+        raise ValueError(_ATTENTION_ERRORS.get(rc, "attention_rows: the native kernel rejected its arguments"))
     return out
+
+
+_ATTENTION_ERRORS = {
+    -2: "n_win, n_comp: every row needs at least one key",
+    -3: "win_first, n_win: a row's window runs outside keys",
+    -4: "part: a row names no compressed rows",
+    -5: "sel_first, n_comp: a row's selection runs outside sel",
+    -6: "sel: a row selects a compressed row its part does not hold",
+    -7: "n_comp: a row attends to more compressed rows than its part holds",
+}
 
 
 def _check_env() -> None:

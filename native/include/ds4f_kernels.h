@@ -155,12 +155,17 @@ int ds4f_hc_post(float *x, size_t n, size_t N, size_t hidden, const float *y, co
  * from 0, exp a fixed sequence of correctly rounded steps (attention.c): the same bits on every
  * backend, at every thread count, and a row's bits whatever the other rows of the call. Rows and
  * groups of 32 heads are spread over the kernels' threads, one thread each.
- * Returns 0, or -1 for bad arguments (a row with no keys, a missing array). */
+ * The index arrays are checked against the sizes given (n_keys, comp_rows of n_parts parts, n_sel)
+ * before anything is read. Returns 0, or for bad arguments: -1 a missing array or shape, -2 a row
+ * with no keys, -3 a window outside keys, -4 a part that is not there, -5 a selection outside sel,
+ * -6 a selected row its part does not hold, -7 more compressed rows than the part holds. */
 typedef struct {
     size_t n, heads, head_dim, rope_half;
     const float *q;
     const float *cos, *sin;
     const float *keys;
+    size_t n_keys, n_parts, n_sel;
+    const int64_t *comp_rows;  /* each part's compressed rows (n_parts) */
     const int64_t *win_first;
     const int32_t *n_win;
     const float **comp;

@@ -129,8 +129,20 @@ def test_bad_arguments_are_refused():
         _native(bad)
     if len(case["sel"]):
         bad = dict(case, sel=case["sel"] + 50)
-        with pytest.raises(ValueError, match="sel"):
+        with pytest.raises(ValueError, match="^sel: a row selects"):
             _native(bad)
+        bad = dict(case, sel_first=np.where(case["sel_first"] >= 0, case["sel_first"] + len(case["sel"]), -1))
+        with pytest.raises(ValueError, match="^sel_first, n_comp"):
+            _native(bad)
+    has = case["n_comp"] > 0
+    assert has.any()
+    bad = dict(case, part=np.where(has, len(case["comp"]), case["part"]).astype(np.int32))
+    with pytest.raises(ValueError, match="^part"):
+        _native(bad)
+    held = np.array([len(c) for c in case["comp"]])[case["part"]]
+    bad = dict(case, sel_first=np.full(4, -1, np.int64), n_comp=np.where(has, held + 1, 0).astype(np.int32))
+    with pytest.raises(ValueError, match="^n_comp: a row attends to more"):
+        _native(bad)
 
 
 def _old_core(w, cache, p, t, pos, shape, rope):
