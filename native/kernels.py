@@ -5,6 +5,11 @@ shape (FP8) and output sizes and raises ValueError naming the offending argument
 reaches C that could make it read or write out of bounds.  Arrays may be views into larger buffers (expert-cache slots): any C-contiguous
 array of the right dtype and shape is used in place, never copied.
 
+A weight used for many products can be checked once: prepare_fp8 / prepare_bf16 /
+prepare_mxfp4 give a PreparedMatrix for matmul, prepare_expert a PreparedExpert for the experts
+kernels; a call then checks only its x, out and scratch (the engine keeps one per trunk matrix
+and one per expert-cache slot).
+
 The *_matmul functions and experts_forward_tokens take several input vectors at once (the
 tokens of a prompt): each weight block is decoded once and applied to all of them, and each
 result row is bit-identical to the single-vector kernel's on that vector (same backend).
