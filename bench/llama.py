@@ -283,19 +283,36 @@ def _wait_for_memory(need: int, what: str, log: Log, wait_s: float = MEMORY_WAIT
         time.sleep(10)
 
 
+# A small Python between this process and the measured one: Linux records the exec'ing process's
+# high-water RSS into the new program's ru_maxrss, so a child started straight from a large process
+# (a test runner, a console) would report at least that process's size. The launcher is small,
+# waits for its own child with wait4, and writes that child's ru_maxrss (KiB) to argv[1].
+_LAUNCHER = ("import os, subprocess, sys\n"
+             "p = subprocess.Popen(sys.argv[2:])\n"
+             "_, status, usage = os.wait4(p.pid, 0)\n"
+             "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+             "sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)\n")
+
+
 def run_child(cmd: list[str], out_path: Path, err_path: Path, env=None) -> tuple[int, int]:
     """Run cmd with stdout and stderr to files; (exit status, peak RSS in bytes) of that child
-    alone (os.wait4: the kernel's ru_maxrss for it, KiB on Linux)."""
+    alone (the kernel's ru_maxrss for it, through _LAUNCHER, KiB on Linux)."""
+    rss_path = Path(str(out_path) + ".maxrss")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(rss_path), *cmd], stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL, env=env)
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024
+    try:
+        peak = int(rss_path.read_text()) * 1024
+        rss_path.unlink()
+    except (OSError, ValueError):
+        peak = 0            # the launcher failed before its child ended: the status says why
+    return proc.returncode, peak
 
 
 def _tail(path: Path, lines: int = 3) -> str:

@@ -15,7 +15,8 @@ from ds4f.api import Ds4fError, ensure_demo_model, format_bytes
 from ds4f.cli.bench_tables import (_cache_tables, _depth_table, _engine_table, _prefill_table, _print_bench_cache,
                                    _print_bench_engine, _print_prefill, _show)
 from ds4f.cli.options import (add_backend, add_config, add_dump_option, add_gen, add_json_option, add_model,
-                              add_output_option, add_parallel, add_preset, add_repeat, announce, model_arg)
+                              add_output_option, add_parallel, add_preset, add_repeat, add_threads, announce,
+                              model_arg)
 from ds4f.cli.output import Column, Inputs, Label, Table, check_streams, command_inputs
 from ds4f.cli.runs import _fmt
 
@@ -77,8 +78,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                             "sentencepiece; default: this one); used once, when the GGUF is made")
     llama.add_argument("--rounds", type=int, default=3, metavar="N",
                        help="rounds of each engine, alternated ds4f first (default 3)")
-    llama.add_argument("-t", "--threads", type=int, default=2, metavar="N",
-                       help="kernel threads of both engines (default 2)")
+    add_threads(llama, default=2, help="kernel threads of both engines (default 2)")
     llama.add_argument("--lock", metavar="FILE", default=None,
                        help="hold an flock on FILE during each round (a machine whose benchmarks take turns)")
 

@@ -109,12 +109,13 @@ def add_parallel(parser: argparse.ArgumentParser, default: int | None, default_t
                              f"{f' ({note})' if note else ''} (default {default_text or default})")
 
 
-def add_threads(parser: argparse.ArgumentParser, *, counts: bool = False) -> None:
-    """-t/--threads N; counts: a comma-separated list of thread counts to measure (bench-kernels)."""
+def add_threads(parser, *, counts: bool = False, default: int | None = None, help: str | None = None) -> None:
+    """-t/--threads N; counts: a comma-separated list of thread counts to measure (bench-kernels);
+    default and help: a command whose threads do not come from ds4f.toml (bench llama's)."""
     how = (dict(metavar="N,...", help="kernel threads: comma-separated thread counts to measure (default: 1 and"
                                       " all cores)") if counts
-           else dict(type=int, default=None, metavar="N",
-                     help="kernel threads (default: ds4f.toml's engine.kernel_threads; 0: all cores)"))
+           else dict(type=int, default=default, metavar="N",
+                     help=help or "kernel threads (default: ds4f.toml's engine.kernel_threads; 0: all cores)"))
     parser.add_argument("-t", "--threads", **how)
 
 
