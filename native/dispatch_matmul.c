@@ -70,13 +70,14 @@ typedef struct {
     size_t rows, k, n, chunk, kpad, ldx;
     size_t tblock, nchunks; /* tokens per block; row chunks per token block */
     const float *x;
+    size_t ldxin, ldy;      /* x's rows ldxin floats apart, y's ldy */
     float *xp, *y;
 } mm_job;
 
 static void prep_task(void *ctx, size_t i) {
     const mm_job *j = ctx;
     const size_t t1 = (i + 1) * PREP_TOKENS < j->n ? (i + 1) * PREP_TOKENS : j->n;
-    for (size_t t = i * PREP_TOKENS; t < t1; t++) prep_row(j->m, j->kind, j->x + t * j->k, j->k, j->kpad, j->xp + t * j->ldx);
+    for (size_t t = i * PREP_TOKENS; t < t1; t++) prep_row(j->m, j->kind, j->x + t * j->ldxin, j->k, j->kpad, j->xp + t * j->ldx);
 }
 
 /* task i: token block i / nchunks (the threads share a block's x while they take its rows), row
@@ -86,29 +87,28 @@ static void mm_task(void *ctx, size_t i) {
     const size_t c = i % j->nchunks, t0 = (i / j->nchunks) * j->tblock;
     const size_t r0 = c * j->chunk, r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
     const size_t nt = t0 + j->tblock < j->n ? j->tblock : j->n - t0;
-    j->m->mm[j->kind](j->w, j->scales, r0, r1, j->k, nt, j->xp + t0 * j->ldx, j->ldx, j->y + t0 * j->rows, j->rows);
+    j->m->mm[j->kind](j->w, j->scales, r0, r1, j->k, nt, j->xp + t0 * j->ldx, j->ldx, j->y + t0 * j->ldy, j->ldy);
 }
 
-static int matmul(int kind, const void *w, const uint8_t *scales, size_t rows, size_t k, size_t n, const float *x,
-                  float *y, float *scratch) {
-    if (!w || (kind != DS4F_MM_BF16 && !scales) || !x || !y || !scratch || k == 0 ||
-        (kind != DS4F_MM_FP8 && k % 32))
-        return -1;
-    if (rows == 0 || n == 0) return 0;
-    const int backend = ds4f_get_backend();
+/* one matrix on n vectors: x row t at x + t ldxin, its results at y + t ldy (both at least the
+ * matrix's k and rows); arguments checked by the caller */
+static void matmul_strided(int kind, const void *w, const uint8_t *scales, size_t rows, size_t k, size_t n,
+                           const float *x, size_t ldxin, float *y, size_t ldy, float *scratch) {
+    if (rows == 0 || n == 0) return;
     if (n == 1) { /* the single-vector kernel: the same bits, and faster for one vector */
         switch (kind) {
         case DS4F_MM_MXFP4: ds4f_mxfp4_matvec(w, scales, rows, k, x, y); break;
         case DS4F_MM_BF16: ds4f_bf16_matvec(w, rows, k, x, y); break;
         default: ds4f_fp8_matvec(w, scales, rows, k, x, y); break;
         }
-        return 0;
+        return;
     }
-    mm_job j = {mtable(backend), kind, w, scales, rows, k, n, 0, 0, xp_stride(k), 0, 0, x, scratch, y};
+    mm_job j = {mtable(ds4f_get_backend()), kind, w, scales, rows, k, n, 0, 0, xp_stride(k), 0, 0, x, ldxin, ldy,
+                scratch, y};
     j.kpad = round_up(k, j.m->xpad[kind]);
     if (!j.m->prep[kind] && j.kpad == k) {
         j.xp = (float *)x; /* natural order, no padding: x as it is */
-        j.ldx = k;
+        j.ldx = ldxin;
     } else {
         ds4f_pool_run(prep_task, &j, (n + PREP_TOKENS - 1) / PREP_TOKENS);
     }
@@ -121,6 +121,71 @@ static int matmul(int kind, const void *w, const uint8_t *scales, size_t rows, s
     if (j.tblock < MIN_BLOCK_TOKENS) j.tblock = MIN_BLOCK_TOKENS;
     if (j.tblock > n) j.tblock = n;
     ds4f_pool_run(mm_task, &j, j.nchunks * ((n + j.tblock - 1) / j.tblock));
+}
+
+static int kind_ok(int kind, const void *w, const uint8_t *scales, size_t k) {
+    return w && kind >= 0 && kind < DS4F_MM_KINDS && (kind == DS4F_MM_BF16 || scales) && k > 0 &&
+           (kind == DS4F_MM_FP8 || k % 32 == 0);
+}
+
+static int matmul(int kind, const void *w, const uint8_t *scales, size_t rows, size_t k, size_t n, const float *x,
+                  float *y, float *scratch) {
+    if (!kind_ok(kind, w, scales, k) || !x || !y || !scratch) return -1;
+    matmul_strided(kind, w, scales, rows, k, n, x, k, y, rows, scratch);
+    return 0;
+}
+
+/* ---- a group of matrices in one call ------------------------------------------------------ */
+
+/* One vector (decode): every matrix's row chunks are tasks of one pool job, so the threads meet
+ * once for the group instead of once per matrix; each chunk runs the single-vector kernel's row
+ * function, as ds4f_*_matvec's tasks do. */
+typedef struct {
+    const ds4f_ktable *t;
+    const ds4f_matrix *m;
+    size_t count, chunk[DS4F_GROUP_MAX], first[DS4F_GROUP_MAX + 1]; /* first[i]: matrix i's first task */
+    const float *x;
+    float *y;
+} group_job;
+
+static void group_task(void *ctx, size_t i) {
+    const group_job *j = ctx;
+    size_t g = 0;
+    while (i >= j->first[g + 1]) g++;
+    const ds4f_matrix *m = &j->m[g];
+    const size_t r0 = (i - j->first[g]) * j->chunk[g], r1 = r0 + j->chunk[g] < m->rows ? r0 + j->chunk[g] : m->rows;
+    const float *x = j->x + m->x_col;
+    float *y = j->y + m->y_col;
+    switch (m->kind) {
+    case DS4F_MM_MXFP4: j->t->matvec(m->w, m->scales, r0, r1, m->k, x, y); break;
+    case DS4F_MM_BF16: j->t->bf16(m->w, r0, r1, m->k, x, y); break;
+    default: j->t->fp8_matvec(m->w, m->scales, r0, r1, m->k, x, y); break;
+    }
+}
+
+int ds4f_matmul_group(const ds4f_matrix *m, size_t count, size_t n, const float *x, size_t ldx, float *y, size_t ldy,
+                      float *scratch) {
+    if (!m || count > DS4F_GROUP_MAX || !x || !y || !scratch) return -1;
+    for (size_t i = 0; i < count; i++)
+        if (!kind_ok(m[i].kind, m[i].w, m[i].scales, m[i].k) || m[i].x_col + m[i].k > ldx ||
+            m[i].y_col + m[i].rows > ldy)
+            return -1;
+    if (n == 0 || count == 0) return 0;
+    if (n > 1) {
+        for (size_t i = 0; i < count; i++)
+            matmul_strided(m[i].kind, m[i].w, m[i].scales, m[i].rows, m[i].k, n, x + m[i].x_col, ldx,
+                           y + m[i].y_col, ldy, scratch);
+        return 0;
+    }
+    group_job j = {ds4f_ktable_of(ds4f_get_backend()), m, count, {0}, {0}, x, y};
+    const size_t nt = (size_t)ds4f_pool_get_threads();
+    for (size_t i = 0; i < count; i++) { /* each matrix cut as ds4f_*_matvec cuts it alone */
+        const size_t ntasks = nt > 1 && m[i].rows * m[i].k >= MIN_TASK_WEIGHTS ? 4 * nt : 1;
+        j.chunk[i] = round_up((m[i].rows + ntasks - 1) / ntasks, ROW_ALIGN);
+        if (j.chunk[i] == 0) j.chunk[i] = ROW_ALIGN;
+        j.first[i + 1] = j.first[i] + (m[i].rows + j.chunk[i] - 1) / j.chunk[i];
+    }
+    ds4f_pool_run(group_task, &j, j.first[count]);
     return 0;
 }
 

@@ -459,26 +459,83 @@ class PreparedMatrix:
     prepare_fp8), for many products: matmul then checks only x, out and scratch. The arrays stay
     exported (alive, unresizable) while it lives."""
 
-    __slots__ = ("fn", "args", "rows", "k")
+    __slots__ = ("fn", "args", "rows", "k", "kind")
 
-    def __init__(self, fn, args: tuple, rows: int, k: int) -> None:
-        self.fn, self.args, self.rows, self.k = fn, args, rows, k
+    def __init__(self, fn, args: tuple, rows: int, k: int, kind: int) -> None:
+        self.fn, self.args, self.rows, self.k, self.kind = fn, args, rows, k, kind
 
 
 def prepare_mxfp4(codes: np.ndarray, scales: np.ndarray) -> PreparedMatrix:
     rows, k = _mxfp4_shape(codes, scales)
-    return PreparedMatrix(lib.ds4f_mxfp4_matmul, (_ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales)), rows, k)
+    return PreparedMatrix(lib.ds4f_mxfp4_matmul, (_ptr("uint8_t[]", codes), _ptr("uint8_t[]", scales)), rows, k,
+                          lib.DS4F_MM_MXFP4)
 
 
 def prepare_bf16(w: np.ndarray) -> PreparedMatrix:
     rows, k = _bf16_shape(w)
-    return PreparedMatrix(lib.ds4f_bf16_matmul, (_ptr("uint16_t[]", w.view(_U16)),), rows, k)
+    return PreparedMatrix(lib.ds4f_bf16_matmul, (_ptr("uint16_t[]", w.view(_U16)),), rows, k, lib.DS4F_MM_BF16)
 
 
 def prepare_fp8(w: np.ndarray, scales: np.ndarray) -> PreparedMatrix:
     rows, k = _fp8_shape(w, scales)
     return PreparedMatrix(lib.ds4f_fp8_matmul, (_ptr("uint8_t[]", w.view(_U8)), _ptr("uint8_t[]", scales.view(_U8))),
-                          rows, k)
+                          rows, k, lib.DS4F_MM_FP8)
+
+
+class MatmulGroup:
+    """Prepared matrices applied to the same vectors in one native call (ds4f_matmul_group): matrix
+    i reads columns x_col .. x_col + k of each row of x [n, ldx] and writes columns y_col .. y_col +
+    rows of out [n, ldy], each row bit for bit its own product (see matmul_group). Built once per
+    set of weights: the call then checks only x, out and scratch."""
+
+    __slots__ = ("items", "count", "ldx", "ldy", "kmax", "mats")
+
+    def __init__(self, parts: Sequence[tuple[PreparedMatrix, int, int]], ldx: int, ldy: int) -> None:
+        if not 0 < len(parts) <= lib.DS4F_GROUP_MAX:
+            raise ValueError(f"a group holds 1 to {lib.DS4F_GROUP_MAX} matrices, not {len(parts)}")
+        taken = []
+        for i, (m, x_col, y_col) in enumerate(parts):
+            if not (isinstance(m, PreparedMatrix) and 0 <= x_col and x_col + m.k <= ldx and 0 <= y_col
+                    and y_col + m.rows <= ldy):
+                raise ValueError(f"group matrix {i}: its columns fall outside x's {ldx} or out's {ldy}")
+            for a, b in taken:
+                if y_col < b and a < y_col + m.rows:
+                    raise ValueError(f"group matrix {i}: its output columns overlap another matrix's")
+            taken.append((y_col, y_col + m.rows))
+        self.items = ffi.new("ds4f_matrix[]", len(parts))
+        for item, (m, x_col, y_col) in zip(self.items, parts):
+            item.kind, item.w = m.kind, m.args[0]
+            item.scales = m.args[1] if len(m.args) > 1 else ffi.NULL
+            item.rows, item.k, item.x_col, item.y_col = m.rows, m.k, x_col, y_col
+        self.count, self.ldx, self.ldy = len(parts), ldx, ldy
+        self.kmax = max(m.k for m, _, _ in parts)
+        self.mats = tuple(m for m, _, _ in parts)   # their arrays stay exported while the group lives
+
+
+def matmul_group(g: MatmulGroup, x: np.ndarray, out: np.ndarray | None = None,
+                 scratch: np.ndarray | None = None) -> np.ndarray:
+    """out [n, ldy] float32 with each matrix's products of x [n, ldx] float32 in its columns (see
+    MatmulGroup); the columns no matrix writes are left as they were.  Matrix i's block of row t
+    equals matmul(matrix i, the slice of x[t]) bit for bit.  scratch: see matmul_scratch with the
+    group's largest k (None: allocated for this call)."""
+    n = x.shape[0] if type(x) is np.ndarray and x.ndim == 2 else -1
+    if n < 0 or x.dtype != _F32 or x.shape[1] != g.ldx or not x.flags.c_contiguous:
+        n = _x_rows(x, g.ldx)
+    need = int(lib.ds4f_matmul_scratch_floats(n, g.kmax))
+    if out is None or not _plain(out, (n, g.ldy)):
+        out = _out("out", out, (n, g.ldy))
+    if scratch is None or not (type(scratch) is np.ndarray and scratch.dtype == _F32 and scratch.size >= need
+                               and scratch.flags.c_contiguous and scratch.flags.writeable):
+        scratch = _scratch(scratch, need, "matmul_scratch")
+    if np.may_share_memory(out, x):
+        raise ValueError("out: must not overlap x")
+    if np.may_share_memory(scratch, x) or np.may_share_memory(scratch, out):
+        raise ValueError("scratch: must not overlap the inputs or the output")
+    rc = lib.ds4f_matmul_group(g.items, g.count, n, ffi.from_buffer("float[]", x), g.ldx,
+                               ffi.from_buffer("float[]", out), g.ldy, ffi.from_buffer("float[]", scratch))
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("matmul_group: the native kernel rejected its arguments")
+    return out
 
 
 def _plain(a, shape: tuple) -> bool:

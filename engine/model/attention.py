@@ -27,6 +27,7 @@ index_topk; equal scores keep the LOWER row index first (a documented rule: torc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -72,6 +73,16 @@ class AttentionWeights:
     sinks: np.ndarray               # fp32 [H]
     compressor: CompressorWeights | None = None   # CSA and HCA layers
     indexer: IndexerWeights | None = None         # CSA layers
+
+    @cached_property
+    def input_group(self) -> kernels.MatmulGroup | None:
+        """The projections of the normed input in one native call (input_projections, side_by_side)."""
+        return side_by_side(input_projections(self))
+
+    @cached_property
+    def output_group(self) -> kernels.MatmulGroup | None:
+        """wo_a's groups in one native call (grouped)."""
+        return grouped(self.wo_a)
 
 
 @dataclass(frozen=True)
@@ -272,21 +283,56 @@ def _matmul(m: Matrix, x: np.ndarray) -> np.ndarray:
     return m.matmul(x, np.empty((len(x), m.shape[0]), np.float32))
 
 
+def side_by_side(ms: list[Matrix]) -> kernels.MatmulGroup | None:
+    """Matrices of one input width, their products of an input side by side in one output row (one
+    native call, kernels.matmul_group); None where one of them has no native form (an F32Matrix)."""
+    if not all(hasattr(m, "native") for m in ms):
+        return None
+    cols = np.cumsum([0] + [m.shape[0] for m in ms])
+    return kernels.MatmulGroup([(m.native, 0, int(c)) for m, c in zip(ms, cols[:-1])], ms[0].shape[1],
+                               int(cols[-1]))
+
+
+def products(ms: list[Matrix], group: kernels.MatmulGroup | None, x: np.ndarray) -> list[np.ndarray]:
+    """[m . x for m in ms] for the rows of x [n, k] (each [n, rows of m]): through the group's one
+    call (side_by_side), the products then views of its output, or one product at a time."""
+    if group is None:
+        return [_matmul(m, x) for m in ms]
+    y = kernels.matmul_group(group, x)
+    out, a = [], 0
+    for m in ms:
+        out.append(y[:, a:a + m.shape[0]])
+        a += m.shape[0]
+    return out
+
+
+def input_projections(w: AttentionWeights) -> list[Matrix]:
+    """The projections of the sublayer's normed input a: wq_a, wkv, then the compressor's wkv and
+    wgate (CSA, HCA), then the indexer's compressor's (CSA)."""
+    ms = [w.wq_a, w.wkv]
+    if w.compressor is not None:
+        ms += [w.compressor.wkv, w.compressor.wgate]
+    if w.indexer is not None:
+        ms += [w.indexer.compressor.wkv, w.indexer.compressor.wgate]
+    return ms
+
+
 def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, parts: list[tuple[int, int]],
             beside=None) -> Projected:
     """The projections of the rows of A [n, hidden] (see Projected); parts: (pos0, count) of each
     run of consecutive rows, in row order, the tokens of one sequence at positions pos0, pos0 + 1, ...
     beside: for rms_rows."""
     n, eps = len(A), shape.eps
-    qr = rms_rows(_matmul(w.wq_a, A), eps, beside) * w.q_norm                # [n, q_lora], weighted_rms by row
+    ys = products(input_projections(w), w.input_group, A)
+    qr = rms_rows(ys[0], eps, beside) * w.q_norm                                # [n, q_lora], weighted_rms by row
     q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps, beside)
-    kv = rms_rows(_matmul(w.wkv, A), eps, beside) * w.kv_norm
+    kv = rms_rows(ys[1], eps, beside) * w.kv_norm
     p = Projected(q.reshape(n, shape.heads, shape.head_dim), kv)
     if shape.kind != "swa":
-        p.comp = (_matmul(w.compressor.wkv, A), _matmul(w.compressor.wgate, A))
+        p.comp = (ys[2], ys[3])
     if shape.kind == "csa":
         ix = w.indexer
-        p.index = (_matmul(ix.compressor.wkv, A), _matmul(ix.compressor.wgate, A))
+        p.index = (ys[4], ys[5])
         p.qr, p.A = qr, A
         rows, a = [], 0
         for pos0, count in parts:
@@ -386,9 +432,22 @@ def attend(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]], p: Pro
 def output_projection(w: AttentionWeights, O: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y [n, hidden] = wo_b . concat_g(wo_a[g] . O[:, group g]) for the rows of O [n, H head_dim]."""
     n, groups = len(O), len(w.wo_a)
-    og = O.reshape(n, groups, -1)
-    lo = np.concatenate([_matmul(w.wo_a[g], np.ascontiguousarray(og[:, g])) for g in range(groups)], axis=1)
+    if w.output_group is not None:
+        lo = kernels.matmul_group(w.output_group, O)
+    else:
+        og = O.reshape(n, groups, -1)
+        lo = np.concatenate([_matmul(w.wo_a[g], np.ascontiguousarray(og[:, g])) for g in range(groups)], axis=1)
     return w.wo_b.matmul(lo, np.empty((n, w.wo_b.shape[0]), np.float32) if out is None else out)
+
+
+def grouped(ms: list[Matrix]) -> kernels.MatmulGroup | None:
+    """The groups of a grouped projection in one native call: matrix g reads the g-th equal slice of
+    the input row and writes the g-th slice of the output row; None where one has no native form."""
+    if not all(hasattr(m, "native") for m in ms):
+        return None
+    rows, k = ms[0].shape
+    return kernels.MatmulGroup([(m.native, g * k, g * rows) for g, m in enumerate(ms)], len(ms) * k,
+                               len(ms) * rows)
 
 
 def attention_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0: int, shape: AttentionShape,

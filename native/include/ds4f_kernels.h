@@ -95,6 +95,27 @@ int ds4f_bf16_matmul(const uint16_t *w, size_t rows, size_t k, size_t n, const f
 int ds4f_fp8_matmul(const uint8_t *w, const uint8_t *scales, size_t rows, size_t k, size_t n,
                     const float *x, float *y, float *scratch);
 
+/* A group of matrices applied to the same n vectors in one call (a sublayer's projections of one
+ * input, or the groups of a grouped projection).  Matrix i is W_i [rows][k] of `kind` (w = MXFP4
+ * codes with their scales, bf16 bits, or FP8 E4M3 with its 128x128 tiles' E8M0 scales); it reads
+ * columns x_col .. x_col + k - 1 of each row of x [n][ldx] and writes its results to columns
+ * y_col .. y_col + rows - 1 of each row of y [n][ldy]:  y[t][y_col + r] = (W_i . x[t][x_col ..])[r],
+ * bit-identical to the matrix's own single-vector kernel on that slice of x[t], at every n and
+ * thread count.  The matrices' outputs must not overlap each other or x.  At most DS4F_GROUP_MAX
+ * matrices; scratch holds ds4f_matmul_scratch_floats(n, the largest k) floats.  Returns 0, or -1
+ * for bad arguments (a kind, a slice beyond its row, a k that is not a multiple of 32 for MXFP4 and
+ * bf16). */
+enum { DS4F_MM_MXFP4 = 0, DS4F_MM_BF16 = 1, DS4F_MM_FP8 = 2, DS4F_MM_KINDS = 3 };
+enum { DS4F_GROUP_MAX = 16 };
+typedef struct {
+    int kind;               /* DS4F_MM_MXFP4, DS4F_MM_BF16 or DS4F_MM_FP8 */
+    const void *w;          /* codes, bf16 bits or E4M3 bytes: [rows][k] (MXFP4: [rows][k / 2]) */
+    const uint8_t *scales;  /* MXFP4 [rows][k / 32], FP8 [ceil(rows/128)][ceil(k/128)]; bf16: NULL */
+    size_t rows, k, x_col, y_col;
+} ds4f_matrix;
+int ds4f_matmul_group(const ds4f_matrix *m, size_t count, size_t n, const float *x, size_t ldx, float *y,
+                      size_t ldy, float *scratch);
+
 /* A routed expert applied to a set of tokens (the pairs routed to it in a batch of tokens):
  * tokens[i] is a row of the caller's x [ntok][hidden], weights[i] that pair's routing weight. */
 typedef struct {

@@ -88,7 +88,7 @@ extern const ds4f_ktable ds4f_kt_neon;   /* arm/neon_matvec.c */
  * "Prepared" = x in the lane order the backend's kernel reads (prep), zero-padded to a multiple
  * of xpad floats; prep NULL means natural order.  A prep works block by block (32 floats for
  * MXFP4 and bf16), so a slice of a row that starts at a multiple of 32 can be prepared alone. */
-enum { DS4F_MM_MXFP4 = 0, DS4F_MM_BF16 = 1, DS4F_MM_FP8 = 2, DS4F_MM_KINDS = 3 };
+/* the kinds: DS4F_MM_MXFP4, DS4F_MM_BF16, DS4F_MM_FP8 (ds4f_kernels.h) */
 #define DS4F_MM_XPAD_MAX 64 /* the largest xpad of any backend: scratch is sized with it */
 
 typedef void (*ds4f_mm_fn)(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
