@@ -613,12 +613,50 @@ def experts_forward_tokens(
     expert in its tokens' order:
         w2_e . (silu(min(w1_e.x[t], limit)) * clip(w3_e.x[t], -limit, limit) * weight),
     bit-identical to experts_forward_each's row for that expert, token and weight.  scratch: see
-    experts_tokens_scratch (None: allocated for this call).  Returns out."""
+    experts_tokens_scratch (None: allocated for this call).  Returns out.  (experts_forward_pairs
+    with the lists joined.)"""
+    n = len(experts)
+    if len(tokens) != n or len(weights) != n:
+        raise ValueError(f"tokens, weights: expected one list per expert ({n}), got {len(tokens)} and {len(weights)}")
+    ts = [np.asarray(t) for t in tokens]
+    for e, (t, wt) in enumerate(zip(ts, weights)):
+        if t.ndim != 1 or (t.size and not np.issubdtype(t.dtype, np.integer)):
+            raise ValueError(f"tokens[{e}]: expected a 1-D array of row indices into x, got {t.dtype} {t.shape}")
+        if np.shape(wt) != t.shape:
+            raise ValueError(f"weights[{e}]: expected {t.size} routing weights (one per token), got shape"
+                             f" {np.shape(wt)}")
+        if t.size and isinstance(x, np.ndarray) and x.ndim == 2 and (t.min() < 0 or t.max() >= len(x)):
+            raise ValueError(f"tokens[{e}]: row indices must be in 0..{len(x) - 1} (x has {len(x)} rows)")
+    wl = []
+    for e, w in enumerate(weights):
+        try:
+            wl.append(np.asarray(w, dtype=_F32).ravel())
+        except (TypeError, ValueError):
+            raise ValueError(f"weights[{e}]: expected numbers, got {np.asarray(w).dtype}") from None
+    wts = np.concatenate(wl) if n else np.empty(0, _F32)
+    rows = np.concatenate([t.astype(np.int64).ravel() for t in ts]) if n else np.empty(0, np.int64)
+    return experts_forward_pairs(experts, [t.size for t in ts], rows, wts, x, limit, out, scratch)
+
+
+def experts_forward_pairs(
+    experts: Sequence[ExpertWeights],
+    counts: Sequence[int],
+    rows: np.ndarray,
+    weights: np.ndarray,
+    x: np.ndarray,
+    limit: float,
+    out: np.ndarray | None = None,
+    scratch: np.ndarray | None = None,
+) -> np.ndarray:
+    """experts_forward_tokens with the (token, expert) pairs as flat arrays, expert by expert:
+    expert e takes the next counts[e] entries of rows (int, rows of x [n_tokens, hidden]) and
+    weights (float32, their routing weights).  out [pairs, hidden] row i is pair i's output (same
+    expression and bits).  Checks the arrays once, whatever the number of experts."""
     n = len(experts)
     if n == 0:
         raise ValueError("experts: expected at least one expert")
-    if len(tokens) != n or len(weights) != n:
-        raise ValueError(f"tokens, weights: expected one list per expert ({n}), got {len(tokens)} and {len(weights)}")
+    if len(counts) != n:
+        raise ValueError(f"counts: expected one per expert ({n}), got {len(counts)}")
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError("x: expected a 2-D float32 array [n_tokens, hidden]")
     ntok, hidden = x.shape
@@ -628,29 +666,23 @@ def experts_forward_tokens(
     inter = w1.shape[0]
     _check_dims(1, hidden, inter)
     _arr("x", x, _F32, (ntok, hidden))
+    pairs = int(sum(counts))
+    if min(counts) < 0 or not isinstance(rows, np.ndarray) or rows.shape != (pairs,) or \
+            not isinstance(weights, np.ndarray) or weights.shape != (pairs,):
+        raise ValueError(f"rows, weights: expected {pairs} entries each (the counts added), one per pair")
+    if pairs and (rows.min() < 0 or rows.max() >= ntok):
+        raise ValueError(f"rows: row indices must be in 0..{ntok - 1} (x has {ntok} rows)")
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    weights = np.ascontiguousarray(weights, dtype=_F32)
     cex = ffi.new("ds4f_expert_tokens[]", n)
-    keep = []
-    pairs = 0
+    bt, bw = ffi.from_buffer("int32_t[]", rows), ffi.from_buffer("float[]", weights)
+    keep = [bt, bw]
+    at = 0
     for e, ex in enumerate(experts):
-        t = np.asarray(tokens[e])
-        if t.ndim != 1 or (t.size and not np.issubdtype(t.dtype, np.integer)):
-            raise ValueError(f"tokens[{e}]: expected a 1-D array of row indices into x, got {t.dtype} {t.shape}")
-        if t.size and (t.min() < 0 or t.max() >= ntok):
-            raise ValueError(f"tokens[{e}]: row indices must be in 0..{ntok - 1} (x has {ntok} rows)")
-        wt = np.asarray(weights[e])
-        if wt.shape != t.shape:
-            raise ValueError(f"weights[{e}]: expected {t.size} routing weights (one per token), got shape {wt.shape}")
-        try:
-            wt = np.ascontiguousarray(wt, dtype=_F32)
-        except (TypeError, ValueError):
-            raise ValueError(f"weights[{e}]: expected numbers, got {wt.dtype}") from None
-        t = np.ascontiguousarray(t, dtype=np.int32)
         ce = cex[e]
         _expert_buffers(e, ex, hidden, inter, ce, keep)
-        bt, bw = ffi.from_buffer("int32_t[]", t), ffi.from_buffer("float[]", wt)
-        keep += [bt, bw]
-        ce.tokens, ce.weights, ce.n = bt, bw, t.size
-        pairs += t.size
+        ce.tokens, ce.weights, ce.n = bt + at, bw + at, counts[e]
+        at += counts[e]
     out = _out("out", out, (pairs, hidden))
     if np.may_share_memory(out, x):
         raise ValueError("out: must not overlap x")

@@ -387,30 +387,27 @@ def _experts(source: WeightSource, layer: int, buf: ChunkBuffers, n: int, bad=No
     bad(row, error): where the rows of an expert whose read failed are reported (their outputs
     are NaN); None: such a read raises. ahead: the source's lookahead (chunk_arrivals)."""
     g = source.geometry
-    users: dict[int, list[tuple[int, int]]] = {}      # expert -> [(row, rank)] that chose it
-    for c in range(n):
-        for rank, e in enumerate(buf.ids[c, layer]):
-            users.setdefault(int(e), []).append((c, rank))
+    ids = buf.ids[:n, layer]                           # [n, top_k]: pair p = (row p // top_k, rank p % top_k)
+    flat = ids.ravel()
+    ys = buf.ys[:n].reshape(n * g.top_k, g.hidden)    # the pairs' outputs, a view
 
     def failed(e: int, err: Ds4fError) -> None:
-        for c, rank in users[e]:
-            buf.ys[c, rank] = np.nan
-            bad(c, err)
+        for p in np.flatnonzero(flat == e):
+            ys[p] = np.nan
+            bad(int(p) // g.top_k, err)
 
     xs = buf.xs[:n]
-    for batch in source.chunk_arrivals(layer, buf.ids[:n, layer], None if bad is None else failed, ahead):
+    for batch in source.chunk_arrivals(layer, ids, None if bad is None else failed, ahead):
         routed = [(e, w) for e, w in batch if e != SHARED]
         if routed:
-            tokens = [[c for c, _ in users[e]] for e, _ in routed]
-            weights = [[buf.weights[c, layer, rank] for c, rank in users[e]] for e, _ in routed]
-            pairs = sum(len(t) for t in tokens)
-            out = kernels.experts_forward_tokens([w for _, w in routed], tokens, weights, xs, g.swiglu_limit,
-                                                 out=buf.pair_out[:pairs], scratch=buf.pair_scratch)
-            i = 0
-            for e, _ in routed:
-                for c, rank in users[e]:
-                    buf.ys[c, rank] = out[i]
-                    i += 1
+            # the pairs of the batch's experts, expert by expert, each expert's by row then rank
+            match = flat[None, :] == np.array([e for e, _ in routed])[:, None]
+            which = np.nonzero(match)[1]
+            out = kernels.experts_forward_pairs([w for _, w in routed], match.sum(axis=1).tolist(),
+                                                which // g.top_k, buf.weights[:n, layer].ravel()[which], xs,
+                                                g.swiglu_limit, out=buf.pair_out[:len(which)],
+                                                scratch=buf.pair_scratch)
+            ys[which] = out
         for e, w in batch:
             if e == SHARED:
                 shared_expert(w, xs, buf.gate[:n], buf.up[:n], buf.act[:n], buf.shared_out[:n], buf.mm_scratch)
