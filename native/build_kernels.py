@@ -2,7 +2,10 @@
 
 Flags: never -ffast-math/-Ofast (they turn on flush-to-zero process-wide); no FP contraction
 anywhere in the portable code, and no auto-vectorisation, so the scalar reference stays scalar.
-SIMD code selects its instruction set per function with target attributes.
+SIMD code selects its instruction set per function with target attributes. Frame pointers are
+kept: a SIMD function that realigns its stack for its vector spills has unwind rules that
+sampling profilers (py-spy --native, which `ds4f bench split` uses) often cannot follow, and
+its samples then land on the Python caller's line, counted as interpreter time.
 """
 import os
 import sys
@@ -35,7 +38,8 @@ HEADERS = ["ds4f_kernels.h", "ds4f_membench.h", "kernels_internal.h", "kernels_a
            "attention_simd.h"]
 PUBLIC_HEADERS = ["ds4f_kernels.h", "ds4f_membench.h"]  # what Python sees (the cdef)
 
-NATIVE_CFLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize")
+NATIVE_CFLAGS = ("-O2", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-tree-vectorize",
+                 "-fno-omit-frame-pointer")
 
 ffibuilder = FFI()
 cdef = ""
@@ -50,7 +54,8 @@ else:
     # The same flags as tests/test_neon.py's cross build (NATIVE_CFLAGS).
     extra = list(NATIVE_CFLAGS)
     if "clang" in (os.environ.get("CC", "") + (sysconfig.get_config_var("CC") or "")) or sys.platform == "darwin":
-        extra = ["-O2", "-std=c11", "-ffp-contract=off", "-fno-vectorize", "-fno-slp-vectorize"]
+        extra = ["-O2", "-std=c11", "-ffp-contract=off", "-fno-vectorize", "-fno-slp-vectorize",
+                 "-fno-omit-frame-pointer"]
 
 ffibuilder.set_source(
     "ds4f.native._kernels",
