@@ -30,6 +30,7 @@ SOURCES = [
     "dispatch_matmul.c",
     "hyper.c",
     "attention.c",
+    "norms.c",
     "threadpool.c",
     "membench.c",
 ]

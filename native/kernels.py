@@ -777,6 +777,37 @@ def hc_post(X: np.ndarray, Y: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
     return X
 
 
+def rms_rows(x: np.ndarray, eps: float, weight: np.ndarray | None = None,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """Each row of x float32 [n, d] over sqrt(mean(row^2) + eps), in float64 and rounded to float32
+    once; with weight float32 [d], that times the weight in float32 (ds4f_kernels.h's
+    ds4f_rms_rows). numpy's bits for
+        x64 = x.astype(np.float64)
+        y = (x64 / np.sqrt(np.add.reduce(np.square(x64), axis=-1, keepdims=True) / d + eps)).astype(np.float32)
+        y * weight
+    on every backend and thread count. out float32 [n, d] (None: a new array) may be x itself."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        got = x.shape if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"x: expected a 2-D float32 array [n, d], got {got}")
+    n, d = x.shape
+    if d == 0:
+        raise ValueError("x: d = 0 (a row needs at least one value)")
+    _arr("x", x, _F32, (n, d))
+    if weight is not None:
+        _arr("weight", weight, _F32, (d,))
+    if out is None:
+        out = np.empty((n, d), _F32)
+    else:
+        _arr("out", out, _F32, (n, d), writable=True)
+        if out is not x and np.may_share_memory(out, x) and out.ctypes.data != x.ctypes.data:
+            raise ValueError("out: overlaps x without being x (each row is read whole before it is written)")
+    rc = lib.ds4f_rms_rows(_ptr("float[]", x), n, d, float(eps),
+                           _ptr("float[]", weight) if weight is not None else ffi.NULL, _ptr("float[]", out))
+    if rc != 0:  # unreachable after the checks above; kept as a guard
+        raise ValueError("rms_rows: the native kernel rejected its arguments")
+    return out
+
+
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 

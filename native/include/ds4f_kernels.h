@@ -200,4 +200,16 @@ typedef struct {
 } ds4f_attention_rows_args;
 int ds4f_attention_rows(const ds4f_attention_rows_args *a);
 
+/* ---- per-row RMS norms (norms.c; engine/model/attention.py's rms_rows) ---------------------------
+ * Row r of x [n][d] fp32: ms = sqrt(ss / d + eps) with ss the sum of the row's squares, all in
+ * float64 (the values widened exactly), the sum in numpy's pairwise order (np.add.reduce over a
+ * contiguous row: norms.c says which); out[r][j] = (float)(x[r][j] / ms), and with a weight [d]
+ * (NULL: none) that fp32 value times weight[j] in fp32.  The same bits as numpy's
+ *   y = (x64 / np.sqrt(np.add.reduce(np.square(x64), axis=-1, keepdims=True) / d + eps)).astype(float32)
+ *   y * weight
+ * on every backend, at every thread count (rows are spread over the kernels' threads, one thread
+ * a row).  out may be x itself, not a part of it.  Returns 0, or -1 for bad arguments (d = 0 or a
+ * missing array, with n > 0). */
+int ds4f_rms_rows(const float *x, size_t n, size_t d, double eps, const float *weight, float *out);
+
 #endif
