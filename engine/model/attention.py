@@ -176,36 +176,20 @@ def layer_cache_nbytes(shape: AttentionShape, context: int) -> int:
 # ---- the steps --------------------------------------------------------------------------------
 
 
-RMS_BLOCK = 256   # rows rms_rows normalises at a time (their float64 copy stays in the L2 cache)
-
-
-def rms_rows(x: np.ndarray, eps: float, beside=None) -> np.ndarray:
-    """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; no weight; fp32.
-    Rows are independent (each one's mean is its own reduction), so they go RMS_BLOCK at a time:
-    the same bits as all at once, without [n, d] float64 temporaries. beside(fn, *args)
-    (runtime.helper_thread): where the first half of more than RMS_BLOCK rows runs meanwhile."""
-    out = np.empty(x.shape, np.float32)
-    in_halves(beside, lambda a, b: _rms_rows_into(x[a:b], eps, out[a:b]), len(x), RMS_BLOCK)
-    return out
-
-
-def _rms_rows_into(x: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
-    for a in range(0, len(x), RMS_BLOCK):
-        x64 = x[a:a + RMS_BLOCK].astype(np.float64)
-        ms = np.add.reduce(np.square(x64), axis=-1, keepdims=True)   # np.mean's sum and division, bit for
-        ms /= x64.shape[-1]                                           # bit, without its Python wrapper
-        ms += eps
-        np.sqrt(ms, out=ms)
-        np.divide(x64, ms, out=x64)
-        out[a:a + RMS_BLOCK] = x64
-    return out
+def rms_rows(x: np.ndarray, eps: float, beside=None, weight: np.ndarray | None = None) -> np.ndarray:
+    """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; fp32. With weight
+    [d] (fp32), that times the weight in fp32: the bits of rms_rows(x, eps) * weight. Rows are
+    independent (each one's mean is its own reduction): kernels.rms_rows, numpy's bits for the
+    float64 expression, spreads them over the kernels' threads itself, so beside is not used. x
+    may be a view of columns (copied to whole rows first)."""
+    return kernels.rms_rows(x if x.flags.c_contiguous else np.ascontiguousarray(x), eps, weight)
 
 
 def weighted_rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm with its weight, normalised in float64 and rounded once before the weight (as
     transformers' RMSNorm multiplies the weight last). ops.rms_norm rounds x * inv in fp32 first,
     which the attention's norms feel: 4.3e-5 instead of 2.6e-5 on the scalar `ratios` fixture."""
-    return rms_rows(x[None, :], eps)[0] * weight
+    return kernels.rms_rows(x[None, :], eps, weight)[0]
 
 
 def compressor_step(w: CompressorWeights, s: CompressorState, kv: np.ndarray, gate: np.ndarray, pos: int,

@@ -55,7 +55,7 @@ import numpy as np
 
 from ds4f.errors import Ds4fError
 from ds4f.native import kernels
-from ds4f.engine.model.attention import RMS_BLOCK, attention_parts
+from ds4f.engine.model.attention import attention_parts
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
 from ds4f.engine.model.moe import shared_expert, sum_outputs
@@ -201,9 +201,9 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
     each row's place in the keys, the indexer's query (twice), q_lora twice, the compressors' kv and
     gates, the output groups' copies and low-rank products, and five hidden-sized rows (inputs,
     outputs, hyper-connection sums, those of a half chunk before they are joined); fixed, the
-    window's rows from before the chunk (window - 1 head_dim), the float64 blocks of rms_rows and
-    hc_pre_rows (hc_post_rows' are as large), two halves at once. tests/test_prefill.py holds a
-    traced chunk to it."""
+    window's rows from before the chunk (window - 1 head_dim), the float64 blocks of hc_pre_rows
+    (hc_post_rows' are as large), two halves at once (the norms' float64 sums are the native
+    kernel's, per row, on the stack). tests/engine/test_prefill.py holds a traced chunk to it."""
     att = g.attention
     if att is None:
         return 4 * chunk * 4 * g.hidden
@@ -212,8 +212,7 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
                  + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank
                  + 2 * (2 * hd + 2 * att.index_head_dim) + att.o_groups * att.o_lora_rank
                  + heads * hd // att.o_groups + 5 * g.hidden)
-    fixed = (2 * (2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 2 * RMS_BLOCK * max(hd, att.q_lora_rank) * 8)
-             + 4 * (att.window - 1) * hd)
+    fixed = 2 * 2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 4 * (att.window - 1) * hd
     return 4 * chunk * per_token + fixed
 
 
@@ -244,7 +243,8 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
     """The step's logits (fp32 [rows, vocab], buf.logits' rows, the segments' rows in order);
     buf.ids / weights / hidden / attn hold each row's record. should_stop: asked before each
     layer (a step of the real model takes minutes); True raises Stopped. beside: where the
-    norms and hyper-connections may run half their rows beside this thread (runtime.helper_thread).
+    hyper-connections and the attention's output projection may run half their rows beside this
+    thread (runtime.helper_thread).
     isolate: a row that fails marks its segment's error and the step goes on (see the module);
     without it the first failure raises. streams: the rows' streams to start from (fp32 [rows,
     N, hidden], the MTP layer's input: model.mtp) instead of their tokens' embeddings."""
