@@ -14,9 +14,11 @@ innermost frame:
     other        anything else (cffi's own conversions, ...)
 
 The shares are of the samples, so of the decode steps' wall time on the compute thread; the
-figures are ratios from one run, not times. Under the server preset everything the run uses is
-in RAM after its first tokens (the cache warms), so `waiting` is small and the rest is the token's
-fixed cost: what the issue of Python per layer is about.
+figures are ratios from one run, not times. By default the run keeps the whole model in RAM (a
+preset written for it: every layer pinned, the expert cache the size of all experts, no
+prefetch) and first prefills a prompt of WARM_PROMPT tokens, which reads nearly every expert
+once: its decode steps then read nothing, and what they spend beyond the kernels is the token's
+fixed cost. --preset / --config measure another preset as it is, reads and their waits included.
 """
 from __future__ import annotations
 
@@ -38,6 +40,15 @@ PARTS = ("kernels", "numpy", "interpreter", "waiting", "other")
 PIECES = {"hyper-connections": ("hc_pre_rows ", "hc_post_rows ", "hc_head "), "attention": ("attention_parts ",),
           "experts": ("_experts ",), "head": ()}
 SAMPLE_HZ = 250
+WARM_PROMPT = 64                    # prompt tokens prefilled before the decode (not sampled): the cache warms
+IN_RAM = """[presets.ram]
+pinned_layers = "all"
+cache = "100%"
+policy = "cycle"
+prefetch = false
+context = 4096
+prefill_chunk = 64
+"""
 STEP_FRAME = "Session.eval "        # a decode token (prefill goes through Session.prefill)
 FORWARD_FRAME = "forward_rows "
 
@@ -96,10 +107,11 @@ def split_profile(lines) -> dict:
             "top": top, "pieces": {p: pieces[p] / total for p in PIECES}}
 
 
-def bench_split(model=None, preset: str = "server", gen: int | None = None, config_path: str | None = None,
+def bench_split(model=None, preset: str | None = None, gen: int | None = None, config_path: str | None = None,
                 backend: str | None = None, threads: int = 1, *, log=None, progress=None) -> dict:
     """Decode `gen` tokens (default 24) on `model` under py-spy and split the decode steps' samples
-    (split_profile). Returns its figures with the run's settings."""
+    (split_profile). preset None (and no config_path): the whole model in RAM, warmed by a prompt
+    (see the module's docstring). Returns its figures with the run's settings."""
     from ds4f.bench.engine import bench_model
 
     spy = shutil.which("py-spy") or (str(Path(sys.executable).parent / "py-spy")
@@ -108,16 +120,23 @@ def bench_split(model=None, preset: str = "server", gen: int | None = None, conf
         raise Ds4fError("bench split samples the run with py-spy, which is not installed here (pip install py-spy)")
     model = bench_model(model, progress, log)
     gen = gen or 24
-    cmd = [sys.executable, "-m", "ds4f.cli", "run", str(model), "--preset", preset, "-n", str(gen), "--dump", "off",
-           "--no-probe", "-t", str(threads)]
-    if backend:
-        cmd += ["--backend", backend]
-    if config_path:
-        cmd += ["--config", str(config_path)]
+    in_ram = preset is None and config_path is None
     with tempfile.TemporaryDirectory(prefix="ds4f-split-") as tmp:
+        if in_ram:
+            preset, config_path = "ram", Path(tmp) / "ds4f.toml"
+            config_path.write_text(IN_RAM)
+        cmd = [sys.executable, "-m", "ds4f.cli", "run", str(model), "--preset", preset or "server", "-n", str(gen),
+               "--dump", "off", "--no-probe", "-t", str(threads)]
+        if in_ram:
+            cmd += ["-p", ",".join(str(t) for t in range(1, WARM_PROMPT + 1))]
+        if backend:
+            cmd += ["--backend", backend]
+        if config_path:
+            cmd += ["--config", str(config_path)]
         raw = Path(tmp) / "profile.txt"
         if log:
-            log(f"decoding {gen} tokens on {model} under py-spy ({SAMPLE_HZ} samples/s, native frames)")
+            log(f"decoding {gen} tokens on {model} under py-spy ({SAMPLE_HZ} samples/s, native frames)"
+                + (f", the model in RAM after a {WARM_PROMPT}-token prompt" if in_ram else ""))
         done = subprocess.run([spy, "record", "--native", "-r", str(SAMPLE_HZ), "-f", "raw", "-o", str(raw), "--",
                                *cmd], capture_output=True, text=True)
         if done.returncode != 0 or not raw.exists():
@@ -125,4 +144,5 @@ def bench_split(model=None, preset: str = "server", gen: int | None = None, conf
             raise Ds4fError("bench split: the sampled run failed: " + " / ".join(tail))
         with open(raw) as f:
             out = split_profile(f)
-    return dict(out, model=str(model), preset=preset, gen=gen, threads=threads, backend=backend or "best")
+    return dict(out, model=str(model), preset=preset or "server", gen=gen, threads=threads,
+                backend=backend or "best", warm_prompt=WARM_PROMPT if in_ram else 0)

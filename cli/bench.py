@@ -34,8 +34,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                              "structured (a JSON Schema's token mask: its cost per token and a request's memory, "
                              "on the demo and flash vocabularies and MODEL's tokenizer when given), "
                              "split (where a decode token's time goes: ds4f's kernels, numpy, the interpreter, "
-                             "waits; py-spy's native samples of a run, one kernel thread, preset server unless "
-                             "--preset), "
+                             "waits; py-spy's native samples of a run, one kernel thread, the model in RAM after a "
+                             "warming prompt unless --preset or --config), "
                              "llama (ds4f against llama.cpp's llama-bench on the bench checkpoint, converted by "
                              "llama.cpp's own converter: decode, pp128, pp512 and peak RSS, rounds alternated; "
                              "needs --llama-build and --llama-src)")
@@ -133,10 +133,11 @@ def _bench(args) -> int:
 def _bench_split(args, model) -> int:
     from ds4f.bench import bench_split
 
-    r = bench_split(model, args.preset or "server", args.gen, args.config, args.backend, log=announce, progress=True)
+    r = bench_split(model, args.preset, args.gen, args.config, args.backend, log=announce, progress=True)
     parts = Table("split", [Column("part", align="left"), Column("share", "share", ".1%"), Column("samples")],
                   title=f"a decode token's time on the compute thread ({r['samples']} samples of {r['gen']} tokens,"
-                        f" preset {r['preset']}, backend {r['backend']}, {r['threads']} kernel thread)")
+                        f" preset {r['preset']}" + (f" after a {r['warm_prompt']}-token prompt" if r["warm_prompt"] else "")
+                        + f", backend {r['backend']}, {r['threads']} kernel thread)")
     for name, share in r["parts"].items():
         parts.add(name, share, r["counts"][name])
     top = Table("split_top", [Column("part", align="left"), Column("frame", align="left"),

@@ -92,6 +92,6 @@ def test_bench_split_end_to_end(tiny_model, tmp_path):
     assert set(r["parts"]) == set(PARTS) and sum(r["parts"].values()) == pytest.approx(1.0)
     assert r["samples"] == sum(r["counts"].values()) > 0
     assert all(part != "kernels" and part in PARTS for part, _frame, _share in r["top"])
-    assert r["preset"] == "server" and r["gen"] == 48
+    assert r["preset"] == "ram" and r["gen"] == 48 and r["warm_prompt"] > 0   # the model in RAM, warmed
     assert "kernels" in done.stdout and "interpreter" in done.stdout and "hyper-connections" in done.stdout
     assert set(r["pieces"]) == {"hyper-connections", "attention", "experts", "head"} and sum(r["pieces"].values()) <= 1
