@@ -176,12 +176,12 @@ def layer_cache_nbytes(shape: AttentionShape, context: int) -> int:
 # ---- the steps --------------------------------------------------------------------------------
 
 
-def rms_rows(x: np.ndarray, eps: float, beside=None, weight: np.ndarray | None = None) -> np.ndarray:
+def rms_rows(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
     """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; fp32. With weight
     [d] (fp32), that times the weight in fp32: the bits of rms_rows(x, eps) * weight. Rows are
     independent (each one's mean is its own reduction): kernels.rms_rows, numpy's bits for the
-    float64 expression, spreads them over the kernels' threads itself, so beside is not used. x
-    may be a view of columns (copied to whole rows first)."""
+    float64 expression, spreads them over the kernels' threads itself. x may be a view of columns
+    (a block of products(): copied to whole rows first)."""
     return kernels.rms_rows(x if x.flags.c_contiguous else np.ascontiguousarray(x), eps, weight)
 
 
@@ -301,16 +301,14 @@ def input_projections(w: AttentionWeights) -> list[Matrix]:
     return ms
 
 
-def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, parts: list[tuple[int, int]],
-            beside=None) -> Projected:
+def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, parts: list[tuple[int, int]]) -> Projected:
     """The projections of the rows of A [n, hidden] (see Projected); parts: (pos0, count) of each
-    run of consecutive rows, in row order, the tokens of one sequence at positions pos0, pos0 + 1, ...
-    beside: for rms_rows."""
+    run of consecutive rows, in row order, the tokens of one sequence at positions pos0, pos0 + 1, ..."""
     n, eps = len(A), shape.eps
     ys = products(input_projections(w), w.input_group, A)
-    qr = rms_rows(ys[0], eps, beside) * w.q_norm                                # [n, q_lora], weighted_rms by row
-    q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps, beside)
-    kv = rms_rows(ys[1], eps, beside) * w.kv_norm
+    qr = rms_rows(ys[0], eps, w.q_norm)                                       # [n, q_lora], weighted_rms by row
+    q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps)
+    kv = rms_rows(ys[1], eps, w.kv_norm)
     p = Projected(q.reshape(n, shape.heads, shape.head_dim), kv)
     if shape.kind != "swa":
         p.comp = (ys[2], ys[3])
@@ -450,9 +448,10 @@ def attention_parts(w: AttentionWeights, parts: list[tuple[LayerCache, int, int]
     (window, compressors). The projections go all rows at once, then the attention (attend: each
     row against its own sequence's cache as the rows before it left it), then the output
     projection of all rows. Each row of a product is its own, and so is each row's attention, so a
-    row's output is the one it gets in a step of its own. beside(fn, *args): where rms_rows runs
-    half of its rows (runtime.helper_thread); None: everything here."""
-    p = project(w, A, shape, [(pos0, count) for _, pos0, count in parts], beside)
+    row's output is the one it gets in a step of its own. beside(fn, *args): where the output
+    projection of half of more than OUTPUT_HALF_ROWS rows runs (runtime.helper_thread); None:
+    everything here."""
+    p = project(w, A, shape, [(pos0, count) for _, pos0, count in parts])
     O = attend(w, parts, p, shape, rope)
     if beside is None or len(O) <= OUTPUT_HALF_ROWS:
         return output_projection(w, O)
@@ -478,7 +477,7 @@ def push_window_rows(w: AttentionWeights, cache: LayerCache, A: np.ndarray, pos0
     row's key depends on its input alone), for tokens whose outputs are not wanted."""
     if shape.kind != "swa":
         raise ValueError("only a sliding-window layer's keys can be pushed alone")
-    kv = rms_rows(_matmul(w.wkv, A), shape.eps) * w.kv_norm
+    kv = rms_rows(_matmul(w.wkv, A), shape.eps, w.kv_norm)
     for t in range(len(A)):
         cache.window[(pos0 + t) % shape.window] = rope.apply(kv[t].copy(), pos0 + t)
     cache.tokens = pos0 + len(A)

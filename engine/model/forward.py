@@ -199,7 +199,8 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
     outputs (2 H head_dim), the key and its rotated copy in the keys the core reads (2 head_dim),
     the rows' cos and sin (rope_dim), the indexer's choice (index_topk int32) and eight words of
     each row's place in the keys, the indexer's query (twice), q_lora twice, the compressors' kv and
-    gates, the output groups' copies and low-rank products, and five hidden-sized rows (inputs,
+    gates, the whole-row copies of the joined projections' q_lora and head_dim blocks for their norms
+    (q_lora + head_dim), the output groups' copies and low-rank products, and five hidden-sized rows (inputs,
     outputs, hyper-connection sums, those of a half chunk before they are joined); fixed, the
     window's rows from before the chunk (window - 1 head_dim), the float64 blocks of hc_pre_rows
     (hc_post_rows' are as large), two halves at once (the norms' float64 sums are the native
@@ -209,7 +210,7 @@ def transient_nbytes(g: Geometry, chunk: int) -> int:
         return 4 * chunk * 4 * g.hidden
     hd, heads = att.head_dim, att.n_heads
     per_token = (2 * heads * hd + 2 * hd + att.rope_dim + att.index_topk + 8
-                 + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank
+                 + 2 * att.index_n_heads * att.index_head_dim + 2 * att.q_lora_rank + att.q_lora_rank + hd
                  + 2 * (2 * hd + 2 * att.index_head_dim) + att.o_groups * att.o_lora_rank
                  + heads * hd // att.o_groups + 5 * g.hidden)
     fixed = 2 * 2 * HC_BLOCK * att.hc_mult * g.hidden * 8 + 4 * (att.window - 1) * hd
