@@ -15,12 +15,25 @@
  * the result is numpy's bits; tests/native/test_rms_rows.py holds it to the installed numpy's
  * expression, with inputs that make the sum's last bits show in the fp32 result (they seldom do: a
  * last-place change in the sum flips a float's rounding for about one value in 2^29).
- * One piece of C for every backend.  Rows are spread over the kernels' threads when there are
- * enough of them; a row is computed by one thread, so the bits do not depend on the thread count.
+ * The scalar code below is the reference.  The AVX2 and AVX-512 versions do the same steps with
+ * the same operands: a block's eight running sums r[0..7] are one __m512d (two __m256d), each step
+ * r = r + v * v a multiply then an add (not fused: the targets below leave out FMA where they can,
+ * and the build does not contract), the fp32 -> float64 widening exact, the eight joined in the
+ * same order, the terms past the last multiple of 8 added one after another as in the scalar code;
+ * then x / ms a float64 division and a rounding to fp32 per lane (both correctly rounded, to
+ * nearest even, as the scalar (float)(x / ms)), and the weight an fp32 multiply.  NEON runs the
+ * scalar code.  Rows are spread over the kernels' threads when there are enough of them; a row is
+ * computed by one thread, so the bits depend on neither the thread count nor the backend.
  */
 #include <math.h>
 
 #include "kernels_internal.h"
+
+#ifdef DS4F_X86
+#include <immintrin.h>
+#define T256 __attribute__((target("avx2")))                /* no "fma": nothing to fuse into */
+#define T512 __attribute__((target("avx512f,avx512vl,avx2")))
+#endif
 
 #define PW_BLOCKSIZE 128
 #define POOL_ELEMS 32768 /* values from which the rows go to the pool (some 50 us on one thread) */
@@ -61,6 +74,8 @@ static double pairwise_squares(const float *x, size_t n) {
     return pairwise_squares(x, n2) + pairwise_squares(x + n2, n - n2);
 }
 
+typedef void (*rms_row_fn)(const float *x, size_t d, double eps, const float *weight, float *out);
+
 static void rms_row(const float *x, size_t d, double eps, const float *weight, float *out) {
     double ms = pairwise_squares(x, d);
     ms /= (double)d;
@@ -76,7 +91,97 @@ static void rms_row(const float *x, size_t d, double eps, const float *weight, f
     }
 }
 
+#ifdef DS4F_X86
+/* ---- AVX2: r[0..3] and r[4..7] in two vectors ---- */
+
+/* ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)): hadd gives (r0+r1, r4+r5, r2+r3, r6+r7) */
+T256 static double join8_avx2(__m256d lo, __m256d hi) {
+    const __m256d p = _mm256_hadd_pd(lo, hi);
+    const __m128d q = _mm_add_pd(_mm256_castpd256_pd128(p), _mm256_extractf128_pd(p, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
+}
+
+T256 static double pairwise_squares_avx2(const float *x, size_t n) {
+    if (n < 8) return pairwise_squares(x, n);
+    if (n <= PW_BLOCKSIZE) {
+        __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + 4));
+        __m256d r0 = _mm256_mul_pd(v0, v0), r1 = _mm256_mul_pd(v1, v1);
+        size_t i;
+        for (i = 8; i < n - n % 8; i += 8) {
+            v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+            v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+            r0 = _mm256_add_pd(r0, _mm256_mul_pd(v0, v0));
+            r1 = _mm256_add_pd(r1, _mm256_mul_pd(v1, v1));
+        }
+        double res = join8_avx2(r0, r1);
+        for (; i < n; i++) res += square(x, i);
+        return res;
+    }
+    size_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_squares_avx2(x, n2) + pairwise_squares_avx2(x + n2, n - n2);
+}
+
+T256 static void rms_row_avx2(const float *x, size_t d, double eps, const float *weight, float *out) {
+    double ms = pairwise_squares_avx2(x, d);
+    ms /= (double)d;
+    ms += eps;
+    ms = sqrt(ms);
+    const __m256d m = _mm256_set1_pd(ms);
+    size_t j = 0;
+    for (; j + 4 <= d; j += 4) {
+        __m128 y = _mm256_cvtpd_ps(_mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + j)), m));
+        if (weight) y = _mm_mul_ps(y, _mm_loadu_ps(weight + j));
+        _mm_storeu_ps(out + j, y);
+    }
+    for (; j < d; j++) {
+        const float y = (float)((double)x[j] / ms);
+        out[j] = weight ? y * weight[j] : y;
+    }
+}
+
+/* ---- AVX-512: r[0..7] in one vector ---- */
+
+T512 static double pairwise_squares_avx512(const float *x, size_t n) {
+    if (n < 8) return pairwise_squares(x, n);
+    if (n <= PW_BLOCKSIZE) {
+        __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x));
+        __m512d r = _mm512_mul_pd(v, v);
+        size_t i;
+        for (i = 8; i < n - n % 8; i += 8) {
+            v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+            r = _mm512_add_pd(r, _mm512_mul_pd(v, v));
+        }
+        double res = join8_avx2(_mm512_castpd512_pd256(r), _mm512_extractf64x4_pd(r, 1));
+        for (; i < n; i++) res += square(x, i);
+        return res;
+    }
+    size_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_squares_avx512(x, n2) + pairwise_squares_avx512(x + n2, n - n2);
+}
+
+T512 static void rms_row_avx512(const float *x, size_t d, double eps, const float *weight, float *out) {
+    double ms = pairwise_squares_avx512(x, d);
+    ms /= (double)d;
+    ms += eps;
+    ms = sqrt(ms);
+    const __m512d m = _mm512_set1_pd(ms);
+    size_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        __m256 y = _mm512_cvtpd_ps(_mm512_div_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + j)), m));
+        if (weight) y = _mm256_mul_ps(y, _mm256_loadu_ps(weight + j));
+        _mm256_storeu_ps(out + j, y);
+    }
+    for (; j < d; j++) {
+        const float y = (float)((double)x[j] / ms);
+        out[j] = weight ? y * weight[j] : y;
+    }
+}
+#endif
+
 typedef struct {
+    rms_row_fn row; /* the backend's */
     const float *x;
     size_t n, d, rows; /* rows per task */
     double eps;
@@ -87,7 +192,7 @@ typedef struct {
 static void rms_task(void *ctx, size_t i) {
     const rms_job *j = ctx;
     const size_t r1 = (i + 1) * j->rows < j->n ? (i + 1) * j->rows : j->n;
-    for (size_t r = i * j->rows; r < r1; r++) rms_row(j->x + r * j->d, j->d, j->eps, j->weight, j->out + r * j->d);
+    for (size_t r = i * j->rows; r < r1; r++) j->row(j->x + r * j->d, j->d, j->eps, j->weight, j->out + r * j->d);
 }
 
 int ds4f_rms_rows(const float *x, size_t n, size_t d, double eps, const float *weight, float *out) {
@@ -95,7 +200,13 @@ int ds4f_rms_rows(const float *x, size_t n, size_t d, double eps, const float *w
     if (!x || !out || d == 0) return -1;
     size_t tasks = n * d < POOL_ELEMS ? 1 : n * d / TASK_ELEMS;
     if (tasks > n) tasks = n;
-    rms_job j = {x, n, d, (n + tasks - 1) / tasks, eps, weight, out};
+    rms_row_fn row = rms_row;
+#ifdef DS4F_X86
+    const int b = ds4f_get_backend();
+    if (b == DS4F_AVX512) row = rms_row_avx512;
+    else if (b == DS4F_AVX2) row = rms_row_avx2;
+#endif
+    rms_job j = {row, x, n, d, (n + tasks - 1) / tasks, eps, weight, out};
     if (tasks == 1) {
         rms_task(&j, 0);
         return 0;
