@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.engine.config import AUTO_CHUNK
 from ds4f.engine.costs import COUNTS, WAITS, Costs, split_whole
 from ds4f.engine.model.forward import ChunkBuffers, Segment, Stopped, forward_rows
 from ds4f.engine.runtime.helper_thread import beside
@@ -52,8 +53,9 @@ def step_rows(parallel: int, prefill_chunk: int) -> int:
 
 
 def batched_chunk(prefill_chunk: int) -> int:
-    """The prompt chunk of a session in a batch (its records' buffers), and of a step."""
-    return max(1, min(prefill_chunk, STEP_PROMPT_ROWS))
+    """The prompt chunk of a session in a batch (its records' buffers), and of a step ("auto",
+    AUTO_CHUNK: the most a step takes)."""
+    return STEP_PROMPT_ROWS if prefill_chunk == AUTO_CHUNK else max(1, min(prefill_chunk, STEP_PROMPT_ROWS))
 
 
 @dataclass

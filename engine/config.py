@@ -41,7 +41,8 @@ DEFAULT_PARALLEL = 4       # what [server] parallel = 0 gives where the memory p
 DEFAULT_CONTEXT = 4096     # positions a preset's KV cache holds when its [presets] entry does not say
 MAX_CONTEXT = 1 << 20      # the model's 1M positions
 DEFAULT_CHUNK = 64         # prompt tokens a layer-major prefill chunk takes when a preset does not say
-MAX_CHUNK = 1024
+MAX_CHUNK = 4096
+AUTO_CHUNK = -1            # prefill_chunk = "auto": the largest chunk the memory plan fits (runs.plan.chunk_that_fits)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$", re.I)
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -124,7 +125,8 @@ class Preset:
     prefetch: bool = False              # router lookahead prefetch
     context: int = DEFAULT_CONTEXT      # positions a run may reach (the KV cache is sized for them)
     cache_limit: Budget | None = None   # a size the expert cache never exceeds, whatever `cache` gives
-    prefill_chunk: int = DEFAULT_CHUNK  # prompt tokens per layer-major prefill chunk (0: token by token)
+    prefill_chunk: int = DEFAULT_CHUNK  # prompt tokens per layer-major prefill chunk (0: token by token;
+                                        # AUTO_CHUNK: the largest the memory plan fits, runs.plan.chunk_that_fits)
 
     def cache_bytes(self, pool_bytes: int) -> int:
         """The expert cache's budget on a pool of pool_bytes: `cache`, at most `cache_limit`."""
@@ -235,7 +237,7 @@ PATH_KEYS = (("model", "path"), ("kv", "dir"))   # checked at load: no NUL byte,
 MAX_CONFIG_BYTES = 1 << 20     # a config file larger than this is refused unread
 _PRESET_KEYS = {"pinned_layers": (str, int), "cache": (str, int, float), "policy": str,
                 "io_threads": int, "kernel_threads": int, "prefetch": bool, "context": int,
-                "cache_limit": (str, int), "prefill_chunk": int}
+                "cache_limit": (str, int), "prefill_chunk": (int, str)}
 
 
 def _check_type(value, types, where: str):
@@ -300,9 +302,11 @@ def _preset(name: str, body: dict, source: str) -> Preset:
     if not 1 <= context <= MAX_CONTEXT:
         raise Ds4fError(f"{where}.context: must be between 1 and {MAX_CONTEXT} positions, got {context}")
     chunk = body.get("prefill_chunk", DEFAULT_CHUNK)
-    if not 0 <= chunk <= MAX_CHUNK:
+    if chunk == "auto":
+        chunk = AUTO_CHUNK
+    elif isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk <= MAX_CHUNK:
         raise Ds4fError(f"{where}.prefill_chunk: must be from 0 (token by token) to {MAX_CHUNK} prompt tokens,"
-                        f" got {chunk}")
+                        f' or "auto" (the largest the memory plan fits), got {chunk!r}')
     return Preset(name=name, pinned_layers=pinned, cache=parse_budget(body.get("cache", "25%"), f"{where}.cache"),
                   policy=policy, io_threads=body.get("io_threads") or None,
                   kernel_threads=body.get("kernel_threads") or None, prefetch=bool(body.get("prefetch", False)),

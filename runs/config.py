@@ -9,7 +9,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ds4f.engine.config import BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_THREADS, Preset, format_bytes
+import psutil
+
+from ds4f.engine.config import AUTO_CHUNK, BACKEND_NAMES, DEFAULT_GEN, MAX_CHUNK, MAX_GEN, MAX_THREADS, Preset, format_bytes
 from ds4f.engine.batch import batched_chunk
 from ds4f.engine.speculative import parse_spec
 from ds4f.engine.text.chat import chat_prompt_ids, check_chat
@@ -18,6 +20,7 @@ from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.paths import user_data_dir
 from ds4f.runs.budget import planned_bytes, runs_budget_for
+from ds4f.runs.plan import chunk_that_fits
 from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, record_nbytes, report_path_for, sweep_run_dirs
 from ds4f.settings import DUMP_MODES, Settings
 from ds4f.errors import Ds4fError
@@ -298,6 +301,11 @@ def settle(run, settings: Settings) -> None:
     config, preset, tokenizer, prompt = run.config, run.preset, run.tokenizer, run.prompt
     # a prompt of one token has nothing to prefill (and needs no chunk buffers)
     chunk = preset.prefill_chunk if config.prefill_chunk is None else config.prefill_chunk
+    if chunk == AUTO_CHUNK:               # the largest chunk this machine's memory plan fits
+        chunk = chunk_that_fits(run.checkpoint.geometry, preset, int(psutil.virtual_memory().total),
+                                cfg.kv.ram_bytes if cfg.kv is not None else 0,
+                                run.engines.parallel if run.engines is not None else 1,
+                                config.spec != "off").prefill_chunk
     if chunk and run.engines is not None and run.engines.parallel > 1:
         chunk = batched_chunk(chunk)      # a prompt in a batch goes in steps of a few rows
     run.prefill_chunk = min(chunk, len(prompt)) if len(prompt) > 1 else 0

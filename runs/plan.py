@@ -8,12 +8,12 @@ cache's slots.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ds4f.engine.checkpoint.base import align_up, moe_region_layout
 from ds4f.engine.checkpoint.tensors import attention_weight_bytes, global_tensors, mtp_tensors
 from ds4f.engine.batch import batched_chunk, step_rows
-from ds4f.engine.config import DEFAULT_PARALLEL, MAX_PARALLEL, Preset
+from ds4f.engine.config import AUTO_CHUNK, DEFAULT_PARALLEL, MAX_CHUNK, MAX_PARALLEL, Preset
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.mtp import mtp_geometry
@@ -22,6 +22,9 @@ from ds4f.engine.runtime.memory import BOOKKEEPING_BYTES
 from ds4f.engine.runtime.mtp_source import round_slots
 
 OS_HEADROOM = 2 << 30   # what the plan leaves the OS, the page cache of the checkpoint's metadata, the shell
+# the chunks prefill_chunk = "auto" tries, largest first: a chunk reads each expert it routes to once
+# per layer, so a long prompt's reads are the pool's over its chunks; the smallest is the fallback
+AUTO_CHUNKS = tuple(c for c in (4096, 2048, 1024, 512, 256, 128, 64) if c <= MAX_CHUNK)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class MemoryPlan:
     streamed_trunk_bytes_per_token: int = 0   # the unpinned layers' MoE trunk, read every token
     prefix_ram_bytes: int = 0            # memory_plan's: the prefix cache's RAM bound, counted in
     spec: bool = False                   # memory_plan's: with the MTP layer loaded
+    auto_chunk: bool = False             # the preset's prefill_chunk is "auto" (preset holds the chunk chosen)
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +80,11 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
     """What the engine holds for geometry `g` under `preset` on a machine of `ram_bytes`, the
     prefix cache's RAM bound ([kv] ram) with it, for `parallel` sequences stepping together
     (engine.batch: each its KV cache and prompt chunk's records, and the batched step's buffers);
-    spec: with the MTP layer loaded for speculative decoding (mtp_nbytes)."""
+    spec: with the MTP layer loaded for speculative decoding (mtp_nbytes). A prefill_chunk of
+    "auto" is planned as the chunk chunk_that_fits chooses (the plan's preset holds it)."""
+    auto = preset.prefill_chunk == AUTO_CHUNK
+    if auto:
+        preset = chunk_that_fits(g, preset, ram_bytes, prefix_ram_bytes, parallel, spec)
     slot = align_up(g.expert_nbytes)
     pool = g.n_layers * g.n_experts * slot
     regions = [moe_region_layout(g, layer)[1] for layer in range(g.n_layers)]
@@ -86,7 +94,7 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
                   for layer in range(pinned, g.n_layers))                           # pinned layers hold theirs
     att = attention_weight_bytes(g) if g.attention is not None else {}
     plan = MemoryPlan(g, preset, ram_bytes, pool_bytes=pool, parallel=parallel, prefix_ram_bytes=prefix_ram_bytes,
-                      spec=spec)
+                      spec=spec, auto_chunk=auto)
     chunk = batched_chunk(preset.prefill_chunk) if parallel > 1 and preset.prefill_chunk else preset.prefill_chunk
     chunk_bytes = ChunkBuffers.nbytes_for(g, chunk) + transient_nbytes(g, chunk) if chunk else 0
     plan.resident = {
@@ -97,7 +105,8 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
         "read-ahead buffers": 2 * max(regions) if pinned < g.n_layers else 0,
         "bookkeeping": BOOKKEEPING_BYTES,
         "prefix cache (session states in RAM)": prefix_ram_bytes,
-        (f"prefill chunk ({chunk} tokens' activations, records and temporaries)" if parallel == 1 else
+        ((f"prefill chunk ({chunk} tokens, the largest that fits: activations, records and temporaries)" if auto else
+          f"prefill chunk ({chunk} tokens' activations, records and temporaries)") if parallel == 1 else
          f"prefill chunks ({parallel} sequences' of {chunk} tokens: activations, records, temporaries)"):
             parallel * chunk_bytes,
     }
@@ -119,6 +128,22 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
     plan.routed_bytes_per_token = g.n_layers * g.top_k * g.expert_nbytes
     plan.streamed_trunk_bytes_per_token = sum(regions[pinned:])
     return plan
+
+
+def chunk_that_fits(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0, parallel: int = 1,
+                    spec: bool = False) -> Preset:
+    """preset itself, or where its prefill_chunk is "auto" (AUTO_CHUNK) a copy with the largest of
+    AUTO_CHUNKS whose memory plan fits the RAM with everything else the preset asks for (its
+    expert cache as it is: the chunk takes what is left), the smallest when none does (its plan
+    then says it does not fit). A long prompt reads each routed expert once per layer per chunk,
+    so the larger the chunk, the fewer its reads per prompt token."""
+    if preset.prefill_chunk != AUTO_CHUNK:
+        return preset
+    for chunk in AUTO_CHUNKS:
+        sized = replace(preset, prefill_chunk=chunk)
+        if memory_plan(g, sized, ram_bytes, prefix_ram_bytes, parallel, spec).fits:
+            return sized
+    return replace(preset, prefill_chunk=AUTO_CHUNKS[-1])
 
 
 def mtp_nbytes(g: Geometry, context: int) -> int:

@@ -1,17 +1,21 @@
 """`ds4f plan`: the memory plan of a geometry under a preset, and the preset's cache limit."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
 
+from ds4f.engine.batch import batched_chunk, step_rows
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import load_config
+from ds4f.engine.config import AUTO_CHUNK, load_config
+from ds4f.engine.model.attention import KVCache, attention_shapes
+from ds4f.engine.model.forward import ChunkBuffers, transient_nbytes
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
-from ds4f.runs.plan import OS_HEADROOM, memory_plan
+from ds4f.runs.plan import AUTO_CHUNKS, OS_HEADROOM, chunk_that_fits, memory_plan
 from ds4f.runs.config import RunConfig
 from ds4f.runs.run import start_run
 from ds4f.settings import load_settings
@@ -70,24 +74,20 @@ def test_a_cache_limit_caps_the_cache_and_must_be_a_size(tiny_model, tmp_path):
 def test_the_plan_for_several_sequences_counts_what_the_batch_allocates(geometry):
     """N sequences decoded together: N KV caches and batched prompt chunks, and the batched
     step's buffers, as the engine allocates them (engine.batch)."""
-    import dataclasses
-
-    from ds4f.engine.batch import batched_chunk, step_rows
-    from ds4f.engine.model.attention import KVCache, attention_shapes
-    from ds4f.engine.model.forward import ChunkBuffers, transient_nbytes
-
     g = GEOMETRIES[geometry]
     laptop = load_config().get_preset("laptop")
     one = memory_plan(g, laptop, 24 << 30)
     four = memory_plan(g, laptop, 24 << 30, parallel=4)
     kv = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), laptop.context)
     assert one.kv_bytes == kv and four.kv_bytes == 4 * kv
-    chunk = batched_chunk(laptop.prefill_chunk)
-    assert chunk == min(64, laptop.prefill_chunk)
+    planned = four.preset.prefill_chunk          # the preset's "auto" as the plan chose it
+    assert planned in AUTO_CHUNKS and four.auto_chunk
+    chunk = batched_chunk(planned)
+    assert chunk == min(64, planned)
     per = ChunkBuffers.nbytes_for(g, chunk) + transient_nbytes(g, chunk)
     assert four.sequence_bytes == kv + per
     step = [v for k, v in four.resident.items() if k.startswith("batched step")]
-    rows = step_rows(4, laptop.prefill_chunk)
+    rows = step_rows(4, planned)
     assert step == [ChunkBuffers.nbytes_for(g, rows) + transient_nbytes(g, rows)]
     if geometry == "tiny":    # the step's buffers as allocated
         assert ChunkBuffers(g, rows).nbytes == ChunkBuffers.nbytes_for(g, rows)
@@ -148,3 +148,55 @@ def test_the_plan_with_speculation_counts_what_the_mtp_layer_holds(tmp_path):
     assert len(mtp) == 1 and 0.15e9 + 24 * 12.7e6 < mtp[0] < 0.3e9 + 24 * 13.5e6
     out = _cli("--geometry", "real", "--ram", "24GiB", "--spec", cwd=tmp_path)
     assert "MTP layer" in out.stdout and "speculative decoding" in out.stdout, out.stdout + out.stderr
+
+
+def test_auto_chunk_is_the_largest_that_fits_the_ram():
+    """prefill_chunk = "auto": the largest chunk whose plan fits, with the preset's cache as it is;
+    one size larger would not fit; the plan counts the chunk it chose, and says so."""
+    g = GEOMETRIES["flash"]
+    server = dataclasses.replace(load_config().get_preset("server"), prefill_chunk=AUTO_CHUNK)
+    seen = set()
+    for ram_gib in (120, 128, 140, 192):
+        ram = ram_gib << 30
+        chosen = chunk_that_fits(g, server, ram).prefill_chunk
+        seen.add(chosen)
+        plan = memory_plan(g, server, ram)
+        assert plan.fits and plan.auto_chunk and plan.preset.prefill_chunk == chosen
+        assert any(k.startswith(f"prefill chunk ({chosen} tokens, the largest that fits") for k in plan.resident)
+        assert sum(v for k, v in plan.resident.items() if k.startswith("prefill chunk")) == \
+            ChunkBuffers.nbytes_for(g, chosen) + transient_nbytes(g, chosen)
+        larger = [c for c in AUTO_CHUNKS if c > chosen]
+        if larger:     # the next size up does not fit this RAM
+            assert not memory_plan(g, dataclasses.replace(server, prefill_chunk=min(larger)), ram).fits
+    assert len(seen) > 1                     # the RAM decides
+    # too little RAM for anything: the smallest size, and the plan says it does not fit
+    tiny_ram = memory_plan(g, dataclasses.replace(server, prefill_chunk=0), 64 << 30)
+    assert not tiny_ram.fits
+    assert chunk_that_fits(g, server, 64 << 30).prefill_chunk == AUTO_CHUNKS[-1]
+    # a fixed chunk is left as it is
+    assert chunk_that_fits(g, dataclasses.replace(server, prefill_chunk=512), 1 << 40).prefill_chunk == 512
+
+
+def test_auto_chunk_in_a_config_and_a_bad_value(tmp_path):
+    (tmp_path / "ds4f.toml").write_text('[presets.long]\npinned_layers = "all"\nprefill_chunk = "auto"\n')
+    assert load_config(tmp_path / "ds4f.toml").get_preset("long").prefill_chunk == AUTO_CHUNK
+    for bad, said in (('"big"', 'or "auto"'), ("-3", 'or "auto"'), ("5000", 'or "auto"'), ("true", "expected int or str")):
+        (tmp_path / "bad.toml").write_text(f'[presets.long]\npinned_layers = "all"\nprefill_chunk = {bad}\n')
+        with pytest.raises(Ds4fError, match=r'bad\.toml: presets\.long\.prefill_chunk: .*' + said):
+            load_config(tmp_path / "bad.toml")
+
+
+def test_a_run_under_an_auto_chunk_takes_its_prompt_in_one_chunk(tiny_model, tmp_path):
+    """A run whose preset says "auto" gets a chunk from this machine's plan (a prompt shorter than
+    it in one chunk of its own length), and the same tokens as the prompt token by token."""
+    (tmp_path / "ds4f.toml").write_text('[presets.long]\npinned_layers = "all"\ncache = "100%"\n'
+                                        'prefill_chunk = "auto"\n')
+    prompt = tuple(range(1, 41))
+    runs = []
+    for chunk in (None, 0):
+        run = start_run(RunConfig(model=str(tiny_model), gen=4, preset="long", prompt=prompt, probe_floor=False,
+                                  prefill_chunk=chunk, config_path=str(tmp_path / "ds4f.toml"), dump="off"))
+        assert run.wait(120) and run.state == "done", run.error
+        runs.append(run)
+    assert runs[0].prefill_chunk == len(prompt) and runs[1].prefill_chunk == 0
+    assert len(runs[0].report["generated"]) == 4 and runs[0].report["generated"] == runs[1].report["generated"]
