@@ -10,12 +10,12 @@ import pytest
 
 from ds4f.engine.batch import batched_chunk, step_rows
 from ds4f.engine.checkpoint import open_checkpoint
-from ds4f.engine.config import AUTO_CHUNK, load_config
+from ds4f.engine.config import AUTO_CHUNK, Budget, load_config
 from ds4f.engine.model.attention import KVCache, attention_shapes
 from ds4f.engine.model.forward import ChunkBuffers, transient_nbytes
 from ds4f.errors import Ds4fError
 from ds4f.engine.model.geometry import GEOMETRIES
-from ds4f.runs.plan import AUTO_CHUNKS, OS_HEADROOM, chunk_that_fits, memory_plan
+from ds4f.runs.plan import AUTO_CHUNKS, OS_HEADROOM, RESIDENT_CHUNK, chunk_that_fits, memory_plan
 from ds4f.runs.config import RunConfig
 from ds4f.runs.run import start_run
 from ds4f.settings import load_settings
@@ -173,6 +173,16 @@ def test_auto_chunk_is_the_largest_that_fits_the_ram():
     tiny_ram = memory_plan(g, dataclasses.replace(server, prefill_chunk=0), 64 << 30)
     assert not tiny_ram.fits
     assert chunk_that_fits(g, server, 64 << 30).prefill_chunk == AUTO_CHUNKS[-1]
+    # nothing read (every layer pinned, the whole pool cached): the chunk's size saves no reads, and
+    # the largest that fits up to RESIDENT_CHUNK is taken
+    resident = dataclasses.replace(server, pinned_layers="all", cache=Budget(fraction=1.0), cache_limit=None)
+    for ram_gib in (192, 256, 1024):
+        chosen = chunk_that_fits(g, resident, ram_gib << 30).prefill_chunk
+        assert chosen == max(c for c in AUTO_CHUNKS if c <= RESIDENT_CHUNK
+                             and memory_plan(g, dataclasses.replace(resident, prefill_chunk=c), ram_gib << 30).fits)
+    assert chunk_that_fits(g, resident, 1 << 40).prefill_chunk == RESIDENT_CHUNK < AUTO_CHUNKS[0]
+    assert chunk_that_fits(g, dataclasses.replace(resident, cache=Budget(fraction=0.99)), 1 << 40).prefill_chunk \
+        == AUTO_CHUNKS[0]
     # a fixed chunk is left as it is
     assert chunk_that_fits(g, dataclasses.replace(server, prefill_chunk=512), 1 << 40).prefill_chunk == 512
 
