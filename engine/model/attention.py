@@ -176,13 +176,14 @@ def layer_cache_nbytes(shape: AttentionShape, context: int) -> int:
 # ---- the steps --------------------------------------------------------------------------------
 
 
-def rms_rows(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
+def rms_rows(x: np.ndarray, eps: float, weight: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Each row of x [n, d] over sqrt(mean(row^2) + eps) in float64, rounded once; fp32. With weight
     [d] (fp32), that times the weight in fp32: the bits of rms_rows(x, eps) * weight. Rows are
     independent (each one's mean is its own reduction): kernels.rms_rows, numpy's bits for the
     float64 expression, spreads them over the kernels' threads itself. x may be a view of columns
-    (a block of products(): copied to whole rows first)."""
-    return kernels.rms_rows(x if x.flags.c_contiguous else np.ascontiguousarray(x), eps, weight)
+    (a block of products(): copied to whole rows first). out: where the result goes (None: a new
+    array; it may be x itself, a row being read whole before it is written)."""
+    return kernels.rms_rows(x if x.flags.c_contiguous else np.ascontiguousarray(x), eps, weight, out)
 
 
 def weighted_rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -307,7 +308,8 @@ def project(w: AttentionWeights, A: np.ndarray, shape: AttentionShape, parts: li
     n, eps = len(A), shape.eps
     ys = products(input_projections(w), w.input_group, A)
     qr = rms_rows(ys[0], eps, w.q_norm)                                       # [n, q_lora], weighted_rms by row
-    q = rms_rows(_matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim), eps)
+    q = _matmul(w.wq_b, qr).reshape(n * shape.heads, shape.head_dim)            # heads x head_dim a row:
+    q = rms_rows(q, eps, out=q)                                                 # normed in place, no second copy
     kv = rms_rows(ys[1], eps, w.kv_norm)
     p = Projected(q.reshape(n, shape.heads, shape.head_dim), kv)
     if shape.kind != "swa":

@@ -195,8 +195,7 @@ class ChunkBuffers:
 def transient_nbytes(g: Geometry, chunk: int) -> int:
     """A bound on the numpy temporaries a layer of a `chunk`-token prefill holds at once, beyond
     ChunkBuffers (the memory plan and the session's budget count it). Per token, the attention's:
-    the queries before and after their per-head norm, then the normed ones and the attention
-    outputs (2 H head_dim), the key and its rotated copy in the keys the core reads (2 head_dim),
+    the queries (their per-head norm in place) and the attention outputs (2 H head_dim), the key and its rotated copy in the keys the core reads (2 head_dim),
     the rows' cos and sin (rope_dim), the indexer's choice (index_topk int32) and eight words of
     each row's place in the keys, the indexer's query (twice), q_lora twice, the compressors' kv and
     gates, the whole-row copies of the joined projections' q_lora and head_dim blocks for their norms
