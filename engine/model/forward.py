@@ -143,6 +143,24 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, parts: list, g: Geomet
     return Y
 
 
+ATTENTION_ROWS = 256   # rows of one sequence the attention sublayer takes at a time
+
+
+def attention_blocks(parts: list, n: int) -> list[tuple[int, int, list]]:
+    """The step's n rows as the attention sublayer takes them: (first row, end, parts). One
+    sequence's rows (a prompt chunk) in blocks of ATTENTION_ROWS, in order, each block's part
+    starting where the one before left its cache: the bits of a chunk of that size, which are those
+    of any chunk (the state dump is the same at every chunk size); the chunk's experts are still
+    read once for all its rows. Past a few hundred rows the attention's temporaries (a token's
+    queries alone are heads x head_dim fp32, 128 KiB on flash) outgrow the core's caches. Several
+    sequences (a batched step, a few rows each) go in one block."""
+    if len(parts) != 1 or n <= ATTENTION_ROWS:
+        return [(0, n, parts)]
+    cache, pos0, _ = parts[0]
+    return [(a, min(n, a + ATTENTION_ROWS), [(cache, pos0 + a, min(n, a + ATTENTION_ROWS) - a)])
+            for a in range(0, n, ATTENTION_ROWS)]
+
+
 class ChunkBuffers:
     """A chunk's working memory and its tokens' records, allocated once per session."""
 
@@ -279,9 +297,11 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
         if att is not None:                        # projections together, each cache token after token
             la = source.attention(layer)
             parts = [(s.kv.layers[layer], s.pos0, len(s.token_ids)) for s in segments]
-            buf.attn[:n, layer] = attention_sublayer(la, X, parts, g, layer, token_ids, buf.h64, beside,
-                                                     lambda c, err: bad(c, err) if _live(segments, owner, c) else None,
-                                                     name=layer_label(source, layer))
+            for a, b, block in attention_blocks(parts, n):
+                buf.attn[a:b, layer] = attention_sublayer(
+                    la, X[a:b], block, g, layer, token_ids[a:b], buf.h64, beside,
+                    lambda c, err, a=a: bad(a + c, err) if _live(segments, owner, a + c) else None,
+                    name=layer_label(source, layer))
         t1 = perf_counter()
         if att is not None:
             H, post, comb = hc_pre_rows(X, la.hc_ffn, eps, att.hc_eps, att.hc_sinkhorn_iters, beside)

@@ -64,6 +64,34 @@ def test_a_long_chunk_shared_with_the_helper_thread_gives_the_same_dump(request,
     assert layer.dump_path.read_bytes() == token.dump_path.read_bytes()
 
 
+@pytest.mark.parametrize("which", ["tiny_model", "ratios_model"])
+def test_a_chunks_attention_in_blocks_gives_the_same_dump_and_reads(request, which, tmp_path, monkeypatch):
+    """A long chunk's attention taken in blocks of ATTENTION_ROWS rows (13 here: ragged, and fewer
+    than the window), its experts read once for the whole chunk: token by token's dump, and the
+    reads of the chunk in one block."""
+    from ds4f.engine.model import forward
+
+    model = request.getfixturevalue(which)
+    prompt = tuple((5 * i + 1) % 250 for i in range(60))
+    token = _run(model, tmp_path, "token", 0, prompt=prompt, gen=2)
+    whole = _run(model, tmp_path, "whole", len(prompt), prompt=prompt, gen=2)
+    rows = []
+    sublayer = forward.attention_sublayer
+
+    def counted(la, X, *args, **kw):
+        rows.append(len(X))
+        return sublayer(la, X, *args, **kw)
+
+    monkeypatch.setattr(forward, "ATTENTION_ROWS", 13)
+    monkeypatch.setattr(forward, "attention_sublayer", counted)
+    blocks = _run(model, tmp_path, "blocks", len(prompt), prompt=prompt, gen=2)
+    layers = open_checkpoint(model).geometry.n_layers
+    assert rows[:5 * layers] == [13, 13, 13, 13, 8] * layers        # the prompt's chunk, layer by layer
+    assert blocks.dump_path.read_bytes() == token.dump_path.read_bytes() == whole.dump_path.read_bytes()
+    pre, one = blocks.summary_report["summary"]["prefill"], whole.summary_report["summary"]["prefill"]
+    assert pre["chunk"] == len(prompt) and (pre["hits"], pre["misses"]) == (one["hits"], one["misses"])
+
+
 def test_each_chosen_expert_is_read_once_per_layer_per_chunk(tiny_model, tmp_path):
     """The cache is asked once per distinct (layer, expert) of each chunk, so the prefill's
     requests equal the distinct experts the dump records per chunk and layer, and its reads are
