@@ -44,51 +44,61 @@ static double square(const float *x, size_t i) {
     return v * v;
 }
 
-/* numpy's pairwise_sum of the squares of x[0 .. n-1] */
-static double pairwise_squares(const float *x, size_t n) {
+/* numpy's pairwise_sum of the squares of x[0 .. n-1], a block of 8 <= n <= PW_BLOCKSIZE values
+ * summed by `block` (eight running sums, joined as below; the backends' do the same in vectors) */
+typedef double (*block_fn)(const float *x, size_t n);
+
+static double pairwise_squares(block_fn block, const float *x, size_t n) {
     if (n < 8) {
         double res = 0.0;
         for (size_t i = 0; i < n; i++) res += square(x, i);
         return res;
     }
-    if (n <= PW_BLOCKSIZE) {
-        double r0 = square(x, 0), r1 = square(x, 1), r2 = square(x, 2), r3 = square(x, 3);
-        double r4 = square(x, 4), r5 = square(x, 5), r6 = square(x, 6), r7 = square(x, 7);
-        size_t i;
-        for (i = 8; i < n - n % 8; i += 8) {
-            r0 += square(x, i);
-            r1 += square(x, i + 1);
-            r2 += square(x, i + 2);
-            r3 += square(x, i + 3);
-            r4 += square(x, i + 4);
-            r5 += square(x, i + 5);
-            r6 += square(x, i + 6);
-            r7 += square(x, i + 7);
-        }
-        double res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7));
-        for (; i < n; i++) res += square(x, i);
-        return res;
-    }
+    if (n <= PW_BLOCKSIZE) return block(x, n);
     size_t n2 = n / 2;
     n2 -= n2 % 8;
-    return pairwise_squares(x, n2) + pairwise_squares(x + n2, n - n2);
+    return pairwise_squares(block, x, n2) + pairwise_squares(block, x + n2, n - n2);
+}
+
+static double block_scalar(const float *x, size_t n) {
+    double r0 = square(x, 0), r1 = square(x, 1), r2 = square(x, 2), r3 = square(x, 3);
+    double r4 = square(x, 4), r5 = square(x, 5), r6 = square(x, 6), r7 = square(x, 7);
+    size_t i;
+    for (i = 8; i < n - n % 8; i += 8) {
+        r0 += square(x, i);
+        r1 += square(x, i + 1);
+        r2 += square(x, i + 2);
+        r3 += square(x, i + 3);
+        r4 += square(x, i + 4);
+        r5 += square(x, i + 5);
+        r6 += square(x, i + 6);
+        r7 += square(x, i + 7);
+    }
+    double res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7));
+    for (; i < n; i++) res += square(x, i);
+    return res;
+}
+
+/* the row's root mean square, + eps, as numpy computes it from the pairwise sum */
+static double row_rms(block_fn block, const float *x, size_t d, double eps) {
+    double ms = pairwise_squares(block, x, d);
+    ms /= (double)d;
+    ms += eps;
+    return sqrt(ms);
+}
+
+/* out[j0 .. d-1]: x / rms rounded to fp32, times the weight in fp32 */
+static void scale_scalar(const float *x, size_t j0, size_t d, double rms, const float *weight, float *out) {
+    for (size_t j = j0; j < d; j++) {
+        const float y = (float)((double)x[j] / rms);
+        out[j] = weight ? y * weight[j] : y;
+    }
 }
 
 typedef void (*rms_row_fn)(const float *x, size_t d, double eps, const float *weight, float *out);
 
 static void rms_row(const float *x, size_t d, double eps, const float *weight, float *out) {
-    double ms = pairwise_squares(x, d);
-    ms /= (double)d;
-    ms += eps;
-    ms = sqrt(ms);
-    if (weight) {
-        for (size_t j = 0; j < d; j++) {
-            const float y = (float)((double)x[j] / ms);
-            out[j] = y * weight[j];
-        }
-    } else {
-        for (size_t j = 0; j < d; j++) out[j] = (float)((double)x[j] / ms);
-    }
+    scale_scalar(x, 0, d, row_rms(block_scalar, x, d, eps), weight, out);
 }
 
 #ifdef DS4F_X86
@@ -101,82 +111,58 @@ T256 static double join8_avx2(__m256d lo, __m256d hi) {
     return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
 }
 
-T256 static double pairwise_squares_avx2(const float *x, size_t n) {
-    if (n < 8) return pairwise_squares(x, n);
-    if (n <= PW_BLOCKSIZE) {
-        __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + 4));
-        __m256d r0 = _mm256_mul_pd(v0, v0), r1 = _mm256_mul_pd(v1, v1);
-        size_t i;
-        for (i = 8; i < n - n % 8; i += 8) {
-            v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-            v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
-            r0 = _mm256_add_pd(r0, _mm256_mul_pd(v0, v0));
-            r1 = _mm256_add_pd(r1, _mm256_mul_pd(v1, v1));
-        }
-        double res = join8_avx2(r0, r1);
-        for (; i < n; i++) res += square(x, i);
-        return res;
+T256 static double block_avx2(const float *x, size_t n) {
+    __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps(x)), v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + 4));
+    __m256d r0 = _mm256_mul_pd(v0, v0), r1 = _mm256_mul_pd(v1, v1);
+    size_t i;
+    for (i = 8; i < n - n % 8; i += 8) {
+        v0 = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+        v1 = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+        r0 = _mm256_add_pd(r0, _mm256_mul_pd(v0, v0));
+        r1 = _mm256_add_pd(r1, _mm256_mul_pd(v1, v1));
     }
-    size_t n2 = n / 2;
-    n2 -= n2 % 8;
-    return pairwise_squares_avx2(x, n2) + pairwise_squares_avx2(x + n2, n - n2);
+    double res = join8_avx2(r0, r1);
+    for (; i < n; i++) res += square(x, i);
+    return res;
 }
 
 T256 static void rms_row_avx2(const float *x, size_t d, double eps, const float *weight, float *out) {
-    double ms = pairwise_squares_avx2(x, d);
-    ms /= (double)d;
-    ms += eps;
-    ms = sqrt(ms);
-    const __m256d m = _mm256_set1_pd(ms);
+    const double rms = row_rms(block_avx2, x, d, eps);
+    const __m256d m = _mm256_set1_pd(rms);
     size_t j = 0;
     for (; j + 4 <= d; j += 4) {
         __m128 y = _mm256_cvtpd_ps(_mm256_div_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + j)), m));
         if (weight) y = _mm_mul_ps(y, _mm_loadu_ps(weight + j));
         _mm_storeu_ps(out + j, y);
     }
-    for (; j < d; j++) {
-        const float y = (float)((double)x[j] / ms);
-        out[j] = weight ? y * weight[j] : y;
-    }
+    scale_scalar(x, j, d, rms, weight, out);
 }
 
 /* ---- AVX-512: r[0..7] in one vector ---- */
 
-T512 static double pairwise_squares_avx512(const float *x, size_t n) {
-    if (n < 8) return pairwise_squares(x, n);
-    if (n <= PW_BLOCKSIZE) {
-        __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x));
-        __m512d r = _mm512_mul_pd(v, v);
-        size_t i;
-        for (i = 8; i < n - n % 8; i += 8) {
-            v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
-            r = _mm512_add_pd(r, _mm512_mul_pd(v, v));
-        }
-        double res = join8_avx2(_mm512_castpd512_pd256(r), _mm512_extractf64x4_pd(r, 1));
-        for (; i < n; i++) res += square(x, i);
-        return res;
+T512 static double block_avx512(const float *x, size_t n) {
+    __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x));
+    __m512d r = _mm512_mul_pd(v, v);
+    size_t i;
+    for (i = 8; i < n - n % 8; i += 8) {
+        v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+        r = _mm512_add_pd(r, _mm512_mul_pd(v, v));
     }
-    size_t n2 = n / 2;
-    n2 -= n2 % 8;
-    return pairwise_squares_avx512(x, n2) + pairwise_squares_avx512(x + n2, n - n2);
+    double res = join8_avx2(_mm512_castpd512_pd256(r), _mm512_extractf64x4_pd(r, 1));
+    for (; i < n; i++) res += square(x, i);
+    return res;
 }
 
 T512 static void rms_row_avx512(const float *x, size_t d, double eps, const float *weight, float *out) {
-    double ms = pairwise_squares_avx512(x, d);
-    ms /= (double)d;
-    ms += eps;
-    ms = sqrt(ms);
-    const __m512d m = _mm512_set1_pd(ms);
+    const double rms = row_rms(block_avx512, x, d, eps);
+    const __m512d m = _mm512_set1_pd(rms);
     size_t j = 0;
     for (; j + 8 <= d; j += 8) {
         __m256 y = _mm512_cvtpd_ps(_mm512_div_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + j)), m));
         if (weight) y = _mm256_mul_ps(y, _mm256_loadu_ps(weight + j));
         _mm256_storeu_ps(out + j, y);
     }
-    for (; j < d; j++) {
-        const float y = (float)((double)x[j] / ms);
-        out[j] = weight ? y * weight[j] : y;
-    }
+    scale_scalar(x, j, d, rms, weight, out);
 }
 #endif
 
