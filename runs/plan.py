@@ -90,8 +90,7 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
     auto = preset.prefill_chunk == AUTO_CHUNK
     if auto:
         preset = chunk_that_fits(g, preset, ram_bytes, prefix_ram_bytes, parallel, spec)
-    slot = align_up(g.expert_nbytes)
-    pool = g.n_layers * g.n_experts * slot
+    slot, pool = expert_pool(g)
     regions = [moe_region_layout(g, layer)[1] for layer in range(g.n_layers)]
     pinned = preset.pinned_count(g.n_layers)
     routers = sum(2 * g.n_experts * g.hidden + 4 * g.hidden                       # gate bf16, ffn_norm fp32
@@ -135,6 +134,12 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
     return plan
 
 
+def expert_pool(g: Geometry) -> tuple[int, int]:
+    """(slot, pool): the bytes of an expert's cache slot (4 KiB-aligned) and of every expert's."""
+    slot = align_up(g.expert_nbytes)
+    return slot, g.n_layers * g.n_experts * slot
+
+
 def chunk_that_fits(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0, parallel: int = 1,
                     spec: bool = False) -> Preset:
     """preset itself, or where its prefill_chunk is "auto" (AUTO_CHUNK) a copy with the largest of
@@ -145,9 +150,8 @@ def chunk_that_fits(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_byte
     (every layer pinned, the cache the whole pool) at most RESIDENT_CHUNK."""
     if preset.prefill_chunk != AUTO_CHUNK:
         return preset
-    pool = g.n_layers * g.n_experts * align_up(g.expert_nbytes)
-    reads = preset.pinned_count(g.n_layers) < g.n_layers or preset.cache_bytes(pool) // align_up(g.expert_nbytes) \
-        < g.n_layers * g.n_experts
+    slot, pool = expert_pool(g)
+    reads = preset.pinned_count(g.n_layers) < g.n_layers or preset.cache_bytes(pool) // slot * slot < pool
     for chunk in AUTO_CHUNKS if reads else [c for c in AUTO_CHUNKS if c <= RESIDENT_CHUNK]:
         sized = replace(preset, prefill_chunk=chunk)
         if memory_plan(g, sized, ram_bytes, prefix_ram_bytes, parallel, spec).fits:
