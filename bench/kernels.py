@@ -59,7 +59,7 @@ MEMORY_WALL = 0.7           # a kernel reading at this fraction of the floor or 
 FMA_ITERS = 1 << 21         # per task of the FMA peak: 12 chains x 2^21 multiply-adds (~5 ms on one core)
 # the multi-token kernels against single-vector calls: (format, rows, k) at MULTI_TOKENS vectors
 MULTI_CASES = (("mxfp4", 2048, 4096), ("mxfp4", 4096, 2048), ("bf16", 2048, 4096), ("fp8", 1024, 4096))
-MULTI_TOKENS = (1, 8, 32)
+MULTI_TOKENS = (1, 2, 4, 8, 32)   # 2, 4: a few sequences decoded together, an expert a few rows chose
 COLD_KERNELS = ("experts", "fp8_matvec")
 CASES = ("hot", "cold", "all")
 PAGES = ("huge", "normal", "both")

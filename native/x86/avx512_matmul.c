@@ -22,6 +22,11 @@
  * loads into the FMAs' memory operands (a load per FMA, undoing NT = 2): an empty asm keeps each
  * weight vector in a register for both tokens.  A 256-bit version (FMAs split by lane halves, the
  * same bits) reached only ~23 G.
+ *
+ * Up to 8 tokens (several sequences' decode rows, the tokens of one routed expert) the tile does
+ * not pay: those calls decode in registers instead, as the single-vector kernels do, and apply each
+ * decoded vector to a group of tokens (eo_few, fp8_few below), with the same per-(row, token)
+ * sequence.
  */
 #include "kernels_avx512.h"
 
@@ -135,8 +140,82 @@ INL void eo_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R
     }
 }
 
+/* A few tokens (an expert two or three rows chose, several sequences' decode rows): 4 rows at a
+ * time, each block decoded in registers as the single-vector kernel does, and applied to NT <= 3
+ * tokens whose x vectors are loaded once per block for the 4 rows; per (row, token) the
+ * single-vector kernel's FMAs into its two accumulators and its reduction.  The tile path above
+ * stores and reloads every decoded vector and passes over the tile per token pair: 2 tokens took
+ * 1.76x one token's time, 4 tokens 2.6x; here 1.15x and 2.2x (2048x4096 and 4096x2048, 1 thread).
+ * From 8 tokens on the tile path is as fast.  bf16 (2048x4096): 2 tokens 1.18x against 1.28x,
+ * 3 tokens 1.44x against 1.57x, 4 tokens 2.3x against the tile's 1.74x. */
+#define EO_FEW_R 4
+#define EO_FEW_NT 3      /* 4 rows x 3 tokens x 2 accumulators, 3 x 2 x vectors: 30 of the 32 registers */
+#define EO_FEW_TOKENS 8  /* up to this many tokens an MXFP4 call goes this way, in FEW_GROUPS */
+#define BF16_FEW_TOKENS 3 /* bf16's decode is 2 steps per 32 weights: its tile pays from 4 tokens */
+
+INL void eo_few_rows(int kind, int NT, int R, const void *w, const uint8_t *scales, size_t r, size_t k,
+                     const float *xp, size_t ldx, int ahead, float *y, size_t ldy) {
+    const size_t kb = k / 2, ks = k / 32;
+    __m512 a[EO_FEW_R][EO_FEW_NT][2];
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) a[i][n][0] = a[i][n][1] = _mm512_setzero_ps();
+    const uint8_t *c0 = (const uint8_t *)w + r * kb, *s0 = scales + r * ks;
+    for (size_t b = 0; b < ks; b++) {
+        if (ahead && kind == DS4F_MM_MXFP4) { /* the next row group's bytes, 16 R per block */
+            _mm_prefetch((const char *)c0 + R * kb + 16 * R * b, _MM_HINT_T0);
+            if (16 * R * b < R * ks) _mm_prefetch((const char *)s0 + R * ks + 16 * R * b, _MM_HINT_T0);
+        }
+        __m512 xe[EO_FEW_NT], xo[EO_FEW_NT]; /* loaded once for all the rows */
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+            xe[n] = _mm512_loadu_ps(xp + n * ldx + 32 * b);
+            xo[n] = _mm512_loadu_ps(xp + n * ldx + 32 * b + 16);
+        }
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+            __m512 lo, hi;
+            if (kind == DS4F_MM_MXFP4)
+                mxfp4_eo(c0 + i * kb + 16 * b, s0[i * ks + b], &lo, &hi);
+            else
+                bf16_eo((const uint16_t *)w + (r + i) * k + 32 * b, &lo, &hi);
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                a[i][n][0] = _mm512_fmadd_ps(lo, xe[n], a[i][n][0]);
+                a[i][n][1] = _mm512_fmadd_ps(hi, xo[n], a[i][n][1]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r + i] = finish(a[i][n][0], a[i][n][1]);
+}
+
+/* rows r0..r1 for NT tokens (a constant in each call below, so the loops unroll) */
+INL void eo_few(int kind, int NT, const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
+                const float *xp, size_t ldx, float *y, size_t ldy) {
+    const int R = EO_FEW_R;
+    size_t r = r0;
+    for (; r + R <= r1; r += R) eo_few_rows(kind, NT, R, w, scales, r, k, xp, ldx, r + 2 * R <= r1, y, ldy);
+    for (; r < r1; r++) eo_few_rows(kind, NT, 1, w, scales, r, k, xp, ldx, 0, y, ldy);
+}
+
+/* the tokens in groups of 2, the first of 3 when their count is odd (one token: alone) */
+#define FEW_GROUPS(nt, call)                                                                       \
+    for (size_t t_ = 0; t_ < (nt);) {                                                              \
+        const size_t g_ = (nt) == 1 ? 1 : t_ == 0 && (nt) % 2 ? 3 : 2;                             \
+        if (g_ == 3)                                                                               \
+            call(3, t_);                                                                           \
+        else if (g_ == 2)                                                                          \
+            call(2, t_);                                                                           \
+        else                                                                                       \
+            call(1, t_);                                                                           \
+        t_ += g_;                                                                                  \
+    }
+
 T512 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                           const float *xp, size_t ldx, float *y, size_t ldy) {
+    if (nt <= EO_FEW_TOKENS) {
+#define MXFP4_FEW(NT, t) eo_few(DS4F_MM_MXFP4, NT, w, scales, r0, r1, k, xp + (t) * ldx, ldx, y + (t) * ldy, ldy)
+        FEW_GROUPS(nt, MXFP4_FEW)
+#undef MXFP4_FEW
+        return;
+    }
     size_t r = r0;
     for (; r + MM_R <= r1; r += MM_R) eo_rows(DS4F_MM_MXFP4, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
     for (; r < r1; r++) eo_rows(DS4F_MM_MXFP4, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
@@ -144,6 +223,12 @@ T512 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_
 
 T512 static void bf16_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                          const float *xp, size_t ldx, float *y, size_t ldy) {
+    if (nt <= BF16_FEW_TOKENS) {
+#define BF16_FEW(NT, t) eo_few(DS4F_MM_BF16, NT, w, scales, r0, r1, k, xp + (t) * ldx, ldx, y + (t) * ldy, ldy)
+        FEW_GROUPS(nt, BF16_FEW)
+#undef BF16_FEW
+        return;
+    }
     size_t r = r0;
     for (; r + MM_R <= r1; r += MM_R) eo_rows(DS4F_MM_BF16, w, scales, r, MM_R, k, nt, xp, ldx, y, ldy);
     for (; r < r1; r++) eo_rows(DS4F_MM_BF16, w, scales, r, 1, k, nt, xp, ldx, y, ldy);
@@ -259,8 +344,99 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
     }
 }
 
+/* A few tokens (several sequences' decode rows, a shared expert's): each 64-chunk of 4 rows (2 rows
+ * for 3 or 4 tokens) decoded in registers as the single-vector kernel does, and applied to NT <= 4
+ * tokens whose x vectors are loaded once per chunk for those rows; per (row, token) the
+ * single-vector kernel's sequence (4 FMAs per chunk into the tile partial, the tile added with its
+ * scale, the same result).  The tile path above stores and reloads every decoded vector and passes
+ * over the tile per token pair: 2 tokens took 2x one token's time, 4 tokens 2.85x; here 1.35x and
+ * 2.1-2.3x (the trunk's shapes, 1 thread).  Decode is most of a token's work (14 steps per 64
+ * weights against 4 FMAs), so a group of 4 tokens beats two of 2. */
+#define FP8_FEW_R 4
+#define FP8_FEW_NT 4
+#define FP8_FEW_TOKENS 7 /* up to this many tokens a call goes this way, in groups of 4 (at 8 the tile is ~6% faster) */
+#define FP8_FEW_PREFETCH 512
+
+INL void fp8_few_rows(int NT, int R, const uint8_t *w, const uint8_t *scales, size_t r, size_t k, const float *xp,
+                      size_t ldx, float *y, size_t ldy) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
+    const uint8_t *wr[FP8_FEW_R], *sr[FP8_FEW_R];
+    __m512 p[FP8_FEW_R][FP8_FEW_NT];
+    float acc[FP8_FEW_R][FP8_FEW_NT][16] __attribute__((aligned(64))); /* touched once a tile: kept out of registers */
+    __m512i nan[FP8_FEW_R];
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+        wr[i] = w + (r + i) * k;
+        sr[i] = scales + (r + i) / DS4F_FP8_TILE * kt;
+        nan[i] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) _mm512_store_ps(acc[i][n], _mm512_setzero_ps());
+    }
+    for (size_t t = 0; t < kt; t++) {
+        const size_t j0 = t * DS4F_FP8_TILE, nq = fp8_chunks(j0, k);
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+            _mm_prefetch((const char *)wr[i] + j0 + FP8_FEW_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)wr[i] + j0 + FP8_FEW_PREFETCH + 64, _MM_HINT_T0);
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) p[i][n] = _mm512_setzero_ps();
+        }
+        for (size_t q = 0; q < nq; q++) {
+            const size_t j = j0 + 64 * q;
+            __m512 xv[FP8_FEW_NT][4]; /* loaded once for all the rows */
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+                _Pragma("GCC unroll 4") for (int m = 0; m < 4; m++) xv[n][m] = _mm512_loadu_ps(xp + n * ldx + j + 16 * m);
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                const __m512i v = j + 64 <= k ? _mm512_loadu_si512(wr[i] + j) : fp8_load_tail(wr[i] + j, k - j);
+                nan[i] = fp8_nan_max(nan[i], v);
+                __m512 f[4];
+                fp8_widen64(v, f);
+                _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                    __m512 a = p[i][n];
+                    a = _mm512_fmadd_ps(f[0], xv[n][0], a);
+                    a = _mm512_fmadd_ps(f[1], xv[n][1], a);
+                    a = _mm512_fmadd_ps(f[2], xv[n][2], a);
+                    a = _mm512_fmadd_ps(f[3], xv[n][3], a);
+                    p[i][n] = a;
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                __m512 a = _mm512_load_ps(acc[i][n]);
+                __asm__("" : "+v"(a));
+                _mm512_store_ps(acc[i][n], fp8_tile_add(p[i][n], sr[i][t], a));
+            }
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++)
+            y[n * ldy + r + i] = fp8_result(_mm512_load_ps(acc[i][n]), nan[i]);
+}
+
+/* rows r0..r1 for NT tokens (a constant in each call below, so the loops unroll) */
+INL void fp8_few(int NT, const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, const float *xp,
+                 size_t ldx, float *y, size_t ldy) {
+    const int R = NT <= 2 ? FP8_FEW_R : 2; /* 4 x 4 partials and x vectors would not fit the registers */
+    size_t r = r0;
+    for (; r + R <= r1; r += R) fp8_few_rows(NT, R, w, scales, r, k, xp, ldx, y, ldy);
+    for (; r < r1; r++) fp8_few_rows(NT, 1, w, scales, r, k, xp, ldx, y, ldy);
+}
+
+T512 static void fp8_mm_few(const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
+                            const float *xp, size_t ldx, float *y, size_t ldy) {
+#define FP8_FEW(NT, t) fp8_few(NT, w, scales, r0, r1, k, xp + (t) * ldx, ldx, y + (t) * ldy, ldy)
+    for (size_t t = 0; t + 4 <= nt; t += 4) FP8_FEW(4, t);
+    const size_t t4 = nt / 4 * 4;
+    switch (nt - t4) {
+    case 3: FP8_FEW(3, t4); break;
+    case 2: FP8_FEW(2, t4); break;
+    case 1: FP8_FEW(1, t4); break;
+    }
+#undef FP8_FEW
+}
+
 T512 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
                         const float *xp, size_t ldx, float *y, size_t ldy) {
+    if (nt <= FP8_FEW_TOKENS) {
+        fp8_mm_few(w, scales, r0, r1, k, nt, xp, ldx, y, ldy);
+        return;
+    }
     size_t r = r0;
     for (; r + FP8_R <= r1; r += FP8_R) fp8_rows(w, scales, r, FP8_R, k, nt, xp, ldx, y, ldy);
     for (; r < r1; r++) fp8_rows(w, scales, r, 1, k, nt, xp, ldx, y, ldy);
