@@ -160,7 +160,7 @@ def log_text(app, index: int = 0) -> str:
 
 async def attached(pilot, index: int = 0):
     app = pilot.app
-    await wait_for(pilot, lambda: app.links[index].view().status is not None, 30, "the first snapshot")
+    await wait_for(pilot, lambda: app.links[index].view().status is not None, 90, "the first snapshot")
     await pilot.pause(0.3)
 
 
@@ -186,9 +186,9 @@ async def test_hello_and_snapshots_reach_the_panels(serve, tiny_model):
         # a request: its run's figures come to the run panels, its end to the log and the latency
         stream = Stream(server.port, max_tokens=8)
         assert stream.done.wait(60) and stream.status == 200
-        await wait_for(pilot, lambda: "run" in log_text(app) and " done" in log_text(app), 30, "the run's end")
-        await wait_for(pilot, lambda: "TTFT p50" in text(app, "#lat-text"), 30, "the latency")
-        await wait_for(pilot, lambda: "done" in text(app, "#run-state"), 30, "the run panel")
+        await wait_for(pilot, lambda: "run" in log_text(app) and " done" in log_text(app), 90, "the run's end")
+        await wait_for(pilot, lambda: "TTFT p50" in text(app, "#lat-text"), 90, "the latency")
+        await wait_for(pilot, lambda: "done" in text(app, "#run-state"), 90, "the run panel")
         assert "1 requests" in text(app, "#lat-text")
         # the server's runs directory against [runs] budget (20 GB by default), beside the prefix cache
         assert re.search(r"runs dir [\d.]+ [KMG]?i?B of 18\.6 GiB \(\d+%\)", text(app, "#prefix-text")), \
@@ -212,17 +212,17 @@ async def test_a_streaming_request_shows_and_s_cancels_it(serve, gate):
         seq = text(app, "#seq-text")
         assert "127.0.0.1" in seq and "prompt" in seq and "/200 tok" in seq
         run_id = app.links[0].view().sequences[0]["run_id"]
-        await wait_for(pilot, lambda: run_id in text(app, "#run-text"), 30, "the run panels following it")
+        await wait_for(pilot, lambda: run_id in text(app, "#run-text"), 90, "the run panels following it")
         # ↓ picks it (the first press picks the one followed), s cancels it
         await pilot.press("down")
         await wait_for(pilot, lambda: app.links[0].view().selected == run_id, 10, "the pick")
         await pilot.press("s")
         await wait_for(pilot, lambda: f"operator cancel (run {run_id})" in log_text(app), 10, "the call")
         gate.open()
-        await wait_for(pilot, lambda: "✓ operator cancel" in log_text(app), 30, "the answer")
-        await wait_for(pilot, lambda: stream.done.is_set(), 30, "the stream's end")
-        await wait_for(pilot, lambda: "cancelled by operator@127.0.0.1" in log_text(app), 30, "the server's word")
-        await wait_for(pilot, lambda: "no sequence running" in text(app, "#seq-text"), 30, "no sequence")
+        await wait_for(pilot, lambda: "✓ operator cancel" in log_text(app), 90, "the answer")
+        await wait_for(pilot, lambda: stream.done.is_set(), 90, "the stream's end")
+        await wait_for(pilot, lambda: "cancelled by operator@127.0.0.1" in log_text(app), 90, "the server's word")
+        await wait_for(pilot, lambda: "no sequence running" in text(app, "#seq-text"), 90, "no sequence")
 
 
 @pytest.mark.skipif(not SIMD, reason="no SIMD backend on this CPU")
@@ -234,7 +234,7 @@ async def test_k_switches_the_servers_kernels(serve, gate):
         await attached(pilot)
         best = best_backend()
         await pilot.press("k")
-        await wait_for(pilot, lambda: "✓ operator backend" in log_text(app), 30, "the answer")
+        await wait_for(pilot, lambda: "✓ operator backend" in log_text(app), 90, "the answer")
         assert "→ scalar" in log_text(app)
         await wait_for(pilot, lambda: "scalar" in status_line(app), 10, "the status line")
         assert server.service.backend == "scalar"
@@ -243,7 +243,7 @@ async def test_k_switches_the_servers_kernels(serve, gate):
         Stream(server.port, max_tokens=40)
         assert gate.reached.wait(60)
         await pilot.press("k")
-        await wait_for(pilot, lambda: log_text(app).count("✓ operator backend") == 2, 30, "the second answer")
+        await wait_for(pilot, lambda: log_text(app).count("✓ operator backend") == 2, 90, "the second answer")
         assert server.service.backend == best
         gate.open()
         await wait_for(pilot, lambda: "scalar→" in text(app, "#kern-text"), 60, "the switch in the kernels panel")
@@ -257,23 +257,23 @@ async def test_threads_preset_drain_and_resume(serve):
         await attached(pilot)
         stream = Stream(server.port, max_tokens=4)      # the server says its thread counts once a run has run
         assert stream.done.wait(60)
-        await wait_for(pilot, lambda: app.links[0].view().status.get("run") is not None, 30, "the run in the status")
+        await wait_for(pilot, lambda: app.links[0].view().status.get("run") is not None, 90, "the run in the status")
         io = app.links[0].view().status["run"]["io_threads"]
         await pilot.press("right_square_bracket")
-        await wait_for(pilot, lambda: "✓ operator threads" in log_text(app), 30, "the threads call")
+        await wait_for(pilot, lambda: "✓ operator threads" in log_text(app), 90, "the threads call")
         assert server.service.io_threads == io + 1
         presets = app.links[0].view().status["preset"]["available"]
         before = server.service.preset
         await pilot.press("p")
-        await wait_for(pilot, lambda: "✓ operator preset" in log_text(app), 30, "the preset call")
+        await wait_for(pilot, lambda: "✓ operator preset" in log_text(app), 90, "the preset call")
         assert server.service.preset == presets[(presets.index(before) + 1) % len(presets)]
         await pilot.press("d")
-        await wait_for(pilot, lambda: "DRAINING" in status_line(app), 30, "draining")
+        await wait_for(pilot, lambda: "DRAINING" in status_line(app), 90, "draining")
         assert "✓ operator drain" in log_text(app)
         refused = Stream(server.port, max_tokens=4)
         assert refused.done.wait(30) and refused.status == 503
         await pilot.press("u")
-        await wait_for(pilot, lambda: "DRAINING" not in status_line(app), 30, "resumed")
+        await wait_for(pilot, lambda: "DRAINING" not in status_line(app), 90, "resumed")
         assert "✓ operator resume" in log_text(app)
 
 
@@ -283,7 +283,7 @@ async def test_a_closed_port_gets_the_error_screen_until_a_server_comes(serve):
     url = f"http://127.0.0.1:{port}"
     app = make([url])
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, AttachErrorScreen), 30, "the error screen")
+        await wait_for(pilot, lambda: isinstance(app.screen, AttachErrorScreen), 90, "the error screen")
         shown = str(app.screen.query_one("#error-title", Static).render()) + "\n" + str(
             app.screen.query_one("#error-message", Static).render())
         assert url in shown and "connection refused" in shown
@@ -302,7 +302,7 @@ async def test_not_a_ds4f_server_and_an_older_one():
     try:
         app = make([other.url, old.url])
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, AttachErrorScreen), 30, "the error screen")
+            await wait_for(pilot, lambda: isinstance(app.screen, AttachErrorScreen), 90, "the error screen")
             message = str(app.screen.query_one("#error-message", Static).render())
             assert other.url in str(app.screen.query_one("#error-title", Static).render())
             assert "not a ds4f server" in message
@@ -330,7 +330,7 @@ async def test_two_servers_two_tabs(serve):
         await pilot.press("tab")
         assert app.dashboard.shown_index == 1
         await pilot.press("d")                           # the key acts on the server shown
-        await wait_for(pilot, lambda: b.service.draining, 30, "the second server draining")
+        await wait_for(pilot, lambda: b.service.draining, 90, "the second server draining")
         assert not a.service.draining
 
 
@@ -343,7 +343,7 @@ async def test_a_server_that_stops_and_comes_back(serve):
     async with app.run_test(size=SIZE) as pilot:
         await attached(pilot)
         assert server.stop(timeout=30)
-        await wait_for(pilot, lambda: app.links[0].connection.state == LOST, 30, "the loss")
+        await wait_for(pilot, lambda: app.links[0].connection.state == LOST, 90, "the loss")
         await wait_for(pilot, lambda: "connection lost since" in text(app, "#seq-text"), 10, "the panel saying so")
         assert "✗ lost" in status_line(app)
         assert isinstance(app.screen, AttachedScreen)    # it was attached once: no error screen, the panels say it
