@@ -15,6 +15,8 @@
  * lanes) are transposed into scratch while their squares are summed; then, HC_IB elements at a
  * time, the block is divided by d and every row runs over it, 6 rows at a time (12 accumulator
  * chains), while the block is in L1. fn (1.5 MiB at the real width) is read once per 8 tokens.
+ * A group of 4 tokens or fewer (several sequences' decode rows) fills only the first vector of
+ * lanes: the second is not computed (4 tokens: 0.20 ms against 0.29 at the real width, 1 thread).
  * AVX2, a few tokens (a decode step): the lanes are rows, 4 to a vector: for each element i, its
  * x_i / d broadcast and fn_t[i]'s row weights (contiguous) in as many chains as rows / 4, fn read
  * once per token.
@@ -52,14 +54,15 @@ static void hc_mix_scalar(const float *x, size_t n, size_t k, const float *fn_t,
 #define HC_IB 256 /* elements per block: the block's 8 tokens' streams are 16 KiB */
 
 /* xt[i][l] = token l's x_i for the group's nl tokens (lanes past nl repeat the last token; their
- * results are dropped), not yet divided, and each lane's d */
-T256 static void hc_gather(const float *x, size_t nl, size_t k, double eps, double *xt, __m256d d[2]) {
+ * results are dropped), not yet divided, and each lane's d; only the first nh vectors of lanes
+ * (nh = 1: 4 tokens or fewer) */
+T256 static void hc_gather(const float *x, size_t nl, int nh, size_t k, double eps, double *xt, __m256d d[2]) {
     const float *row[HC_T];
     for (size_t l = 0; l < HC_T; l++) row[l] = x + (l < nl ? l : nl - 1) * k;
     __m256d ss[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
     size_t i = 0;
     for (; i + 4 <= k; i += 4) /* 4 elements of 4 tokens: a 4 x 4 transpose per lane vector */
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < nh; h++) {
             const __m256d r0 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h] + i)), r1 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h + 1] + i));
             const __m256d r2 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h + 2] + i)), r3 = _mm256_cvtps_pd(_mm_loadu_ps(row[4 * h + 3] + i));
             const __m256d a0 = _mm256_unpacklo_pd(r0, r1), a1 = _mm256_unpackhi_pd(r0, r1);
@@ -72,49 +75,51 @@ T256 static void hc_gather(const float *x, size_t nl, size_t k, double eps, doub
             }
         }
     for (; i < k; i++)
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < nh; h++) {
             const __m256d xv = _mm256_set_pd(row[4 * h + 3][i], row[4 * h + 2][i], row[4 * h + 1][i], row[4 * h][i]);
             _mm256_storeu_pd(xt + i * HC_T + 4 * h, xv);
             ss[h] = _mm256_fmadd_pd(xv, xv, ss[h]);
         }
     const __m256d kk = _mm256_set1_pd((double)k), ee = _mm256_set1_pd(eps);
-    for (int h = 0; h < 2; h++) d[h] = _mm256_sqrt_pd(_mm256_add_pd(_mm256_div_pd(ss[h], kk), ee));
+    for (int h = 0; h < nh; h++) d[h] = _mm256_sqrt_pd(_mm256_add_pd(_mm256_div_pd(ss[h], kk), ee));
 }
 
-/* rows r..r+R-1 over elements i0..i1-1: their running sums (acc + 8 j: row r + j's 8 lanes) */
-T256 static void hc_rows(const float *fn_t, size_t rows, size_t r, int R, const double *xt, size_t i0, size_t i1,
-                         double *acc) {
+/* rows r..r+R-1 over elements i0..i1-1: their running sums (acc + 8 j: row r + j's 8 lanes), for
+ * NH vectors of lanes (a constant in each call, so the loops unroll) */
+INL void hc_rows_nh(int NH, const float *fn_t, size_t rows, size_t r, int R, const double *xt, size_t i0,
+                       size_t i1, double *acc) {
     const float *f0 = fn_t + r;
     if (R == HC_R) {
         __m256d a[HC_R][2];
-        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
-            a[j][0] = _mm256_loadu_pd(acc + 8 * j);
-            a[j][1] = _mm256_loadu_pd(acc + 8 * j + 4);
-        }
+        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++)
+            _Pragma("GCC unroll 2") for (int h = 0; h < NH; h++) a[j][h] = _mm256_loadu_pd(acc + 8 * j + 4 * h);
         for (size_t i = i0; i < i1; i++) {
-            const __m256d x0 = _mm256_loadu_pd(xt + i * HC_T), x1 = _mm256_loadu_pd(xt + i * HC_T + 4);
+            __m256d xv[2];
+            _Pragma("GCC unroll 2") for (int h = 0; h < NH; h++) xv[h] = _mm256_loadu_pd(xt + i * HC_T + 4 * h);
             _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
                 const __m256d f = _mm256_set1_pd((double)f0[i * rows + j]);
-                a[j][0] = _mm256_fmadd_pd(f, x0, a[j][0]);
-                a[j][1] = _mm256_fmadd_pd(f, x1, a[j][1]);
+                _Pragma("GCC unroll 2") for (int h = 0; h < NH; h++) a[j][h] = _mm256_fmadd_pd(f, xv[h], a[j][h]);
             }
         }
-        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++) {
-            _mm256_storeu_pd(acc + 8 * j, a[j][0]);
-            _mm256_storeu_pd(acc + 8 * j + 4, a[j][1]);
-        }
+        _Pragma("GCC unroll 6") for (int j = 0; j < HC_R; j++)
+            _Pragma("GCC unroll 2") for (int h = 0; h < NH; h++) _mm256_storeu_pd(acc + 8 * j + 4 * h, a[j][h]);
         return;
     }
-    for (int j = 0; j < R; j++) { /* the last rows, one at a time */
-        __m256d a0 = _mm256_loadu_pd(acc + 8 * j), a1 = _mm256_loadu_pd(acc + 8 * j + 4);
-        for (size_t i = i0; i < i1; i++) {
-            const __m256d f = _mm256_set1_pd((double)f0[i * rows + j]);
-            a0 = _mm256_fmadd_pd(f, _mm256_loadu_pd(xt + i * HC_T), a0);
-            a1 = _mm256_fmadd_pd(f, _mm256_loadu_pd(xt + i * HC_T + 4), a1);
+    for (int j = 0; j < R; j++) /* the last rows, one at a time */
+        for (int h = 0; h < NH; h++) {
+            __m256d a0 = _mm256_loadu_pd(acc + 8 * j + 4 * h);
+            for (size_t i = i0; i < i1; i++)
+                a0 = _mm256_fmadd_pd(_mm256_set1_pd((double)f0[i * rows + j]), _mm256_loadu_pd(xt + i * HC_T + 4 * h), a0);
+            _mm256_storeu_pd(acc + 8 * j + 4 * h, a0);
         }
-        _mm256_storeu_pd(acc + 8 * j, a0);
-        _mm256_storeu_pd(acc + 8 * j + 4, a1);
-    }
+}
+
+T256 static void hc_rows(int nh, const float *fn_t, size_t rows, size_t r, int R, const double *xt, size_t i0,
+                         size_t i1, double *acc) {
+    if (nh == 2)
+        hc_rows_nh(2, fn_t, rows, r, R, xt, i0, i1, acc);
+    else
+        hc_rows_nh(1, fn_t, rows, r, R, xt, i0, i1, acc);
 }
 
 T256 static void hc_mix_tokens(const float *x, size_t n, size_t k, const float *fn_t, size_t rows, double eps,
@@ -122,16 +127,17 @@ T256 static void hc_mix_tokens(const float *x, size_t n, size_t k, const float *
     double *xt = scratch, *acc = scratch + HC_T * k; /* xt [k][HC_T]; acc [rows][HC_T], the rows' running sums */
     for (size_t t0 = 0; t0 < n; t0 += HC_T) {
         const size_t nl = n - t0 < HC_T ? n - t0 : HC_T;
+        const int nh = nl > HC_T / 2 ? 2 : 1; /* 4 tokens or fewer: one vector of lanes */
         __m256d d[2];
-        hc_gather(x + t0 * k, nl, k, eps, xt, d);
+        hc_gather(x + t0 * k, nl, nh, k, eps, xt, d);
         for (size_t j = 0; j < HC_T * rows; j++) acc[j] = 0.0;
         for (size_t i0 = 0; i0 < k; i0 += HC_IB) {
             const size_t i1 = i0 + HC_IB < k ? i0 + HC_IB : k;
             for (size_t i = i0; i < i1; i++)
-                for (int h = 0; h < 2; h++)
+                for (int h = 0; h < nh; h++)
                     _mm256_storeu_pd(xt + i * HC_T + 4 * h, _mm256_div_pd(_mm256_loadu_pd(xt + i * HC_T + 4 * h), d[h]));
             for (size_t r = 0; r < rows; r += HC_R)
-                hc_rows(fn_t, rows, r, rows - r < HC_R ? (int)(rows - r) : HC_R, xt, i0, i1, acc + HC_T * r);
+                hc_rows(nh, fn_t, rows, r, rows - r < HC_R ? (int)(rows - r) : HC_R, xt, i0, i1, acc + HC_T * r);
         }
         for (size_t r = 0; r < rows; r++)
             for (size_t l = 0; l < nl; l++) out[(t0 + l) * rows + r] = acc[HC_T * r + l];

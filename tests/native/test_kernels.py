@@ -480,7 +480,8 @@ def ref_hc_mix(x: np.ndarray, fn: np.ndarray, eps: float) -> tuple[np.ndarray, n
 
 @BACKEND
 @pytest.mark.parametrize("n, k, rows", [(1, 32, 1), (11, 1030, 7), (9, 4 * 1024, 24), (17, 96, 6),
-                                        (1, 4 * 1024, 24), (1, 4 * 1024, 4), (3, 1030, 7), (2, 96, 40)])
+                                        (1, 4 * 1024, 24), (1, 4 * 1024, 4), (3, 1030, 7), (2, 96, 40),
+                                        (4, 4 * 1024, 24), (5, 1030, 7), (12, 96, 13)])
 def test_hc_mix(backend, n, k, rows):
     """Within a few float64 roundings of the exactly rounded sums, and the same bits whatever the
     backend (the scalar reference's) and whatever else is in the batch (each token alone)."""
