@@ -344,17 +344,18 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
     }
 }
 
-/* A few tokens (several sequences' decode rows, a shared expert's): each 64-chunk of 4 rows (2 rows
- * for 3 or 4 tokens) decoded in registers as the single-vector kernel does, and applied to NT <= 4
- * tokens whose x vectors are loaded once per chunk for those rows; per (row, token) the
+/* A few tokens (several sequences' decode rows, a shared expert's): each 64-chunk of 4 rows decoded
+ * in registers as the single-vector kernel does, and applied to NT <= 4 tokens whose x vectors are
+ * loaded once per chunk for those rows (with 4 tokens the compiler keeps some of them in memory:
+ * 4 x 4 partials are 16 independent chains, where 2 rows' 8 were latency-bound); per (row, token) the
  * single-vector kernel's sequence (4 FMAs per chunk into the tile partial, the tile added with its
  * scale, the same result).  The tile path above stores and reloads every decoded vector and passes
  * over the tile per token pair: 2 tokens took 2x one token's time, 4 tokens 2.85x; here 1.35x and
- * 2.1-2.3x (the trunk's shapes, 1 thread).  Decode is most of a token's work (14 steps per 64
+ * 1.9-2.3x (the trunk's shapes, 1 thread).  Decode is most of a token's work (14 steps per 64
  * weights against 4 FMAs), so a group of 4 tokens beats two of 2. */
 #define FP8_FEW_R 4
 #define FP8_FEW_NT 4
-#define FP8_FEW_TOKENS 7 /* up to this many tokens a call goes this way, in groups of 4 (at 8 the tile is ~6% faster) */
+#define FP8_FEW_TOKENS 8 /* up to this many tokens a call goes this way, in groups of 4 */
 #define FP8_FEW_PREFETCH 512
 
 INL void fp8_few_rows(int NT, int R, const uint8_t *w, const uint8_t *scales, size_t r, size_t k, const float *xp,
@@ -412,7 +413,7 @@ INL void fp8_few_rows(int NT, int R, const uint8_t *w, const uint8_t *scales, si
 /* rows r0..r1 for NT tokens (a constant in each call below, so the loops unroll) */
 INL void fp8_few(int NT, const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, const float *xp,
                  size_t ldx, float *y, size_t ldy) {
-    const int R = NT <= 2 ? FP8_FEW_R : 2; /* 4 x 4 partials and x vectors would not fit the registers */
+    const int R = FP8_FEW_R;
     size_t r = r0;
     for (; r + R <= r1; r += R) fp8_few_rows(NT, R, w, scales, r, k, xp, ldx, y, ldy);
     for (; r < r1; r++) fp8_few_rows(NT, 1, w, scales, r, k, xp, ldx, y, ldy);

@@ -20,7 +20,8 @@ from kernel_params import backend_marks, bits, kernel_settings_restored, progres
 BACKEND, _ = backend_marks()
 restore_kernel_settings = kernel_settings_restored()
 
-TOKENS = (1, 2, 3, 4, 7, 32, 33, 65)   # each few-token count, odd counts, one beyond each accumulator block (32, 64)
+TOKENS = (1, 2, 3, 4, 7, 8, 9, 32, 33, 65)   # each few-token count, odd counts, the last few-token count and the first
+                                          # beyond it (8, 9), one beyond each accumulator block (32, 64)
 THREADS = (1, 2, 3)
 TILE = 128
 QNAN = 0x7FC00000
