@@ -30,11 +30,23 @@ def heads_taken(srv, address: str) -> int:
     return sum(1 for p in list(srv.server.uvicorn.config.http.live) if p._address == address and p.cycle is not None)
 
 
+def wait_for_head(srv, address: str, count: int) -> None:
+    """Until the server has read `count` request heads from `address` (the event loop takes a new
+    connection's head in a later turn than its accept: a connection dropped before that has sent
+    nothing the server read, and is closed without an answer)."""
+    deadline = time.monotonic() + 30
+    while heads_taken(srv, address) < count:
+        assert time.monotonic() < deadline, f"the server did not take {count} heads from {address}"
+        time.sleep(0.01)
+
+
 class Trickler:
     """`per_address` connections from each address, each with a whole head and a body that comes a
-    byte every 0.1 s; a connection the server closes is read (its answer kept) and replaced."""
+    byte every 0.1 s; a connection the server closes is read (its answer kept) and replaced.
+    settled(address, count), for the first `room` connections: waits until the server has read the
+    head of each (so that they, the oldest, are bodies coming when the later ones need room)."""
 
-    def __init__(self, port: int, per_address: int) -> None:
+    def __init__(self, port: int, per_address: int, settled=None, room: int = 0) -> None:
         self.port = port
         self.open: list[tuple[int, str, socket.socket]] = []
         self.answers: list[tuple[int, bytes]] = []       # (the connection's number, what it got)
@@ -44,6 +56,8 @@ class Trickler:
         for _ in range(per_address):
             for address in ADDRESSES:
                 self._connect(address)
+                if settled is not None and self.opened <= room:
+                    settled(address, sum(1 for _, a, _ in self.open if a == address))
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -80,7 +94,8 @@ class Trickler:
 
 def test_trickled_bodies_from_many_addresses_never_shut_out_a_local_client(start):
     srv = start(max_client_connections=6, max_connections=24, header_timeout_s=60, body_timeout_s=60)
-    attack = Trickler(srv.port, per_address=5)          # 30 bodies coming, from 6 addresses: past the 24 in all
+    attack = Trickler(srv.port, per_address=5,          # 30 bodies coming, from 6 addresses: past the 24 in all
+                      settled=lambda address, count: wait_for_head(srv, address, count), room=24)
     try:
         for _ in range(3):                               # a local client, meanwhile, again and again
             assert srv.get("/health").status == 200
@@ -108,10 +123,7 @@ def test_one_address_trickling_bodies_past_its_own_bound_closes_its_oldest(start
         s = connect_from("127.0.0.9", srv.port)
         s.sendall(HEAD)
         hogs.append(s)
-    deadline = time.monotonic() + 10
-    while heads_taken(srv, "127.0.0.9") < 4:             # every head taken: their bodies are awaited
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_head(srv, "127.0.0.9", 4)                  # every head taken: their bodies are awaited
     extra = connect_from("127.0.0.9", srv.port)          # one more from that address: served
     extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     assert read_all(extra).startswith(b"HTTP/1.1 200 ")
