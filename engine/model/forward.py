@@ -60,7 +60,7 @@ from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
 from ds4f.engine.model.moe import shared_expert, sum_outputs
 from ds4f.engine.model.ops import rms_norm
-from ds4f.engine.model.router import route, router_scores
+from ds4f.engine.model.router import route, router_scores, row_scores
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights
 
 SHARED = -1  # the rank an arrival carries when it is the shared expert's weights
@@ -389,13 +389,9 @@ def _route_rows(source: WeightSource, layer: int, H: np.ndarray, token_ids: list
     input), ids and weights. The router's logits of all rows in one multi-token call (each row the
     single-vector product's bits), the norms and selections row by row."""
     g = source.geometry
-    n = len(token_ids)
     router = source.router(layer)
-    xs = buf.xs[:n]
-    for c in range(n):
-        rms_norm(H[c], router.ffn_norm, g.rms_norm_eps, xs[c], buf.h64)
-    scores = router_scores(router, xs, buf.router_rows[:n], buf.mm_scratch)
-    for c in range(n):
+    scores = row_scores(router, H[:len(token_ids)], g.rms_norm_eps, buf.xs, buf.router_rows, buf.mm_scratch, buf.h64)
+    for c in range(len(token_ids)):
         buf.ids[c, layer], buf.weights[c, layer] = route(scores[c], router, token_ids[c], g)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from ds4f.native import kernels
 from ds4f.engine.model.geometry import Geometry
-from ds4f.engine.model.ops import sqrt_softplus
+from ds4f.engine.model.ops import rms_norm, sqrt_softplus
 from ds4f.engine.model.weights import RouterWeights
 
 
@@ -19,6 +19,18 @@ def router_scores(router: RouterWeights, x: np.ndarray, logits: np.ndarray,
     else:
         kernels.matmul(router.gate_native, x, logits, scratch)
     return sqrt_softplus(logits)
+
+
+def row_scores(router: RouterWeights, H: np.ndarray, eps: float, xs: np.ndarray, logits: np.ndarray,
+               scratch: np.ndarray, h64: np.ndarray) -> np.ndarray:
+    """The router's scores of several rows at once: each row of H [n, hidden] rms-normed with the
+    router's ffn_norm into xs[:n] (row by row, rms_norm's bits), then their logits in one
+    multi-token call into logits[:n] (scratch: its kernel's); scores fp32 [n, n_experts], each row's
+    bits those of the row alone. h64: float64 [hidden] for the norm."""
+    n = len(H)
+    for c in range(n):
+        rms_norm(H[c], router.ffn_norm, eps, xs[c], h64)
+    return router_scores(router, xs[:n], logits[:n], scratch)
 
 
 def route(scores: np.ndarray, router: RouterWeights, token_id: int, geometry: Geometry) -> tuple[np.ndarray, np.ndarray]:

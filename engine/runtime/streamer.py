@@ -27,9 +27,10 @@ from typing import Iterator
 import numpy as np
 
 from ds4f.errors import Ds4fError
+from ds4f.native import kernels
 from ds4f.engine.model.forward import SHARED
 from ds4f.engine.model.ops import rms_norm
-from ds4f.engine.model.router import route, router_scores
+from ds4f.engine.model.router import route, router_scores, row_scores
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, MoeWeights, RouterWeights, SharedExpertWeights
 from ds4f.engine.runtime.expert_cache import ExpertCache
 from ds4f.engine.runtime.memory import warm_buffer
@@ -75,6 +76,11 @@ class Streamer:
         self._h64 = np.empty(g.hidden, np.float64)
         self._x_ahead = np.empty(g.hidden, np.float32)
         self._logits_ahead = np.empty(g.n_experts, np.float32)
+        # and a step of several rows routes them in one call (PREFETCH_ROWS x (hidden + n_experts)
+        # floats and the kernel's scratch: 0.5 MB on flash)
+        self._xs_ahead = np.empty((self.PREFETCH_ROWS, g.hidden), np.float32)
+        self._rows_ahead = np.empty((self.PREFETCH_ROWS, g.n_experts), np.float32)
+        self._scratch_ahead = kernels.matmul_scratch(self.PREFETCH_ROWS, g.hidden)
         # the current token
         self.tokens = 0                 # tokens started so far: the cache policy's clock, which a warm
                                         # run continues (restarted, a policy's ages would run backwards
@@ -242,10 +248,12 @@ class Streamer:
             self._guess(layer, H[0])
             return
         router = self.routers[layer]
+        n = len(self._chunk_tokens)
+        scores = row_scores(router, H[:n], g.rms_norm_eps, self._xs_ahead, self._rows_ahead, self._scratch_ahead,
+                            self._h64)
         keys = []
         for c, t in enumerate(self._chunk_tokens):
-            x = rms_norm(H[c], router.ffn_norm, g.rms_norm_eps, self._x_ahead, self._h64)
-            ids, _ = route(router_scores(router, x, self._logits_ahead), router, t, g)
+            ids, _ = route(scores[c], router, t, g)
             keys += [(layer, int(e)) for e in ids[:self.PREFETCH_RANKS]]
         self._prefetch_keys(keys)
 

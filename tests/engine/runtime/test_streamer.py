@@ -158,3 +158,32 @@ def test_a_failed_trunk_read_names_the_trunk_file(engine, tiny_model, tmp_path):
         for _ in s.chunk_arrivals(0, _ids([1])):
             pass
     assert str(trunk) in str(caught.value) and "truncated" in str(caught.value)
+
+
+def test_a_step_of_several_rows_guesses_each_rows_own_top_experts(tiny_model):
+    """guess_rows routes the rows in one call: what it starts reading is, row by row, the top
+    PREFETCH_RANKS experts of that row's routing, recomputed here in float64 numpy."""
+    p = replace(load_config(None).get_preset("server"), prefetch=True)
+    eng = Engine(open_checkpoint(tiny_model), p, 4, 1, "scalar")
+    try:
+        s, g = eng.streamer, eng.ckpt.geometry
+        tokens = [5, 11, 17]
+        H = np.random.default_rng(3).standard_normal((len(tokens), g.hidden)).astype(np.float32)
+        s.start_chunk(tokens)
+        s.guess_rows(L, H)
+        router = s.routers[L]
+        gate = np.asarray(router.gate)
+        gate64 = ((gate.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if gate.dtype.itemsize == 2
+                  else gate).astype(np.float64)
+        want = set()
+        for c in range(len(tokens)):
+            h = H[c].astype(np.float64)
+            x = h / np.sqrt(np.mean(h * h) + g.rms_norm_eps) * router.ffn_norm
+            scores = np.sqrt(np.logaddexp(0.0, gate64 @ x))
+            top = np.argsort(-(scores + router.bias), kind="stable")[:s.PREFETCH_RANKS]
+            want |= {(L, int(e)) for e in top}
+        assert {key for key in s._prefetched if key[0] == L} == want     # (the hash layers' come with the step)
+        s.finish_chunk_layer(L)
+    finally:
+        eng.close()
+        eng.ckpt.close()
