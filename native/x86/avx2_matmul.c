@@ -262,33 +262,51 @@ INL void h_rows(int kind, const void *w, const uint8_t *scales, size_t r, int R,
  * as for FP8 below, the decoded tile only pays from ~4 tokens.  Each row goes as in the matvec
  * (avx2_matvec.c's mx_rows, R = 1): a block's E2M1 values made once in registers, then per token
  * mx_partial and the scale into its accumulator: each token's result is mxfp4_matvec's, bit for
- * bit.  x comes prepared by prep_mx (the matvec's own order). */
+ * bit.  x comes prepared by prep_mx (the matvec's own order).  Rows go FEW_RB at a time, each over
+ * a slice of FEW_KC elements of k before the next row takes it: the tokens' slices of x (4 x 4
+ * KiB) stay in L1 for the FEW_RB rows, where whole rows of 4 tokens' x (64 KiB at k = 4096) came
+ * from L2 for every row.  A (row, token)'s steps keep their order: only rows interleave. */
 #define MX_FEW 4
+#define FEW_RB 8     /* MXFP4 / FP8 few tokens: rows that take a slice of k in turn */
+#define FEW_KC 1024  /* ... and the slice's elements (a multiple of 32 and of the FP8 tile) */
 
-INL void mx_few_row(const int NT, const mxfp4_bs *mb, const uint8_t *codes, const uint8_t *scales, size_t r, size_t k,
-                    const float *xp, size_t ldx, float *y, size_t ldy) {
+INL void mx_few_rows(const int NT, const mxfp4_bs *mb, const uint8_t *codes, const uint8_t *scales, size_t r, int R,
+                     size_t k, const float *xp, size_t ldx, float *y, size_t ldy) {
     const size_t kb = k / 2, ks = k / 32;
-    const uint8_t *c0 = codes + r * kb, *s0 = scales + r * ks;
-    __m256 acc[MX_FEW];
-    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) acc[n] = _mm256_setzero_ps();
-    for (size_t b = 0; b < ks; b++) {
-        if ((b & 3) == 0) _mm_prefetch((const char *)(c0 + kb + 16 * b), _MM_HINT_T0);   /* the next row */
-        __m256 w[4];
-        mxfp4_block_e2m1(mb, c0 + 16 * b, w);
-        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
-            const float *xq = xp + n * ldx + 32 * b;
-            acc[n] = mx_scale_add(mx_partial(w, _mm256_loadu_ps(xq), _mm256_loadu_ps(xq + 8), _mm256_loadu_ps(xq + 16),
-                                             _mm256_loadu_ps(xq + 24)),
-                                  s0[b], acc[n]);
+    __m256 accm[FEW_RB][MX_FEW]; /* each (row, token)'s accumulator between k slices */
+    for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) accm[i][n] = _mm256_setzero_ps();
+    for (size_t b0 = 0; b0 < ks; b0 += FEW_KC / 32) {
+        const size_t b1 = b0 + FEW_KC / 32 < ks ? b0 + FEW_KC / 32 : ks;
+        for (int i = 0; i < R; i++) {
+            const uint8_t *c0 = codes + (r + i) * kb, *s0 = scales + (r + i) * ks;
+            /* what comes next: the next row's slice, after the last row the first row's next slice */
+            const uint8_t *pf = i + 1 < R ? c0 + kb : codes + r * kb + 16 * (FEW_KC / 32);
+            __m256 acc[MX_FEW];
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) acc[n] = accm[i][n];
+            for (size_t b = b0; b < b1; b++) {
+                if ((b & 3) == 0) _mm_prefetch((const char *)(pf + 16 * b), _MM_HINT_T0);
+                __m256 w[4];
+                mxfp4_block_e2m1(mb, c0 + 16 * b, w);
+                _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                    const float *xq = xp + n * ldx + 32 * b;
+                    acc[n] = mx_scale_add(mx_partial(w, _mm256_loadu_ps(xq), _mm256_loadu_ps(xq + 8),
+                                                     _mm256_loadu_ps(xq + 16), _mm256_loadu_ps(xq + 24)),
+                                          s0[b], acc[n]);
+                }
+            }
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) accm[i][n] = acc[n];
         }
     }
-    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r] = hsum8(acc[n]);
+    for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r + i] = hsum8(accm[i][n]);
 }
 
 INL void mx_few(const int NT, const uint8_t *codes, const uint8_t *scales, size_t r0, size_t r1, size_t k,
                 const float *xp, size_t ldx, float *y, size_t ldy) {
     const mxfp4_bs mb = mxfp4_bs_consts();
-    for (size_t r = r0; r < r1; r++) mx_few_row(NT, &mb, codes, scales, r, k, xp, ldx, y, ldy);
+    for (size_t r = r0; r < r1; r += FEW_RB)
+        mx_few_rows(NT, &mb, codes, scales, r, r1 - r < FEW_RB ? (int)(r1 - r) : FEW_RB, k, xp, ldx, y, ldy);
 }
 
 T256 static void mxfp4_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
@@ -432,47 +450,65 @@ INL void fp8_rows(const uint8_t *w, const uint8_t *scales, size_t r, int R, size
  * row goes as in fp8_matvec (avx2_matvec.c's fp8_rows, R = 1): every 32-byte chunk widened once
  * in registers, then per token its 4 FMAs into that token's tile partial, in the matvec's order,
  * and the tile's fp8_tile_add: each token's result is fp8_matvec's, bit for bit.  x comes
- * prepared (prep_fp8 is the matvec's own permutation); the next row's bytes are prefetched a
- * tile ahead. */
+ * prepared (prep_fp8 is the matvec's own permutation).  Rows go FEW_RB at a time over slices of
+ * k, as for MXFP4 above; the next row's bytes are prefetched a tile ahead. */
 #define FP8_FEW 4
 
-INL void fp8_few_row(const int NT, const uint8_t *w, const uint8_t *scales, size_t r, size_t k, const float *xp,
-                     size_t ldx, float *y, size_t ldy) {
-    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE;
-    const uint8_t *wr = w + r * k, *sr = scales + r / DS4F_FP8_TILE * kt;
-    __m256 p[FP8_FEW], acc[FP8_FEW];
-    __m256i nan = _mm256_setzero_si256();
-    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) p[n] = acc[n] = _mm256_setzero_ps();
-    for (size_t t = 0; t < kt; t++) {
-        const size_t j0 = t * DS4F_FP8_TILE, j1 = j0 + DS4F_FP8_TILE < k ? j0 + DS4F_FP8_TILE : k;
-        _mm_prefetch((const char *)wr + k + j0, _MM_HINT_T0);
-        _mm_prefetch((const char *)wr + k + j0 + 64, _MM_HINT_T0);
-        for (size_t j = j0; j < j1; j += 32) {
-            const __m256i v = j + 32 <= k ? _mm256_loadu_si256((const __m256i *)(wr + j)) : fp8_load_tail(wr + j, k - j);
-            nan = fp8_nan_max(nan, v);
-            __m256 f[4];
-            fp8_widen32(v, f);
-            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
-                const float *xq = xp + n * ldx + j;
-                __m256 q = p[n];
-                q = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xq), q);
-                q = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xq + 8), q);
-                q = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xq + 16), q);
-                q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xq + 24), q);
-                p[n] = q;
+INL void fp8_few_rows(const int NT, const uint8_t *w, const uint8_t *scales, size_t r, int R, size_t k,
+                      const float *xp, size_t ldx, float *y, size_t ldy) {
+    const size_t kt = (k + DS4F_FP8_TILE - 1) / DS4F_FP8_TILE, st = FEW_KC / DS4F_FP8_TILE;
+    __m256 accm[FEW_RB][FP8_FEW]; /* each (row, token)'s accumulator between k slices */
+    __m256i nanm[FEW_RB];
+    for (int i = 0; i < R; i++) {
+        nanm[i] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) accm[i][n] = _mm256_setzero_ps();
+    }
+    for (size_t t0 = 0; t0 < kt; t0 += st) {
+        const size_t t1 = t0 + st < kt ? t0 + st : kt;
+        for (int i = 0; i < R; i++) {
+            const uint8_t *wr = w + (r + i) * k, *sr = scales + (r + i) / DS4F_FP8_TILE * kt;
+            /* what comes next: the next row's slice, after the last row the first row's next slice */
+            const uint8_t *pf = i + 1 < R ? wr + k : w + r * k + FEW_KC;
+            __m256 p[FP8_FEW], acc[FP8_FEW];
+            __m256i nan = nanm[i];
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) p[n] = _mm256_setzero_ps(), acc[n] = accm[i][n];
+            for (size_t t = t0; t < t1; t++) {
+                const size_t j0 = t * DS4F_FP8_TILE, j1 = j0 + DS4F_FP8_TILE < k ? j0 + DS4F_FP8_TILE : k;
+                _mm_prefetch((const char *)pf + j0, _MM_HINT_T0);
+                _mm_prefetch((const char *)pf + j0 + 64, _MM_HINT_T0);
+                for (size_t j = j0; j < j1; j += 32) {
+                    const __m256i v =
+                        j + 32 <= k ? _mm256_loadu_si256((const __m256i *)(wr + j)) : fp8_load_tail(wr + j, k - j);
+                    nan = fp8_nan_max(nan, v);
+                    __m256 f[4];
+                    fp8_widen32(v, f);
+                    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                        const float *xq = xp + n * ldx + j;
+                        __m256 q = p[n];
+                        q = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xq), q);
+                        q = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xq + 8), q);
+                        q = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xq + 16), q);
+                        q = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xq + 24), q);
+                        p[n] = q;
+                    }
+                }
+                _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
+                    acc[n] = fp8_tile_add(p[n], sr[t], acc[n]);
+                    p[n] = _mm256_setzero_ps();
+                }
             }
-        }
-        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) {
-            acc[n] = fp8_tile_add(p[n], sr[t], acc[n]);
-            p[n] = _mm256_setzero_ps();
+            nanm[i] = nan;
+            _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) accm[i][n] = acc[n];
         }
     }
-    _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r] = fp8_result(acc[n], nan);
+    for (int i = 0; i < R; i++)
+        _Pragma("GCC unroll 4") for (int n = 0; n < NT; n++) y[n * ldy + r + i] = fp8_result(accm[i][n], nanm[i]);
 }
 
 INL void fp8_few(const int NT, const uint8_t *w, const uint8_t *scales, size_t r0, size_t r1, size_t k,
                  const float *xp, size_t ldx, float *y, size_t ldy) {
-    for (size_t r = r0; r < r1; r++) fp8_few_row(NT, w, scales, r, k, xp, ldx, y, ldy);
+    for (size_t r = r0; r < r1; r += FEW_RB)
+        fp8_few_rows(NT, w, scales, r, r1 - r < FEW_RB ? (int)(r1 - r) : FEW_RB, k, xp, ldx, y, ldy);
 }
 
 T256 static void fp8_mm(const void *w, const uint8_t *scales, size_t r0, size_t r1, size_t k, size_t nt,
