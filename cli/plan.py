@@ -48,10 +48,15 @@ def run(args) -> int:
     seqs += ", speculative decoding with the MTP layer" if spec else ""
     parts = Table("resident", [Column("part", align="left"), Column("bytes", "size", align="left")],
                   title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}{seqs}")
+    raw = args.output in ("csv", "json")
     for name, n in plan.resident.items():
-        parts.add(name, n if args.output in ("csv", "json") else format_bytes(n))
-    for dtype, n in plan.attention_by_dtype.items():
-        parts.add(f"  attention {dtype}", n if args.output in ("csv", "json") else format_bytes(n))
+        parts.add(name, n if raw else format_bytes(n))
+        if name.startswith("attention"):                # its parts, under it
+            for dtype, m in plan.attention_by_dtype.items():
+                parts.add(f"  attention {dtype}", m if raw else format_bytes(m))
+        if name.startswith("prefill chunk") and plan.chunk_records_bytes:
+            parts.add("  of it the tokens' layer records (hidden and attention states, for the state dump)",
+                      plan.chunk_records_bytes if raw else format_bytes(plan.chunk_records_bytes))
     sizes = [("KV cache" if args.parallel == 1 else f"KV caches ({args.parallel} sequences)", plan.kv_bytes), ("expert cache (the preset's)", plan.cache_bytes),
              ("total", plan.total_bytes), ("RAM", ram_bytes),
              ("largest expert cache that fits", plan.cache_fit_bytes), ("expert pool", plan.pool_bytes)]

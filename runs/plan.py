@@ -38,7 +38,8 @@ class MemoryPlan:
     preset: Preset
     ram_bytes: int
     resident: dict[str, int] = field(default_factory=dict)     # part -> bytes (see memory_plan)
-    attention_by_dtype: dict[str, int] = field(default_factory=dict)
+    attention_by_dtype: dict[str, int] = field(default_factory=dict)   # of the attention's row, by dtype
+    chunk_records_bytes: int = 0         # of the prompt chunks' row, the tokens' layer records
     kv_bytes: int = 0                    # every sequence's KV cache (parallel of them)
     parallel: int = 1                    # sequences stepping together
     sequence_bytes: int = 0              # what one more sequence holds: its KV cache and prompt chunk
@@ -122,6 +123,7 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
         plan.resident["MTP layer (speculative decoding: its block, slots for its experts, buffers)"] = \
             mtp_nbytes(g, preset.context)
     plan.attention_by_dtype = {k: v for k, v in att.items() if k != "total" and v}
+    plan.chunk_records_bytes = parallel * ChunkBuffers.records_nbytes_for(g, chunk) if chunk else 0
     one_kv = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), preset.context) \
         if g.attention is not None else 0
     plan.kv_bytes = parallel * one_kv

@@ -201,13 +201,20 @@ class ChunkBuffers:
         """What ChunkBuffers(g, chunk) holds, without allocating it (the memory plan counts it)."""
         att = g.attention
         streams = att.hc_mult if att is not None else 1
-        per_token = 4 * (streams * g.hidden + 3 * g.hidden + g.top_k * g.hidden
-                         + g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0)) + g.vocab
+        per_token = 4 * (streams * g.hidden + 3 * g.hidden + g.top_k * g.hidden + g.vocab
                          + g.top_k * g.hidden + 3 * g.shared_inter + g.hidden + g.n_experts)
         fixed = 8 * g.hidden + 3 * 8
         scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
                    + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
-        return chunk * per_token + fixed + scratch
+        return chunk * per_token + ChunkBuffers.records_nbytes_for(g, chunk) + fixed + scratch
+
+    @staticmethod
+    def records_nbytes_for(g: Geometry, chunk: int) -> int:
+        """Of nbytes_for, the tokens' layer records (ids, weights, hidden, attn): 3.4 MiB a token on
+        DeepSeek-V4-Flash, most of a prompt chunk's memory."""
+        att = g.attention
+        streams = att.hc_mult if att is not None else 1
+        return 4 * chunk * g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0))
 
 
 def transient_nbytes(g: Geometry, chunk: int) -> int:

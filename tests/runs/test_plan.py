@@ -210,3 +210,23 @@ def test_a_run_under_an_auto_chunk_takes_its_prompt_in_one_chunk(tiny_model, tmp
         runs.append(run)
     assert runs[0].prefill_chunk == len(prompt) and runs[1].prefill_chunk == 0
     assert len(runs[0].report["generated"]) == 4 and runs[0].report["generated"] == runs[1].report["generated"]
+
+
+def test_the_plan_shows_each_part_under_its_row_and_the_chunks_records():
+    """The attention's dtypes sit under the attention's row, and under the prompt chunk's row the
+    share its tokens' layer records take: per token and layer the state after the layer (hc_mult x
+    hidden floats), the attention output (hidden floats) and the top_k ids and weights."""
+    out = _cli("--geometry", "flash", "--ram", "24GiB", "-o", "csv")
+    assert out.returncode == 0, out.stderr
+    rows = [line.rsplit(",", 1) for line in out.stdout.splitlines()[2:] if line.strip()]
+    names = [name.strip('"') for name, _ in rows]
+    att = names.index("attention and hyper-connections")
+    assert all(n.startswith("  attention ") for n in names[att + 1:att + 5]) and not names[att + 5].startswith("  ")
+    chunk_row = next(i for i, n in enumerate(names) if n.startswith("prefill chunk ("))
+    chunk = int(names[chunk_row].split("(")[1].split()[0])
+    assert names[chunk_row + 1].startswith("  of it the tokens' layer records")
+    g = GEOMETRIES["flash"]
+    per_token_layer = 4 * (g.attention.hc_mult * g.hidden + g.hidden) + 4 * 2 * g.top_k
+    records = int(rows[chunk_row + 1][1])
+    assert records == chunk * g.n_layers * per_token_layer
+    assert records < int(rows[chunk_row][1])
