@@ -51,6 +51,7 @@ from ds4f.runs.history import (History, PrunePlan, RunRecord, hash_groups, plan_
                                run_files)
 from ds4f.runs.host import EngineHost
 from ds4f.runs.plan import CONVERSATION_TOKENS, MemoryPlan, bookkeeping, fit_parallel, kept_state_nbytes, memory_plan
+from ds4f.engine.model.records import RECORDS_OF_DUMP
 from ds4f.runs.run import END_STATES, LIVE_STATES, Run, active_run, active_runs, start_run
 from ds4f.runs.snapshot import Snapshot, TokenRecord, disk_occupancy
 from ds4f.runs.diff import LOW_BIT_TOLERANCE, StateDiff, diff_states
@@ -81,7 +82,7 @@ __all__ = [
     # the runs directory's disk budget ([runs] budget)
     "RunsBudget", "runs_budget_for",
     # the memory plan
-    "MemoryPlan", "memory_plan", "fit_parallel", "bookkeeping", "kept_state_nbytes", "CONVERSATION_TOKENS", "DEFAULT_PARALLEL", "MAX_PARALLEL",
+    "MemoryPlan", "memory_plan", "RECORDS_OF_DUMP", "fit_parallel", "bookkeeping", "kept_state_nbytes", "CONVERSATION_TOKENS", "DEFAULT_PARALLEL", "MAX_PARALLEL",
     # text: tokenizer, streaming, chat format, sampling
     "Tokenizer", "find_tokenizer", "GenerationDefaults", "TextStream", "render_chat", "chat_prompt_ids",
     "SamplingParams", "Sampler", "THINK_END",

@@ -1,17 +1,20 @@
-"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N] [--spec [auto|off|K]]`: the memory plan of a
-model under a preset on a machine's RAM, for N sequences decoded together, without the weights (see
-ds4f.runs.plan)."""
+"""`ds4f plan [--geometry flash] [--ram 24GiB] [--preset laptop] [--parallel N] [--spec [auto|off|K]] [--dump MODE]`: the
+memory plan of a model under a preset on a machine's RAM, for N sequences decoded together, runs writing
+state dumps of MODE (what a prompt chunk keeps per layer), without the weights (see ds4f.runs.plan)."""
 from __future__ import annotations
 
 import argparse
 
-from ds4f.api import (CONVERSATION_TOKENS, MAX_PARALLEL, Ds4fError, bookkeeping, format_bytes, get_geometry,
-                      load_settings, memory_plan, parse_budget, parse_spec)
-from ds4f.cli.options import (add_config, add_geometry, add_output_option, add_parallel, add_preset, add_spec,
-                              geometry_name)
+from ds4f.api import (CONVERSATION_TOKENS, MAX_PARALLEL, RECORDS_OF_DUMP, Ds4fError, bookkeeping, format_bytes,
+                      get_geometry, load_settings, memory_plan, parse_budget, parse_spec)
+from ds4f.cli.options import (add_config, add_dump_option, add_geometry, add_output_option, add_parallel, add_preset,
+                              add_spec, geometry_name)
 from ds4f.cli.output import Column, Table, print_tables
 
 HIT_RATES = (0.0, 0.5, 0.75)   # what a token reads from disk at these expert-cache hit rates
+RECORD_WHAT = {"full": "every layer's hidden and attention states, for the state dump",
+               "compact": "routing, per-layer digests and sketches, the last layer's states",
+               "none": "routing and the last layer's states"}
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -22,12 +25,15 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
                                  " buffers")
     add_spec(parser, "the plan holds the MTP layer when it is not off: its block, the slots for its experts,"
                      " its buffers")
+    add_dump_option(parser, "runs")
     add_config(parser)
     add_output_option(parser)
 
 
 def run(args) -> int:
-    cfg = load_settings(args.config).engine
+    settings = load_settings(args.config)
+    cfg = settings.engine
+    dump = args.dump or settings.dump.mode("runs")
     preset = cfg.get_preset(args.preset)
     g = get_geometry(geometry_name(args))
     spec = parse_spec(args.spec) != "off"
@@ -43,9 +49,10 @@ def run(args) -> int:
     if not 1 <= args.parallel <= MAX_PARALLEL:
         raise Ds4fError(f"--parallel: sequences decoded together, between 1 and {MAX_PARALLEL}, got {args.parallel}")
     plan = memory_plan(g, preset, ram_bytes, cfg.kv.ram_bytes if cfg.kv is not None else 0, args.parallel,
-                       spec=spec)
+                       spec=spec, records=RECORDS_OF_DUMP[dump])
     seqs = f", {args.parallel} sequences decoded together" if args.parallel > 1 else ""
     seqs += ", speculative decoding with the MTP layer" if spec else ""
+    seqs += f", state dumps {dump}"
     parts = Table("resident", [Column("part", align="left"), Column("bytes", "size", align="left")],
                   title=f"{args.geometry} under preset {preset.describe()}, context {preset.context}{seqs}")
     raw = args.output in ("csv", "json")
@@ -55,7 +62,7 @@ def run(args) -> int:
             for dtype, m in plan.attention_by_dtype.items():
                 parts.add(f"  attention {dtype}", m if raw else format_bytes(m))
         if name.startswith("prefill chunk") and plan.chunk_records_bytes:
-            parts.add("  of it the tokens' layer records (hidden and attention states, for the state dump)",
+            parts.add(f"  of it the tokens' records ({RECORD_WHAT[RECORDS_OF_DUMP[dump]]})",
                       plan.chunk_records_bytes if raw else format_bytes(plan.chunk_records_bytes))
     sizes = [("KV cache" if args.parallel == 1 else f"KV caches ({args.parallel} sequences)", plan.kv_bytes), ("expert cache (the preset's)", plan.cache_bytes),
              ("total", plan.total_bytes), ("RAM", ram_bytes),

@@ -61,12 +61,12 @@ def batched_chunk(prefill_chunk: int) -> int:
 @dataclass
 class _Request:
     """A member's rows waiting for the batcher: tokens at positions pos0, pos0 + 1, ...; the
-    records land in `out` (ids, weights, hidden, attn, logits; row-major views)."""
+    records land in `out` (the session's ChunkBuffers, from row 0)."""
 
     session: object
     token_ids: list[int]
     pos0: int
-    out: tuple
+    out: object
     should_stop: object = None
     prompt: bool = False         # a prompt chunk (else a decode token)
     asked_at: float = field(default_factory=time.monotonic)
@@ -166,8 +166,9 @@ class StepBatcher:
             self._thread.join(5)
 
     # -- a member's rows ---------------------------------------------------------------------------
-    def compute(self, session, token_ids: list[int], out: tuple, should_stop=None, prompt: bool = False) -> _Request:
-        """Hand the session's next rows to the batcher and wait for them (records into `out`);
+    def compute(self, session, token_ids: list[int], out, should_stop=None, prompt: bool = False) -> _Request:
+        """Hand the session's next rows to the batcher and wait for them (records into `out`, the
+        session's ChunkBuffers, rows from 0, kept as its kind: ChunkBuffers.put_row);
         prompt: they are a prompt chunk (Session.prefill), else a decode token."""
         req = _Request(session, list(token_ids), session.position, out, should_stop, prompt=prompt)
         with self._cond:
@@ -259,7 +260,7 @@ class StepBatcher:
         decode token, onto itself)."""
         s, b, i = req.session, req.session.buffers, req.done_rows
         forward_rows(s.source, [Segment([req.token_ids[i]], req.pos0 + i, s.kv)], b, None, beside)
-        _copy_row(req.out, i, b.ids[0], b.weights[0], b.hidden[0], b.attn[0], b.logits[0])
+        req.out.put_row(i, b.ids[0], b.weights[0], b.hidden[0], b.attn[0], b.logits[0])
         _add_times(req.costs, b.times)
         return {}
 
@@ -275,8 +276,8 @@ class StepBatcher:
                 errors[id(r)] = seg.error
             else:
                 for i in range(k):
-                    _copy_row(r.out, r.done_rows + i, buf.ids[row + i], buf.weights[row + i], buf.hidden[row + i],
-                              buf.attn[row + i], buf.logits[row + i])
+                    r.out.put_row(r.done_rows + i, buf.ids[row + i], buf.weights[row + i], buf.hidden[row + i],
+                                  buf.attn[row + i], buf.logits[row + i])
             _add_times(r.costs, buf.times * (k / n))
             row += k
         union = float(np.mean([len(np.unique(buf.ids[:n, layer])) for layer in range(buf.ids.shape[1])]))
@@ -340,11 +341,6 @@ class StepBatcher:
             return BatchFigures(self.parallel, self.rows, self.cap, self.cap_reason, len(self._members), self._steps,
                                 self._shared_steps, self._rows_total, rows, seqs, union, self._union_sum, self._rate,
                                 dict(sorted(self._step_s.items())))
-
-
-def _copy_row(out: tuple, i: int, ids, weights, hidden, attn, logits) -> None:
-    for dst, src in zip(out, (ids, weights, hidden, attn, logits)):
-        dst[i] = src
 
 
 def _add_times(costs: Costs, times) -> None:

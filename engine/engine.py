@@ -236,28 +236,29 @@ class Engine:
         """The checkpoint's fingerprint (engine.checkpoint.fingerprint): what a session state names."""
         return checkpoint_fingerprint(self.ckpt.path)
 
-    def fork(self, state: SessionState, prefill_chunk: int = 0) -> Session:
+    def fork(self, state: SessionState, prefill_chunk: int = 0, records: str = "full") -> Session:
         """A new session continuing from `state` (a snapshot of this engine's sessions, or one
         loaded from a file), on the expert cache as it is; the state itself is not changed, so
         several forks of one state go their own ways."""
         self.kernels.apply()
-        session = Session(self, prefill_chunk)
+        session = Session(self, prefill_chunk, records)
         session.restore(state)
         return session
 
-    def new_session(self, prefill_chunk: int = 0, cold: bool = True) -> Session:
+    def new_session(self, prefill_chunk: int = 0, cold: bool = True, records: str = "full") -> Session:
         """A session starting at position 0 with this engine's kernel settings and zeroed counters,
         on an emptied expert cache (cold) or on the experts the cache holds (warm);
-        prefill_chunk: prompt tokens per layer-major chunk (0: token by token only). While other
+        prefill_chunk: prompt tokens per layer-major chunk (0: token by token only); records: what
+        its prompt chunks keep per layer (model.records: full, compact, none). While other
         sessions step in the engine's batch, the cache and the counters are theirs too: the
         session starts on them as they are (see `sharing`)."""
         if self.sharing:          # the batch's cache, counters and kernels: nothing to wait for
-            return Session(self, prefill_chunk)
+            return Session(self, prefill_chunk, records)
         with self.compute_lock:
             if not self.sharing:
                 self.streamer.reset(cold)
                 self.kernels.apply()
-        return Session(self, prefill_chunk)
+        return Session(self, prefill_chunk, records)
 
     @property
     def sharing(self) -> bool:

@@ -10,8 +10,8 @@ or a cancel). With `hold_last` (the prefix cache) the last prompt token goes alo
 next token is the run's first draw), and the session's state is kept at each mark.
 
 A row goes to `emit(step, token, next_token, arrays, costs, seconds, prefill)`: the step's index,
-the token fed, the token picked after it, its arrays (.ids .weights .hidden .attn .logits, views of
-the session's buffers), its costs (engine.costs.Costs: a step's; a chunk's or a round's split over
+the token fed, the token picked after it, its arrays (.ids .weights .hidden .attn .logits, and .compact
+where a prompt chunk kept compact records: engine.session.Row; views of the session's buffers), its costs (engine.costs.Costs: a step's; a chunk's or a round's split over
 its rows) and its share of the time.
 """
 from __future__ import annotations

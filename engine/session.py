@@ -23,13 +23,16 @@ from ds4f.engine.session_state import SessionState, canonical, put_layers, take_
 
 @dataclass
 class Row:
-    """One row's record (views of the session's buffers: copy to keep)."""
+    """One row's record (views of the session's buffers: copy to keep). hidden and attn are there
+    with full records, compact with compact ones (model.records): a prompt chunk's rows hold the
+    kind its session was made for, a decode step's are full."""
 
     ids: np.ndarray          # int32 [n_layers, top_k]  selected experts, rank order
     weights: np.ndarray      # fp32 [n_layers, top_k]   their routing weights
-    hidden: np.ndarray       # fp32 [n_layers, width]   residual state after each layer (width: hc_mult x hidden)
-    attn: np.ndarray         # fp32 [n_layers, hidden]  each layer's attention output ([n_layers, 0]: MoE-only)
+    hidden: np.ndarray | None   # fp32 [n_layers, width]   residual state after each layer (width: hc_mult x hidden)
+    attn: np.ndarray | None     # fp32 [n_layers, hidden]  each layer's attention output ([n_layers, 0]: MoE-only)
     logits: np.ndarray       # fp32 [vocab]
+    compact: tuple | None = None   # (digest uint64 [n_layers], hidden_sketch, attn_sketch or None)
 
 
 @dataclass
@@ -43,27 +46,36 @@ class Step(Row):
 @dataclass
 class Rows:
     """Rows computed together (a prefill chunk, a token and its drafts): their records (views of
-    the session's buffers: copy to keep) and what they cost together."""
+    the session's buffers: copy to keep; hidden, attn, compact as in Row) and what they cost together."""
 
     ids: np.ndarray          # int32 [rows, n_layers, top_k]
     weights: np.ndarray      # fp32 [rows, n_layers, top_k]
-    hidden: np.ndarray       # fp32 [rows, n_layers, width]
-    attn: np.ndarray         # fp32 [rows, n_layers, hidden]
+    hidden: np.ndarray | None   # fp32 [rows, n_layers, width]
+    attn: np.ndarray | None     # fp32 [rows, n_layers, hidden]
     logits: np.ndarray       # fp32 [rows, vocab]
     costs: Costs
+    compact: tuple | None = None   # (digest [rows, n_layers], hidden_sketch, attn_sketch or None)
+
+    @classmethod
+    def of(cls, buf: ChunkBuffers, n: int, logits: np.ndarray, costs: Costs) -> "Rows":
+        """Rows 0..n-1 of `buf` (views)."""
+        return cls(logits=logits, costs=costs, **buf.record_views(n))
 
     def row(self, c: int) -> Row:
-        return Row(self.ids[c], self.weights[c], self.hidden[c], self.attn[c], self.logits[c])
+        pick = (lambda a: None if a is None else a[c])
+        compact = None if self.compact is None else tuple(pick(a) for a in self.compact)
+        return Row(self.ids[c], self.weights[c], pick(self.hidden), pick(self.attn), self.logits[c], compact)
 
 
 class Session:
-    def __init__(self, engine, prefill_chunk: int = 0) -> None:
+    def __init__(self, engine, prefill_chunk: int = 0, records: str = "full") -> None:
         self.engine = engine
         self.geometry = engine.geometry
         self.source = engine.streamer
         self.buffers = ChunkBuffers(self.geometry, 1)   # a decode token's row
         self.prefill_chunk = prefill_chunk   # prompt tokens per prefill chunk (0: token by token only)
-        self.chunk = ChunkBuffers(self.geometry, prefill_chunk) if prefill_chunk > 0 else None
+        # records: what a prompt chunk's rows keep per layer (model.records): full, compact, none
+        self.chunk = ChunkBuffers(self.geometry, prefill_chunk, records) if prefill_chunk > 0 else None
         self.position = 0          # tokens evaluated so far
         self.tokens: list[int] = []                 # the tokens evaluated, in order
         self._logits: np.ndarray | None = None      # the logits after the last one (a view of a buffer)
@@ -150,12 +162,12 @@ class Session:
         self._check_tokens([token_id])
         b = self.buffers
         if self.batcher is not None:
-            self._batched = self.batcher.compute(self, [token_id], (b.ids, b.weights, b.hidden, b.attn, b.logits))
+            self._batched = self.batcher.compute(self, [token_id], b)
         else:
             forward_rows(self.source, [Segment([token_id], self.position, self.kv)], b, None, beside)
         logits = b.logits[0]
         if self.drafter is not None:
-            self.drafter.observe(self.position, b.hidden[:1, -1], [token_id])
+            self.drafter.observe(self.position, b.last_states(1), [token_id])
         self.position += 1
         self.tokens.append(int(token_id))
         self._logits = logits
@@ -174,7 +186,8 @@ class Session:
         logits = self.eval(token_id)
         next_token = int(np.argmax(logits)) if pick is None else int(pick(logits))
         b = self.buffers
-        return Step(b.ids[0], b.weights[0], b.hidden[0], b.attn[0], logits, next_token, self._costs(before, b.times))
+        return Step(b.ids[0], b.weights[0], b.hidden[0], b.attn[0], logits, next_token=next_token,
+                    costs=self._costs(before, b.times))
 
     def prefill(self, token_ids: list[int], should_stop=None) -> Rows:
         """A chunk of prompt tokens through the model layer by layer (model.forward): the same
@@ -190,17 +203,16 @@ class Session:
         before = self._counters()
         b = self.chunk
         if self.batcher is not None:
-            out = (b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], b.logits[:n])
-            self._batched = self.batcher.compute(self, list(token_ids), out, should_stop, prompt=True)
+            self._batched = self.batcher.compute(self, list(token_ids), b, should_stop, prompt=True)
             logits = b.logits[:n]
         else:
             logits = prefill(self.source, list(token_ids), b, self.kv, self.position, should_stop, beside)
         if self.drafter is not None:
-            self.drafter.observe(self.position, b.hidden[:n, -1], list(token_ids))
+            self.drafter.observe(self.position, b.last_states(n), list(token_ids))
         self.position += n
         self.tokens += [int(t) for t in token_ids]
         self._logits = logits[n - 1]
-        return Rows(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, self._costs(before, b.times))
+        return Rows.of(b, n, logits, self._costs(before, b.times))
 
     def verify(self, token_ids: list[int]) -> Rows:
         """A token and the drafts after it as rows at this session's position, in one layer-major
@@ -220,7 +232,7 @@ class Session:
         self._journal = KVJournal(self.kv.layers, self.position, n)
         self._pending = [int(t) for t in token_ids]
         logits = prefill(self.source, list(token_ids), b, self.kv, self.position, None, beside)
-        return Rows(b.ids[:n], b.weights[:n], b.hidden[:n], b.attn[:n], logits, self._costs(before, b.times))
+        return Rows.of(b, n, logits, self._costs(before, b.times))
 
     def commit(self, keep: int) -> None:
         """The first `keep` rows of the last verify become the session's (1 <= keep <= its rows;
@@ -233,7 +245,7 @@ class Session:
         journal.rollback(keep)
         kept = self._pending[:keep]
         if self.drafter is not None:
-            self.drafter.observe(self.position, self._verify_buf.hidden[:keep, -1], kept)
+            self.drafter.observe(self.position, self._verify_buf.last_states(keep), kept)
         self.position += keep
         self.tokens += kept
         self._logits = self._verify_buf.logits[keep - 1]

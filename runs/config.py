@@ -20,6 +20,7 @@ from ds4f.engine.text.sampling import Sampler, SamplingParams
 from ds4f.engine.text.tokenizer import find_tokenizer
 from ds4f.paths import user_data_dir
 from ds4f.runs.budget import planned_bytes, runs_budget_for
+from ds4f.engine.model.records import RECORDS_OF_DUMP
 from ds4f.runs.plan import chunk_that_fits
 from ds4f.runs.statedump import RUN_STATE, NoDump, StateWriter, record_nbytes, report_path_for, sweep_run_dirs
 from ds4f.settings import DUMP_MODES, Settings
@@ -305,7 +306,7 @@ def settle(run, settings: Settings) -> None:
         chunk = chunk_that_fits(run.checkpoint.geometry, preset, int(psutil.virtual_memory().total),
                                 cfg.kv.ram_bytes if cfg.kv is not None else 0,
                                 run.engines.parallel if run.engines is not None else 1,
-                                config.spec != "off").prefill_chunk
+                                config.spec != "off", RECORDS_OF_DUMP[config.dump]).prefill_chunk
     if chunk and run.engines is not None and run.engines.parallel > 1:
         chunk = batched_chunk(chunk)      # a prompt in a batch goes in steps of a few rows
     run.prefill_chunk = min(chunk, len(prompt)) if len(prompt) > 1 else 0

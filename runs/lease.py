@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ds4f.engine.engine import Engine, EngineFigures
+from ds4f.engine.model.records import RECORDS_OF_DUMP
 from ds4f.engine.runtime.memory import release_freed_memory
 
 
@@ -33,7 +34,7 @@ class Lease:
         eng = self._load()
         sharing = eng.sharing
         self.cache_at_start = 0 if run.config.cold_start and not sharing else eng.cache.resident
-        session = eng.new_session(run.prefill_chunk, cold=run.config.cold_start)
+        session = eng.new_session(run.prefill_chunk, cold=run.config.cold_start, records=RECORDS_OF_DUMP[run.dump_mode])
         self.session = session
         if run.engines is not None and run.engines.parallel > 1:
             # its own kernels beside the others' (engine.batch: a step computes with one setting)

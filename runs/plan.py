@@ -50,6 +50,7 @@ class MemoryPlan:
     streamed_trunk_bytes_per_token: int = 0   # the unpinned layers' MoE trunk, read every token
     prefix_ram_bytes: int = 0            # memory_plan's: the prefix cache's RAM bound, counted in
     spec: bool = False                   # memory_plan's: with the MTP layer loaded
+    records: str = "full"                # memory_plan's: what a prompt chunk keeps per layer (model.records)
     auto_chunk: bool = False             # the preset's prefill_chunk is "auto" (preset holds the chunk chosen)
 
     @property
@@ -66,7 +67,8 @@ class MemoryPlan:
         of the plan (the preset's cache): each its KV cache and prompt chunk, and a row of the
         batched step, whose buffers grow with them; 1 when only one alone fits, 0 when none does."""
         def fits(n: int) -> bool:
-            return memory_plan(self.geometry, self.preset, self.ram_bytes, self.prefix_ram_bytes, n, self.spec).fits
+            return memory_plan(self.geometry, self.preset, self.ram_bytes, self.prefix_ram_bytes, n, self.spec,
+                               self.records).fits
 
         if not fits(2):                  # one alone takes a larger prompt chunk than batched ones
             return 1 if fits(1) else 0
@@ -82,15 +84,16 @@ class MemoryPlan:
 
 
 def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0,
-                parallel: int = 1, spec: bool = False) -> MemoryPlan:
+                parallel: int = 1, spec: bool = False, records: str = "full") -> MemoryPlan:
     """What the engine holds for geometry `g` under `preset` on a machine of `ram_bytes`, the
     prefix cache's RAM bound ([kv] ram) with it, for `parallel` sequences stepping together
     (engine.batch: each its KV cache and prompt chunk's records, and the batched step's buffers);
-    spec: with the MTP layer loaded for speculative decoding (mtp_nbytes). A prefill_chunk of
-    "auto" is planned as the chunk chunk_that_fits chooses (the plan's preset holds it)."""
+    spec: with the MTP layer loaded for speculative decoding (mtp_nbytes); records: what a prompt
+    chunk keeps per layer, by the runs' state dump (model.records: full, compact, none). A
+    prefill_chunk of "auto" is planned as the chunk chunk_that_fits chooses (the plan's preset holds it)."""
     auto = preset.prefill_chunk == AUTO_CHUNK
     if auto:
-        preset = chunk_that_fits(g, preset, ram_bytes, prefix_ram_bytes, parallel, spec)
+        preset = chunk_that_fits(g, preset, ram_bytes, prefix_ram_bytes, parallel, spec, records)
     slot, pool = expert_pool(g)
     regions = [moe_region_layout(g, layer)[1] for layer in range(g.n_layers)]
     pinned = preset.pinned_count(g.n_layers)
@@ -99,9 +102,9 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
                   for layer in range(pinned, g.n_layers))                           # pinned layers hold theirs
     att = attention_weight_bytes(g) if g.attention is not None else {}
     plan = MemoryPlan(g, preset, ram_bytes, pool_bytes=pool, parallel=parallel, prefix_ram_bytes=prefix_ram_bytes,
-                      spec=spec, auto_chunk=auto)
+                      spec=spec, records=records, auto_chunk=auto)
     chunk = batched_chunk(preset.prefill_chunk) if parallel > 1 and preset.prefill_chunk else preset.prefill_chunk
-    chunk_bytes = ChunkBuffers.nbytes_for(g, chunk) + transient_nbytes(g, chunk) if chunk else 0
+    chunk_bytes = ChunkBuffers.nbytes_for(g, chunk, records) + transient_nbytes(g, chunk) if chunk else 0
     plan.resident = {
         "globals (embed, head, final norm)": sum(t.nbytes for t in global_tensors(g) if not t.name.startswith("hc_")),
         "attention and hyper-connections": att.get("total", 0),
@@ -123,7 +126,7 @@ def memory_plan(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: i
         plan.resident["MTP layer (speculative decoding: its block, slots for its experts, buffers)"] = \
             mtp_nbytes(g, preset.context)
     plan.attention_by_dtype = {k: v for k, v in att.items() if k != "total" and v}
-    plan.chunk_records_bytes = parallel * ChunkBuffers.records_nbytes_for(g, chunk) if chunk else 0
+    plan.chunk_records_bytes = parallel * ChunkBuffers.records_nbytes_for(g, chunk, records) if chunk else 0
     one_kv = KVCache.nbytes_for(attention_shapes(g.attention, g.rms_norm_eps), preset.context) \
         if g.attention is not None else 0
     plan.kv_bytes = parallel * one_kv
@@ -143,7 +146,7 @@ def expert_pool(g: Geometry) -> tuple[int, int]:
 
 
 def chunk_that_fits(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0, parallel: int = 1,
-                    spec: bool = False) -> Preset:
+                    spec: bool = False, records: str = "full") -> Preset:
     """preset itself, or where its prefill_chunk is "auto" (AUTO_CHUNK) a copy with the largest of
     AUTO_CHUNKS whose memory plan fits the RAM with everything else the preset asks for (its
     expert cache as it is: the chunk takes what is left), the smallest when none does (its plan
@@ -156,7 +159,7 @@ def chunk_that_fits(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_byte
     reads = preset.pinned_count(g.n_layers) < g.n_layers or preset.cache_bytes(pool) // slot * slot < pool
     for chunk in AUTO_CHUNKS if reads else [c for c in AUTO_CHUNKS if c <= RESIDENT_CHUNK]:
         sized = replace(preset, prefill_chunk=chunk)
-        if memory_plan(g, sized, ram_bytes, prefix_ram_bytes, parallel, spec).fits:
+        if memory_plan(g, sized, ram_bytes, prefix_ram_bytes, parallel, spec, records).fits:
             return sized
     return replace(preset, prefill_chunk=AUTO_CHUNKS[-1])
 
@@ -175,11 +178,11 @@ def mtp_nbytes(g: Geometry, context: int) -> int:
 
 
 def fit_parallel(g: Geometry, preset: Preset, ram_bytes: int, prefix_ram_bytes: int = 0,
-                 most: int = DEFAULT_PARALLEL) -> int:
+                 most: int = DEFAULT_PARALLEL, records: str = "full") -> int:
     """The most sequences, up to `most`, whose memory plan fits the RAM (1 when none does: one
     sequence alone is the plan `ds4f plan` shows)."""
     for n in range(most, 1, -1):
-        if memory_plan(g, preset, ram_bytes, prefix_ram_bytes, n).fits:
+        if memory_plan(g, preset, ram_bytes, prefix_ram_bytes, n, records=records).fits:
             return n
     return 1
 

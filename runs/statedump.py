@@ -56,6 +56,8 @@ import numpy as np
 from ds4f.errors import Ds4fError
 from ds4f.safe_read import open_regular
 from ds4f.native.kernels import BACKENDS
+from ds4f.engine.model.records import (ATTN_DIRECTIONS, ATTN_SKETCH, HIDDEN_DIRECTIONS, HIDDEN_SKETCH,
+                                       layer_digests, sketch)
 
 try:
     import fcntl
@@ -71,10 +73,6 @@ BACKEND_CODES = {name: code for code, name in enumerate(BACKENDS)}   # a record'
 BACKEND_BY_CODE = dict(enumerate(BACKENDS))
 
 TOP_LOGITS = 8    # a record keeps the step's TOP_LOGITS largest logits and their token ids
-HIDDEN_DIRECTIONS = 4     # a compact record's fixed directions per layer state
-ATTN_DIRECTIONS = 1       # and per attention output
-HIDDEN_SKETCH = 2 + HIDDEN_DIRECTIONS   # max |x|, rms(x), then x on each direction
-ATTN_SKETCH = 2 + ATTN_DIRECTIONS
 
 
 def record_dtype(n_layers: int, top_k: int, width: int, attn_width: int = 0) -> np.dtype:
@@ -100,59 +98,6 @@ def compact_record_dtype(n_layers: int, top_k: int, n_experts: int, attention: b
         fields.append(("attn_sketch", "<f4", (n_layers, ATTN_SKETCH)))
     fields += [("top_ids", "<i4", (TOP_LOGITS,)), ("top_logits", "<f4", (TOP_LOGITS,))]
     return np.dtype(fields)
-
-
-_directions_cache: dict[tuple[int, int], np.ndarray] = {}
-
-
-def directions(width: int, n: int) -> np.ndarray:
-    """n fixed directions of `width` coordinates, each +-1/sqrt(width) (float64 [n, width]): the
-    signs from a splitmix64 of (direction, coordinate), so every ds4f and every machine has the
-    same ones."""
-    key = (width, n)
-    if key not in _directions_cache:
-        i = np.arange(width, dtype=np.uint64)
-        out = np.empty((n, width), np.float64)
-        with np.errstate(over="ignore"):
-            for j in range(n):
-                z = i + np.uint64(j + 1) * np.uint64(0x9E3779B97F4A7C15)
-                z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-                z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-                z ^= z >> np.uint64(31)
-                out[j] = 1.0 - 2.0 * (z & np.uint64(1)).astype(np.float64)
-        out /= np.sqrt(width)
-        _directions_cache[key] = out
-    return _directions_cache[key]
-
-
-def sketch(x: np.ndarray, n_directions: int) -> np.ndarray:
-    """Per row of x (fp32 [rows, width]): max |x|, rms(x), then x on each of the fixed directions;
-    float64 sums in numpy's fixed pairwise order (no BLAS: its order may change with the thread
-    count), rounded to fp32 [rows, 2 + n_directions]. A NaN or Inf in a row shows in its sketch."""
-    x64 = np.asarray(x, np.float64)
-    out = np.empty((x64.shape[0], 2 + n_directions), np.float64)
-    if x64.shape[1] == 0:
-        out[:] = 0.0
-        return out.astype(np.float32)
-    out[:, 0] = np.abs(x64).max(axis=1)
-    out[:, 1] = np.sqrt((x64 * x64).sum(axis=1) / x64.shape[1])
-    for j, d in enumerate(directions(x64.shape[1], n_directions)):
-        out[:, 2 + j] = (x64 * d).sum(axis=1)
-    return out.astype(np.float32)
-
-
-def layer_digests(hidden: np.ndarray, attn: np.ndarray | None) -> np.ndarray:
-    """Per layer, a 64-bit hash (blake2b) of its state's exact bits, then its attention output's:
-    uint64 [n_layers]. Equal digests: the same bits (but for a 2^-64 chance)."""
-    hidden = np.ascontiguousarray(hidden, np.float32)
-    attn = None if attn is None else np.ascontiguousarray(attn, np.float32)
-    out = np.empty(len(hidden), np.uint64)
-    for layer in range(len(hidden)):
-        h = hashlib.blake2b(hidden[layer].tobytes(), digest_size=8)
-        if attn is not None:
-            h.update(attn[layer].tobytes())
-        out[layer] = int.from_bytes(h.digest(), "little")
-    return out
 
 
 def fill_compact(rec, hidden: np.ndarray, attn: np.ndarray | None) -> None:
@@ -396,18 +341,28 @@ class StateWriter:
         self.nbytes += len(data)
 
     def write(self, token: int, next_token: int, backend: str, ids, weights, hidden, attn=None,
-              logits=None) -> None:
+              logits=None, compact=None) -> None:
         """One step: attn (each layer's attention output; whole-model dumps) and logits (the step's
-        fp32 [vocab], of which the record keeps the top TOP_LOGITS) are zeros when not given."""
+        fp32 [vocab], of which the record keeps the top TOP_LOGITS) are zeros when not given.
+        compact: the step's compact records made as it ran (model.records: digest, hidden_sketch,
+        attn_sketch), where the session kept no full ones (hidden None); a compact dump takes them
+        as they are, a full one cannot be written from them."""
         rec = self._rec[0]
         rec["token"], rec["next"], rec["backend"] = token, next_token, BACKEND_CODES[backend]
         rec["ids"], rec["weights"] = ids, weights
+        with_attn = "attn_sketch" in self.dtype.names
+        if hidden is None and (self.mode == "full" or compact is None):
+            raise Ds4fError(f"a {self.mode} state dump needs the step's layer records, which the session did"
+                            f" not keep", kind="internal")
         if self.mode == "full":
             rec["hidden"] = hidden
             if "attn" in self.dtype.names:
                 rec["attn"] = attn if attn is not None else 0.0
+        elif hidden is None:
+            rec["digest"], rec["hidden_sketch"] = compact[0], compact[1]
+            if with_attn:
+                rec["attn_sketch"] = compact[2]
         else:
-            with_attn = "attn_sketch" in self.dtype.names
             fill_compact(rec, hidden, (attn if attn is not None else self._no_attn) if with_attn else None)
         if logits is not None:
             rec["top_ids"], rec["top_logits"] = top_logits(logits)

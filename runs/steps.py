@@ -26,7 +26,8 @@ class Steps:
         """One step's record: into the state dump, the token log (its costs), on_token; the text
         it adds to the output when it picked a generated token."""
         kernels = session.kernels      # what computed the row (in a batch: its own, not the last step's)
-        writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits)
+        writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits,
+                     compact=rec.compact)
         generating = step >= self._prompt_tokens - 1
         text = self._output.take(next_token, last=step + 1 == self._n_steps) if generating else ""
         record = TokenRecord.of(costs, index=step, token_id=token, next_token_id=next_token, seconds=seconds,

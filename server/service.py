@@ -36,7 +36,8 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from ds4f import __version__
-from ds4f.api import (kv_directory_usage, DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, fit_parallel, format_bytes, memory_plan,
+from ds4f.api import (kv_directory_usage, DEFAULT_PARALLEL, LIVE_STATES, MAX_GEN, MAX_PARALLEL, RECORDS_OF_DUMP, fit_parallel,
+                      format_bytes, memory_plan,
                       open_checkpoint, MAX_THREADS, Ds4fError, EngineHost, GenerationDefaults,
                       History, RunConfig, active_run, available_backends, best_backend, checkpoint_summary, ensure_demo_model,
                       load_settings, report_file, runs_budget_for, user_data_dir)
@@ -209,9 +210,9 @@ class Service:
                 self.parallel_why = f"--spec {spec} drafts for one sequence at a time"
                 return 1
         if not asked:
-            return fit_parallel(g, preset, ram, prefix_ram, DEFAULT_PARALLEL)
+            return fit_parallel(g, preset, ram, prefix_ram, DEFAULT_PARALLEL, self._records)
         if asked > 1:
-            plan = memory_plan(g, preset, ram, prefix_ram, asked)
+            plan = memory_plan(g, preset, ram, prefix_ram, asked, records=self._records)
             if not plan.fits:
                 where = "--parallel" if self.options.parallel else f"{self.cfg.source}: server.parallel"
                 raise Ds4fError(f"{where} {asked}: {asked} sequences plan {format_bytes(plan.total_bytes)} with preset"
@@ -240,6 +241,12 @@ class Service:
     def context(self) -> int:
         """The positions a request's prompt and answer share: the preset's context."""
         return self.cfg.get_preset(self.preset).context
+
+    @property
+    def _records(self) -> str:
+        """What a request's prompt chunks keep per layer, by the requests' state dump (model.records):
+        what the memory plans of several sequences count."""
+        return RECORDS_OF_DUMP[self.options.dump or self.settings.dump.server]
 
     # -- the engine and its queue -----------------------------------------------------------------
     @property
@@ -627,7 +634,8 @@ class Service:
         preset = self.cfg.get_preset(name)
         if self.parallel > 1:
             prefix_ram = self.cfg.kv.ram_bytes if self.cfg.kv is not None else 0
-            plan = memory_plan(self._geometry, preset, int(psutil.virtual_memory().total), prefix_ram, self.parallel)
+            plan = memory_plan(self._geometry, preset, int(psutil.virtual_memory().total), prefix_ram, self.parallel,
+                               records=self._records)
             if not plan.fits:
                 raise bad("preset", f"{self.parallel} sequences plan {format_bytes(plan.total_bytes)} with preset "
                                     f"{name}, more than this machine's RAM less 2 GiB for the OS; at most "

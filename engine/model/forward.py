@@ -59,6 +59,7 @@ from ds4f.engine.model.attention import attention_parts
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
 from ds4f.engine.model.moe import shared_expert, sum_outputs
+from ds4f.engine.model.records import RECORD_KINDS, CompactLayers
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores, row_scores
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights
@@ -162,12 +163,18 @@ def attention_blocks(parts: list, n: int) -> list[tuple[int, int, list]]:
 
 
 class ChunkBuffers:
-    """A chunk's working memory and its tokens' records, allocated once per session."""
+    """A chunk's working memory and its tokens' records, allocated once per session. records (see
+    model.records): "full" keeps each layer's state and attention output (hidden, attn), "compact"
+    their digests and sketches (compact), "none" neither; every kind keeps the routing (ids,
+    weights) and the last layer's state (last_states)."""
 
-    def __init__(self, g: Geometry, chunk: int) -> None:
+    def __init__(self, g: Geometry, chunk: int, records: str = "full") -> None:
+        if records not in RECORD_KINDS:
+            raise ValueError(f"records: one of {RECORD_KINDS}, got {records!r}")
         att = g.attention
         streams = att.hc_mult if att is not None else 1
         self.chunk = chunk
+        self.records = records
         self.streams = np.empty((chunk, streams, g.hidden), np.float32)  # each token's residual streams X
         self.xs = np.empty((chunk, g.hidden), np.float32)        # each token's normed MoE input
         self.ys = np.empty((chunk, g.top_k, g.hidden), np.float32)  # each token's routed outputs, by rank
@@ -187,18 +194,63 @@ class ChunkBuffers:
         # the tokens' records (the state dump's)
         self.ids = np.empty((chunk, g.n_layers, g.top_k), np.int32)
         self.weights = np.empty((chunk, g.n_layers, g.top_k), np.float32)
-        self.hidden = np.empty((chunk, g.n_layers, streams * g.hidden), np.float32)
-        self.attn = np.zeros((chunk, g.n_layers, g.hidden if att is not None else 0), np.float32)
+        full = records == "full"
+        self.hidden = np.empty((chunk, g.n_layers, streams * g.hidden), np.float32) if full else None
+        self.attn = np.zeros((chunk, g.n_layers, g.hidden if att is not None else 0), np.float32) if full else None
+        self.compact = CompactLayers(chunk, g.n_layers, att is not None) if records == "compact" else None
+        # without full records: the layer's attention outputs, and the last layer's states
+        self.attn_layer = None if full else np.zeros((chunk, g.hidden if att is not None else 0), np.float32)
+        self.last = None if full else np.empty((chunk, streams * g.hidden), np.float32)
         self.logits = np.empty((chunk, g.vocab), np.float32)
         self.times = np.zeros(3, np.float64)       # attention, MoE (reads waited for included), head
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        arrays = list(vars(self).values()) + (list(vars(self.compact).values()) if self.compact else [])
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+
+    def attn_out(self, layer: int) -> np.ndarray:
+        """Where the rows' attention outputs at `layer` go (fp32 [chunk, hidden])."""
+        return self.attn[:, layer] if self.attn is not None else self.attn_layer
+
+    def keep_layer(self, layer: int, X: np.ndarray, n: int, last: bool) -> None:
+        """Rows 0..n-1 are done with `layer` (X: their states fp32 [n, width], their attention
+        outputs in attn_out(layer)): its records kept; `last`: the model's last layer."""
+        if self.hidden is not None:
+            self.hidden[:n, layer] = X
+            return
+        if self.compact is not None:
+            attn = self.attn_layer[:n] if self.compact.attn_sketch is not None else None
+            self.compact.keep_layer(layer, X, attn, n)
+        if last:
+            self.last[:n] = X
+
+    def last_states(self, n: int) -> np.ndarray:
+        """Rows 0..n-1's states after the last layer (fp32 [n, width])."""
+        return self.hidden[:n, -1] if self.hidden is not None else self.last[:n]
+
+    def put_row(self, i: int, ids, weights, hidden, attn, logits) -> None:
+        """Row i from a full record computed elsewhere (a batched step's): routing, states
+        [n_layers, width], attention outputs [n_layers, hidden], logits; kept as this buffer's kind."""
+        self.ids[i], self.weights[i], self.logits[i] = ids, weights, logits
+        if self.hidden is not None:
+            self.hidden[i], self.attn[i] = hidden, attn
+            return
+        if self.compact is not None:
+            self.compact.keep_row(i, hidden, attn)
+        self.last[i] = hidden[-1]
+
+    def record_views(self, n: int) -> dict:
+        """Rows 0..n-1's records (views): ids, weights, hidden and attn (None unless full), compact
+        ((digest, hidden_sketch, attn_sketch) when compact, else None)."""
+        return {"ids": self.ids[:n], "weights": self.weights[:n],
+                "hidden": None if self.hidden is None else self.hidden[:n],
+                "attn": None if self.attn is None else self.attn[:n],
+                "compact": None if self.compact is None else self.compact.rows(n)}
 
     @staticmethod
-    def nbytes_for(g: Geometry, chunk: int) -> int:
-        """What ChunkBuffers(g, chunk) holds, without allocating it (the memory plan counts it)."""
+    def nbytes_for(g: Geometry, chunk: int, records: str = "full") -> int:
+        """What ChunkBuffers(g, chunk, records) holds, without allocating it (the memory plan counts it)."""
         att = g.attention
         streams = att.hc_mult if att is not None else 1
         per_token = 4 * (streams * g.hidden + 3 * g.hidden + g.top_k * g.hidden + g.vocab
@@ -206,15 +258,21 @@ class ChunkBuffers:
         fixed = 8 * g.hidden + 3 * 8
         scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
                    + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
-        return chunk * per_token + ChunkBuffers.records_nbytes_for(g, chunk) + fixed + scratch
+        return chunk * per_token + ChunkBuffers.records_nbytes_for(g, chunk, records) + fixed + scratch
 
     @staticmethod
-    def records_nbytes_for(g: Geometry, chunk: int) -> int:
-        """Of nbytes_for, the tokens' layer records (ids, weights, hidden, attn): 3.4 MiB a token on
-        DeepSeek-V4-Flash, most of a prompt chunk's memory."""
+    def records_nbytes_for(g: Geometry, chunk: int, records: str = "full") -> int:
+        """Of nbytes_for, the tokens' records: routing, and per layer (full) the states and attention
+        outputs, 3.4 MiB a token on DeepSeek-V4-Flash, or (compact) their digests and sketches, 1.9
+        KiB; without full ones, the last layer's states and a layer's attention outputs."""
         att = g.attention
         streams = att.hc_mult if att is not None else 1
-        return 4 * chunk * g.n_layers * (2 * g.top_k + streams * g.hidden + (g.hidden if att else 0))
+        attn = g.hidden if att else 0
+        routing = 4 * chunk * g.n_layers * 2 * g.top_k
+        if records == "full":
+            return routing + 4 * chunk * g.n_layers * (streams * g.hidden + attn)
+        compact = CompactLayers.nbytes_for(chunk, g.n_layers, att is not None) if records == "compact" else 0
+        return routing + compact + 4 * chunk * (streams * g.hidden + attn)
 
 
 def transient_nbytes(g: Geometry, chunk: int) -> int:
@@ -304,8 +362,9 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
         if att is not None:                        # projections together, each cache token after token
             la = source.attention(layer)
             parts = [(s.kv.layers[layer], s.pos0, len(s.token_ids)) for s in segments]
+            attn_out = buf.attn_out(layer)
             for a, b, block in attention_blocks(parts, n):
-                buf.attn[a:b, layer] = attention_sublayer(
+                attn_out[a:b] = attention_sublayer(
                     la, X[a:b], block, g, layer, token_ids[a:b], buf.h64, beside,
                     lambda c, err, a=a: bad(a + c, err) if _live(segments, owner, a + c) else None,
                     name=layer_label(source, layer))
@@ -320,7 +379,7 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
             hc_post_rows(X, Y, post, comb, beside)
         else:
             X[:, 0] += Y
-        buf.hidden[:n, layer] = X.reshape(n, -1)
+        buf.keep_layer(layer, X.reshape(n, -1), n, layer == g.n_layers - 1)
         source.finish_chunk_layer(layer)
         t2 = perf_counter()
         times[ATTENTION] += t1 - t0

@@ -263,10 +263,12 @@ def test_the_cap_is_the_largest_batch_that_paid(ratios_model):
     assert b.cap == 1 and "a step of 2 sequences" in b.cap_reason
 
 
-def test_prompt_chunks_split_across_steps_are_what_they_are_alone(ratios_model, tmp_path):
+@pytest.mark.parametrize("dump", ["full", "compact"])
+def test_prompt_chunks_split_across_steps_are_what_they_are_alone(ratios_model, tmp_path, dump):
     """Steps of few rows (a preset's prefill chunk of 4: 2 decode rows and 4 prompt rows a step):
     prompt chunks of 5 go in parts, a part of one row alone, streamed as a token; every
-    sequence's dump is its alone one."""
+    sequence's dump is its alone one. A compact dump's prompt rows are kept compact as each
+    layer ends alone, and from the batched step's full rows in a batch: the same records."""
     config = tmp_path / "ds4f.toml"
     config.write_text('[engine]\nprobe_floor = false\npreset = "small"\n\n'
                       f'[history]\npath = "{tmp_path / "h.sqlite3"}"\n\n'
@@ -275,7 +277,7 @@ def test_prompt_chunks_split_across_steps_are_what_they_are_alone(ratios_model, 
 
     def cfg(i, prompt, name):
         return _config(ratios_model, tmp_path / f"{name}{i}.bin", prompt, 6, BACKENDS[-1], config_path=str(config),
-                       preset="small")
+                       preset="small", dump=dump)
 
     alone = [_done(start_run(cfg(i, p, "alone"))) for i, p in enumerate(prompts)]
     host = EngineHost(parallel=2)

@@ -198,7 +198,44 @@ def test_the_memory_plan_counts_the_chunk_buffers_a_session_allocates(geometry):
 
     g = get_geometry(geometry)
     for n in (1, 7, 64) if geometry != "flash" else (2,):
-        assert ChunkBuffers(g, n).nbytes == ChunkBuffers.nbytes_for(g, n)
+        for records in ("full", "compact", "none"):
+            assert ChunkBuffers(g, n, records).nbytes == ChunkBuffers.nbytes_for(g, n, records), records
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "tiny_moe_only"])
+def test_a_compact_dump_made_layer_by_layer_is_the_full_runs_compact_records(request, which, tmp_path):
+    """A run with a compact dump keeps its prompt chunks' records compact as each layer ends (the
+    chunk never holds the layers' states); what it writes is, byte for byte, the compact records
+    of a full run's dump (each digest a blake2b of that layer's exact bits: checked here with
+    hashlib on the full record). Without a dump the run's tokens are the same."""
+    import hashlib
+
+    from ds4f.runs.statedump import compact_records
+
+    model = request.getfixturevalue(which)
+    kw = {"moe_only": True} if which == "tiny_moe_only" else {}
+    full = _run(model, tmp_path, "full", 4, dump="full", **kw)
+    compact = _run(model, tmp_path, "compact", 4, dump="compact", **kw)
+    off = _run(model, tmp_path, "off", 4, dump="off", **kw)
+    sf, sc = read_state(full.dump_path), read_state(compact.dump_path)
+    assert sc.mode == "compact" and len(sc.records) == len(PROMPT) + 4 - 1     # a step per token fed
+    assert compact_records(sf.records, sf.header["geometry"]).tobytes() == sc.records.tobytes()
+    c, layer = 6, 1                                       # a prompt token of the second chunk
+    rec = sf.records[c]
+    h = hashlib.blake2b(rec["hidden"][layer].tobytes(), digest_size=8)
+    if "attn" in sf.records.dtype.names:
+        h.update(rec["attn"][layer].tobytes())
+    assert int(sc.records[c]["digest"][layer]) == int.from_bytes(h.digest(), "little")
+    assert off.generated_ids == full.generated_ids and len(full.generated_ids) == 4
+    # the session's prompt chunk held the records of its kind: 4 tokens' layer states and
+    # attention outputs less (full), with their digests and sketches or without (compact, off)
+    from ds4f.engine.model.forward import ChunkBuffers
+
+    g = open_checkpoint(model).geometry
+    nbytes = {r.config.dump: r._lease.session_nbytes for r in (full, compact, off)}
+    for dump, records in (("compact", "compact"), ("off", "none")):
+        assert nbytes["full"] - nbytes[dump] == \
+            ChunkBuffers.records_nbytes_for(g, 4, "full") - ChunkBuffers.records_nbytes_for(g, 4, records)
 
 
 def test_the_moe_only_model_prefills_to_the_same_dump(tiny_moe_only, tmp_path):

@@ -212,11 +212,15 @@ def test_a_run_under_an_auto_chunk_takes_its_prompt_in_one_chunk(tiny_model, tmp
     assert len(runs[0].report["generated"]) == 4 and runs[0].report["generated"] == runs[1].report["generated"]
 
 
-def test_the_plan_shows_each_part_under_its_row_and_the_chunks_records():
+@pytest.mark.parametrize("dump", ["full", "compact", "off"])
+def test_the_plan_shows_each_part_under_its_row_and_the_chunks_records(dump):
     """The attention's dtypes sit under the attention's row, and under the prompt chunk's row the
-    share its tokens' layer records take: per token and layer the state after the layer (hc_mult x
-    hidden floats), the attention output (hidden floats) and the top_k ids and weights."""
-    out = _cli("--geometry", "flash", "--ram", "24GiB", "-o", "csv")
+    share its tokens' records take, by the runs' state dump: per token the routing (top_k ids and
+    weights a layer) and, with a full dump, per layer the state after it (hc_mult x hidden floats)
+    and the attention output (hidden floats); with a compact one per layer a digest (8 bytes) and
+    sketches (6 + 3 floats), and the last layer's state and one layer's attention output, as
+    without a dump. Without full records a larger chunk fits the same RAM."""
+    out = _cli("--geometry", "flash", "--ram", "24GiB", "--dump", dump, "-o", "csv")
     assert out.returncode == 0, out.stderr
     rows = [line.rsplit(",", 1) for line in out.stdout.splitlines()[2:] if line.strip()]
     names = [name.strip('"') for name, _ in rows]
@@ -224,9 +228,12 @@ def test_the_plan_shows_each_part_under_its_row_and_the_chunks_records():
     assert all(n.startswith("  attention ") for n in names[att + 1:att + 5]) and not names[att + 5].startswith("  ")
     chunk_row = next(i for i, n in enumerate(names) if n.startswith("prefill chunk ("))
     chunk = int(names[chunk_row].split("(")[1].split()[0])
-    assert names[chunk_row + 1].startswith("  of it the tokens' layer records")
+    assert names[chunk_row + 1].startswith("  of it the tokens' records")
     g = GEOMETRIES["flash"]
-    per_token_layer = 4 * (g.attention.hc_mult * g.hidden + g.hidden) + 4 * 2 * g.top_k
+    width, routing = g.attention.hc_mult * g.hidden, 4 * 2 * g.top_k * g.n_layers
+    per_token = {"full": routing + 4 * g.n_layers * (width + g.hidden),
+                 "compact": routing + g.n_layers * (8 + 4 * 6 + 4 * 3) + 4 * (width + g.hidden),
+                 "off": routing + 4 * (width + g.hidden)}[dump]
     records = int(rows[chunk_row + 1][1])
-    assert records == chunk * g.n_layers * per_token_layer
-    assert records < int(rows[chunk_row][1])
+    assert records == chunk * per_token and records < int(rows[chunk_row][1])
+    assert (chunk > 512) == (dump != "full")      # 24 GiB: full records leave room for 512 tokens, the others for more
