@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ds4f.engine.model.forward import Stopped
 from ds4f.engine.speculative import finish_round, plain_step, speculate
 
@@ -89,9 +87,7 @@ class Generation:
             seconds = time.perf_counter() - t0
             for c, costs in enumerate(res.costs.split(n)):
                 generating = step == len(prompt) - 1
-                logits = res.logits[c]
-                next_token = int(sampler.sample(logits)) if generating and sampler is not None \
-                    else int(np.argmax(logits))
+                next_token = res.next_token(c, sampler.sample if generating and sampler is not None else None)
                 self.emit(step, part[c], next_token, res.row(c), costs, seconds / n, True)
                 step += 1
                 token = prompt[step] if step < len(prompt) else next_token

@@ -31,8 +31,9 @@ class Row:
     weights: np.ndarray      # fp32 [n_layers, top_k]   their routing weights
     hidden: np.ndarray | None   # fp32 [n_layers, width]   residual state after each layer (width: hc_mult x hidden)
     attn: np.ndarray | None     # fp32 [n_layers, hidden]  each layer's attention output ([n_layers, 0]: MoE-only)
-    logits: np.ndarray       # fp32 [vocab]
+    logits: np.ndarray | None   # fp32 [vocab] (None: a prompt row of a chunk without full records)
     compact: tuple | None = None   # (digest uint64 [n_layers], hidden_sketch, attn_sketch or None)
+    top: tuple | None = None       # (ids, values) [TOP_LOGITS]: its top logits, where logits is None
 
 
 @dataclass
@@ -52,19 +53,37 @@ class Rows:
     weights: np.ndarray      # fp32 [rows, n_layers, top_k]
     hidden: np.ndarray | None   # fp32 [rows, n_layers, width]
     attn: np.ndarray | None     # fp32 [rows, n_layers, hidden]
-    logits: np.ndarray       # fp32 [rows, vocab]
+    logits: np.ndarray | None   # fp32 [rows, vocab]; None without full records (picks, top, last)
+    last: np.ndarray         # fp32 [vocab]: the last row's logits
     costs: Costs
     compact: tuple | None = None   # (digest [rows, n_layers], hidden_sketch, attn_sketch or None)
+    top: tuple | None = None       # (ids, values) [rows, TOP_LOGITS]: compact records' top logits
+    picks: np.ndarray | None = None   # int64 [rows]: each row's greedy pick, without full records
 
     @classmethod
-    def of(cls, buf: ChunkBuffers, n: int, logits: np.ndarray, costs: Costs) -> "Rows":
-        """Rows 0..n-1 of `buf` (views)."""
-        return cls(logits=logits, costs=costs, **buf.record_views(n))
+    def of(cls, buf: ChunkBuffers, n: int, costs: Costs) -> "Rows":
+        """Rows 0..n-1 of `buf` after a step of n rows (views)."""
+        views = buf.record_views(n)
+        head = buf.head_rows(n)
+        return cls(logits=head if views["picks"] is None else None, last=head[-1], costs=costs, **views)
 
     def row(self, c: int) -> Row:
         pick = (lambda a: None if a is None else a[c])
         compact = None if self.compact is None else tuple(pick(a) for a in self.compact)
-        return Row(self.ids[c], self.weights[c], pick(self.hidden), pick(self.attn), self.logits[c], compact)
+        top = None if self.top is None else (self.top[0][c], self.top[1][c])
+        return Row(self.ids[c], self.weights[c], pick(self.hidden), pick(self.attn), pick(self.logits), compact, top)
+
+    def next_token(self, c: int, pick=None) -> int:
+        """The token after row c: pick(its logits) (a sampler's draw), else the greedy one. Without
+        full records only the last row's logits are there to draw from."""
+        if self.logits is not None:
+            return int(np.argmax(self.logits[c])) if pick is None else int(pick(self.logits[c]))
+        if pick is None:
+            return int(self.picks[c])
+        if c != len(self.ids) - 1:
+            raise Ds4fError(f"a draw for row {c} of {len(self.ids)}: only the last row's logits are kept",
+                            kind="internal")
+        return int(pick(self.last))
 
 
 class Session:
@@ -204,15 +223,15 @@ class Session:
         b = self.chunk
         if self.batcher is not None:
             self._batched = self.batcher.compute(self, list(token_ids), b, should_stop, prompt=True)
-            logits = b.logits[:n]
         else:
-            logits = prefill(self.source, list(token_ids), b, self.kv, self.position, should_stop, beside)
+            prefill(self.source, list(token_ids), b, self.kv, self.position, should_stop, beside)
         if self.drafter is not None:
             self.drafter.observe(self.position, b.last_states(n), list(token_ids))
         self.position += n
         self.tokens += [int(t) for t in token_ids]
-        self._logits = logits[n - 1]
-        return Rows.of(b, n, logits, self._costs(before, b.times))
+        rows = Rows.of(b, n, self._costs(before, b.times))
+        self._logits = rows.last
+        return rows
 
     def verify(self, token_ids: list[int]) -> Rows:
         """A token and the drafts after it as rows at this session's position, in one layer-major
@@ -231,8 +250,8 @@ class Session:
         before = self._counters()
         self._journal = KVJournal(self.kv.layers, self.position, n)
         self._pending = [int(t) for t in token_ids]
-        logits = prefill(self.source, list(token_ids), b, self.kv, self.position, None, beside)
-        return Rows.of(b, n, logits, self._costs(before, b.times))
+        prefill(self.source, list(token_ids), b, self.kv, self.position, None, beside)
+        return Rows.of(b, n, self._costs(before, b.times))
 
     def commit(self, keep: int) -> None:
         """The first `keep` rows of the last verify become the session's (1 <= keep <= its rows;

@@ -56,8 +56,8 @@ import numpy as np
 from ds4f.errors import Ds4fError
 from ds4f.safe_read import open_regular
 from ds4f.native.kernels import BACKENDS
-from ds4f.engine.model.records import (ATTN_DIRECTIONS, ATTN_SKETCH, HIDDEN_DIRECTIONS, HIDDEN_SKETCH,
-                                       layer_digests, sketch)
+from ds4f.engine.model.records import (ATTN_DIRECTIONS, ATTN_SKETCH, HIDDEN_DIRECTIONS, HIDDEN_SKETCH, TOP_LOGITS,
+                                       layer_digests, sketch, top_logits)
 
 try:
     import fcntl
@@ -72,7 +72,6 @@ DUMP_MODES = ("full", "compact", "off")    # what a run writes: full or compact 
 BACKEND_CODES = {name: code for code, name in enumerate(BACKENDS)}   # a record's backend: the C enum's number
 BACKEND_BY_CODE = dict(enumerate(BACKENDS))
 
-TOP_LOGITS = 8    # a record keeps the step's TOP_LOGITS largest logits and their token ids
 
 
 def record_dtype(n_layers: int, top_k: int, width: int, attn_width: int = 0) -> np.dtype:
@@ -124,17 +123,6 @@ def compact_records(records: np.ndarray, g: dict) -> np.ndarray:
     for i, r in enumerate(records):
         fill_compact(out[i], r["hidden"], r["attn"] if with_attn else None)
     return out
-
-
-def top_logits(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The TOP_LOGITS largest logits, largest first, equal values by lower token id: (ids, values)."""
-    k = min(TOP_LOGITS, len(logits))
-    part = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
-    order = np.lexsort((part, -logits[part]))
-    ids = np.full(TOP_LOGITS, -1, np.int32)
-    values = np.full(TOP_LOGITS, -np.inf, np.float32)
-    ids[:k], values[:k] = part[order], logits[part[order]]
-    return ids, values
 
 
 PARTIAL = ".partial"
@@ -341,9 +329,10 @@ class StateWriter:
         self.nbytes += len(data)
 
     def write(self, token: int, next_token: int, backend: str, ids, weights, hidden, attn=None,
-              logits=None, compact=None) -> None:
+              logits=None, compact=None, top=None) -> None:
         """One step: attn (each layer's attention output; whole-model dumps) and logits (the step's
-        fp32 [vocab], of which the record keeps the top TOP_LOGITS) are zeros when not given.
+        fp32 [vocab], of which the record keeps the top TOP_LOGITS, or those alone: `top`, (ids,
+        values) as model.records.top_logits gives them) are zeros when not given.
         compact: the step's compact records made as it ran (model.records: digest, hidden_sketch,
         attn_sketch), where the session kept no full ones (hidden None); a compact dump takes them
         as they are, a full one cannot be written from them."""
@@ -366,6 +355,8 @@ class StateWriter:
             fill_compact(rec, hidden, (attn if attn is not None else self._no_attn) if with_attn else None)
         if logits is not None:
             rec["top_ids"], rec["top_logits"] = top_logits(logits)
+        elif top is not None:
+            rec["top_ids"], rec["top_logits"] = top
         else:
             rec["top_ids"], rec["top_logits"] = -1, 0.0
         self._write(self._rec.tobytes())

@@ -27,7 +27,7 @@ class Steps:
         it adds to the output when it picked a generated token."""
         kernels = session.kernels      # what computed the row (in a batch: its own, not the last step's)
         writer.write(token, next_token, kernels.backend, rec.ids, rec.weights, rec.hidden, rec.attn, rec.logits,
-                     compact=rec.compact)
+                     compact=rec.compact, top=rec.top)
         generating = step >= self._prompt_tokens - 1
         text = self._output.take(next_token, last=step + 1 == self._n_steps) if generating else ""
         record = TokenRecord.of(costs, index=step, token_id=token, next_token_id=next_token, seconds=seconds,

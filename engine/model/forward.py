@@ -59,7 +59,7 @@ from ds4f.engine.model.attention import attention_parts
 from ds4f.engine.model.geometry import Geometry
 from ds4f.engine.model.hyper import HC_BLOCK, hc_head, hc_post_rows, hc_pre_rows
 from ds4f.engine.model.moe import shared_expert, sum_outputs
-from ds4f.engine.model.records import RECORD_KINDS, CompactLayers
+from ds4f.engine.model.records import RECORD_KINDS, TOP_LOGITS, CompactLayers, top_logits
 from ds4f.engine.model.ops import rms_norm
 from ds4f.engine.model.router import route, router_scores, row_scores
 from ds4f.engine.model.weights import GlobalWeights, LayerAttention, RouterWeights
@@ -145,6 +145,7 @@ def attention_sublayer(la: LayerAttention, X: np.ndarray, parts: list, g: Geomet
 
 
 ATTENTION_ROWS = 256   # rows of one sequence the attention sublayer takes at a time
+HEAD_ROWS = 64         # rows the head takes at a time into a chunk's logits, without full records
 
 
 def attention_blocks(parts: list, n: int) -> list[tuple[int, int, list]]:
@@ -201,7 +202,14 @@ class ChunkBuffers:
         # without full records: the layer's attention outputs, and the last layer's states
         self.attn_layer = None if full else np.zeros((chunk, g.hidden if att is not None else 0), np.float32)
         self.last = None if full else np.empty((chunk, streams * g.hidden), np.float32)
-        self.logits = np.empty((chunk, g.vocab), np.float32)
+        # the logits: every row's with full records; else the head's rows a block at a time, each
+        # row's greedy pick and (compact) top logits kept, and the last row's whole (head_rows)
+        self.logits = np.empty((chunk if full else min(chunk, HEAD_ROWS), g.vocab), np.float32)
+        self.picks = None if full else np.empty(chunk, np.int64)
+        top = records == "compact"
+        self.top_ids = np.empty((chunk, TOP_LOGITS), np.int32) if top else None
+        self.top_values = np.empty((chunk, TOP_LOGITS), np.float32) if top else None
+        self.last_logits = None if full else np.empty(g.vocab, np.float32)
         self.times = np.zeros(3, np.float64)       # attention, MoE (reads waited for included), head
 
     @property
@@ -229,36 +237,60 @@ class ChunkBuffers:
         """Rows 0..n-1's states after the last layer (fp32 [n, width])."""
         return self.hidden[:n, -1] if self.hidden is not None else self.last[:n]
 
+    def keep_logits(self, c: int, logits: np.ndarray, last: bool) -> None:
+        """Without full records: row c's logits (fp32 [vocab]) as its greedy pick and (compact) its
+        top logits; `last`: the step's last row, whose logits are kept whole."""
+        self.picks[c] = np.argmax(logits)
+        if self.top_ids is not None:
+            self.top_ids[c], self.top_values[c] = top_logits(logits)
+        if last:
+            self.last_logits[:] = logits
+
     def put_row(self, i: int, ids, weights, hidden, attn, logits) -> None:
         """Row i from a full record computed elsewhere (a batched step's): routing, states
-        [n_layers, width], attention outputs [n_layers, hidden], logits; kept as this buffer's kind."""
-        self.ids[i], self.weights[i], self.logits[i] = ids, weights, logits
+        [n_layers, width], attention outputs [n_layers, hidden], logits; kept as this buffer's kind
+        (without full records, rows are put in order: each is the last so far)."""
+        self.ids[i], self.weights[i] = ids, weights
         if self.hidden is not None:
-            self.hidden[i], self.attn[i] = hidden, attn
+            self.hidden[i], self.attn[i], self.logits[i] = hidden, attn, logits
             return
         if self.compact is not None:
             self.compact.keep_row(i, hidden, attn)
         self.last[i] = hidden[-1]
+        self.keep_logits(i, logits, last=True)
+
+    def head_rows(self, n: int) -> np.ndarray:
+        """The logits of rows 0..n-1 (fp32 [n, vocab]) with full records; else the last row's alone
+        ([1, vocab]: the step's row n-1)."""
+        return self.logits[:n] if self.picks is None else self.last_logits[None]
 
     def record_views(self, n: int) -> dict:
         """Rows 0..n-1's records (views): ids, weights, hidden and attn (None unless full), compact
-        ((digest, hidden_sketch, attn_sketch) when compact, else None)."""
+        ((digest, hidden_sketch, attn_sketch) when compact, else None), top ((ids, values) [n,
+        TOP_LOGITS] when compact, else None), picks (each row's greedy pick without full records)."""
         return {"ids": self.ids[:n], "weights": self.weights[:n],
                 "hidden": None if self.hidden is None else self.hidden[:n],
                 "attn": None if self.attn is None else self.attn[:n],
-                "compact": None if self.compact is None else self.compact.rows(n)}
+                "compact": None if self.compact is None else self.compact.rows(n),
+                "top": None if self.top_ids is None else (self.top_ids[:n], self.top_values[:n]),
+                "picks": None if self.picks is None else self.picks[:n]}
 
     @staticmethod
     def nbytes_for(g: Geometry, chunk: int, records: str = "full") -> int:
         """What ChunkBuffers(g, chunk, records) holds, without allocating it (the memory plan counts it)."""
         att = g.attention
         streams = att.hc_mult if att is not None else 1
-        per_token = 4 * (streams * g.hidden + 3 * g.hidden + g.top_k * g.hidden + g.vocab
+        per_token = 4 * (streams * g.hidden + 3 * g.hidden + g.top_k * g.hidden
                          + g.top_k * g.hidden + 3 * g.shared_inter + g.hidden + g.n_experts)
         fixed = 8 * g.hidden + 3 * 8
         scratch = (kernels.experts_tokens_scratch(chunk * g.top_k, g.hidden, g.inter).nbytes
                    + kernels.matmul_scratch(chunk, max(g.hidden, g.shared_inter)).nbytes)
-        return chunk * per_token + ChunkBuffers.records_nbytes_for(g, chunk, records) + fixed + scratch
+        if records == "full":
+            logits = 4 * chunk * g.vocab
+        else:        # a block of the head's rows, the last row's, the picks and (compact) the top logits
+            logits = 4 * (min(chunk, HEAD_ROWS) + 1) * g.vocab + 8 * chunk \
+                + (chunk * TOP_LOGITS * 8 if records == "compact" else 0)
+        return chunk * per_token + logits + ChunkBuffers.records_nbytes_for(g, chunk, records) + fixed + scratch
 
     @staticmethod
     def records_nbytes_for(g: Geometry, chunk: int, records: str = "full") -> int:
@@ -323,8 +355,9 @@ def prefill(source: WeightSource, token_ids: list[int], buf: ChunkBuffers, kv, p
 
 def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffers, should_stop=None,
                  beside=None, isolate: bool = False, streams: np.ndarray | None = None) -> np.ndarray:
-    """The step's logits (fp32 [rows, vocab], buf.logits' rows, the segments' rows in order);
-    buf.ids / weights / hidden / attn hold each row's record. should_stop: asked before each
+    """The step's logits (buf.head_rows: fp32 [rows, vocab], buf.logits' rows, the segments' rows in
+    order; without full records the last row's alone, [1, vocab], and each row's pick and top logits
+    in buf); buf.ids / weights / hidden / attn (or their compact records) hold each row's record. should_stop: asked before each
     layer (a step of the real model takes minutes); True raises Stopped. beside: where the
     hyper-connections and the attention's output projection may run half their rows beside this
     thread (runtime.helper_thread).
@@ -388,15 +421,20 @@ def forward_rows(source: WeightSource, segments: list[Segment], buf: ChunkBuffer
     for c in range(n):
         h = hc_head(X[c], source.globals.hc_head, eps, att.hc_eps) if att is not None else X[c, 0]
         rms_norm(h, source.globals.final_norm, eps, buf.finals[c], buf.h64)
-    logits = kernels.matmul(source.globals.head_native, buf.finals[:n], buf.logits[:n], buf.mm_scratch)
+    rows = n if buf.picks is None else len(buf.logits)    # the head's rows at a time: all, or a block's
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        logits = kernels.matmul(source.globals.head_native, buf.finals[a:b], buf.logits[:b - a], buf.mm_scratch)
+        for c in range(a, b):
+            if _live(segments, owner, c):
+                try:
+                    check_logits(logits[c - a], token_ids[c])
+                except Ds4fError as err:
+                    bad(c, err)
+            if buf.picks is not None:
+                buf.keep_logits(c, logits[c - a], last=c == n - 1)
     times[HEAD] += perf_counter() - t0
-    for c in range(n):
-        if _live(segments, owner, c):
-            try:
-                check_logits(logits[c], token_ids[c])
-            except Ds4fError as err:
-                bad(c, err)
-    return logits
+    return buf.head_rows(n)
 
 
 def _moe(source: WeightSource, layer: int, H: np.ndarray, token_ids: list[int], buf: ChunkBuffers, check,

@@ -134,6 +134,11 @@ def test_sampling_after_a_prefill_is_the_same(tiny_model, tmp_path):
     b = _run(tiny_model, tmp_path, "chunk", 4, text="The cache keeps hot experts near the disk.", prompt=None,
              sampling=params, gen=6, stop_at_eos=False)
     assert a.dump_path.read_bytes() == b.dump_path.read_bytes() and a.output_text == b.output_text
+    # a chunk without full records keeps only its last row's logits: the draw after the prompt is the same
+    for dump in ("compact", "off"):
+        c = _run(tiny_model, tmp_path, f"chunk-{dump}", 4, text="The cache keeps hot experts near the disk.",
+                 prompt=None, sampling=params, gen=6, stop_at_eos=False, dump=dump)
+        assert c.output_text == a.output_text and c.generated_ids == a.generated_ids
 
 
 def test_prefill_past_the_context_and_bad_chunks_are_refused(tiny_model, tmp_path):
@@ -227,15 +232,14 @@ def test_a_compact_dump_made_layer_by_layer_is_the_full_runs_compact_records(req
         h.update(rec["attn"][layer].tobytes())
     assert int(sc.records[c]["digest"][layer]) == int.from_bytes(h.digest(), "little")
     assert off.generated_ids == full.generated_ids and len(full.generated_ids) == 4
-    # the session's prompt chunk held the records of its kind: 4 tokens' layer states and
-    # attention outputs less (full), with their digests and sketches or without (compact, off)
+    # the session's prompt chunk was of its run's kind: without the 4 tokens' layer states,
+    # attention outputs and logits, with their digests, sketches and top logits (compact) or not (off)
     from ds4f.engine.model.forward import ChunkBuffers
 
     g = open_checkpoint(model).geometry
     nbytes = {r.config.dump: r._lease.session_nbytes for r in (full, compact, off)}
     for dump, records in (("compact", "compact"), ("off", "none")):
-        assert nbytes["full"] - nbytes[dump] == \
-            ChunkBuffers.records_nbytes_for(g, 4, "full") - ChunkBuffers.records_nbytes_for(g, 4, records)
+        assert nbytes["full"] - nbytes[dump] == ChunkBuffers.nbytes_for(g, 4, "full") - ChunkBuffers.nbytes_for(g, 4, records)
 
 
 def test_the_moe_only_model_prefills_to_the_same_dump(tiny_moe_only, tmp_path):
