@@ -260,7 +260,7 @@ class StepBatcher:
         decode token, onto itself)."""
         s, b, i = req.session, req.session.buffers, req.done_rows
         forward_rows(s.source, [Segment([req.token_ids[i]], req.pos0 + i, s.kv)], b, None, beside)
-        req.out.put_row(i, b.ids[0], b.weights[0], b.hidden[0], b.attn[0], b.logits[0])
+        req.out.put_row(i, b.ids[0], b.weights[0], b.hidden[0], b.attn[0], b.logits[0], i == len(req.token_ids) - 1)
         _add_times(req.costs, b.times)
         return {}
 
@@ -276,8 +276,9 @@ class StepBatcher:
                 errors[id(r)] = seg.error
             else:
                 for i in range(k):
-                    r.out.put_row(r.done_rows + i, buf.ids[row + i], buf.weights[row + i], buf.hidden[row + i],
-                                  buf.attn[row + i], buf.logits[row + i])
+                    j = r.done_rows + i
+                    r.out.put_row(j, buf.ids[row + i], buf.weights[row + i], buf.hidden[row + i], buf.attn[row + i],
+                                  buf.logits[row + i], j == len(r.token_ids) - 1)
             _add_times(r.costs, buf.times * (k / n))
             row += k
         union = float(np.mean([len(np.unique(buf.ids[:n, layer])) for layer in range(buf.ids.shape[1])]))

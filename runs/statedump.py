@@ -56,8 +56,8 @@ import numpy as np
 from ds4f.errors import Ds4fError
 from ds4f.safe_read import open_regular
 from ds4f.native.kernels import BACKENDS
-from ds4f.engine.model.records import (ATTN_DIRECTIONS, ATTN_SKETCH, HIDDEN_DIRECTIONS, HIDDEN_SKETCH, TOP_LOGITS,
-                                       layer_digests, sketch, top_logits)
+from ds4f.engine.model.records import ATTN_SKETCH, HIDDEN_SKETCH, TOP_LOGITS, compact_of, top_logits
+from ds4f.engine.model.records import sketch  # noqa: F401  (named here too: a compact record's sketch)
 
 try:
     import fcntl
@@ -103,10 +103,10 @@ def fill_compact(rec, hidden: np.ndarray, attn: np.ndarray | None) -> None:
     """A compact record's digest and sketches from a step's layer states (fp32 [n_layers, width])
     and attention outputs (fp32 [n_layers, hidden_size]; None: a MoE-only model)."""
     with_attn = "attn_sketch" in rec.dtype.names
-    rec["digest"] = layer_digests(hidden, attn if with_attn else None)
-    rec["hidden_sketch"] = sketch(hidden, HIDDEN_DIRECTIONS)
+    digest, hidden_sketch, attn_sketch = compact_of(hidden, attn if with_attn else None)
+    rec["digest"], rec["hidden_sketch"] = digest, hidden_sketch
     if with_attn:
-        rec["attn_sketch"] = sketch(attn, ATTN_DIRECTIONS)
+        rec["attn_sketch"] = attn_sketch
 
 
 def compact_records(records: np.ndarray, g: dict) -> np.ndarray:

@@ -246,10 +246,10 @@ class ChunkBuffers:
         if last:
             self.last_logits[:] = logits
 
-    def put_row(self, i: int, ids, weights, hidden, attn, logits) -> None:
+    def put_row(self, i: int, ids, weights, hidden, attn, logits, last: bool) -> None:
         """Row i from a full record computed elsewhere (a batched step's): routing, states
         [n_layers, width], attention outputs [n_layers, hidden], logits; kept as this buffer's kind
-        (without full records, rows are put in order: each is the last so far)."""
+        (`last`: the rows' last, whose logits a buffer without full records keeps whole)."""
         self.ids[i], self.weights[i] = ids, weights
         if self.hidden is not None:
             self.hidden[i], self.attn[i], self.logits[i] = hidden, attn, logits
@@ -257,7 +257,7 @@ class ChunkBuffers:
         if self.compact is not None:
             self.compact.keep_row(i, hidden, attn)
         self.last[i] = hidden[-1]
-        self.keep_logits(i, logits, last=True)
+        self.keep_logits(i, logits, last)
 
     def head_rows(self, n: int) -> np.ndarray:
         """The logits of rows 0..n-1 (fp32 [n, vocab]) with full records; else the last row's alone

@@ -100,6 +100,14 @@ def top_logits(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids, values
 
 
+def compact_of(hidden: np.ndarray, attn: np.ndarray | None) -> tuple:
+    """One token's compact record from its full one (hidden fp32 [n_layers, width], attn fp32
+    [n_layers, hidden]; None: a MoE-only model): (digest uint64 [n_layers], hidden_sketch fp32
+    [n_layers, HIDDEN_SKETCH], attn_sketch fp32 [n_layers, ATTN_SKETCH] or None)."""
+    return (layer_digests(hidden, attn), sketch(hidden, HIDDEN_DIRECTIONS),
+            None if attn is None else sketch(attn, ATTN_DIRECTIONS))
+
+
 class CompactLayers:
     """The compact records of a buffer's rows: digest uint64 [rows, n_layers], hidden_sketch fp32
     [rows, n_layers, HIDDEN_SKETCH], attn_sketch fp32 [rows, n_layers, ATTN_SKETCH] (None: a
@@ -127,10 +135,10 @@ class CompactLayers:
 
     def keep_row(self, i: int, hidden: np.ndarray, attn: np.ndarray | None) -> None:
         """Row i from its full record (hidden fp32 [n_layers, width], attn [n_layers, hidden])."""
-        self.digest[i] = layer_digests(hidden, attn if self.attn_sketch is not None else None)
-        self.hidden_sketch[i] = sketch(hidden, HIDDEN_DIRECTIONS)
-        if self.attn_sketch is not None:
-            self.attn_sketch[i] = sketch(attn, ATTN_DIRECTIONS)
+        digest, hidden_sketch, attn_sketch = compact_of(hidden, attn if self.attn_sketch is not None else None)
+        self.digest[i], self.hidden_sketch[i] = digest, hidden_sketch
+        if attn_sketch is not None:
+            self.attn_sketch[i] = attn_sketch
 
     def rows(self, n: int) -> tuple:
         """(digest, hidden_sketch, attn_sketch) of rows 0..n-1 (views)."""
